@@ -1,0 +1,87 @@
+"""The one place that imports llama-cpp-python's raw bindings.
+
+Initialises the llama.cpp backend once per process and routes llama.cpp's log through
+Python's ``logging`` (logger ``localspec.llama``). By default only warnings and errors pass;
+``LOCALSPEC_LLAMA_LOG=debug|info|warn|error|none`` changes that. The most recent error lines
+are kept so that a failed model load can say *why* it failed.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import os
+import threading
+
+import llama_cpp as _lib  # raw ctypes bindings (llama_cpp.llama_cpp re-exported)
+
+lib = _lib
+log = logging.getLogger("localspec.llama")
+
+# ggml_log_level: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5
+_LEVELS = {"debug": 1, "info": 2, "warn": 3, "warning": 3, "error": 4, "none": 99}
+_PY_LEVEL = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+
+_init_lock = threading.Lock()
+_initialised = False
+_recent_errors: collections.deque[str] = collections.deque(maxlen=16)
+_last_level = 2
+_min_level = _LEVELS.get(os.environ.get("LOCALSPEC_LLAMA_LOG", "error").lower(), 4)
+
+
+def _on_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+    global _last_level
+    if level == 5:  # GGML_LOG_LEVEL_CONT continues the previous line
+        level = _last_level
+    _last_level = level
+    try:
+        msg = text.decode("utf-8", errors="replace").rstrip("\n")
+    except Exception:  # pragma: no cover - never let a log line raise into C
+        return
+    if level >= 4 and msg:
+        _recent_errors.append(msg)
+    if level >= _min_level and msg:
+        log.log(_PY_LEVEL.get(level, logging.INFO), "%s", msg)
+
+
+_log_callback = lib.llama_log_callback(_on_log)  # keep a reference: C holds the pointer
+
+
+def ensure_backend() -> None:
+    """Initialise llama.cpp once (idempotent, thread-safe) and install the log hook."""
+    global _initialised
+    if _initialised:
+        return
+    with _init_lock:
+        if _initialised:
+            return
+        lib.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        lib.llama_backend_init()
+        _initialised = True
+
+
+def recent_errors(clear: bool = True) -> list[str]:
+    """Error lines llama.cpp logged since the last call (newest last)."""
+    out = list(_recent_errors)
+    if clear:
+        _recent_errors.clear()
+    return out
+
+
+def set_log_level(name: str) -> None:
+    """Set the lowest llama.cpp log level passed to Python logging ('debug' ... 'none')."""
+    global _min_level
+    _min_level = _LEVELS[name.lower()]
+
+
+def system_info() -> str:
+    """llama.cpp's build/system summary (CPU features, GPU backends)."""
+    ensure_backend()
+    return lib.llama_print_system_info().decode("utf-8", errors="replace")
+
+
+def supports_gpu_offload() -> bool:
+    """True when this llama.cpp build has a GPU backend (CUDA, Metal, Vulkan, ...)."""
+    ensure_backend()
+    return bool(lib.llama_supports_gpu_offload())

@@ -1,0 +1,225 @@
+"""``Context``: an owned llama.cpp inference context (KV cache + compute graph).
+
+Owns one ``llama_context *``. Exposes ``decode``, the logits of the last decode as a numpy
+view (no copy), the KV memory operations, threads and the abort flag. The defaults are the
+ones speculative decoding needs: a unified KV buffer across sequences (token trees are
+multi-sequence batches over a shared prefix) and a full-size sliding-window cache (so a
+rollback never needs cells that a window cache already dropped).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+
+from ..errors import ContextOverflowError, DecodeError, ModelLoadError
+from ._llama import lib, recent_errors
+from .batch import Batch
+from .model import Model
+
+
+def default_threads() -> int:
+    """Threads for llama.cpp: the CPUs this process may run on, at most 16."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS / Windows
+        n = os.cpu_count() or 4
+    return max(1, min(n, 16))
+
+
+class Context:
+    """A llama.cpp context over a ``Model``.
+
+    Args:
+        model: the loaded model (must outlive the context).
+        n_ctx: KV cache size in tokens (llama.cpp rounds it up to a multiple of 256).
+        n_batch: most tokens one ``decode`` call may take (prefill chunk size).
+        n_ubatch: physical micro-batch (defaults to ``n_batch``).
+        n_seq_max: sequence ids available; token trees need one per leaf plus seq 0.
+        n_threads / n_threads_batch: CPU threads for single-token and batched decodes.
+        swa_full: full-size sliding-window cache. Keep it on: with a window-sized cache a
+            rollback past the window silently loses cells (see docs/architecture.md).
+        kv_unified: one KV buffer shared by all sequences (required for token trees).
+        embeddings: also extract embeddings.
+        cb_eval: optional ``ggml_backend_sched_eval_callback`` (e.g. EAGLE-3 features).
+        ctx_other: another context to share tensors with (EAGLE-3 draft heads).
+
+    Raises:
+        ModelLoadError: llama.cpp could not create the context (e.g. out of memory).
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        n_ctx: int = 4096,
+        n_batch: int = 512,
+        n_ubatch: int | None = None,
+        n_seq_max: int = 1,
+        n_threads: int | None = None,
+        n_threads_batch: int | None = None,
+        swa_full: bool = True,
+        kv_unified: bool = True,
+        embeddings: bool = False,
+        flash_attn: bool | None = None,
+        cb_eval=None,
+        cb_eval_user_data=None,
+        ctx_other: "Context | None" = None,
+    ) -> None:
+        self._ctx = None
+        self.model = model
+        params = lib.llama_context_default_params()
+        params.n_ctx = int(n_ctx)
+        params.n_batch = int(n_batch)
+        params.n_ubatch = int(n_ubatch or n_batch)
+        params.n_seq_max = int(n_seq_max)
+        self.n_threads = int(n_threads or default_threads())
+        self.n_threads_batch = int(n_threads_batch or self.n_threads)
+        params.n_threads = self.n_threads
+        params.n_threads_batch = self.n_threads_batch
+        params.swa_full = bool(swa_full)
+        params.kv_unified = bool(kv_unified)
+        params.embeddings = bool(embeddings)
+        if flash_attn is not None:
+            params.flash_attn_type = 1 if flash_attn else 0
+        self._cb_eval = cb_eval  # keep the ctypes callback alive as long as the context
+        if cb_eval is not None:
+            params.cb_eval = cb_eval
+            params.cb_eval_user_data = cb_eval_user_data
+        if ctx_other is not None:
+            params.ctx_other = ctx_other.handle
+        self._abort = threading.Event()
+        self._abort_cb = lib.ggml_abort_callback(lambda _data: self._abort.is_set())
+        params.abort_callback = self._abort_cb
+        params.abort_callback_data = None
+        recent_errors(clear=True)
+        ctx = lib.llama_init_from_model(model.handle, params)
+        if not ctx:
+            why = "; ".join(recent_errors()) or "no reason logged"
+            raise ModelLoadError(f"llama.cpp could not create a context (n_ctx={n_ctx}): {why}")
+        self._ctx = ctx
+        self.mem = lib.llama_get_memory(ctx)
+        self.n_ctx: int = lib.llama_n_ctx(ctx)
+        self.n_batch: int = lib.llama_n_batch(ctx)
+        self.n_seq_max: int = lib.llama_n_seq_max(ctx)
+        self.n_vocab: int = model.n_vocab
+        self.swa_full = bool(swa_full)
+        self.n_outputs = 0  # rows of logits produced by the last decode
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    @property
+    def handle(self):
+        if self._ctx is None:
+            raise DecodeError("context is closed")
+        return self._ctx
+
+    def close(self) -> None:
+        if self._ctx is not None:
+            lib.llama_free(self._ctx)
+            self._ctx = None
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- compute ------------------------------------------------------------------------------
+
+    def decode(self, batch: Batch) -> None:
+        """Run ``llama_decode`` on ``batch``.
+
+        Raises:
+            ContextOverflowError: no KV slot (the context is full).
+            DecodeError: aborted (see ``request_abort``), invalid batch or fatal error. After
+                an abort or fatal error some micro-batches may remain in the cache: callers
+                roll back to their own committed length (the engine does).
+        """
+        n_out = int(batch.output[: batch.n_tokens].sum())
+        rc = lib.llama_decode(self.handle, batch.struct)
+        if rc != 0:
+            self.n_outputs = 0
+            if rc == 1:
+                raise ContextOverflowError(
+                    f"no KV slot for {batch.n_tokens} tokens (n_ctx={self.n_ctx}); "
+                    "use a larger --n-ctx or a shorter prompt"
+                )
+            if rc == 2:
+                self._abort.clear()
+                raise DecodeError("decode aborted")
+            why = "; ".join(recent_errors()) or f"llama_decode returned {rc}"
+            raise DecodeError(f"decode failed: {why}")
+        self.n_outputs = n_out
+
+    def logits(self) -> np.ndarray:
+        """Logits of the last decode: ``[n_outputs, n_vocab] float32``, a view (no copy).
+
+        Rows follow the batch order of the tokens that asked for output. The view is only
+        valid until the next ``decode``.
+        """
+        if self.n_outputs == 0:
+            return np.zeros((0, self.n_vocab), dtype=np.float32)
+        ptr = lib.llama_get_logits(self.handle)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_outputs, self.n_vocab))
+
+    def embeddings_ith(self, i: int, n_embd: int) -> np.ndarray:
+        """Embedding row of output ``i`` of the last decode: ``[n_embd] float32`` view."""
+        ptr = lib.llama_get_embeddings_ith(self.handle, i)
+        if not ptr:
+            raise DecodeError(f"no embeddings for output {i}")
+        return np.ctypeslib.as_array(ptr, shape=(n_embd,))
+
+    def request_abort(self) -> None:
+        """Make the running (or next) ``decode`` stop early and raise ``DecodeError``."""
+        self._abort.set()
+
+    def clear_abort(self) -> None:
+        self._abort.clear()
+
+    def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
+        self.n_threads = int(n_threads)
+        self.n_threads_batch = int(n_threads_batch or n_threads)
+        lib.llama_set_n_threads(self.handle, self.n_threads, self.n_threads_batch)
+
+    # -- KV memory ----------------------------------------------------------------------------
+    # Return values of these llama.cpp calls prove nothing (seq_rm returns true even when a
+    # window cache has dropped cells): callers check pos_min / pos_max afterwards.
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """Remove cells of ``seq_id`` (``-1`` = all sequences) with ``p0 <= pos < p1``."""
+        return bool(lib.llama_memory_seq_rm(self.mem, seq_id, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Add ``dst`` to every cell of ``src`` with ``p0 <= pos < p1`` (no data copy)."""
+        lib.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+
+    def seq_keep(self, seq_id: int) -> None:
+        """Drop every cell not in ``seq_id`` and every other sequence id from the rest."""
+        lib.llama_memory_seq_keep(self.mem, seq_id)
+
+    def pos_min(self, seq_id: int) -> int:
+        """Smallest position held for ``seq_id`` (-1 when it holds none)."""
+        return int(lib.llama_memory_seq_pos_min(self.mem, seq_id))
+
+    def pos_max(self, seq_id: int) -> int:
+        """Largest position held for ``seq_id`` (-1 when it holds none)."""
+        return int(lib.llama_memory_seq_pos_max(self.mem, seq_id))
+
+    def clear(self) -> None:
+        """Empty the whole KV cache."""
+        lib.llama_memory_clear(self.mem, True)
+
+    def synchronize(self) -> None:
+        lib.llama_synchronize(self.handle)
+
+
+__all__ = ["Context", "default_threads"]

@@ -1,0 +1,244 @@
+"""``Model``: an owned llama.cpp model (weights + vocabulary).
+
+Owns one ``llama_model *``; ``close()`` (or the context manager) frees it. Tokenisation,
+detokenisation and special tokens all come from llama.cpp's vocabulary: no tokenizer of our
+own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ModelLoadError
+from ._llama import ensure_backend, lib, recent_errors
+
+GGUF_MAGIC = b"GGUF"
+
+# llama_token_attr bits (llama.h)
+TOKEN_ATTR_UNUSED = 1 << 1
+TOKEN_ATTR_CONTROL = 1 << 3
+
+
+def check_gguf_file(path: str | os.PathLike) -> Path:
+    """Check that ``path`` exists and starts with the GGUF magic.
+
+    Returns the path as a ``Path``. Raises ``ModelLoadError`` with an actionable message.
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelLoadError(f"model file not found: {p} (give the path of a .gguf file)")
+    if p.is_dir():
+        raise ModelLoadError(f"{p} is a directory; give the path of a .gguf file")
+    try:
+        with p.open("rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read {p}: {e}") from e
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(
+            f"{p} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); "
+            "convert the model with llama.cpp's convert_hf_to_gguf.py or download a .gguf"
+        )
+    return p
+
+
+class Model:
+    """A GGUF model loaded by llama.cpp.
+
+    Args:
+        path: path of a ``.gguf`` file.
+        n_gpu_layers: layers to offload to the GPU (``-1`` = all). Ignored by CPU-only builds
+            of llama.cpp; on CUDA / Metal builds it moves the weights to the device.
+        use_mmap: map the file instead of reading it.
+        vocab_only: load only the vocabulary (fast; for tokenisation and compatibility checks).
+
+    Raises:
+        ModelLoadError: the file is missing, not GGUF, truncated/corrupt, or of an architecture
+            this llama.cpp does not know. The message includes llama.cpp's own error lines.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        n_gpu_layers: int = 0,
+        use_mmap: bool = True,
+        vocab_only: bool = False,
+    ) -> None:
+        self._model = None
+        self.path = check_gguf_file(path)
+        ensure_backend()
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = int(n_gpu_layers) if n_gpu_layers >= 0 else 0x7FFFFFFF
+        params.use_mmap = bool(use_mmap)
+        params.vocab_only = bool(vocab_only)
+        recent_errors(clear=True)
+        model = lib.llama_model_load_from_file(str(self.path).encode("utf-8"), params)
+        if not model:
+            why = "; ".join(recent_errors()) or "no reason logged"
+            raise ModelLoadError(
+                f"llama.cpp could not load {self.path}: {why}. The file may be truncated or "
+                "corrupt (re-download it), or its architecture may be newer than the llama.cpp "
+                f"in llama-cpp-python {lib.__version__}."
+            )
+        self._model = model
+        self.vocab = lib.llama_model_get_vocab(model)
+        self.n_gpu_layers = n_gpu_layers
+        self.vocab_only = vocab_only
+        self.n_vocab: int = lib.llama_vocab_n_tokens(self.vocab)
+        self.n_embd: int = lib.llama_model_n_embd(model)
+        self.n_layer: int = lib.llama_model_n_layer(model)
+        self.n_ctx_train: int = lib.llama_model_n_ctx_train(model)
+        self.n_swa: int = lib.llama_model_n_swa(model)
+        self.bos: int = lib.llama_vocab_bos(self.vocab)
+        self.eos: int = lib.llama_vocab_eos(self.vocab)
+        self.eot: int = lib.llama_vocab_eot(self.vocab)
+        self.add_bos: bool = bool(lib.llama_vocab_get_add_bos(self.vocab))
+        self._piece_buf = ctypes.create_string_buffer(256)
+        self._pieces: dict[int, bytes] = {}  # token (or ~token for special=True) -> piece bytes
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    @property
+    def handle(self):
+        """The raw ``llama_model *`` (valid until ``close()``)."""
+        if self._model is None:
+            raise ModelLoadError("model is closed")
+        return self._model
+
+    def close(self) -> None:
+        """Free the model. Contexts made from it must be closed first."""
+        if self._model is not None:
+            lib.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- metadata -----------------------------------------------------------------------------
+
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as a string, or None when the key is absent."""
+        buf = ctypes.create_string_buffer(4096)
+        n = lib.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            lib.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    @property
+    def architecture(self) -> str:
+        return self.meta("general.architecture") or "unknown"
+
+    def describe(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        lib.llama_model_desc(self.handle, buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    @property
+    def size_bytes(self) -> int:
+        return int(lib.llama_model_size(self.handle))
+
+    def chat_template(self, name: str | None = None) -> str | None:
+        """The model's own chat template (Jinja source) or None when the GGUF has none.
+
+        Never falls back to another family's template (llama.cpp's template applier would
+        silently use ChatML, which is wrong for e.g. Gemma).
+        """
+        ptr = lib.llama_model_chat_template(self.handle, name.encode() if name else None)
+        return ptr.decode("utf-8", errors="replace") if ptr else None
+
+    def fim_tokens(self) -> dict[str, int]:
+        """Fill-in-the-middle token ids reported by llama.cpp; absent ones are omitted."""
+        out = {}
+        for name in ("pre", "suf", "mid", "pad", "rep", "sep"):
+            tok = getattr(lib, f"llama_vocab_fim_{name}")(self.vocab)
+            if tok >= 0:
+                out[name] = int(tok)
+        return out
+
+    # -- vocabulary ---------------------------------------------------------------------------
+
+    def tokenize(self, text: str | bytes, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Text -> token ids with llama.cpp's tokenizer.
+
+        ``add_special`` adds BOS (and EOS) where the model asks for it; ``parse_special``
+        turns special-token text such as ``<start_of_turn>`` into its id.
+        """
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        n_max = len(data) + 16
+        buf = (lib.llama_token * n_max)()
+        n = lib.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
+        if n < 0:
+            n_max = -n
+            buf = (lib.llama_token * n_max)()
+            n = lib.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int, *, special: bool = False) -> bytes:
+        """The raw bytes of one token's piece (may be part of a UTF-8 character)."""
+        return self._piece(int(token), bool(special))
+
+    def _piece(self, token: int, special: bool) -> bytes:
+        key = token if not special else ~token
+        piece = self._pieces.get(key)
+        if piece is None:
+            buf = self._piece_buf
+            n = lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+            piece = buf.raw[:n]
+            self._pieces[key] = piece
+        return piece
+
+    def detokenize(self, tokens, *, special: bool = False) -> str:
+        """Token ids -> text (pieces concatenated, invalid UTF-8 replaced)."""
+        return b"".join(self._piece(int(t), special) for t in tokens).decode("utf-8", errors="replace")
+
+    def token_text(self, token: int) -> str:
+        """The vocabulary's stored text of a token (as in the GGUF, e.g. '▁the')."""
+        ptr = lib.llama_vocab_get_text(self.vocab, int(token))
+        return ptr.decode("utf-8", errors="replace") if ptr else ""
+
+    def token_attr(self, token: int) -> int:
+        return int(lib.llama_vocab_get_attr(self.vocab, int(token)))
+
+    def is_eog(self, token: int) -> bool:
+        """True for every end-of-generation token (EOS, EOT, <end_of_turn>, ...)."""
+        return bool(lib.llama_vocab_is_eog(self.vocab, int(token)))
+
+    @functools.cached_property
+    def eog_ids(self) -> frozenset[int]:
+        """All end-of-generation ids of the vocabulary (scanned once)."""
+        is_eog = lib.llama_vocab_is_eog
+        v = self.vocab
+        return frozenset(t for t in range(self.n_vocab) if is_eog(v, t))
+
+    @functools.cached_property
+    def suppress_tokens(self) -> np.ndarray:
+        """Token ids the model asks never to sample (GGUF ``tokenizer.ggml.suppress_tokens``)."""
+        n = ctypes.c_int32(0)
+        ptr = lib.llama_vocab_get_suppress_tokens(self.vocab, ctypes.byref(n))
+        if not ptr or n.value <= 0:
+            return np.zeros(0, dtype=np.int32)
+        return np.ctypeslib.as_array(ptr, shape=(n.value,)).astype(np.int32)
+
+    def __repr__(self) -> str:
+        return f"Model({str(self.path)!r}, {self.describe() if self._model else 'closed'})"

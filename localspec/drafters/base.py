@@ -1,0 +1,42 @@
+"""The drafter protocol.
+
+A drafter proposes a token tree below the last emitted token; the engine verifies it and
+tells the drafter what was emitted. Like llama.cpp's ``common_speculative`` a drafter is an
+object with ``begin / propose / accept``; ``observe`` feeds it the verification outcome so it
+can calibrate the acceptance estimates it puts in ``TokenTree.score``.
+
+Contract:
+    * ``begin(history)`` is called once per request with every token before the first
+      generated one; ``history[-1]`` is the root of the first tree.
+    * ``propose(max_depth, max_nodes)`` returns a ``TokenTree`` whose root is the last
+      history token, with at most ``max_nodes`` nodes (root included) and depth at most
+      ``max_depth``. A root-only tree means "nothing to draft": the step is a plain decode.
+      ``score`` of each node estimates P(the target accepts the path down to it); scores
+      never increase down a path.
+    * ``accept(tokens)`` appends the tokens emitted by a step (accepted drafts and the final
+      recovered/bonus token) to the history.
+    * ``observe(tree, result)`` reports how the proposed tree was verified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from ..tree import TokenSource, TokenTree
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    name: str
+    source: TokenSource
+
+    def begin(self, history: Sequence[int]) -> None: ...
+
+    def propose(self, max_depth: int, max_nodes: int) -> TokenTree: ...
+
+    def accept(self, tokens: Sequence[int]) -> None: ...
+
+    def observe(self, tree: TokenTree, result) -> None: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,484 @@
+"""The engine: prefill -> (propose -> verify -> commit)* -> stop.
+
+One loop serves plain and speculative decoding: a step verifies a token tree whose root is
+the last emitted token; with no drafter (or when the policy decides drafting does not pay)
+the tree is just the root, and the step is an ordinary decode::
+
+    tree   = policy.best(drafter.propose(...))        # root + draft tokens
+    logits = cache.decode_tree(tree)                    # one llama_decode
+    result = verify(tree, logits, sampler.cursor(pos))  # accepted path + recovered/bonus token
+    cache.commit(tree, result.path)                     # keep the accepted KV, checked
+    emit(result.tokens)                                 # stops, max_tokens, stream, stats
+
+The engine owns one target context and keeps the committed token sequence in it between
+requests, so a request that shares a prefix with the previous one (chat turns, editor
+keystrokes) only prefills the new part.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .backend import Context, Model, SequenceCache
+from .costmodel import CostModel, calibrate
+from .drafters import Drafter, make_drafter
+from .errors import ContextOverflowError, DecodeError, InvalidRequestError
+from .policy import SpeculationPolicy
+from .sampler import RequestSampler
+from .sampling import SamplingParams
+from .stats import GenerationStats, count_sources
+from .text import TextAssembler
+from .tree import TokenSource, TokenTree
+from .verify import verify
+
+DEFAULT_N_CTX = 8192
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of an emitted token under the raw model distribution (softmax of the
+    logits, no sampling transforms), with the ``top`` most likely alternatives."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class StreamChunk:
+    """One emitted token and the text it released.
+
+    ``text`` may be empty (a character or a possible stop string still incomplete) or hold
+    text of earlier tokens; the concatenation of all chunks' text is the final text. The
+    last chunk of a stream may carry only held-back text, with ``token == -1``.
+    """
+
+    text: str
+    token: int
+    source: TokenSource
+    step: int
+    logprob: TokenLogprob | None = None
+
+
+@dataclass
+class GenerationResult:
+    """The outcome of a request.
+
+    Attributes:
+        text: generated text (cut before a stop string; no end-of-generation token).
+        token_ids: generated token ids (the same cut).
+        finish_reason: ``"stop"`` (end-of-generation token or stop string), ``"length"``
+            (``max_tokens`` reached or the context is full) or ``"cancelled"``.
+        stop: the stop string matched, ``"<eog>"`` for an end-of-generation token, else None.
+        sources: how each token was produced (``TokenSource``).
+        logprobs: per-token log-probabilities when requested.
+        stats: ``GenerationStats``.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stop: str | None
+    sources: list[TokenSource]
+    logprobs: list[TokenLogprob] | None
+    stats: GenerationStats
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "stop": self.stop,
+            "sources": [TokenSource(s).name.lower() for s in self.sources],
+            "logprobs": None
+            if self.logprobs is None
+            else [{"token": lp.token, "logprob": lp.logprob, "top": lp.top} for lp in self.logprobs],
+            "stats": self.stats.to_dict(),
+        }
+
+
+class GenerationStream:
+    """Iterator of ``StreamChunk`` for one request; ``result`` is set when it ends.
+
+    ``cancel()`` may be called from another thread: the generation stops after the current
+    step (a running prefill is aborted) with ``finish_reason == "cancelled"``, and the engine
+    stays consistent. ``close()`` (or leaving a ``with`` block) also ends it.
+    """
+
+    def __init__(self, engine: "Engine", gen: Iterator[StreamChunk]) -> None:
+        self._engine = engine
+        self._gen = gen
+        self.result: GenerationResult | None = None
+        self.cancelled = threading.Event()
+
+    def __iter__(self) -> "GenerationStream":
+        return self
+
+    def __next__(self) -> StreamChunk:
+        return next(self._gen)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+        self._engine.ctx.request_abort()
+
+    def close(self) -> None:
+        self._gen.close()
+
+    def __enter__(self) -> "GenerationStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _now_us() -> float:
+    return time.perf_counter() * 1e6
+
+
+class Engine:
+    """A target model with an optional drafter, ready to generate.
+
+    Args:
+        model: a ``Model``, a GGUF path, or None for the embedded default model.
+        drafter: a drafter name (``"none"``, ``"ngram"``, ...), a ``Drafter`` object, or None.
+        n_ctx: context size in tokens (default: 8192, at most the model's training context).
+        n_threads: CPU threads (default: all CPUs this process may use, at most 16).
+        n_gpu_layers: layers offloaded to the GPU on CUDA / Metal builds (-1 = all).
+        max_tree_nodes: largest verified tree (root included), at most 255.
+        cost_model: a ``CostModel``; by default measured (and cached) at start-up.
+        adaptive: False verifies every proposed tree up to ``max_tree_nodes`` without asking
+            the policy (for tests and experiments).
+
+    Raises:
+        ModelLoadError: the model cannot be loaded.
+    """
+
+    def __init__(
+        self,
+        model: Model | str | os.PathLike | None = None,
+        *,
+        drafter: str | Drafter | None = "ngram",
+        n_ctx: int | None = None,
+        n_threads: int | None = None,
+        n_gpu_layers: int = 0,
+        max_tree_nodes: int = 64,
+        cost_model: CostModel | None = None,
+        adaptive: bool = True,
+        flash_attn: bool | None = None,
+    ) -> None:
+        if not 1 <= max_tree_nodes <= 255:
+            raise InvalidRequestError("max_tree_nodes must be in [1, 255]")
+        if model is None:
+            from .models import default_model_path
+
+            model = default_model_path()
+        self._owns_model = not isinstance(model, Model)
+        self.model = model if isinstance(model, Model) else Model(model, n_gpu_layers=n_gpu_layers)
+        if n_ctx is None:
+            n_ctx = min(DEFAULT_N_CTX, self.model.n_ctx_train or DEFAULT_N_CTX)
+        self.max_tree_nodes = max_tree_nodes
+        self.ctx = Context(
+            self.model,
+            n_ctx=n_ctx,
+            n_batch=512,
+            n_seq_max=max_tree_nodes + 1,
+            n_threads=n_threads,
+            flash_attn=flash_attn,
+        )
+        self.cache = SequenceCache(self.ctx, max_tree_nodes=max_tree_nodes)
+        self.cost_model = cost_model or calibrate(self.ctx, max_size=max_tree_nodes)
+        self.policy = SpeculationPolicy(self.cost_model, max_nodes=max_tree_nodes)
+        self.adaptive = adaptive
+        self.drafter: Drafter | None = None
+        self.set_drafter(drafter)
+        self._lock = threading.RLock()
+
+    # -- configuration ------------------------------------------------------------------------
+
+    def set_drafter(self, drafter: str | Drafter | None, **kwargs) -> None:
+        """Switch drafter (by name or object); the conversation in the KV cache is kept."""
+        old = self.drafter
+        self.drafter = make_drafter(drafter, **kwargs) if isinstance(drafter, (str, type(None))) else drafter
+        if old is not None and old is not self.drafter:
+            old.close()
+
+    @property
+    def drafter_name(self) -> str:
+        return self.drafter.name if self.drafter is not None else "none"
+
+    @property
+    def n_ctx(self) -> int:
+        return self.ctx.n_ctx
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def close(self) -> None:
+        if self.drafter is not None:
+            self.drafter.close()
+        self.ctx.close()
+        if self._owns_model:
+            self.model.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def reset(self) -> None:
+        """Forget the KV cache of earlier requests."""
+        with self._lock:
+            self.cache.reset()
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def generate(self, prompt: str | Sequence[int], **kwargs) -> GenerationResult:
+        """Generate a completion of ``prompt``; keyword arguments as ``stream``."""
+        s = self.stream(prompt, **kwargs)
+        for _ in s:
+            pass
+        assert s.result is not None
+        return s.result
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = 256,
+        sampling: SamplingParams | None = None,
+        stop: Sequence[str] = (),
+        speculative: bool = True,
+        parse_special: bool = False,
+        add_special: bool = True,
+    ) -> GenerationStream:
+        """Start a generation; iterate the returned stream for ``StreamChunk``s.
+
+        Args:
+            prompt: text (tokenised with BOS where the model wants it) or token ids.
+            max_tokens: most tokens to generate (never exceeded).
+            sampling: ``SamplingParams`` (default: llama.cpp's defaults, random seed).
+            stop: stop strings; the text is cut before the first one completed.
+            speculative: False decodes without the drafter for this request.
+            parse_special: tokenise special-token text (e.g. chat markup) as special tokens.
+        Raises:
+            InvalidRequestError: bad parameters or an empty prompt.
+            ContextOverflowError: the prompt does not leave room for one generated token.
+        """
+        if max_tokens < 0:
+            raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
+        sampling = sampling or SamplingParams()
+        t_start = _now_us()
+        if isinstance(prompt, str):
+            tokens = self.model.tokenize(prompt, add_special=add_special, parse_special=parse_special)
+        else:
+            tokens = [int(t) for t in prompt]
+            bad = [t for t in tokens if not 0 <= t < self.model.n_vocab]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.model.n_vocab - 1})")
+        if not tokens:
+            raise InvalidRequestError("the prompt is empty (and the model adds no BOS token)")
+        if len(tokens) >= self.ctx.n_ctx:
+            raise ContextOverflowError(
+                f"the prompt has {len(tokens)} tokens but the context holds {self.ctx.n_ctx}; "
+                f"shorten it or use a larger context (n_ctx / --n-ctx >= {len(tokens) + max_tokens})"
+            )
+        req = RequestSampler(sampling, self.model, tokens)
+        drafter = self.drafter if speculative else None
+        stream = GenerationStream(self, iter(()))
+        stream._gen = self._run(stream, tokens, req, drafter, max_tokens, stop, t_start)
+        return stream
+
+    def _run(
+        self,
+        stream: GenerationStream,
+        prompt: list[int],
+        req: RequestSampler,
+        drafter: Drafter | None,
+        max_tokens: int,
+        stop: Sequence[str],
+        t_start: float,
+    ) -> Iterator[StreamChunk]:
+        with self._lock:
+            cache = self.cache
+            model = self.model
+            stats = GenerationStats(drafter=drafter.name if drafter else "none", seed=req.seed)
+            stats.n_prompt_tokens = len(prompt)
+            want_logprobs = req.params.logprobs
+            assembler = TextAssembler(model.token_bytes, stop)
+            out_tokens: list[int] = []
+            out_sources: list[TokenSource] = []
+            out_depths: list[int] = []
+            out_logprobs: list[TokenLogprob] = []
+            step_drafted: list[int] = []  # max depth of each step's tree
+            finish_reason = "length"
+            stop_name: str | None = None
+            self.ctx.clear_abort()
+            t_gen0 = t_prefill_end = _now_us()
+            try:
+                # -- prompt: reuse the common prefix, prefill the rest but the last token -----
+                common = 0
+                old = cache.tokens
+                limit = min(len(old), len(prompt) - 1)
+                while common < limit and old[common] == prompt[common]:
+                    common += 1
+                stats.n_cached_tokens = common
+                cache.truncate(common)
+                if stream.cancelled.is_set():
+                    raise _Cancelled
+                try:
+                    cache.prefill(prompt[common:-1])
+                except DecodeError:
+                    if stream.cancelled.is_set():
+                        raise _Cancelled from None
+                    raise
+                t_prefill_end = _now_us()
+                stats.t_prefill_us = t_prefill_end - t_start
+                if drafter is not None:
+                    drafter.begin(prompt)
+                root = prompt[-1]
+                t_gen0 = _now_us()
+                step = 0
+                while True:
+                    remaining = max_tokens - len(out_tokens)
+                    if remaining <= 0:
+                        finish_reason = "length"
+                        break
+                    if cache.n_free < 1:
+                        finish_reason = "length"
+                        break
+                    if stream.cancelled.is_set():
+                        raise _Cancelled
+                    t0 = _now_us()
+                    tree = self._propose(drafter, root, remaining, cache.n_free)
+                    t1 = _now_us()
+                    lay, logits = cache.decode_tree(tree)
+                    t2 = _now_us()
+                    cursor = req.cursor(cache.n_past + 1)
+                    try:
+                        res = verify(tree, logits, cursor)
+                    finally:
+                        cursor.close()
+                    lps = self._logprobs(logits, res, want_logprobs) if want_logprobs is not None else None
+                    t3 = _now_us()
+                    cache.commit(tree, lay, res.path)
+                    if drafter is not None:
+                        drafter.observe(tree, res)
+                        drafter.accept(res.tokens)
+                    req.commit(res.tokens)
+                    stats.n_steps += 1
+                    n_draft = tree.n_nodes - 1
+                    if n_draft:
+                        stats.n_spec_steps += 1
+                        stats.num_draft_tokens += n_draft
+                    step_drafted.append(tree.max_depth())
+                    # -- emit, with stops -------------------------------------------------------
+                    done = False
+                    chunks: list[StreamChunk] = []
+                    for i, tok in enumerate(res.tokens):
+                        if model.is_eog(tok):
+                            finish_reason, stop_name, done = "stop", "<eog>", True
+                            break
+                        text = assembler.push(tok)
+                        out_tokens.append(tok)
+                        out_sources.append(res.sources[i])
+                        out_depths.append(res.depths[i] if i < len(res.depths) else 0)
+                        lp = lps[i] if lps is not None else None
+                        if lp is not None:
+                            out_logprobs.append(lp)
+                        chunks.append(StreamChunk(text, tok, res.sources[i], step, lp))
+                        if assembler.stop_hit is not None:
+                            finish_reason, stop_name, done = "stop", assembler.stop_hit.stop, True
+                            break
+                    t4 = _now_us()
+                    stats.t_draft_us += t1 - t0
+                    stats.t_decode_us += t2 - t1
+                    stats.t_verify_us += t3 - t2
+                    stats.t_other_us += t4 - t3
+                    self.policy.observe_step(tree.n_nodes, t2 - t1, (t4 - t0) - (t2 - t1))
+                    root = res.tokens[-1]
+                    step += 1
+                    yield from chunks
+                    if done:
+                        break
+            except _Cancelled:
+                finish_reason = "cancelled"
+            except GeneratorExit:  # the consumer closed the stream early
+                finish_reason = "cancelled"
+                raise
+            finally:
+                t_end = _now_us()
+                self.ctx.clear_abort()
+                # -- cut everything at the same point ---------------------------------------------
+                if assembler.stop_hit is not None:
+                    n_keep = assembler.stop_hit.n_tokens
+                    del out_tokens[n_keep:], out_sources[n_keep:], out_depths[n_keep:]
+                    del out_logprobs[n_keep:]
+                tail = assembler.finish()
+                # KV: keep the prompt and the kept tokens that were decoded
+                keep_kv = min(cache.n_past, len(prompt) + len(out_tokens))
+                if cache.n_past > keep_kv:
+                    cache.truncate(keep_kv)
+                stats.n_generated_tokens = len(out_tokens)
+                stats.token_sources = count_sources(out_sources)
+                stats.num_accepted_tokens = sum(1 for s in out_sources if TokenSource(s).is_draft)
+                max_d = max(step_drafted, default=0)
+                stats.drafted_per_depth = [sum(1 for m in step_drafted if m >= d) for d in range(1, max_d + 1)]
+                stats.accepted_per_depth = [sum(1 for d2 in out_depths if d2 == d) for d in range(1, max_d + 1)]
+                stats.t_generate_us = t_end - t_gen0 if out_tokens or stats.n_steps else 0.0
+                stats.t_total_us = t_end - t_start
+                req.close()
+                stream.result = GenerationResult(
+                    text=assembler.text,
+                    token_ids=out_tokens,
+                    finish_reason=finish_reason,
+                    stop=stop_name,
+                    sources=out_sources,
+                    logprobs=out_logprobs if want_logprobs is not None else None,
+                    stats=stats,
+                )
+            if tail:
+                yield StreamChunk(tail, -1, TokenSource.DECODE, stats.n_steps)
+
+    def _propose(self, drafter: Drafter | None, root: int, remaining: int, n_free: int) -> TokenTree:
+        """The tree to verify this step: the drafter's proposal cut to what the policy, the
+        remaining token budget and the free context allow."""
+        max_depth = min(remaining - 1, n_free - 1)
+        max_nodes = min(self.max_tree_nodes, n_free)
+        if drafter is None or max_depth <= 0 or max_nodes <= 1:
+            return TokenTree.root_only(root)
+        cand = drafter.propose(max_depth, max_nodes)
+        if cand.n_nodes > 1 and int(cand.token_ids[0]) != root:
+            raise RuntimeError(f"drafter {drafter.name} proposed a tree rooted at {cand.token_ids[0]}, not {root}")
+        if cand.max_depth() > max_depth:
+            cand = cand.subtree(cand.depth <= max_depth)
+        if self.adaptive:
+            n = self.policy.choose(cand, max_nodes=max_nodes).n_nodes
+        else:
+            n = max_nodes
+        return cand.best_subtree(n) if n < cand.n_nodes else cand
+
+    @staticmethod
+    def _logprobs(logits: np.ndarray, res, top_n: int) -> list[TokenLogprob]:
+        out = []
+        for row, tok in zip(res.rows, res.tokens):
+            x = logits[row].astype(np.float64)
+            m = x.max()
+            lse = m + np.log(np.exp(x - m).sum())
+            top: list[tuple[int, float]] = []
+            if top_n:
+                idx = np.argpartition(-x, top_n - 1)[:top_n]
+                idx = idx[np.argsort(-x[idx], kind="stable")]
+                top = [(int(i), float(x[i] - lse)) for i in idx]
+            out.append(TokenLogprob(int(tok), float(x[tok] - lse), top))
+        return out
+
+
+class _Cancelled(Exception):
+    pass

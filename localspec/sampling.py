@@ -1,0 +1,467 @@
+"""Sampling parameters and the logits -> distribution pipeline (numpy reference path).
+
+The same pipeline is applied at every verified position, with and without speculation, in
+llama.cpp's default order::
+
+    logit bias (+ the model's suppressed tokens = -inf)
+    -> repetition / frequency / presence penalties over the last ``penalty_last_n`` tokens
+       (prompt included, and the earlier tokens of the same accepted block)
+    -> GBNF grammar mask
+    -> top-k -> top-p -> min-p -> temperature
+
+Temperature 0 is greedy: the argmax after bias, penalties and grammar (no division by 0).
+
+**Seeded, reproducible sampling.** At temperature > 0 the token at absolute position ``pos`` is
+``argmax_i(processed_logits_i + g_i)`` with Gumbel noise ``g_i = -log(-log(u_i))`` and
+``u_i = hash(seed, pos, i)`` (a counter-based hash, splitmix64). That is an exact sample of
+``softmax(processed_logits)`` (Gumbel-max), and because the noise depends only on
+``(seed, pos, token)``, the token at a position is fixed by the seed whatever was drafted:
+verifying a tree is greedy verification on perturbed logits, and plain and speculative
+decoding give the same text for a seed (up to numerical near-ties of the logits).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import numpy as np
+
+from .errors import GrammarError, InvalidRequestError
+
+MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_M1 = 0xBF58476D1CE4E5B9
+_M2 = 0x94D049BB133111EB
+# Domains of the random streams, so that Gumbel noise, ratio tests and residual draws of the
+# same (seed, pos) are independent.
+STREAM_GUMBEL = 0
+STREAM_ACCEPT = 1
+STREAM_RESIDUAL = 2
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen. Defaults are llama.cpp's (``llama-cli`` / ``llama-server``).
+
+    Attributes:
+        temperature: 0 = greedy; > 0 divides the logits (applied last).
+        top_k: keep the k most likely tokens (0 = off).
+        top_p: keep the smallest set of most likely tokens whose mass reaches p (1 = off).
+        min_p: drop tokens with prob < min_p * max prob (0 = off).
+        repeat_penalty: divide positive / multiply negative logits of recent tokens (1 = off).
+        frequency_penalty: subtract count * this from recent tokens' logits (0 = off).
+        presence_penalty: subtract this from recent tokens' logits (0 = off).
+        penalty_last_n: window of recent tokens for penalties (0 = off, -1 = whole context).
+        logit_bias: token id -> value added to its logit (``-inf`` bans it).
+        seed: seed of the per-position random streams; None draws one (reported in stats).
+        grammar: GBNF grammar text constraining the output, or None.
+        grammar_root: start rule of ``grammar``.
+        verify: how speculative drafts are checked at temperature > 0:
+            ``"gumbel"`` (default) - greedy verification on seeded Gumbel-perturbed logits;
+            the same seed gives the same text with or without speculation.
+            ``"rejection"`` - classic rejection sampling (Leviathan et al. 2023; SpecInfer for
+            trees), using the drafter's own probabilities where it has them; the seed makes
+            it reproducible for the same drafter only.
+        logprobs: None = no log-probabilities; n >= 0 = the emitted token's log-prob under the
+            raw model distribution plus the top-n alternatives.
+    """
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    penalty_last_n: int = 64
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    grammar: str | None = None
+    grammar_root: str = "root"
+    verify: Literal["gumbel", "rejection"] = "gumbel"
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repeat_penalty <= 0:
+            raise InvalidRequestError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        if self.penalty_last_n < -1:
+            raise InvalidRequestError(f"penalty_last_n must be >= -1, got {self.penalty_last_n}")
+        if self.verify not in ("gumbel", "rejection"):
+            raise InvalidRequestError(f"verify must be 'gumbel' or 'rejection', got {self.verify!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 100:
+            raise InvalidRequestError(f"logprobs must be in [0, 100], got {self.logprobs}")
+        if self.seed is not None and not 0 <= int(self.seed) <= MASK64:
+            raise InvalidRequestError("seed must be a non-negative 64-bit integer")
+
+    @classmethod
+    def greedy(cls, **kw) -> "SamplingParams":
+        """Temperature 0, no truncation: the target's argmax at every position."""
+        base = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
+        base.update(kw)
+        return cls(**base)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.penalty_last_n != 0 and (
+            self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        )
+
+    def with_seed(self, seed: int) -> "SamplingParams":
+        return replace(self, seed=int(seed))
+
+
+def random_seed() -> int:
+    """A fresh 63-bit seed from the OS."""
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+# -- counter-based random streams ---------------------------------------------------------------
+
+
+def _mix64_scalar(z: int) -> int:
+    z &= MASK64
+    z = ((z ^ (z >> 30)) * _M1) & MASK64
+    z = ((z ^ (z >> 27)) * _M2) & MASK64
+    return z ^ (z >> 31)
+
+
+def stream_key(seed: int, pos: int, stream: int = STREAM_GUMBEL) -> int:
+    """64-bit key of the random stream of ``(seed, pos, stream)``."""
+    k = _mix64_scalar(int(seed) * _GOLDEN + int(pos) + 1)
+    return _mix64_scalar(k ^ ((int(stream) + 1) * _M2))
+
+
+def uniforms(key: int, counters: np.ndarray) -> np.ndarray:
+    """Uniforms in (0, 1) of stream ``key`` at ``counters`` ([n] int, e.g. token ids): [n] float64.
+
+    ``u = ((splitmix64(key + (c + 1) * golden) >> 11) + 0.5) / 2**53``.
+    """
+    with np.errstate(over="ignore"):
+        z = np.uint64(key) + (np.asarray(counters, dtype=np.uint64) + np.uint64(1)) * np.uint64(_GOLDEN)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(_M1)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(_M2)
+        z = z ^ (z >> np.uint64(31))
+    return ((z >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)
+
+
+def uniform(key: int, counter: int) -> float:
+    """One uniform of stream ``key`` (same value as ``uniforms(key, [counter])[0]``)."""
+    z = _mix64_scalar((key + (counter + 1) * _GOLDEN) & MASK64)
+    return ((z >> 11) + 0.5) * (1.0 / 9007199254740992.0)
+
+
+def gumbel_noise(seed: int, pos: int, token_ids: np.ndarray) -> np.ndarray:
+    """Gumbel(0, 1) noise of ``token_ids`` at position ``pos``: [n] float64."""
+    u = uniforms(stream_key(seed, pos, STREAM_GUMBEL), token_ids)
+    return -np.log(-np.log(u))
+
+
+# -- penalties ----------------------------------------------------------------------------------
+
+
+class PenaltyWindow:
+    """Counts of the last ``n`` tokens (``n = -1``: all), updated one token at a time."""
+
+    def __init__(self, n: int, tokens: Sequence[int] = ()) -> None:
+        self.n = n
+        self.window: collections.deque[int] = collections.deque()
+        self.counts: collections.Counter[int] = collections.Counter()
+        for t in tokens[-n:] if n > 0 else (tokens if n < 0 else ()):
+            self.push(t)
+
+    def push(self, token: int) -> None:
+        if self.n == 0:
+            return
+        self.window.append(int(token))
+        self.counts[int(token)] += 1
+        if 0 < self.n < len(self.window):
+            old = self.window.popleft()
+            c = self.counts[old] - 1
+            if c:
+                self.counts[old] = c
+            else:
+                del self.counts[old]
+
+    def copy(self) -> "PenaltyWindow":
+        w = PenaltyWindow.__new__(PenaltyWindow)
+        w.n = self.n
+        w.window = collections.deque(self.window)
+        w.counts = collections.Counter(self.counts)
+        return w
+
+
+def apply_penalties(x: np.ndarray, counts: Mapping[int, int], params: SamplingParams) -> None:
+    """In place on ``x`` ([n_vocab] float32), llama.cpp's ``penalties`` sampler rule."""
+    if not counts:
+        return
+    ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+    cnt = np.fromiter(counts.values(), dtype=np.float32, count=len(counts))
+    v = x[ids]
+    rp = np.float32(params.repeat_penalty)
+    v = np.where(v <= 0, v * rp, v / rp)
+    v = v - cnt * np.float32(params.frequency_penalty) - np.float32(params.presence_penalty)
+    x[ids] = v
+
+
+# -- the pipeline -------------------------------------------------------------------------------
+
+
+@dataclass
+class Candidates:
+    """Tokens that survive the pipeline and their processed logits (temperature applied).
+
+    ``ids`` [m] int64 and ``logits`` [m] float32; ``softmax(logits)`` is the distribution a
+    token is drawn from. For greedy decoding ``m == 1``.
+    """
+
+    ids: np.ndarray
+    logits: np.ndarray
+
+    def probs(self) -> np.ndarray:
+        """[m] float64 probabilities."""
+        z = self.logits.astype(np.float64)
+        z -= z.max()
+        e = np.exp(z)
+        return e / e.sum()
+
+    def dense_probs(self, n_vocab: int) -> np.ndarray:
+        """[n_vocab] float64 probabilities (zeros outside ``ids``)."""
+        out = np.zeros(n_vocab, dtype=np.float64)
+        out[self.ids] = self.probs()
+        return out
+
+
+class LogitsProcessor:
+    """Applies ``SamplingParams`` to logits rows (numpy reference implementation).
+
+    Args:
+        params: the sampling parameters.
+        n_vocab: vocabulary size.
+        suppress_ids: token ids the model never emits ([k] int; get ``-inf``).
+    """
+
+    _CHUNK = 512
+
+    def __init__(self, params: SamplingParams, n_vocab: int, suppress_ids: Sequence[int] = ()) -> None:
+        self.params = params
+        self.n_vocab = n_vocab
+        bias = dict(params.logit_bias)
+        for t in suppress_ids:
+            bias[int(t)] = -math.inf
+        for t in bias:
+            if not 0 <= int(t) < n_vocab:
+                raise InvalidRequestError(f"logit_bias token id {t} is outside the vocabulary (0..{n_vocab - 1})")
+        self._bias_ids = np.fromiter((int(t) for t in bias), dtype=np.int64, count=len(bias))
+        self._bias_val = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
+        self._all_ids = None
+
+    @property
+    def all_ids(self) -> np.ndarray:
+        if self._all_ids is None:
+            self._all_ids = np.arange(self.n_vocab, dtype=np.int64)
+        return self._all_ids
+
+    def adjusted(self, row: np.ndarray, counts: Mapping[int, int] | None) -> np.ndarray:
+        """``row`` with bias and penalties applied: [n_vocab] float32 (a copy when changed)."""
+        p = self.params
+        needs_pen = counts and p.has_penalties
+        if self._bias_ids.size == 0 and not needs_pen:
+            return row
+        x = np.array(row, dtype=np.float32, copy=True)
+        if self._bias_ids.size:
+            x[self._bias_ids] += self._bias_val
+        if needs_pen:
+            apply_penalties(x, counts, p)
+        return x
+
+    def _valid_desc(self, x: np.ndarray, need: int, grammar) -> np.ndarray:
+        """Up to ``need`` grammar-valid token ids in descending ``x`` order (ties: lower id)."""
+        out: list[np.ndarray] = []
+        have = 0
+        finite = np.isfinite(x)
+        n_finite = int(finite.sum())
+        if n_finite == 0:
+            return np.zeros(0, dtype=np.int64)
+        take = min(max(self._CHUNK, need), n_finite)
+        order = None
+        start = 0
+        while have < need and start < n_finite:
+            if order is None or start + take > order.size:
+                k = min(n_finite, max(start + take, 2 * (order.size if order is not None else 0)))
+                order = _top_sorted(x, k)
+            chunk = order[start : start + take]
+            if grammar is not None:
+                chunk = chunk[grammar.allowed(chunk)]
+            out.append(chunk)
+            have += chunk.size
+            start += take
+            take *= 4
+        ids = np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+        return ids[:need]
+
+    def candidates(self, row: np.ndarray, counts: Mapping[int, int] | None = None, grammar=None) -> Candidates:
+        """The processed distribution of one row.
+
+        Args:
+            row: [n_vocab] float32 raw logits.
+            counts: token -> count in the penalty window of this position.
+            grammar: ``GrammarState`` at this position, or None.
+        Raises:
+            GrammarError: no token is allowed.
+        """
+        p = self.params
+        x = self.adjusted(row, counts)
+        if p.is_greedy:
+            if grammar is None:
+                t = int(np.argmax(x))
+                if not np.isfinite(x[t]):
+                    raise InvalidRequestError("every token is banned by logit_bias")
+                return Candidates(np.array([t], dtype=np.int64), np.array([0.0], dtype=np.float32))
+            ids = self._valid_desc(x, 1, grammar)
+            if ids.size == 0:
+                raise GrammarError("no token can continue the grammar here")
+            return Candidates(ids, np.array([0.0], dtype=np.float32))
+        truncating = p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
+        if not truncating:
+            if grammar is not None:
+                mask = grammar.allowed(self.all_ids) & np.isfinite(x)
+            else:
+                mask = np.isfinite(x)
+            ids = self.all_ids if mask.all() else np.flatnonzero(mask)
+            if ids.size == 0:
+                raise GrammarError("no token is allowed here (grammar / logit_bias)")
+            return Candidates(ids, (x[ids] / np.float32(p.temperature)).astype(np.float32))
+        # sorted candidate prefix (descending), grammar applied before truncation
+        k = p.top_k if p.top_k > 0 else self.n_vocab
+        if grammar is None:
+            ids = _truncate(x, k, p.top_p, p.min_p)
+        else:
+            if p.top_k <= 0:
+                valid = np.flatnonzero(grammar.allowed(self.all_ids) & np.isfinite(x))
+                sorted_ids = valid[_top_sorted(x[valid], valid.size)]
+            else:
+                sorted_ids = self._valid_desc(x, k, grammar)
+            if sorted_ids.size == 0:
+                raise GrammarError("no token can continue the grammar here")
+            ids = _truncate_sorted(sorted_ids, x, p.top_p, p.min_p)
+        if ids.size == 0:
+            raise InvalidRequestError("every token is banned by logit_bias")
+        return Candidates(ids, (x[ids] / np.float32(p.temperature)).astype(np.float32))
+
+    def choose(self, row: np.ndarray, pos: int, seed: int, counts=None, grammar=None) -> int:
+        """The token at absolute position ``pos``: greedy, or seeded Gumbel-max over the
+        processed distribution. Exactly a sample of ``softmax(candidates.logits)``."""
+        p = self.params
+        if p.is_greedy:
+            return int(self.candidates(row, counts, grammar).ids[0])
+        truncating = p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
+        if grammar is not None and not truncating:
+            # argmax over grammar-valid tokens of (x/T + g): walk the perturbed order, check grammar lazily
+            x = self.adjusted(row, counts)
+            z = x.astype(np.float64) / p.temperature + gumbel_noise(seed, pos, self.all_ids)
+            ids = self._valid_desc(z, 1, grammar)
+            if ids.size == 0:
+                raise GrammarError("no token can continue the grammar here")
+            return int(ids[0])
+        c = self.candidates(row, counts, grammar)
+        z = c.logits.astype(np.float64) + gumbel_noise(seed, pos, c.ids)
+        return int(c.ids[int(np.argmax(z))])
+
+
+def _top_sorted(x: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest finite values of ``x``, sorted descending (ties: lower index)."""
+    n = x.shape[0]
+    k = min(k, n)
+    if k <= 0:
+        return np.zeros(0, dtype=np.int64)
+    if k < n:
+        part = np.argpartition(-x, k - 1)[:k]
+        # include every index tied with the k-th value so tie-breaking is by index, not luck
+        kth = x[part].min()
+        ties = np.flatnonzero(x == kth)
+        part = np.union1d(part[x[part] > kth], ties)
+    else:
+        part = np.arange(n)
+    vals = x[part]
+    order = np.lexsort((part, -vals))
+    out = part[order][:k]
+    return out[np.isfinite(x[out])].astype(np.int64)
+
+
+def _truncate(x: np.ndarray, k: int, top_p: float, min_p: float) -> np.ndarray:
+    """llama.cpp's top-k -> top-p -> min-p; returns the surviving token ids.
+
+    ``x`` is the full row ([n_vocab] float32). top-p keeps the first i+1 tokens (descending) at which the cumulative probability,
+    normalised over the top-k set, first reaches ``top_p``; min-p keeps logits
+    >= max + log(min_p). At least one token always survives.
+    """
+    finite = np.isfinite(x)
+    n_fin = int(finite.sum())
+    k = min(k, n_fin)
+    if k <= 0:
+        return np.zeros(0, dtype=np.int64)
+    if top_p >= 1.0:
+        ids = _top_set(x, k)
+        if min_p > 0.0:
+            thr = float(x[ids].max()) + math.log(min_p)
+            ids = ids[x[ids] >= thr]
+        return ids
+    # normaliser of top-p over the top-k set
+    topk_vals = x[_top_set(x, k)].astype(np.float64)
+    mx = float(topk_vals.max())
+    z = float(np.exp(topk_vals - mx).sum())
+    m = min(k, 256)
+    while True:
+        sorted_ids = _top_sorted(x, m)
+        vals = x[sorted_ids].astype(np.float64)
+        cum = np.cumsum(np.exp(vals - mx)) / z
+        if cum[-1] >= top_p or m >= k:
+            break
+        m = min(k, m * 4)
+    return _cut_prefix(sorted_ids, vals, cum, top_p, min_p)
+
+
+def _truncate_sorted(sorted_ids: np.ndarray, x: np.ndarray, top_p: float, min_p: float) -> np.ndarray:
+    """top-p -> min-p on ``sorted_ids`` ([m] descending, the whole candidate set)."""
+    vals = x[sorted_ids].astype(np.float64)
+    mx = vals[0]
+    e = np.exp(vals - mx)
+    cum = np.cumsum(e) / e.sum()
+    return _cut_prefix(sorted_ids, vals, cum, top_p, min_p)
+
+
+def _cut_prefix(sorted_ids: np.ndarray, vals: np.ndarray, cum: np.ndarray, top_p: float, min_p: float) -> np.ndarray:
+    keep = sorted_ids.size
+    if top_p < 1.0:
+        hit = np.flatnonzero(cum >= top_p)
+        if hit.size:
+            keep = int(hit[0]) + 1
+    if min_p > 0.0:
+        thr = vals[0] + math.log(min_p)
+        keep = min(keep, int(np.count_nonzero(vals >= thr)))
+    return sorted_ids[: max(1, keep)]
+
+
+def _top_set(x: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest values of ``x`` (unordered; ties at the k-th: lower index)."""
+    n = x.shape[0]
+    if k >= n:
+        return np.flatnonzero(np.isfinite(x)).astype(np.int64)
+    return _top_sorted(x, k)

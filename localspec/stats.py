@@ -1,0 +1,109 @@
+"""Per-request statistics of a generation (speculative or not).
+
+Counts are of *emitted* tokens, so a generation cut by a stop string or an end-of-generation
+token counts only what it kept. ``mean_acceptance_length`` is emitted tokens per verification
+step, the recovered/bonus token included (1.0 for plain decoding); ``accept_length`` of a step
+excludes it. Times carry their unit (µs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .tree import TokenSource
+
+
+@dataclass
+class GenerationStats:
+    """Statistics of one request.
+
+    Attributes:
+        drafter: name of the drafter used ("none" for plain decoding).
+        seed: the seed of the random streams (reproduces a sampled generation).
+        n_prompt_tokens: tokens in the prompt.
+        n_cached_tokens: prompt tokens whose KV was reused from the previous request.
+        n_generated_tokens: tokens emitted (after any stop cut; EOG not counted).
+        n_steps: target verification calls (decode steps) of the generation loop.
+        n_spec_steps: steps that verified at least one draft token.
+        num_draft_tokens: draft tokens verified, over all steps.
+        num_accepted_tokens: emitted tokens that were accepted drafts.
+        drafted_per_depth: [d] steps whose verified tree reached depth d+1.
+        accepted_per_depth: [d] steps that accepted a draft at depth d+1.
+        token_sources: count of emitted tokens per ``TokenSource`` name.
+        t_prefill_us: prompt processing (KV reuse + prefill decodes).
+        t_draft_us / t_decode_us / t_verify_us / t_other_us: the generation loop split into
+            drafting, target decodes, verification (sampling, logprobs) and the rest.
+        t_generate_us: wall time of the generation loop (first step to last).
+        t_total_us: whole request, tokenisation and prefill included.
+    """
+
+    drafter: str = "none"
+    seed: int | None = None
+    n_prompt_tokens: int = 0
+    n_cached_tokens: int = 0
+    n_generated_tokens: int = 0
+    n_steps: int = 0
+    n_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    drafted_per_depth: list[int] = field(default_factory=list)
+    accepted_per_depth: list[int] = field(default_factory=list)
+    token_sources: dict[str, int] = field(default_factory=dict)
+    t_prefill_us: float = 0.0
+    t_draft_us: float = 0.0
+    t_decode_us: float = 0.0
+    t_verify_us: float = 0.0
+    t_other_us: float = 0.0
+    t_generate_us: float = 0.0
+    t_total_us: float = 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Emitted tokens per step, bonus/recovered token included."""
+        return self.n_generated_tokens / self.n_steps if self.n_steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def acceptance_per_depth(self) -> list[float]:
+        """P(accepted at depth d | drafted to depth d), d = 1, 2, ..."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_depth, self.drafted_per_depth)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode throughput: generated tokens / generation-loop time (prefill excluded)."""
+        return self.n_generated_tokens / (self.t_generate_us * 1e-6) if self.t_generate_us > 0 else 0.0
+
+    @property
+    def end_to_end_tokens_per_s(self) -> float:
+        return self.n_generated_tokens / (self.t_total_us * 1e-6) if self.t_total_us > 0 else 0.0
+
+    @property
+    def t_host_us(self) -> float:
+        """Everything in the generation loop except target decodes."""
+        return self.t_draft_us + self.t_verify_us + self.t_other_us
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            mean_acceptance_length=self.mean_acceptance_length,
+            acceptance_rate=self.acceptance_rate,
+            acceptance_per_depth=self.acceptance_per_depth,
+            tokens_per_s=self.tokens_per_s,
+            end_to_end_tokens_per_s=self.end_to_end_tokens_per_s,
+            t_host_us=self.t_host_us,
+            t_host_us_per_step=self.t_host_us / self.n_steps if self.n_steps else 0.0,
+            t_decode_us_per_step=self.t_decode_us / self.n_steps if self.n_steps else 0.0,
+        )
+        return d
+
+
+def count_sources(sources) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for s in sources:
+        name = TokenSource(s).name.lower()
+        out[name] = out.get(name, 0) + 1
+    return out

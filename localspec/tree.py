@@ -1,0 +1,348 @@
+"""Token trees: what a drafter proposes and the target verifies in one batched call.
+
+Node 0 is the **root**: the last token already emitted, not yet in the target's KV cache
+(the "pending" token). Every other node is a draft token; ``parents[i] < i`` (nodes are in
+topological order), so a chain is the special case ``parents = [-1, 0, 1, 2, ...]``.
+
+::
+
+    root ── a ── b ── c          node:    0  1  2  3  4  5
+       │    └─── d               token:   r  a  b  c  d  e
+       └─── e                    parents: -1 0  1  2  1  0
+                                 depth:   0  1  2  3  2  1
+
+Each node carries where it came from (``source``), the drafter's estimate of the chance
+that the target accepts the whole path down to it (``score``), and, for nodes sampled
+i.i.d. from a draft distribution, that distribution (``draft_dists`` keyed by the parent) and
+the node's own probability under it (``draft_probs``). Nodes without a draft distribution are
+**deterministic** (n-gram continuations, top-k expansions) and are verified with the
+point-mass rule (see ``verify.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class TokenSource(enum.IntEnum):
+    """How an emitted token was produced (for statistics and provenance colouring)."""
+
+    DECODE = 0  # plain decoding: nothing was drafted at this step
+    NGRAM = 1  # accepted draft from the n-gram drafter
+    DRAFT_MODEL = 2  # accepted draft from a standalone draft model
+    EAGLE3 = 3  # accepted draft from an EAGLE-3 head
+    RECOVERED = 4  # target token after the drafts below the last accepted node were rejected
+    BONUS = 5  # target token after a node whose drafts were all accepted (or that had none)
+
+    @property
+    def is_draft(self) -> bool:
+        return self in (TokenSource.NGRAM, TokenSource.DRAFT_MODEL, TokenSource.EAGLE3)
+
+
+@dataclass
+class TokenTree:
+    """A rooted token tree in topological order.
+
+    Attributes:
+        token_ids: [n] int32 token of each node; ``token_ids[0]`` is the root.
+        parents:   [n] int32 parent index, ``-1`` for the root, ``parents[i] < i``.
+        depth:     [n] int32 distance from the root.
+        source:    [n] int8 ``TokenSource`` of each node (root: ``DECODE``).
+        score:     [n] float64 estimated P(target accepts the path root..node); root = 1.
+        draft_probs: [n] float32 draft probability of the node's token at its parent, or NaN
+            for deterministic nodes.
+        draft_dists: parent node -> [n_vocab] float32 draft distribution its stochastic
+            children were sampled from.
+        feature: [n] int32 drafter-defined feature of each node (e.g. the bucket of its
+            acceptance estimate), carried through ``subtree`` so the drafter can learn from
+            the verification of a pruned tree.
+    """
+
+    token_ids: np.ndarray
+    parents: np.ndarray
+    depth: np.ndarray
+    source: np.ndarray
+    score: np.ndarray
+    draft_probs: np.ndarray
+    draft_dists: dict[int, np.ndarray] = field(default_factory=dict)
+    feature: np.ndarray | None = None
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def root_only(cls, root_token: int) -> "TokenTree":
+        """The tree of a plain decoding step (no drafts)."""
+        return TreeBuilder(root_token).build()
+
+    @classmethod
+    def chain(cls, root_token: int, draft_token_ids, source: TokenSource = TokenSource.NGRAM, scores=None) -> "TokenTree":
+        """Root followed by a chain of deterministic drafts."""
+        b = TreeBuilder(root_token)
+        parent = 0
+        for i, t in enumerate(draft_token_ids):
+            parent = b.add(parent, int(t), source=source, score=1.0 if scores is None else float(scores[i]))
+        return b.build()
+
+    # -- queries ------------------------------------------------------------------------------
+
+    @property
+    def n_nodes(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft nodes (the root excluded)."""
+        return self.n_nodes - 1
+
+    def __len__(self) -> int:
+        return self.n_nodes
+
+    def children(self, node: int) -> list[int]:
+        """Child node indices of ``node`` in insertion (rank) order."""
+        kids = self._children
+        return kids[node]
+
+    @property
+    def _children(self) -> list[list[int]]:
+        cached = self.__dict__.get("_kids")
+        if cached is None:
+            cached = [[] for _ in range(self.n_nodes)]
+            for i in range(1, self.n_nodes):
+                cached[int(self.parents[i])].append(i)
+            self.__dict__["_kids"] = cached
+        return cached
+
+    def is_stochastic(self, node: int) -> bool:
+        return not np.isnan(self.draft_probs[node])
+
+    def leaves(self) -> np.ndarray:
+        """[n_leaves] int node indices with no children, in index order."""
+        has_child = np.zeros(self.n_nodes, dtype=bool)
+        has_child[self.parents[1:]] = True
+        return np.flatnonzero(~has_child)
+
+    def is_chain(self) -> bool:
+        return bool(np.all(self.parents[1:] == np.arange(self.n_nodes - 1)))
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the first draft below the root down to ``node`` (root excluded)."""
+        out = []
+        while node > 0:
+            out.append(node)
+            node = int(self.parents[node])
+        out.reverse()
+        return out
+
+    def max_depth(self) -> int:
+        return int(self.depth.max()) if self.n_nodes else 0
+
+    def ancestors_matrix(self) -> np.ndarray:
+        """[n, n] bool, ``A[i, j]`` = node j is node i or one of its ancestors (tree mask)."""
+        n = self.n_nodes
+        a = np.eye(n, dtype=bool)
+        cur = np.arange(n)
+        rows = np.arange(n)
+        for _ in range(self.max_depth()):
+            cur = np.where(cur > 0, self.parents[np.maximum(cur, 0)], -1)
+            ok = cur >= 0
+            a[rows[ok], cur[ok]] = True
+        return a
+
+    # -- editing ------------------------------------------------------------------------------
+
+    def subtree(self, keep: np.ndarray) -> "TokenTree":
+        """A new tree of the nodes where ``keep`` is True (must be closed under parents).
+
+        Args:
+            keep: [n] bool; ``keep[0]`` must be True.
+        Raises:
+            ValueError: a kept node's parent is not kept.
+        """
+        keep = np.asarray(keep, dtype=bool).copy()
+        keep[0] = True
+        idx = np.flatnonzero(keep)
+        if np.any(~keep[self.parents[idx[1:]]]):
+            raise ValueError("subtree: a kept node's parent was dropped")
+        remap = np.full(self.n_nodes, -1, dtype=np.int32)
+        remap[idx] = np.arange(idx.size, dtype=np.int32)
+        parents = np.where(self.parents[idx] >= 0, remap[np.maximum(self.parents[idx], 0)], -1).astype(np.int32)
+        dists = {int(remap[p]): d for p, d in self.draft_dists.items() if keep[p]}
+        return TokenTree(
+            token_ids=self.token_ids[idx].copy(),
+            parents=parents,
+            depth=self.depth[idx].copy(),
+            source=self.source[idx].copy(),
+            score=self.score[idx].copy(),
+            draft_probs=self.draft_probs[idx].copy(),
+            draft_dists=dists,
+            feature=None if self.feature is None else self.feature[idx].copy(),
+        )
+
+    def best_subtree(self, n_nodes: int) -> "TokenTree":
+        """The ``n_nodes`` nodes (root included) with the highest scores, parents first.
+
+        Because a node's score never exceeds its parent's (it is a path probability), taking
+        nodes in score order keeps the set closed under parents; ties are broken by index.
+        """
+        if n_nodes >= self.n_nodes:
+            return self
+        order = np.lexsort((np.arange(self.n_nodes), -self.score))
+        keep = np.zeros(self.n_nodes, dtype=bool)
+        keep[0] = True
+        count = 1
+        for i in order:
+            if count >= n_nodes:
+                break
+            if i == 0 or keep[i]:
+                continue
+            if keep[self.parents[i]]:
+                keep[i] = True
+                count += 1
+        return self.subtree(keep)
+
+
+class TreeBuilder:
+    """Incremental construction of a ``TokenTree`` (parents before children).
+
+    ``add`` merges a deterministic child into an existing sibling with the same token (the
+    sibling keeps the larger score), so a trie of continuations never holds duplicates.
+    """
+
+    def __init__(self, root_token: int) -> None:
+        self.tokens = [int(root_token)]
+        self.parents = [-1]
+        self.depth = [0]
+        self.source = [int(TokenSource.DECODE)]
+        self.score = [1.0]
+        self.draft_probs = [np.nan]
+        self.draft_dists: dict[int, np.ndarray] = {}
+        self.feature: list[int] | None = None
+        self._child_of: dict[tuple[int, int], int] = {}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def find(self, parent: int, token: int) -> int:
+        """Index of ``parent``'s deterministic child with ``token``, or -1."""
+        return self._child_of.get((parent, int(token)), -1)
+
+    def add(
+        self,
+        parent: int,
+        token: int,
+        *,
+        source: TokenSource,
+        score: float = 1.0,
+        draft_prob: float | None = None,
+    ) -> int:
+        """Add a child of ``parent``; returns its node index.
+
+        Args:
+            draft_prob: the child's probability under the draft distribution it was sampled
+                from (stochastic child). ``None`` makes a deterministic child, merged with an
+                existing deterministic sibling of the same token.
+        """
+        token = int(token)
+        if draft_prob is None:
+            existing = self._child_of.get((parent, token))
+            if existing is not None:
+                if score > self.score[existing]:
+                    self.score[existing] = score
+                return existing
+        idx = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(int(parent))
+        self.depth.append(self.depth[parent] + 1)
+        self.source.append(int(source))
+        self.score.append(float(score))
+        self.draft_probs.append(np.nan if draft_prob is None else float(draft_prob))
+        if draft_prob is None:
+            self._child_of[(parent, token)] = idx
+        return idx
+
+    def set_draft_dist(self, parent: int, dist: np.ndarray) -> None:
+        """Record the draft distribution ([n_vocab] float32) the children of ``parent`` came from."""
+        self.draft_dists[int(parent)] = dist
+
+    def build(self) -> TokenTree:
+        return TokenTree(
+            token_ids=np.asarray(self.tokens, dtype=np.int32),
+            parents=np.asarray(self.parents, dtype=np.int32),
+            depth=np.asarray(self.depth, dtype=np.int32),
+            source=np.asarray(self.source, dtype=np.int8),
+            score=np.asarray(self.score, dtype=np.float64),
+            draft_probs=np.asarray(self.draft_probs, dtype=np.float32),
+            draft_dists=dict(self.draft_dists),
+            feature=None if self.feature is None else np.asarray(self.feature, dtype=np.int32),
+        )
+
+
+@dataclass
+class TreeLayout:
+    """A token tree laid out as sequences of one multi-sequence ``llama_decode`` batch.
+
+    Each leaf gets its own sequence id (``leaf_seq``); a node carries the ids of every leaf
+    below it, so it attends to exactly its ancestors and itself. Before decoding, the
+    committed prefix (seq 0) is copied to every leaf id. A chain needs no copies: it is laid
+    out in seq 0 directly (``uses_seq0``).
+
+    ::
+
+        root(r) ── a ── b         leaves b, c  -> seq ids 1, 2
+           └────── c              r: {1, 2}   a: {1}   b: {1}   c: {2}
+
+    Attributes:
+        pos:      [n] int32 ``n_past + depth``.
+        seq_sets: [n, k] int32 sequence ids of each node (first ``n_seq[i]`` valid).
+        n_seq:    [n] int32.
+        leaf_nodes: [L] node index of each leaf.
+        leaf_seq:   [L] its sequence id.
+        node_leaf_seq: [n] a sequence id whose path contains the node (for commit).
+        uses_seq0: True for chains laid out in seq 0.
+    """
+
+    pos: np.ndarray
+    seq_sets: np.ndarray
+    n_seq: np.ndarray
+    leaf_nodes: np.ndarray
+    leaf_seq: np.ndarray
+    node_leaf_seq: np.ndarray
+    uses_seq0: bool
+
+
+def layout_tree(tree: TokenTree, n_past: int) -> TreeLayout:
+    """Lay ``tree`` out as sequences (see ``TreeLayout``). Leaf ``j`` gets sequence ``j + 1``."""
+    n = tree.n_nodes
+    pos = (n_past + tree.depth).astype(np.int32)
+    if tree.is_chain():
+        leaf = np.array([n - 1], dtype=np.int32)
+        return TreeLayout(
+            pos=pos,
+            seq_sets=np.zeros((n, 1), dtype=np.int32),
+            n_seq=np.ones(n, dtype=np.int32),
+            leaf_nodes=leaf,
+            leaf_seq=np.zeros(1, dtype=np.int32),
+            node_leaf_seq=np.zeros(n, dtype=np.int32),
+            uses_seq0=True,
+        )
+    leaves = tree.leaves()
+    leaf_seq = np.arange(1, leaves.size + 1, dtype=np.int32)
+    anc = tree.ancestors_matrix()  # [n, n]
+    member = anc[leaves, :].T  # [n, L]: node j lies on the path of leaf l
+    n_seq = member.sum(axis=1).astype(np.int32)
+    order = np.argsort(~member, axis=1, kind="stable")  # member columns first, in leaf order
+    seq_sets = leaf_seq[order].astype(np.int32)
+    k = int(n_seq.max())
+    seq_sets = np.ascontiguousarray(seq_sets[:, :k])
+    return TreeLayout(
+        pos=pos,
+        seq_sets=seq_sets,
+        n_seq=n_seq,
+        leaf_nodes=leaves.astype(np.int32),
+        leaf_seq=leaf_seq,
+        node_leaf_seq=seq_sets[:, 0].copy(),
+        uses_seq0=False,
+    )

@@ -1,0 +1,194 @@
+"""Lossless verification of token trees (chains are trees with one leaf).
+
+Words used here and everywhere else in localspec:
+
+* **accepted** tokens: draft tokens the target agreed with, on one root-to-node path;
+  ``accept_length`` counts them.
+* after the accepted path the target always contributes one more token. It is a
+  **recovered** token when the node it follows had drafts and all of them were rejected
+  (it comes from the residual distribution), and a **bonus** token when that node had no
+  drafts left to check. In a step with no drafts at all it is a plain **decode** token.
+* mean acceptance length = emitted tokens / steps = ``accept_length + 1`` on average
+  (bonus / recovered token included).
+
+Two walks, both exactly the target's distribution:
+
+``verify_greedy``
+    At each node the target's token is ``cursor.target_token(row)``: the argmax at
+    temperature 0, or the seeded Gumbel-max sample at temperature > 0 (so this is greedy
+    verification on perturbed logits). Take the child with that token; the first node
+    without one ends the walk, and the target's token there is the recovered/bonus token.
+    Lossless for any tree, whatever the drafter.
+
+``verify_rejection``
+    Classic rejection sampling. Children of a node are tried in order against the current
+    residual distribution ``residual`` (initially ``target_probs`` of the node):
+
+    - a *stochastic* child x, drawn i.i.d. from the draft distribution ``draft_probs`` at the
+      node, is accepted with probability ``min(1, residual(x) / draft_probs(x))``; on
+      rejection ``residual <- norm(max(residual - draft_probs, 0))`` (Leviathan et al. 2023,
+      Chen et al. 2023; multi-round for trees as in SpecInfer, Miao et al. 2024);
+    - a *deterministic* child c (n-gram continuation, top-k expansion) is a point mass: it
+      is accepted with probability ``residual(c)``; on rejection ``residual(c) <- 0`` and the
+      residual is renormalised.
+
+    If no child is accepted, the recovered token is drawn from the residual; a node without
+    children yields a bonus token drawn from ``target_probs``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .tree import TokenSource, TokenTree
+
+
+@dataclass
+class VerifyResult:
+    """Outcome of verifying one tree.
+
+    Attributes:
+        path: accepted draft node indices, root excluded, top-down (``accept_length`` long).
+        tokens: emitted tokens: the accepted drafts then the recovered/bonus token
+            (``len(path) + 1`` long).
+        rows: for each emitted token, the node whose logits row produced it
+            (``[0] + path``).
+        sources: ``TokenSource`` of each emitted token.
+        depths: for each accepted draft, its depth (1-based).
+    """
+
+    path: list[int]
+    tokens: list[int]
+    rows: list[int]
+    sources: list[TokenSource]
+    depths: list[int] = field(default_factory=list)
+
+    @property
+    def accept_length(self) -> int:
+        """Accepted draft tokens (the recovered/bonus token excluded)."""
+        return len(self.path)
+
+
+def _final_source(tree: TokenTree, node: int, had_children: bool) -> TokenSource:
+    if tree.n_nodes == 1:
+        return TokenSource.DECODE
+    return TokenSource.RECOVERED if had_children else TokenSource.BONUS
+
+
+def _child_with_token(tree: TokenTree, node: int, token: int) -> int:
+    for c in tree.children(node):
+        if tree.token_ids[c] == token:
+            return c
+    return -1
+
+
+def verify_greedy(tree: TokenTree, logits: np.ndarray, cursor) -> VerifyResult:
+    """Walk ``tree`` taking the child equal to the target's token at each node.
+
+    Args:
+        tree: the verified tree (root = the token at position ``cursor.pos - 1``).
+        logits: [n_nodes, n_vocab] float32, row i = logits after node i.
+        cursor: a ``sampler.Cursor`` at the root's successor position; it is advanced
+            past every accepted draft token (not past the final token).
+    """
+    node = 0
+    path: list[int] = []
+    tokens: list[int] = []
+    rows: list[int] = []
+    sources: list[TokenSource] = []
+    while True:
+        t = cursor.target_token(logits[node])
+        rows.append(node)
+        tokens.append(t)
+        child = _child_with_token(tree, node, t)
+        if child < 0:
+            sources.append(_final_source(tree, node, bool(tree.children(node))))
+            return VerifyResult(path, tokens, rows, sources, [int(tree.depth[c]) for c in path])
+        sources.append(TokenSource(int(tree.source[child])))
+        path.append(child)
+        cursor.advance(t)
+        node = child
+
+
+def _normalise(v: np.ndarray) -> np.ndarray | None:
+    s = v.sum()
+    if not s > 0:
+        return None
+    return v / s
+
+
+def sample_from(probs: np.ndarray, u: float) -> int:
+    """Inverse-CDF draw from ``probs`` ([n] float64, sums to 1) with uniform ``u``."""
+    c = np.cumsum(probs)
+    i = int(np.searchsorted(c, u * c[-1], side="right"))
+    i = min(i, probs.size - 1)
+    while probs[i] <= 0 and i > 0:  # never land on a zero-probability token at the edge
+        i -= 1
+    return i
+
+
+def verify_rejection(tree: TokenTree, logits: np.ndarray, cursor) -> VerifyResult:
+    """Rejection-sampling walk (see module docstring). Arguments as ``verify_greedy``.
+
+    Uses ``cursor.target_probs(row)`` for the target distribution and the cursor's seeded
+    uniforms, so a given tree, logits and seed always give the same result.
+    """
+    node = 0
+    path: list[int] = []
+    tokens: list[int] = []
+    rows: list[int] = []
+    sources: list[TokenSource] = []
+    while True:
+        target_probs = cursor.target_probs(logits[node])
+        kids = tree.children(node)
+        rows.append(node)
+        residual = target_probs
+        accepted = -1
+        for k, c in enumerate(kids):
+            x = int(tree.token_ids[c])
+            u = cursor.accept_uniform(k)
+            if tree.is_stochastic(c):
+                draft_probs = tree.draft_dists[node]
+                qx = float(draft_probs[x])
+                if qx <= 0.0:
+                    raise ValueError(f"draft node {c} has zero probability under its draft distribution")
+                if u < min(1.0, residual[x] / qx):
+                    accepted = c
+                    break
+                nxt = _normalise(np.maximum(residual - draft_probs, 0.0))
+                if nxt is not None:  # all-zero residual: draft == target, rejection had prob 0
+                    residual = nxt
+            else:
+                if u < residual[x]:
+                    accepted = c
+                    break
+                residual = residual.copy()
+                residual[x] = 0.0
+                nxt = _normalise(residual)
+                if nxt is None:  # cannot happen unless residual was a point mass on x
+                    residual[x] = 1.0
+                else:
+                    residual = nxt
+        if accepted >= 0:
+            t = int(tree.token_ids[accepted])
+            tokens.append(t)
+            sources.append(TokenSource(int(tree.source[accepted])))
+            path.append(accepted)
+            cursor.advance(t)
+            node = accepted
+            continue
+        t = sample_from(residual, cursor.residual_uniform())
+        tokens.append(t)
+        sources.append(_final_source(tree, node, bool(kids)))
+        return VerifyResult(path, tokens, rows, sources, [int(tree.depth[c]) for c in path])
+
+
+def verify(tree: TokenTree, logits: np.ndarray, cursor) -> VerifyResult:
+    """Dispatch: greedy / Gumbel walk, or classic rejection sampling when the request asks
+    for it at temperature > 0."""
+    req = cursor.req
+    if req.is_greedy or req.params.verify == "gumbel":
+        return verify_greedy(tree, logits, cursor)
+    return verify_rejection(tree, logits, cursor)
