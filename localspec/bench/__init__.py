@@ -1,0 +1,1 @@
+"""Benchmarks: Spec-Bench runner (plain vs speculative, llama.cpp peers), micro-benchmarks."""

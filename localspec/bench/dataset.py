@@ -1,0 +1,90 @@
+"""Spec-Bench-format prompts (JSON lines: question_id, category, turns).
+
+Spec-Bench (Xia et al. 2024) has five task categories (translation, summarization, qa,
+math_reasoning, rag) and the eight MT-Bench labels (writing, roleplay, reasoning, math,
+coding, extraction, stem, humanities), which are reported together as ``mt_bench``. The
+first turn of each question is the prompt. For ``mt_bench`` the N questions are taken
+round-robin over the eight labels (the first of each label, then the second, ...), so that
+the category is not only "writing".
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+MT_BENCH_LABELS = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+
+
+@dataclass
+class BenchPrompt:
+    category: str  # reported category (mt_bench for the eight MT-Bench labels)
+    label: str  # the dataset's own category
+    question_id: int | str
+    text: str
+
+
+def load_questions(path: str | Path) -> list[dict]:
+    """Read a Spec-Bench JSONL file. Raises ``ValueError`` naming a malformed line."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                q = json.loads(line)
+                if not q["turns"] or "category" not in q:
+                    raise KeyError("turns/category")
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{i}: not a Spec-Bench question ({e})") from None
+            out.append(q)
+    return out
+
+
+def category_of(label: str) -> str:
+    return "mt_bench" if label in MT_BENCH_LABELS else label
+
+
+def select_prompts(questions: list[dict], categories: list[str] | None, per_category: int) -> list[BenchPrompt]:
+    """The first ``per_category`` questions of each category (mt_bench round-robin)."""
+    by_cat: dict[str, list[dict]] = {}
+    for q in questions:
+        by_cat.setdefault(category_of(q["category"]), []).append(q)
+    cats = categories or [c for c in CATEGORIES if c in by_cat] + [c for c in by_cat if c not in CATEGORIES]
+    out: list[BenchPrompt] = []
+    for cat in cats:
+        if cat not in by_cat:
+            raise ValueError(f"category {cat!r} is not in the dataset (it has {', '.join(sorted(by_cat))})")
+        qs = by_cat[cat]
+        if cat == "mt_bench":
+            lanes = [[q for q in qs if q["category"] == lab] for lab in MT_BENCH_LABELS]
+            lanes = [lane for lane in lanes if lane]
+            ordered = []
+            i = 0
+            while len(ordered) < len(qs):
+                for lane in lanes:
+                    if i < len(lane):
+                        ordered.append(lane[i])
+                i += 1
+            qs = ordered
+        for q in qs[:per_category]:
+            out.append(BenchPrompt(cat, q["category"], q.get("question_id", len(out)), q["turns"][0]))
+    return out
+
+
+def interleave(prompts: list[BenchPrompt]) -> list[BenchPrompt]:
+    """Round-robin over categories, so slow drifts of the machine spread over all of them."""
+    by_cat: dict[str, list[BenchPrompt]] = {}
+    for p in prompts:
+        by_cat.setdefault(p.category, []).append(p)
+    out = []
+    i = 0
+    while len(out) < len(prompts):
+        for lst in by_cat.values():
+            if i < len(lst):
+                out.append(lst[i])
+        i += 1
+    return out

@@ -1,0 +1,54 @@
+"""Cost of the n-gram drafter per step as the history grows (1k, 8k, 32k tokens, ...).
+
+The history is synthetic but text-like: a Zipf-distributed token stream in which earlier
+spans are copied back in, as in documents that quote themselves, so lookups find matches of
+every order. Each measured step appends one token and proposes a tree, as the engine does.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..drafters.ngram import NgramDrafter
+
+
+def synthetic_history(n: int, *, vocab: int = 32000, seed: int = 0) -> list[int]:
+    rng = np.random.default_rng(seed)
+    out: list[int] = []
+    while len(out) < n:
+        if len(out) > 64 and rng.random() < 0.3:
+            start = int(rng.integers(0, len(out) - 32))
+            out.extend(out[start : start + int(rng.integers(4, 32))])
+        else:
+            out.extend((rng.zipf(1.3, 16) % vocab).tolist())
+    return out[:n]
+
+
+def bench_ngram(sizes=(1024, 8192, 32768), *, steps: int = 300, max_depth: int = 16, max_nodes: int = 64, make_drafter=None) -> list[dict]:
+    """Per history size: µs per step (append + propose) and µs per index build token."""
+    make = make_drafter or NgramDrafter
+    rows = []
+    for n in sizes:
+        hist = synthetic_history(n + steps + 1)
+        d = make()
+        t0 = time.perf_counter()
+        d.begin(hist[:n])
+        t_build = time.perf_counter() - t0
+        times = []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            d.accept([hist[n + i]])
+            d.propose(max_depth, max_nodes)
+            times.append(time.perf_counter() - t0)
+        arr = np.array(times) * 1e6
+        rows.append(
+            {
+                "history_tokens": n,
+                "step_us_median": float(np.median(arr)),
+                "step_us_p90": float(np.percentile(arr, 90)),
+                "build_us_per_token": t_build * 1e6 / n,
+            }
+        )
+    return rows

@@ -1,0 +1,114 @@
+"""llama.cpp's own server as a peer in ``localspec bench``.
+
+``--peer-llama-server BIN`` starts ``llama-server`` (built from the same llama.cpp source that
+llama-cpp-python vendors; docs/bench.md says how) once per mode - plain, and each of its
+n-gram speculative modes - on a loopback port, sends the same prompt tokens to
+``/completion`` with greedy sampling and no prompt cache, and reads the server's own timings
+(``predicted_n`` / ``predicted_ms``: decode time, prefill excluded).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+NGRAM_MODES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class PeerRun:
+    tokens: list[int]
+    predicted_n: int
+    predicted_ms: float
+    prompt_ms: float
+    draft_n: int
+    draft_n_accepted: int
+
+
+class PeerServer:
+    """One ``llama-server`` process in one speculative mode (``"none"`` = plain)."""
+
+    def __init__(self, binary: str | Path, model: str | Path, mode: str, *, n_ctx: int, threads: int, log_dir: Path) -> None:
+        self.mode = mode
+        self.port = free_port()
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"llama-server-{mode}.log"
+        args = [
+            str(binary),
+            "-m", str(model),
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "-c", str(n_ctx),
+            "-t", str(threads),
+            "-tb", str(threads),
+            "-np", "1",
+            "--no-webui",
+        ]  # fmt: skip
+        if mode != "none":
+            args += ["--spec-type", mode]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout_s: float = 120.0) -> None:
+        t0 = time.time()
+        while time.time() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server ({self.mode}) exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.3)
+        self.close()
+        raise RuntimeError(f"llama-server ({self.mode}) did not become ready; see {self.log_path}")
+
+    def complete(self, prompt_tokens: list[int], n_predict: int) -> PeerRun:
+        body = {
+            "prompt": prompt_tokens,
+            "n_predict": n_predict,
+            "temperature": 0.0,
+            "top_k": 1,
+            "cache_prompt": False,
+            "return_tokens": True,
+            "seed": 0,
+        }
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/completion",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=600) as r:
+            d = json.loads(r.read())
+        t = d.get("timings", {})
+        return PeerRun(
+            tokens=list(d.get("tokens", [])),
+            predicted_n=int(t.get("predicted_n", 0)),
+            predicted_ms=float(t.get("predicted_ms", 0.0)),
+            prompt_ms=float(t.get("prompt_ms", 0.0)),
+            draft_n=int(t.get("draft_n", 0)),
+            draft_n_accepted=int(t.get("draft_n_accepted", 0)),
+        )
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()

@@ -1,0 +1,194 @@
+"""Spec-Bench style benchmark: plain vs speculative decoding, interleaved prompt by prompt.
+
+For every prompt the engine runs plain decoding and speculative decoding with the same
+sampling (same seed) from an empty KV cache, in alternating order, and (optionally)
+llama.cpp's own server in each of its n-gram modes on the same prompt tokens. Ratios are
+computed per category from totals: decode throughput (generated tokens / decode time,
+prefill excluded, as llama.cpp's server reports it) and end to end (prefill included).
+Where a speculative output differs from the plain one, the top-2 logit gap of the plain
+distribution at the first differing position is reported: lossless speculation can only
+differ at numerical near-ties (batched and single-token logits differ slightly on CPU).
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass, field
+
+from ..engine import Engine
+from ..sampling import SamplingParams
+from .dataset import BenchPrompt, interleave
+
+
+@dataclass
+class RunRecord:
+    n_tokens: int
+    t_decode_us: float  # generation loop (prefill excluded)
+    t_total_us: float
+    n_steps: int
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    t_host_us: float = 0.0
+    t_target_us: float = 0.0
+
+    @classmethod
+    def of(cls, stats) -> "RunRecord":
+        return cls(
+            stats.n_generated_tokens,
+            stats.t_generate_us,
+            stats.t_total_us,
+            stats.n_steps,
+            stats.num_draft_tokens,
+            stats.num_accepted_tokens,
+            stats.t_host_us,
+            stats.t_decode_us,
+        )
+
+
+@dataclass
+class PromptRecord:
+    category: str
+    label: str
+    question_id: int | str
+    n_prompt_tokens: int
+    plain: RunRecord
+    spec: RunRecord
+    identical: bool
+    divergence_index: int | None = None
+    divergence_gap: float | None = None
+    peers: dict[str, dict] = field(default_factory=dict)
+
+
+def divergence(a: list[int], b: list[int]) -> int | None:
+    """First index where the token lists differ (None when identical)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def top2_gap(engine: Engine, prefix: list[int]) -> float:
+    """Top-2 logit gap of the target after ``prefix`` (raw logits)."""
+    r = engine.generate(prefix, max_tokens=1, sampling=SamplingParams.greedy(logprobs=2), speculative=False)
+    top = r.logprobs[0].top if r.logprobs else []
+    return float(top[0][1] - top[1][1]) if len(top) >= 2 else float("inf")
+
+
+def run_bench(
+    engine: Engine,
+    prompts: list[BenchPrompt],
+    *,
+    max_tokens: int,
+    sampling: SamplingParams,
+    peers: dict | None = None,
+    progress=None,
+) -> list[PromptRecord]:
+    """Run every prompt plain and speculative (and on the peers); see module docstring.
+
+    Args:
+        peers: mode -> ``PeerServer`` (``"none"`` for llama.cpp's plain decoding).
+        progress: optional callable ``(done, total, record)``.
+    """
+    records: list[PromptRecord] = []
+    ordered = interleave(prompts)
+    for i, bp in enumerate(ordered):
+        tokens = engine.tokenize(bp.text)
+        seed = sampling.seed if sampling.seed is not None else 1234 + i
+        sp = sampling.with_seed(seed)
+        results = {}
+        for kind in (("plain", "spec") if i % 2 == 0 else ("spec", "plain")):
+            engine.reset()
+            results[kind] = engine.generate(tokens, max_tokens=max_tokens, sampling=sp, speculative=(kind == "spec"))
+        plain, spec = results["plain"], results["spec"]
+        div = divergence(plain.token_ids, spec.token_ids)
+        rec = PromptRecord(
+            category=bp.category,
+            label=bp.label,
+            question_id=bp.question_id,
+            n_prompt_tokens=len(tokens),
+            plain=RunRecord.of(plain.stats),
+            spec=RunRecord.of(spec.stats),
+            identical=div is None,
+        )
+        if div is not None and div < len(plain.token_ids):
+            engine.reset()
+            rec.divergence_index = div
+            rec.divergence_gap = top2_gap(engine, tokens + plain.token_ids[:div])
+        for mode, server in (peers or {}).items():
+            pr = server.complete(tokens, max_tokens)
+            rec.peers[mode] = {
+                "n_tokens": pr.predicted_n,
+                "t_decode_ms": pr.predicted_ms,
+                "t_prompt_ms": pr.prompt_ms,
+                "draft_n": pr.draft_n,
+                "draft_n_accepted": pr.draft_n_accepted,
+                "identical_to_plain": pr.tokens[: len(plain.token_ids)] == plain.token_ids if pr.tokens else None,
+            }
+        records.append(rec)
+        if progress is not None:
+            progress(i + 1, len(ordered), rec)
+    return records
+
+
+def _rate(n_tokens: float, t_us: float) -> float:
+    return n_tokens / (t_us * 1e-6) if t_us > 0 else 0.0
+
+
+def summarize(records: list[PromptRecord]) -> dict:
+    """Per-category aggregates (ratios of totals)."""
+    cats: dict[str, list[PromptRecord]] = {}
+    for r in records:
+        cats.setdefault(r.category, []).append(r)
+    out = {}
+    for cat, rs in cats.items():
+        pn = sum(r.plain.n_tokens for r in rs)
+        sn = sum(r.spec.n_tokens for r in rs)
+        p_rate = _rate(pn, sum(r.plain.t_decode_us for r in rs))
+        s_rate = _rate(sn, sum(r.spec.t_decode_us for r in rs))
+        p_e2e = _rate(pn, sum(r.plain.t_total_us for r in rs))
+        s_e2e = _rate(sn, sum(r.spec.t_total_us for r in rs))
+        steps = sum(r.spec.n_steps for r in rs)
+        d = {
+            "n_prompts": len(rs),
+            "plain_tokens_per_s": p_rate,
+            "spec_tokens_per_s": s_rate,
+            "speedup": s_rate / p_rate if p_rate else 0.0,
+            "speedup_end_to_end": s_e2e / p_e2e if p_e2e else 0.0,
+            "mean_acceptance_length": sn / steps if steps else 0.0,
+            "identical_fraction": sum(r.identical for r in rs) / len(rs),
+            "num_draft_tokens": sum(r.spec.num_draft_tokens for r in rs),
+            "num_accepted_tokens": sum(r.spec.num_accepted_tokens for r in rs),
+            "t_host_us_per_step": sum(r.spec.t_host_us for r in rs) / steps if steps else 0.0,
+            "t_decode_us_per_step": sum(r.spec.t_target_us for r in rs) / steps if steps else 0.0,
+            "divergence_gaps": [r.divergence_gap for r in rs if r.divergence_gap is not None],
+        }
+        peer_modes = sorted({m for r in rs for m in r.peers})
+        if peer_modes and "none" in peer_modes:
+            base = _rate(sum(r.peers["none"]["n_tokens"] for r in rs), sum(r.peers["none"]["t_decode_ms"] * 1e3 for r in rs))
+            d["peers"] = {}
+            for m in peer_modes:
+                if m == "none":
+                    continue
+                rate = _rate(sum(r.peers[m]["n_tokens"] for r in rs), sum(r.peers[m]["t_decode_ms"] * 1e3 for r in rs))
+                dn = sum(r.peers[m]["draft_n"] for r in rs)
+                da = sum(r.peers[m]["draft_n_accepted"] for r in rs)
+                d["peers"][m] = {"speedup": rate / base if base else 0.0, "tokens_per_s": rate, "draft_n": dn, "draft_n_accepted": da}
+            d["peer_plain_tokens_per_s"] = base
+            best = max(d["peers"].items(), key=lambda kv: kv[1]["speedup"], default=None)
+            if best:
+                d["best_peer_mode"] = best[0]
+                d["best_peer_speedup"] = best[1]["speedup"]
+        out[cat] = d
+    return out
+
+
+def machine_info(engine: Engine) -> dict:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "n_threads": engine.ctx.n_threads,
+        "model": str(engine.model.path),
+        "model_desc": engine.model.describe(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }

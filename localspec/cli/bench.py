@@ -1,0 +1,122 @@
+"""``localspec bench``: speed of speculative vs plain decoding on Spec-Bench-format prompts,
+and micro-benchmarks (``bench ngram``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .common import add_drafter_args, add_model_args, add_sampling_args, make_engine, sampling_from_args
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmark speculative vs plain decoding (Spec-Bench JSONL)",
+        description="Runs each prompt with plain and speculative decoding (interleaved, same "
+        "sampling, empty KV cache each time) and reports per-category speed ratios, mean acceptance "
+        "length and whether outputs are identical. Writes DIR/bench.json, DIR/bench.md, DIR/bench.png.",
+    )
+    p.add_argument("--dataset", default=None, help="Spec-Bench question.jsonl (question_id, category, turns)")
+    p.add_argument("--categories", default=None, help="comma-separated categories (default: all)")
+    p.add_argument("--per-category", type=int, default=10, help="prompts per category (default 10)")
+    p.add_argument("-n", "--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+    p.add_argument("--out", default="bench-out", help="output directory (default ./bench-out)")
+    p.add_argument(
+        "--peer-llama-server",
+        default=None,
+        metavar="BIN",
+        help="also run this llama-server binary plain and in each n-gram mode on the same prompts",
+    )
+    p.add_argument("--peer-modes", default=None, help="comma-separated llama-server --spec-type modes")
+    add_drafter_args(p)
+    add_sampling_args(p, greedy_default=True)
+    add_model_args(p)
+    p.set_defaults(func=run)
+    bsub = p.add_subparsers(dest="bench_command", metavar="MICRO")
+    ng = bsub.add_parser("ngram", help="n-gram drafter cost per step at growing history sizes")
+    ng.add_argument("--sizes", default="1024,8192,32768")
+    ng.add_argument("--steps", type=int, default=300)
+    ng.add_argument("--json", action="store_true")
+    ng.set_defaults(func=run_ngram)
+
+
+def run_ngram(a: argparse.Namespace) -> int:
+    from ..bench.ngram import bench_ngram
+
+    rows = bench_ngram([int(s) for s in a.sizes.split(",")], steps=a.steps)
+    if a.json:
+        print(json.dumps({"ngram": rows}))
+    else:
+        print("| history tokens | µs/step (median) | µs/step (p90) | build µs/token |\n|---|---|---|---|")
+        for r in rows:
+            print(
+                f"| {r['history_tokens']} | {r['step_us_median']:.0f} | {r['step_us_p90']:.0f} | {r['build_us_per_token']:.2f} |"
+            )
+    return 0
+
+
+def run(a: argparse.Namespace) -> int:
+    from ..bench import peer as peer_mod
+    from ..bench.dataset import load_questions, select_prompts
+    from ..bench.report import markdown_table, plot, write_json
+    from ..bench.specbench import machine_info, run_bench, summarize
+
+    if not a.dataset:
+        raise SystemExit("error: --dataset FILE is required (a Spec-Bench question.jsonl)")
+    if a.drafter == "none":
+        raise SystemExit("error: bench compares a drafter against plain decoding; choose --drafter other than none")
+    questions = load_questions(a.dataset)
+    cats = [c.strip() for c in a.categories.split(",")] if a.categories else None
+    prompts = select_prompts(questions, cats, a.per_category)
+    sampling = sampling_from_args(a)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    engine = make_engine(a, a.drafter)
+    peers = {}
+    try:
+        if a.peer_llama_server:
+            modes = a.peer_modes.split(",") if a.peer_modes else list(peer_mod.NGRAM_MODES)
+            print(f"localspec: starting llama-server in modes: none, {', '.join(modes)}", file=sys.stderr)
+            for mode in ["none", *modes]:
+                peers[mode] = peer_mod.PeerServer(
+                    a.peer_llama_server, engine.model.path, mode, n_ctx=engine.n_ctx, threads=engine.ctx.n_threads, log_dir=out
+                )
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(prompts), desc="bench", unit="prompt", file=sys.stderr)
+        except ImportError:  # pragma: no cover
+            bar = None
+
+        def progress(done, total, rec):
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"{rec.category}: identical={rec.identical}")
+
+        records = run_bench(engine, prompts, max_tokens=a.max_tokens, sampling=sampling, peers=peers, progress=progress)
+        if bar is not None:
+            bar.close()
+        cats_summary = summarize(records)
+        config = {
+            "dataset": str(a.dataset),
+            "drafter": a.drafter,
+            "max_tokens": a.max_tokens,
+            "temperature": a.temperature,
+            "per_category": a.per_category,
+            "peer_llama_server": a.peer_llama_server,
+            **machine_info(engine),
+        }
+        write_json(out / "bench.json", config, cats_summary, records)
+        table = markdown_table(config, cats_summary)
+        (out / "bench.md").write_text(table)
+        plotted = plot(out / "bench.png", cats_summary)
+        print(table)
+        print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + (f", {out / 'bench.png'}" if plotted else ""), file=sys.stderr)
+    finally:
+        for s in peers.values():
+            s.close()
+        engine.close()
+    return 0

@@ -1,0 +1,103 @@
+"""Arguments shared by the subcommands: model / runtime, drafter, sampling."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from ..sampling import SamplingParams
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and runtime")
+    g.add_argument("-m", "--model", default=None, help="target GGUF path (default: the embedded Gemma 3 270M)")
+    g.add_argument("--n-ctx", type=int, default=None, help="context size in tokens (default 8192)")
+    g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all available)")
+    g.add_argument(
+        "-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload on CUDA/Metal builds (-1 = all)"
+    )
+    g.add_argument("--max-tree-nodes", type=int, default=64, help="largest verified token tree (root included)")
+    g.add_argument("--no-adaptive", action="store_true", help="verify whole drafted trees (no speculation policy)")
+
+
+def add_drafter_args(p: argparse.ArgumentParser, default: str = "ngram") -> None:
+    from ..drafters import drafter_names
+
+    p.add_argument("--drafter", default=default, choices=drafter_names(), help=f"drafter (default {default})")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, *, greedy_default: bool = False) -> None:
+    d = SamplingParams.greedy() if greedy_default else SamplingParams()
+    g = p.add_argument_group("sampling (llama.cpp defaults)")
+    g.add_argument("--temperature", "--temp", type=float, default=d.temperature, help=f"0 = greedy (default {d.temperature})")
+    g.add_argument("--top-k", type=int, default=d.top_k, help=f"0 = off (default {d.top_k})")
+    g.add_argument("--top-p", type=float, default=d.top_p, help=f"1 = off (default {d.top_p})")
+    g.add_argument("--min-p", type=float, default=d.min_p, help=f"0 = off (default {d.min_p})")
+    g.add_argument("--repeat-penalty", type=float, default=d.repeat_penalty, help="1 = off")
+    g.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty)
+    g.add_argument("--presence-penalty", type=float, default=d.presence_penalty)
+    g.add_argument("--penalty-last-n", type=int, default=d.penalty_last_n, help="window of penalties (-1 = all)")
+    g.add_argument(
+        "--logit-bias",
+        action="append",
+        default=[],
+        metavar="TOKEN=BIAS",
+        help="add BIAS to TOKEN's logit ('-inf' bans it); repeatable",
+    )
+    g.add_argument("--seed", type=int, default=None, help="seed of the per-position random streams")
+    g.add_argument("--grammar", default=None, help="GBNF grammar text constraining the output")
+    g.add_argument("--grammar-file", default=None, help="file with a GBNF grammar")
+    g.add_argument(
+        "--verify",
+        choices=("gumbel", "rejection"),
+        default="gumbel",
+        help="speculative sampling at temperature > 0: seeded Gumbel (same text as plain "
+        "decoding for a seed) or classic rejection sampling",
+    )
+
+
+def sampling_from_args(a: argparse.Namespace, logprobs: int | None = None) -> SamplingParams:
+    bias = {}
+    for item in a.logit_bias:
+        try:
+            tok, val = item.split("=", 1)
+            bias[int(tok)] = -math.inf if val.strip().lower() in ("-inf", "-infinity") else float(val)
+        except ValueError:
+            raise SystemExit(f"error: --logit-bias expects TOKEN=BIAS, got {item!r}") from None
+    grammar = a.grammar
+    if a.grammar_file:
+        grammar = Path(a.grammar_file).read_text()
+    return SamplingParams(
+        temperature=a.temperature,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        min_p=a.min_p,
+        repeat_penalty=a.repeat_penalty,
+        frequency_penalty=a.frequency_penalty,
+        presence_penalty=a.presence_penalty,
+        penalty_last_n=a.penalty_last_n,
+        logit_bias=bias,
+        seed=a.seed,
+        grammar=grammar,
+        verify=a.verify,
+        logprobs=logprobs,
+    )
+
+
+def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = True):
+    """Build an ``Engine`` from parsed arguments, saying what it does on stderr."""
+    from ..engine import Engine
+
+    if progress:
+        print("localspec: loading model and measuring decode cost (cached after the first run)...", file=sys.stderr)
+    return Engine(
+        a.model,
+        drafter=drafter,
+        n_ctx=a.n_ctx,
+        n_threads=a.threads,
+        n_gpu_layers=a.n_gpu_layers,
+        max_tree_nodes=a.max_tree_nodes,
+        adaptive=not a.no_adaptive,
+    )

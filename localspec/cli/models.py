@@ -1,0 +1,68 @@
+"""``localspec models``: where the default model is (and model utilities as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(sub) -> None:
+    p = sub.add_parser("models", help="show the default model and model utilities")
+    msub = p.add_subparsers(dest="models_command", metavar="ACTION")
+    w = msub.add_parser("where", help="print the default model's path (assembling it if needed)")
+    w.set_defaults(func=run_where)
+    i = msub.add_parser("info", help="describe a GGUF (default: the embedded model)")
+    i.add_argument("path", nargs="?", default=None)
+    i.set_defaults(func=run_info)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run_default)
+
+
+def run_default(a: argparse.Namespace) -> int:
+    from ..models import default_model_path, model_info
+
+    path = default_model_path()
+    info = model_info()
+    info["path"] = str(path)
+    if a.json:
+        print(json.dumps(info))
+    else:
+        print(f"default model: {info['default_model']} (from package {info['package']})")
+        print(f"path:          {info['path']}")
+        print(f"size:          {info['size_bytes'] / 2**20:.1f} MiB, sha256 {info['sha256']}")
+        print(f"cache dir:     {info['cache_dir']}")
+    return 0
+
+
+def run_where(a: argparse.Namespace) -> int:
+    from ..models import default_model_path
+
+    print(default_model_path())
+    return 0
+
+
+def run_info(a: argparse.Namespace) -> int:
+    from ..backend import Model
+    from ..models import resolve_model
+
+    m = Model(resolve_model(a.path), vocab_only=False)
+    try:
+        info = {
+            "path": str(m.path),
+            "description": m.describe(),
+            "architecture": m.architecture,
+            "n_vocab": m.n_vocab,
+            "n_embd": m.n_embd,
+            "n_layer": m.n_layer,
+            "n_ctx_train": m.n_ctx_train,
+            "n_swa": m.n_swa,
+            "size_bytes": m.size_bytes,
+            "chat_template": m.chat_template() is not None,
+            "fim_tokens": m.fim_tokens(),
+            "bos": m.bos,
+            "eos": m.eos,
+        }
+    finally:
+        m.close()
+    print(json.dumps(info, indent=None if a.json else 2))
+    return 0

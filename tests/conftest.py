@@ -1,0 +1,96 @@
+"""Shared fixtures. Tests that need the real default model (Gemma 3 270M) use ``model`` /
+``engine``; they share one loaded model per session."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from localspec.costmodel import CostModel
+
+# A fixed cost table (ms measured on a 2-core CPU, see docs/architecture.md), so tests do not
+# spend seconds calibrating and behave the same on every machine.
+FIXED_COSTS_US = {
+    1: 11900.0, 2: 22900.0, 3: 26000.0, 4: 29300.0, 8: 45900.0, 12: 58000.0, 16: 68700.0,
+    24: 94000.0, 32: 120000.0, 48: 170000.0, 64: 238000.0,
+}  # fmt: skip
+
+
+def fixed_cost_model() -> CostModel:
+    return CostModel(dict(FIXED_COSTS_US))
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    from localspec.models import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def model(model_path):
+    from localspec.backend import Model
+
+    m = Model(model_path)
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="session")
+def engine(model):
+    """A shared engine (n-gram drafter). Tests must leave its drafter as they found it."""
+    from localspec import Engine
+
+    e = Engine(model, drafter="ngram", n_ctx=4096, cost_model=fixed_cost_model())
+    yield e
+    e.close()
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+class FakeModel:
+    """Just enough of ``backend.Model`` for sampling/verification unit tests."""
+
+    def __init__(self, n_vocab: int, eog=(0,)) -> None:
+        self.n_vocab = n_vocab
+        self.suppress_tokens = np.zeros(0, dtype=np.int32)
+        self._eog = set(eog)
+
+    def is_eog(self, t: int) -> bool:
+        return t in self._eog
+
+    def token_bytes(self, t: int) -> bytes:
+        return f"<{t}>".encode()
+
+
+@pytest.fixture
+def fake_model():
+    return FakeModel
+
+
+def chisquare_pvalue(observed, probs, min_expected: float = 5.0) -> float:
+    """Chi-square goodness-of-fit p-value of counts ``observed`` against ``probs``.
+
+    Bins with an expected count below ``min_expected`` are pooled into one bin, so the test
+    stays valid for long-tailed distributions.
+    """
+    from scipy import stats
+
+    obs = np.asarray(observed, dtype=np.float64)
+    p = np.asarray(probs, dtype=np.float64)
+    p = p / p.sum()
+    exp = p * obs.sum()
+    big = exp >= min_expected
+    o = list(obs[big])
+    e = list(exp[big])
+    if (~big).any():
+        o.append(obs[~big].sum())
+        e.append(exp[~big].sum())
+    o, e = np.array(o), np.array(e)
+    e = e * (o.sum() / e.sum())
+    if len(o) < 2:
+        return 1.0
+    return float(stats.chisquare(o, e).pvalue)

@@ -1,0 +1,94 @@
+"""The command line as users and scripts call it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from localspec.cli.main import main
+
+DATA = Path(__file__).parent / "data"
+
+
+def run_cli(*args, input=None):
+    return subprocess.run(
+        [sys.executable, "-m", "localspec", *args], input=input, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_generate_json_schema():
+    r = run_cli("generate", "The capital of France is", "--drafter", "ngram", "--max-tokens", "12",
+                "--temperature", "0", "--seed", "1", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    for k in ("text", "token_ids", "finish_reason", "stats"):
+        assert k in d
+    for k in ("tokens_per_s", "mean_acceptance_length", "num_draft_tokens", "num_accepted_tokens"):
+        assert k in d["stats"]
+    assert len(d["token_ids"]) == 12 and d["finish_reason"] == "length"
+
+
+def test_generate_prompt_from_stdin_and_file(tmp_path, capsys):
+    r = run_cli("generate", "-n", "4", "--temperature", "0", "--json", input="Once upon a time")
+    assert r.returncode == 0, r.stderr
+    a = json.loads(r.stdout)
+    f = tmp_path / "p.txt"
+    f.write_text("Once upon a time")
+    assert main(["generate", "-f", str(f), "-n", "4", "--temperature", "0", "--json", "--drafter", "none"]) == 0
+    b = json.loads(capsys.readouterr().out)
+    assert a["token_ids"] == b["token_ids"]
+
+
+def test_generate_compare_reports_ratio(capsys):
+    assert main(["generate", "a b c a b c a b c", "-n", "16", "--temperature", "0", "--compare", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["identical_to_plain"] in (True, False) and d["speed_ratio"] > 0
+
+
+def test_missing_model_is_a_clear_error(capsys, tmp_path):
+    assert main(["generate", "hi", "-m", str(tmp_path / "missing.gguf")]) == 1
+    err = capsys.readouterr().err
+    assert "not found" in err
+
+
+def test_models_command(capsys):
+    assert main(["models", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert Path(d["path"]).exists() and d["default_model"].endswith(".gguf")
+
+
+def test_bench_writes_json_table_and_plot(tmp_path, capsys):
+    ds = tmp_path / "q.jsonl"
+    rows = [
+        {"question_id": 1, "category": "summarization", "turns": ["Summarize: the cat sat on the mat. The cat sat."]},
+        {"question_id": 2, "category": "qa", "turns": ["What is the capital of France?"]},
+        {"question_id": 3, "category": "writing", "turns": ["Write a poem about tea."]},
+        {"question_id": 4, "category": "coding", "turns": ["Write hello world in C."]},
+    ]
+    ds.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "out"
+    assert main(["bench", "--dataset", str(ds), "--per-category", "1", "-n", "8", "--out", str(out)]) == 0
+    d = json.loads((out / "bench.json").read_text())
+    assert set(d["categories"]) == {"summarization", "qa", "mt_bench"}
+    for c in d["categories"].values():
+        for k in ("speedup", "mean_acceptance_length", "identical_fraction", "t_host_us_per_step", "t_decode_us_per_step"):
+            assert k in c
+    assert len(d["prompts"]) == 3
+    for p in d["prompts"]:
+        assert {"category", "question_id", "identical", "divergence_gap"} <= set(p)
+    assert (out / "bench.md").read_text().startswith("localspec bench")
+    assert (out / "bench.png").exists()
+
+
+def test_bench_ngram_micro(capsys):
+    assert main(["bench", "ngram", "--sizes", "1024,4096", "--steps", "20", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [r["history_tokens"] for r in d["ngram"]] == [1024, 4096]
+
+
+@pytest.mark.parametrize("bad", [["generate"], ["bench"]])
+def test_usage_errors(bad):
+    r = run_cli(*bad, input="")
+    assert r.returncode != 0

@@ -1,0 +1,334 @@
+"""Real-model tests of the engine: lossless greedy and sampled decoding, stops, limits,
+streaming, cache reuse, errors."""
+
+import numpy as np
+import pytest
+
+from conftest import chisquare_pvalue, fixed_cost_model
+from helpers import NEAR_TIE, RandomDrafter, ScriptedDrafter, assert_same_up_to_near_ties, perturbed_gap
+from localspec import Engine, SamplingParams
+from localspec.errors import ContextOverflowError, GrammarError, InvalidRequestError
+from localspec.sampler import RequestSampler
+from localspec.tree import TokenSource, TreeBuilder
+from localspec.verify import verify_greedy, verify_rejection
+
+GREEDY = SamplingParams.greedy()
+PROMPT = "The three primary colours are red, yellow and blue. The three primary colours are"
+
+
+@pytest.fixture
+def eng(engine):
+    """The shared engine, with its drafter restored afterwards."""
+    old = engine.drafter
+    old_adaptive = engine.adaptive
+    yield engine
+    engine.drafter = old
+    engine.adaptive = old_adaptive
+
+
+def plain(eng, prompt, n, sampling=GREEDY, **kw):
+    eng.reset()
+    return eng.generate(prompt, max_tokens=n, sampling=sampling, speculative=False, **kw)
+
+
+def test_plain_decoding_is_deterministic_and_counts(eng):
+    a = plain(eng, PROMPT, 24)
+    b = plain(eng, PROMPT, 24)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 24
+    s = a.stats
+    assert s.n_steps == 24 and s.mean_acceptance_length == 1.0 and s.num_draft_tokens == 0
+    assert s.token_sources == {"decode": 24}
+    assert a.finish_reason == "length"
+
+
+def test_oracle_drafter_is_accepted_and_output_unchanged(eng):
+    ref = plain(eng, PROMPT, 40)
+    prompt_ids = eng.tokenize(PROMPT)
+    eng.drafter = ScriptedDrafter(prompt_ids + ref.token_ids, chain=6)
+    eng.adaptive = False
+    eng.reset()
+    res = eng.generate(PROMPT, max_tokens=40, sampling=GREEDY)
+    assert_same_up_to_near_ties(eng, prompt_ids, ref.token_ids, res.token_ids)
+    s = res.stats
+    assert s.num_accepted_tokens >= 0.9 * s.num_draft_tokens > 0
+    assert s.mean_acceptance_length > 4
+    assert s.n_steps < 12
+
+
+@pytest.mark.parametrize("kind", ["random", "wrong", "decoys"])
+def test_adversarial_drafters_still_give_the_target_argmax(eng, kind):
+    prompt_ids = eng.tokenize(PROMPT)
+    ref = plain(eng, PROMPT, 32)
+    script = prompt_ids + ref.token_ids
+    eng.drafter = {
+        "random": RandomDrafter(width=3, depth=4, seed=1),
+        "wrong": ScriptedDrafter(script, chain=5, wrong_every=3),
+        "decoys": ScriptedDrafter(script, chain=4, decoys=2, seed=3),
+    }[kind]
+    eng.adaptive = False
+    eng.reset()
+    res = eng.generate(PROMPT, max_tokens=32, sampling=GREEDY)
+    assert_same_up_to_near_ties(eng, prompt_ids, ref.token_ids, res.token_ids)
+    assert res.stats.num_draft_tokens > 0
+
+
+def test_each_emitted_token_is_the_argmax_of_its_verification_row(model):
+    """By construction: checked on a real tree decode with random drafts."""
+    from localspec.backend import Context, SequenceCache
+
+    ctx = Context(model, n_ctx=512, n_seq_max=9)
+    cache = SequenceCache(ctx, max_tree_nodes=16)
+    try:
+        prompt = model.tokenize(PROMPT)
+        cache.prefill(prompt[:-1])
+        rng = np.random.default_rng(0)
+        b = TreeBuilder(prompt[-1])
+        top = 0
+        for _ in range(3):
+            node = 0
+            for _d in range(3):
+                node = b.add(node, int(rng.integers(0, 262144)), source=TokenSource.NGRAM)
+        # make one branch start with the real argmax so something is accepted
+        tree = b.build()
+        lay, logits = cache.decode_tree(tree)
+        top = int(np.argmax(logits[0]))
+        cache.commit(tree, lay, [])
+        cache.truncate(len(prompt) - 1)
+        b2 = TreeBuilder(prompt[-1])
+        n1 = b2.add(0, top, source=TokenSource.NGRAM)
+        b2.add(n1, 5, source=TokenSource.NGRAM)
+        b2.add(0, 7, source=TokenSource.NGRAM)
+        tree = b2.build()
+        lay, logits = cache.decode_tree(tree)
+        req = RequestSampler(GREEDY, model, prompt)
+        res = verify_greedy(tree, logits, req.cursor(cache.n_past + 1))
+        assert res.path == [n1]
+        for tok, row in zip(res.tokens, res.rows):
+            assert tok == int(np.argmax(logits[row]))
+        cache.commit(tree, lay, res.path)
+    finally:
+        ctx.close()
+
+
+@pytest.mark.parametrize("max_tokens", list(range(1, 13)))
+def test_max_tokens_never_exceeded_with_drafts_of_4(eng, max_tokens):
+    prompt_ids = eng.tokenize(PROMPT)
+    ref = plain(eng, PROMPT, 12)
+    eng.drafter = ScriptedDrafter(prompt_ids + ref.token_ids + [9] * 20, chain=4)
+    eng.adaptive = False
+    eng.reset()
+    res = eng.generate(PROMPT, max_tokens=max_tokens, sampling=GREEDY)
+    assert len(res.token_ids) == max_tokens
+    assert res.finish_reason == "length"
+    assert_same_up_to_near_ties(eng, prompt_ids, ref.token_ids[:max_tokens], res.token_ids)
+
+
+def test_stop_string_inside_an_accepted_block_cuts_everything(eng):
+    prompt_ids = eng.tokenize(PROMPT)
+    ref = plain(eng, PROMPT, 30)
+    text = ref.text
+    # a stop string of two tokens from the middle of the reference continuation, whose first
+    # occurrence is there
+    for j in range(8, 26):
+        k = len(eng.model.detokenize(ref.token_ids[:j]))
+        stop = text[k : k + len(eng.model.detokenize(ref.token_ids[j : j + 2]))]
+        if len(stop.strip()) >= 2 and text.find(stop) == k:
+            break
+    else:
+        pytest.fail("no unique stop string in the reference text")
+    eng.drafter = ScriptedDrafter(prompt_ids + ref.token_ids, chain=8)
+    eng.adaptive = False
+    eng.reset()
+    stream = eng.stream(PROMPT, max_tokens=30, sampling=GREEDY, stop=[stop])
+    chunks = [c.text for c in stream]
+    res = stream.result
+    assert res.finish_reason == "stop" and res.stop == stop
+    assert res.text == text[: text.index(stop)]
+    assert "".join(chunks) == res.text
+    n = len(res.token_ids)
+    assert eng.model.detokenize(res.token_ids) == res.text[: len(eng.model.detokenize(res.token_ids))]
+    assert res.stats.n_generated_tokens == n == len(res.sources)
+    assert res.stats.num_accepted_tokens == sum(1 for s in res.sources if s == TokenSource.NGRAM)
+    # the stop was completed inside a multi-token accepted block
+    assert res.stats.mean_acceptance_length > 1.5
+    # KV cache cut at the same point: prompt + kept tokens (or fewer)
+    assert eng.cache.n_past <= len(prompt_ids) + n
+    assert eng.cache.tokens == (prompt_ids + res.token_ids)[: eng.cache.n_past]
+
+
+def test_end_of_generation_inside_an_accepted_block(eng):
+    """A grammar forces a short answer, then only end-of-generation tokens are allowed; the
+    drafter proposes the answer and the EOS in one block."""
+    grammar = 'root ::= " yes" | " no"'
+    sp = SamplingParams.greedy(grammar=grammar)
+    ref = plain(eng, "Is the sky blue? Answer:", 10, sampling=sp)
+    assert ref.finish_reason == "stop" and ref.stop == "<eog>"
+    assert ref.text in (" yes", " no")
+    prompt_ids = eng.tokenize("Is the sky blue? Answer:")
+    eos = eng.model.eos
+    eng.drafter = ScriptedDrafter(prompt_ids + ref.token_ids + [eos, 1000, 1001], chain=6)
+    eng.adaptive = False
+    eng.reset()
+    res = eng.generate("Is the sky blue? Answer:", max_tokens=10, sampling=sp)
+    assert res.finish_reason == "stop" and res.stop == "<eog>"
+    assert res.token_ids == ref.token_ids and res.text == ref.text
+    assert eos not in res.token_ids
+
+
+def test_grammar_errors_are_clear(eng):
+    with pytest.raises(GrammarError):
+        eng.generate("x", max_tokens=2, sampling=SamplingParams.greedy(grammar="root ::= ("))
+    # the engine is still usable
+    assert len(eng.generate("x", max_tokens=2, sampling=GREEDY).token_ids) == 2
+
+
+def test_utf8_streaming_is_byte_identical(eng):
+    prompt = "Translate to Japanese and Chinese with emoji: I love tea 🍵 ->"
+    for spec in (False, True):
+        eng.reset()
+        stream = eng.stream(prompt, max_tokens=48, sampling=SamplingParams(seed=3, temperature=0.9), speculative=spec)
+        chunks = [c.text for c in stream]
+        assert "".join(chunks) == stream.result.text
+        assert "".join(chunks).encode("utf-8") == stream.result.text.encode("utf-8")
+
+
+def test_prompt_longer_than_context_is_a_clear_error(eng):
+    long = "word " * 5000
+    with pytest.raises(ContextOverflowError, match="context"):
+        eng.generate(long, max_tokens=4)
+    assert len(eng.generate("Hello", max_tokens=3, sampling=GREEDY).token_ids) == 3
+
+
+def test_bad_requests(eng):
+    with pytest.raises(InvalidRequestError):
+        eng.generate("x", max_tokens=-1)
+    with pytest.raises(InvalidRequestError):
+        eng.generate([10**9], max_tokens=1)
+    with pytest.raises(InvalidRequestError):
+        eng.generate("", max_tokens=1, add_special=False)
+
+
+def test_nearly_full_context(model):
+    e = Engine(model, drafter="ngram", n_ctx=256, cost_model=fixed_cost_model())
+    try:
+        text = "a b c d e f g h " * 200
+        prompt = e.tokenize(text)[:240]
+        res = e.generate(prompt, max_tokens=100, sampling=GREEDY)
+        assert res.finish_reason == "length"
+        assert len(prompt) + len(res.token_ids) <= e.n_ctx + 1
+        assert len(res.token_ids) >= 10
+        e.cache.check()
+        ref = e.generate(prompt, max_tokens=len(res.token_ids), sampling=GREEDY, speculative=False)
+        assert_same_up_to_near_ties(e, prompt, ref.token_ids, res.token_ids)
+    finally:
+        e.close()
+
+
+def test_kv_reuse_between_requests(eng):
+    eng.reset()
+    a = eng.generate(PROMPT, max_tokens=8, sampling=GREEDY)
+    b = eng.generate(PROMPT, max_tokens=8, sampling=GREEDY)
+    assert b.stats.n_cached_tokens == len(eng.tokenize(PROMPT)) - 1
+    assert a.token_ids == b.token_ids or b.stats.n_generated_tokens == 8
+    c = eng.generate(PROMPT + a.text + " And", max_tokens=4, sampling=GREEDY)
+    assert c.stats.n_cached_tokens >= len(eng.tokenize(PROMPT))
+
+
+def test_cancel_mid_stream_leaves_engine_consistent(eng):
+    eng.reset()
+    stream = eng.stream(PROMPT, max_tokens=200, sampling=GREEDY)
+    got = 0
+    for _ in stream:
+        got += 1
+        if got == 5:
+            stream.cancel()
+    assert stream.result.finish_reason == "cancelled"
+    assert 5 <= len(stream.result.token_ids) < 200
+    eng.cache.check()
+    # closing a stream early also leaves it consistent
+    s2 = eng.stream(PROMPT, max_tokens=50, sampling=GREEDY)
+    next(iter(s2))
+    s2.close()
+    eng.cache.check()
+    assert len(eng.generate("Hi", max_tokens=3, sampling=GREEDY).token_ids) == 3
+
+
+def test_seed_gives_the_same_text_with_and_without_speculation(eng):
+    sp = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1234)
+    prompt = PROMPT + " red, yellow and blue. The three primary colours are"
+    p = plain(eng, prompt, 48, sampling=sp)
+    eng.reset()
+    s = eng.generate(prompt, max_tokens=48, sampling=sp)
+    assert s.stats.num_accepted_tokens > 0
+    div = next((i for i, (x, y) in enumerate(zip(p.token_ids, s.token_ids)) if x != y), None)
+    if div is not None:  # only a numerical near-tie of the perturbed logits may flip
+        gap = perturbed_gap(eng, eng.tokenize(prompt) + p.token_ids[:div], sp)
+        assert gap < NEAR_TIE / sp.temperature, f"seeded outputs differ at {div}, perturbed gap {gap:.3f}"
+
+
+def test_penalties_and_bias_apply_identically_with_speculation(eng):
+    sp = SamplingParams.greedy(repeat_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1, logit_bias={236761: -2.0})
+    prompt_ids = eng.tokenize(PROMPT)
+    ref = plain(eng, PROMPT, 32, sampling=sp)
+    ref_nopen = plain(eng, PROMPT, 32)
+    assert ref.token_ids != ref_nopen.token_ids  # the penalties matter here
+    eng.drafter = ScriptedDrafter(prompt_ids + ref.token_ids, chain=6)
+    eng.adaptive = False
+    eng.reset()
+    res = eng.generate(PROMPT, max_tokens=32, sampling=sp)
+    assert res.stats.num_accepted_tokens > 10
+    assert_same_up_to_near_ties(eng, prompt_ids, ref.token_ids, res.token_ids)
+
+
+def test_logprobs_match_plain_decoding_within_tolerance(eng):
+    sp = SamplingParams.greedy(logprobs=3)
+    prompt_ids = eng.tokenize(PROMPT)
+    ref = plain(eng, PROMPT, 16, sampling=sp)
+    eng.drafter = ScriptedDrafter(prompt_ids + ref.token_ids, chain=5)
+    eng.adaptive = False
+    eng.reset()
+    res = eng.generate(PROMPT, max_tokens=16, sampling=sp)
+    assert len(res.logprobs) == len(res.token_ids)
+    n = next((i for i, (x, y) in enumerate(zip(ref.token_ids, res.token_ids)) if x != y), len(ref.token_ids))
+    diffs = [abs(a.logprob - b.logprob) for a, b in zip(ref.logprobs[:n], res.logprobs[:n])]
+    assert max(diffs) < 0.25  # batched vs single-token logits (docs/architecture.md)
+    for lp in res.logprobs:
+        assert lp.logprob <= 0 and len(lp.top) == 3 and lp.top[0][1] >= lp.top[1][1]
+
+
+def test_real_model_rejection_and_gumbel_reproduce_the_target_distribution(model):
+    """Chi-square on real logits: verify one real tree many times with different seeds."""
+    from localspec.backend import Context, SequenceCache
+
+    ctx = Context(model, n_ctx=512, n_seq_max=9)
+    cache = SequenceCache(ctx, max_tree_nodes=16)
+    try:
+        prompt = model.tokenize("Once upon a time, there was a")
+        cache.prefill(prompt[:-1])
+        probe, _ = None, None
+        lay, lg = cache.decode_tree(TreeBuilder(prompt[-1]).build())
+        root_row = lg[0].copy()
+        cache.commit(TreeBuilder(prompt[-1]).build(), lay, [])
+        cache.truncate(len(prompt) - 1)
+        top = np.argsort(-root_row)[:3]
+        b = TreeBuilder(prompt[-1])
+        kids = [b.add(0, int(t), source=TokenSource.NGRAM) for t in top]
+        b.add(kids[0], 13, source=TokenSource.NGRAM)
+        tree = b.build()
+        lay, lg = cache.decode_tree(tree)
+        rows = lg.copy()
+        cache.commit(tree, lay, [])
+        sp = SamplingParams(temperature=1.0, top_k=20, top_p=1.0, min_p=0.0)
+        proc_probs = RequestSampler(sp.with_seed(0), model, prompt).cursor(len(prompt)).target_probs(rows[0])
+        support = np.flatnonzero(proc_probs)
+        for mode, fn in (("rejection", verify_rejection), ("gumbel", verify_greedy)):
+            counts = np.zeros(model.n_vocab)
+            p = SamplingParams(**{**sp.__dict__, "verify": mode})
+            for seed in range(3000):
+                req = RequestSampler(p.with_seed(seed), model, prompt)
+                res = fn(tree, rows, req.cursor(len(prompt)))
+                counts[res.tokens[0]] += 1
+            assert counts[np.setdiff1d(np.arange(model.n_vocab), support)].sum() == 0
+            assert chisquare_pvalue(counts[support], proc_probs[support]) > 1e-3, mode
+    finally:
+        ctx.close()
