@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass, field
 import numpy as np
@@ -87,6 +88,8 @@ def _cache_key(ctx: Context) -> str:
         str(int(st.st_mtime)),
         f"threads={ctx.n_threads}/{ctx.n_threads_batch}",
         f"ngl={m.n_gpu_layers}",
+        f"repack={getattr(m, 'repack', True)}",
+        f"kernels={os.environ.get('GGML_CPU_TILED_MM', '1')}",
         f"llama-cpp-python={lib.__version__}",
         hashlib.sha1(system_info().encode()).hexdigest()[:12],
     ]

@@ -356,11 +356,11 @@ class Engine:
                     if stream.cancelled.is_set():
                         raise _Cancelled
                     t0 = _now_us()
-                    tree = self._propose(drafter, root, remaining, cache.n_free)
+                    cand, tree = self._propose(drafter, root, remaining, cache.n_free)
                     t1 = _now_us()
                     lay, logits = cache.decode_tree(tree)
                     t2 = _now_us()
-                    cursor = req.cursor(cache.n_past + 1)
+                    cursor = req.cursor(cache.root_pos + 1)
                     try:
                         res = verify(tree, logits, cursor)
                     finally:
@@ -369,7 +369,7 @@ class Engine:
                     t3 = _now_us()
                     cache.commit(tree, lay, res.path)
                     if drafter is not None:
-                        drafter.observe(tree, res)
+                        drafter.observe(cand, res.tokens)
                         drafter.accept(res.tokens)
                     req.commit(res.tokens)
                     stats.n_steps += 1
@@ -423,8 +423,7 @@ class Engine:
                 tail = assembler.finish()
                 # KV: keep the prompt and the kept tokens that were decoded
                 keep_kv = min(cache.n_past, len(prompt) + len(out_tokens))
-                if cache.n_past > keep_kv:
-                    cache.truncate(keep_kv)
+                cache.truncate(keep_kv)
                 stats.n_generated_tokens = len(out_tokens)
                 stats.token_sources = count_sources(out_sources)
                 stats.num_accepted_tokens = sum(1 for s in out_sources if TokenSource(s).is_draft)
@@ -446,13 +445,16 @@ class Engine:
             if tail:
                 yield StreamChunk(tail, -1, TokenSource.DECODE, stats.n_steps)
 
-    def _propose(self, drafter: Drafter | None, root: int, remaining: int, n_free: int) -> TokenTree:
-        """The tree to verify this step: the drafter's proposal cut to what the policy, the
-        remaining token budget and the free context allow."""
+    def _propose(
+        self, drafter: Drafter | None, root: int, remaining: int, n_free: int
+    ) -> tuple[TokenTree, TokenTree]:
+        """The drafter's proposal and the tree to verify this step: the proposal cut to what
+        the policy, the remaining token budget and the free context allow."""
         max_depth = min(remaining - 1, n_free - 1)
         max_nodes = min(self.max_tree_nodes, n_free)
         if drafter is None or max_depth <= 0 or max_nodes <= 1:
-            return TokenTree.root_only(root)
+            t = TokenTree.root_only(root)
+            return t, t
         cand = drafter.propose(max_depth, max_nodes)
         if cand.n_nodes > 1 and int(cand.token_ids[0]) != root:
             raise RuntimeError(f"drafter {drafter.name} proposed a tree rooted at {cand.token_ids[0]}, not {root}")
@@ -462,7 +464,8 @@ class Engine:
             n = self.policy.choose(cand, max_nodes=max_nodes).n_nodes
         else:
             n = max_nodes
-        return cand.best_subtree(n) if n < cand.n_nodes else cand
+        tree = cand.best_subtree(n) if n < cand.n_nodes else cand
+        return cand, tree.best_first_dfs()
 
     @staticmethod
     def _logprobs(logits: np.ndarray, res, top_n: int) -> list[TokenLogprob]:

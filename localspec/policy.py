@@ -31,46 +31,49 @@ class AcceptanceTracker:
     """Online estimate of P(a draft node is accepted | its parent was), per feature bucket.
 
     Two levels: long-run per-bucket rates (kept for the life of the drafter, starting from
-    ``prior``), and a per-request calibration ratio (observed / predicted acceptances, with
-    exponential forgetting) that scales every bucket, so that a request in "copy mode"
-    (summaries, repeated code) or in free generation is recognised after a few steps.
+    ``prior``), and per-request per-bucket counts with exponential forgetting, which dominate
+    once a bucket has a few observations in the current request, so that a request in "copy
+    mode" (summaries, repeated code, loops) or in free generation is recognised quickly.
+    Drafters feed it every node whose parent the target reached, including nodes the policy
+    did not verify (their outcome is known from the tokens the target emitted).
 
     Args:
         prior: [n_buckets] float prior acceptance rates.
         prior_weight: pseudo-observations behind the prior.
-        decay: per-step forgetting of the request calibration.
+        local_weight: pseudo-observations of the long-run rate behind a request estimate.
+        decay: forgetting of request counts per step.
     """
 
-    def __init__(self, prior, *, prior_weight: float = 8.0, decay: float = 0.9) -> None:
+    def __init__(self, prior, *, prior_weight: float = 8.0, local_weight: float = 3.0, decay: float = 0.95) -> None:
         self.prior = np.asarray(prior, dtype=np.float64)
         self.prior_weight = prior_weight
+        self.local_weight = local_weight
         self.decay = decay
         self.acc = np.zeros_like(self.prior)
         self.n = np.zeros_like(self.prior)
         self.reset_request()
 
     def reset_request(self) -> None:
-        self.local_obs = 0.0
-        self.local_pred = 0.0
+        self.local_acc = np.zeros_like(self.prior)
+        self.local_n = np.zeros_like(self.prior)
 
     def base_rate(self, bucket: int) -> float:
         return float((self.acc[bucket] + self.prior_weight * self.prior[bucket]) / (self.n[bucket] + self.prior_weight))
 
-    def ratio(self) -> float:
-        """Request calibration: (accepted + 1) / (predicted + 1), forgetting old steps."""
-        return (self.local_obs + 1.0) / (self.local_pred + 1.0)
-
     def estimate(self, bucket: int) -> float:
-        return float(min(0.995, self.base_rate(bucket) * self.ratio()))
+        w = self.local_weight
+        p = (self.local_acc[bucket] + w * self.base_rate(bucket)) / (self.local_n[bucket] + w)
+        return float(min(0.995, p))
 
     def end_step(self) -> None:
-        self.local_obs *= self.decay
-        self.local_pred *= self.decay
+        self.local_acc *= self.decay
+        self.local_n *= self.decay
 
     def record(self, bucket: int, accepted: bool) -> None:
-        self.local_pred += self.base_rate(bucket)
-        self.local_obs += 1.0 if accepted else 0.0
-        self.acc[bucket] += 1.0 if accepted else 0.0
+        a = 1.0 if accepted else 0.0
+        self.local_acc[bucket] += a
+        self.local_n[bucket] += 1.0
+        self.acc[bucket] += a
         self.n[bucket] += 1.0
 
 

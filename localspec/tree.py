@@ -181,6 +181,52 @@ class TokenTree:
             feature=None if self.feature is None else self.feature[idx].copy(),
         )
 
+    def reordered(self, order: np.ndarray) -> "TokenTree":
+        """The same tree with nodes renumbered: new node i is old node ``order[i]``.
+
+        ``order`` must be a permutation with ``order[0] == 0`` that lists parents before
+        children.
+        """
+        order = np.asarray(order, dtype=np.int64)
+        n = self.n_nodes
+        inv = np.empty(n, dtype=np.int32)
+        inv[order] = np.arange(n, dtype=np.int32)
+        par = self.parents[order]
+        parents = np.where(par >= 0, inv[np.maximum(par, 0)], -1).astype(np.int32)
+        if np.any(parents[1:] >= np.arange(1, n)):
+            raise ValueError("reordered: parents must precede children")
+        return TokenTree(
+            token_ids=self.token_ids[order].copy(),
+            parents=parents,
+            depth=self.depth[order].copy(),
+            source=self.source[order].copy(),
+            score=self.score[order].copy(),
+            draft_probs=self.draft_probs[order].copy(),
+            draft_dists={int(inv[p]): d for p, d in self.draft_dists.items()},
+            feature=None if self.feature is None else self.feature[order].copy(),
+        )
+
+    def best_first_dfs(self) -> "TokenTree":
+        """The tree renumbered in depth-first order, the highest-scoring child first.
+
+        The most likely path then occupies nodes 1, 2, ..., d: when the target accepts it,
+        its KV cells directly follow the committed prefix, in position order (see
+        ``backend.kv.SequenceCache.commit``).
+        """
+        if self.n_nodes <= 2 or self.is_chain():
+            return self
+        kids = self._children
+        order: list[int] = []
+        stack = [0]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            ks = sorted(kids[node], key=lambda c: (-self.score[c], c))
+            stack.extend(reversed(ks))
+        if order == list(range(self.n_nodes)):
+            return self
+        return self.reordered(np.asarray(order))
+
     def best_subtree(self, n_nodes: int) -> "TokenTree":
         """The ``n_nodes`` nodes (root included) with the highest scores, parents first.
 

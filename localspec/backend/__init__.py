@@ -5,7 +5,7 @@
 rollbacks and token-tree commits. Nothing above this package touches a C handle.
 """
 
-from ._llama import ensure_backend, supports_gpu_offload, system_info
+from ._llama import ensure_backend, exact_kernels, supports_gpu_offload, system_info
 from .batch import Batch
 from .context import Context, default_threads
 from .kv import SequenceCache
@@ -19,6 +19,7 @@ __all__ = [
     "check_gguf_file",
     "default_threads",
     "ensure_backend",
+    "exact_kernels",
     "supports_gpu_offload",
     "system_info",
 ]

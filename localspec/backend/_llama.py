@@ -14,7 +14,14 @@ import logging
 import os
 import threading
 
-import llama_cpp as _lib  # raw ctypes bindings (llama_cpp.llama_cpp re-exported)
+# ggml's tiled K-quant matmul (batches of >= 8 rows) rounds differently from the
+# single-row kernel; "exact" kernels keep it off so that a verification batch computes every
+# row bit for bit as a single-token decode would (docs/architecture.md, "Exact kernels").
+# ggml reads this variable once, at the first matmul of the process.
+if os.environ.get("LOCALSPEC_KERNELS", "exact") == "exact":
+    os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+
+import llama_cpp as _lib  # noqa: E402 - raw ctypes bindings (llama_cpp.llama_cpp re-exported)
 
 lib = _lib
 log = logging.getLogger("localspec.llama")
@@ -73,6 +80,14 @@ def set_log_level(name: str) -> None:
     """Set the lowest llama.cpp log level passed to Python logging ('debug' ... 'none')."""
     global _min_level
     _min_level = _LEVELS[name.lower()]
+
+
+def exact_kernels() -> bool:
+    """True when this process runs llama.cpp's CPU kernels in the exact configuration:
+    batched rows computed bit for bit like single-token decodes (tiled K-quant matmul off;
+    models load without weight repacking). Chosen by ``LOCALSPEC_KERNELS=exact|fast`` before
+    localspec is imported (default ``exact``)."""
+    return os.environ.get("GGML_CPU_TILED_MM") == "0"
 
 
 def system_info() -> str:

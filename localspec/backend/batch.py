@@ -75,14 +75,17 @@ class Batch:
             self.output[n - 1] = 1
         self.n_tokens = n
 
-    def set_tree(self, tokens: np.ndarray, pos: np.ndarray, seq_sets: np.ndarray, n_seq: np.ndarray) -> None:
-        """Fill with a token tree laid out as sequences; every node outputs logits.
+    def set_tree(
+        self, tokens: np.ndarray, pos: np.ndarray, seq_sets: np.ndarray, n_seq: np.ndarray, output=None
+    ) -> None:
+        """Fill with tokens laid out as sequences (e.g. a token tree).
 
         Args:
             tokens:   [n] int32 node tokens.
             pos:      [n] int32 positions (``n_past + depth``).
             seq_sets: [n, k] int32 sequence ids of each node (first ``n_seq[i]`` are used).
             n_seq:    [n] int32 number of sequence ids of each node.
+            output:   [n] int8 1 = return logits (default: every token).
         """
         n = len(tokens)
         if n > self.capacity:
@@ -94,5 +97,5 @@ class Batch:
         self.pos[:n] = pos
         self.n_seq_id[:n] = n_seq
         self.seq_id[:n, :k] = seq_sets
-        self.output[:n] = 1
+        self.output[:n] = 1 if output is None else output
         self.n_tokens = n

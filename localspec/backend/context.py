@@ -15,9 +15,12 @@ import threading
 import numpy as np
 
 from ..errors import ContextOverflowError, DecodeError, ModelLoadError
-from ._llama import lib, recent_errors
+from ._llama import exact_kernels, lib, recent_errors, supports_gpu_offload
 from .batch import Batch
 from .model import Model
+
+
+GGML_TYPE_BF16 = 30
 
 
 def default_threads() -> int:
@@ -67,6 +70,8 @@ class Context:
         cb_eval=None,
         cb_eval_user_data=None,
         ctx_other: "Context | None" = None,
+        type_k: int | None = None,
+        type_v: int | None = None,
     ) -> None:
         self._ctx = None
         self.model = model
@@ -84,6 +89,18 @@ class Context:
         params.embeddings = bool(embeddings)
         if flash_attn is not None:
             params.flash_attn_type = 1 if flash_attn else 0
+        if type_k is None and exact_kernels() and not (model.n_gpu_layers and supports_gpu_offload()):
+            # K in BF16, V in F16: with K and V of different types llama.cpp's CPU flash
+            # attention takes the same kernel for one query row as for many (not the split-KV
+            # path it otherwise uses for single-token decodes over >= 512 cells), so a
+            # verification batch is bit-identical to plain decoding. BF16 is the type Gemma
+            # and most current models are trained in. See docs/architecture.md.
+            type_k = GGML_TYPE_BF16
+        self.type_k = type_k
+        if type_k is not None:
+            params.type_k = int(type_k)
+        if type_v is not None:
+            params.type_v = int(type_v)
         self._cb_eval = cb_eval  # keep the ctypes callback alive as long as the context
         if cb_eval is not None:
             params.cb_eval = cb_eval

@@ -5,6 +5,13 @@ every scratch sequence a tree used) through ``llama_memory_seq_pos_min/max`` and
 ``KVCacheError`` when it is not exactly ``[0, n_past)``. llama.cpp's own return values are not
 trusted: ``seq_rm`` returns true even when a window-sized SWA cache has already dropped the
 cells a rollback needs.
+
+KV cells are kept in position order. llama.cpp's CPU attention accumulates over cells in
+cell order, so a cache whose cells are out of position order computes (slightly) different
+numbers than plain decoding. A tree's nodes occupy cells in node order; when the accepted
+path is not the first nodes of the tree (another branch came first), only its leading run of
+consecutive nodes is committed, and the rest of the accepted tokens become ``pending``: they
+are decoded again, without logits, at the front of the next batch.
 """
 
 from __future__ import annotations
@@ -30,9 +37,10 @@ class SequenceCache:
     def __init__(self, ctx: Context, *, max_tree_nodes: int = 64) -> None:
         self.ctx = ctx
         self.tokens: list[int] = []
+        self.pending: list[int] = []  # accepted tokens not in the cache yet (decoded next)
         self.max_tree_nodes = int(max_tree_nodes)
         self._prefill_batch = Batch(ctx.n_batch, 1)
-        self._tree_batch = Batch(max(self.max_tree_nodes, 1), max(ctx.n_seq_max, 1))
+        self._tree_batch = Batch(max(2 * self.max_tree_nodes, 1), max(ctx.n_seq_max, 1))
         self._scratch_seqs: np.ndarray = np.zeros(0, dtype=np.int32)
 
     @property
@@ -40,9 +48,14 @@ class SequenceCache:
         return len(self.tokens)
 
     @property
+    def root_pos(self) -> int:
+        """Position of the next tree's root (after the committed and pending tokens)."""
+        return len(self.tokens) + len(self.pending)
+
+    @property
     def n_free(self) -> int:
         """KV cells left for new tokens (tree nodes included)."""
-        return self.ctx.n_ctx - self.n_past
+        return self.ctx.n_ctx - self.root_pos
 
     # -- checks -------------------------------------------------------------------------------
 
@@ -69,6 +82,7 @@ class SequenceCache:
         """Empty the cache."""
         self.ctx.clear()
         self.tokens = []
+        self.pending = []
         self._scratch_seqs = np.zeros(0, dtype=np.int32)
         self.check()
 
@@ -76,6 +90,7 @@ class SequenceCache:
         """Keep the first ``n_keep`` committed tokens, drop the rest (checked)."""
         if n_keep < 0 or n_keep > self.n_past:
             raise ValueError(f"truncate({n_keep}) with {self.n_past} tokens committed")
+        self.pending = []
         if n_keep < self.n_past:
             self.ctx.seq_rm(0, n_keep, -1)
             del self.tokens[n_keep:]
@@ -91,6 +106,7 @@ class SequenceCache:
             DecodeError: a chunk failed; the cache is rolled back to its previous length.
         """
         tokens = list(tokens)
+        self.pending = []
         if self.n_past + len(tokens) > self.ctx.n_ctx:
             raise ContextOverflowError(
                 f"{self.n_past + len(tokens)} tokens do not fit in the context of {self.ctx.n_ctx}"
@@ -113,17 +129,18 @@ class SequenceCache:
         self.check()
 
     def decode_tree(self, tree: TokenTree) -> tuple[TreeLayout, np.ndarray]:
-        """Decode ``tree`` (root = the next token at position ``n_past``) in one batch.
+        """Decode the pending tokens (no logits) and ``tree`` (root at ``root_pos``) in one batch.
 
         Returns the layout and the logits view ``[n_nodes, n_vocab] float32`` (row i = node i),
         valid until the next decode. On failure the cache is restored and the error raised.
         """
         n = tree.n_nodes
-        if n > self._tree_batch.capacity:
-            raise ValueError(f"tree of {n} nodes exceeds max_tree_nodes={self._tree_batch.capacity}")
-        if n > self.n_free:
+        m = len(self.pending)
+        if n + m > self._tree_batch.capacity or n > self.max_tree_nodes:
+            raise ValueError(f"tree of {n} nodes exceeds max_tree_nodes={self.max_tree_nodes}")
+        if n + m > self.ctx.n_ctx - self.n_past:
             raise ContextOverflowError(f"tree of {n} nodes does not fit: {self.n_free} KV cells free")
-        lay = layout_tree(tree, self.n_past)
+        lay = layout_tree(tree, self.root_pos)
         if not lay.uses_seq0:
             if int(lay.leaf_seq.max()) >= self.ctx.n_seq_max:
                 raise ValueError(
@@ -132,7 +149,17 @@ class SequenceCache:
             for s in lay.leaf_seq:
                 self.ctx.seq_cp(0, int(s), -1, -1)
             self._scratch_seqs = lay.leaf_seq
-        self._tree_batch.set_tree(tree.token_ids, lay.pos, lay.seq_sets, lay.n_seq)
+        if m:
+            # pending tokens: a chain in front of the root, in every sequence the root is in
+            tokens = np.concatenate([np.asarray(self.pending, dtype=np.int32), tree.token_ids])
+            pos = np.concatenate([np.arange(self.n_past, self.n_past + m, dtype=np.int32), lay.pos])
+            k = lay.seq_sets.shape[1]
+            seq_sets = np.concatenate([np.repeat(lay.seq_sets[:1], m, axis=0), lay.seq_sets]).reshape(-1, k)
+            n_seq = np.concatenate([np.repeat(lay.n_seq[:1], m), lay.n_seq])
+            output = np.concatenate([np.zeros(m, dtype=np.int8), np.ones(n, dtype=np.int8)])
+            self._tree_batch.set_tree(tokens, pos, seq_sets, n_seq, output)
+        else:
+            self._tree_batch.set_tree(tree.token_ids, lay.pos, lay.seq_sets, lay.n_seq)
         try:
             self.ctx.decode(self._tree_batch)
         except BaseException:
@@ -148,21 +175,31 @@ class SequenceCache:
         self.check()
 
     def commit(self, tree: TokenTree, lay: TreeLayout, path: Sequence[int]) -> None:
-        """Keep the KV of the root and the accepted nodes ``path`` (root excluded), drop the rest.
+        """Keep the KV of the pending tokens, the root and the accepted nodes ``path`` (root
+        excluded); drop the rest.
 
-        After this, ``tokens`` has grown by ``1 + len(path)`` (the root and the accepted drafts)
-        and ``check()`` has verified the cache.
+        Accepted nodes whose cells do not directly follow the root's (an earlier branch sits
+        between them) are not kept: they become ``pending`` and are decoded again at the
+        front of the next batch, so cells stay in position order. ``check()`` verifies the
+        cache afterwards.
         """
-        last = int(path[-1]) if len(path) else 0
-        keep_len = self.n_past + 1 + len(path)
+        path = [int(x) for x in path]
+        n_contig = 0
+        while n_contig < len(path) and path[n_contig] == n_contig + 1:
+            n_contig += 1
+        m = len(self.pending)
+        keep_len = self.n_past + m + 1 + n_contig
+        last = path[-1] if path else 0
         if lay.uses_seq0:
             self.ctx.seq_rm(0, keep_len, -1)
         else:
             seq = int(lay.node_leaf_seq[last])
             self.ctx.seq_keep(seq)  # only the prefix + the leaf's path survive, tagged `seq`
-            self.ctx.seq_rm(seq, keep_len, -1)  # cut below the last accepted node
+            self.ctx.seq_rm(seq, keep_len, -1)  # cut after the last kept node
             self.ctx.seq_cp(seq, 0, -1, -1)
             self.ctx.seq_rm(seq, -1, -1)
+        self.tokens.extend(self.pending)
         self.tokens.append(int(tree.token_ids[0]))
-        self.tokens.extend(int(tree.token_ids[i]) for i in path)
+        self.tokens.extend(int(tree.token_ids[i]) for i in path[:n_contig])
+        self.pending = [int(tree.token_ids[i]) for i in path[n_contig:]]
         self.check()

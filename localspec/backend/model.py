@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ModelLoadError
-from ._llama import ensure_backend, lib, recent_errors
+from ._llama import ensure_backend, exact_kernels, lib, recent_errors
 
 GGUF_MAGIC = b"GGUF"
 
@@ -56,6 +56,9 @@ class Model:
             of llama.cpp; on CUDA / Metal builds it moves the weights to the device.
         use_mmap: map the file instead of reading it.
         vocab_only: load only the vocabulary (fast; for tokenisation and compatibility checks).
+        repack: let llama.cpp repack weights for its CPU GEMM kernels (``use_extra_bufts``).
+            Default: off with exact kernels (the repacked 4-row GEMM rounds differently from
+            the single-row kernel), on otherwise. See ``backend.exact_kernels()``.
 
     Raises:
         ModelLoadError: the file is missing, not GGUF, truncated/corrupt, or of an architecture
@@ -69,6 +72,7 @@ class Model:
         n_gpu_layers: int = 0,
         use_mmap: bool = True,
         vocab_only: bool = False,
+        repack: bool | None = None,
     ) -> None:
         self._model = None
         self.path = check_gguf_file(path)
@@ -77,6 +81,10 @@ class Model:
         params.n_gpu_layers = int(n_gpu_layers) if n_gpu_layers >= 0 else 0x7FFFFFFF
         params.use_mmap = bool(use_mmap)
         params.vocab_only = bool(vocab_only)
+        if repack is None:
+            repack = not exact_kernels()
+        params.use_extra_bufts = bool(repack)
+        self.repack = bool(repack)
         recent_errors(clear=True)
         model = lib.llama_model_load_from_file(str(self.path).encode("utf-8"), params)
         if not model:

@@ -15,7 +15,9 @@ Contract:
       never increase down a path.
     * ``accept(tokens)`` appends the tokens emitted by a step (accepted drafts and the final
       recovered/bonus token) to the history.
-    * ``observe(tree, result)`` reports how the proposed tree was verified.
+    * ``observe(tree, emitted)`` reports the tree as proposed (before the policy pruned it)
+      and the tokens the step emitted, so the drafter can calibrate its estimates, also on
+      the nodes that were not verified.
 """
 
 from __future__ import annotations
@@ -37,6 +39,6 @@ class Drafter(Protocol):
 
     def accept(self, tokens: Sequence[int]) -> None: ...
 
-    def observe(self, tree: TokenTree, result) -> None: ...
+    def observe(self, tree: TokenTree, emitted: Sequence[int]) -> None: ...
 
     def close(self) -> None: ...

@@ -8,7 +8,9 @@ so the target can accept whichever continuation it agrees with in the same batch
 
 Node scores estimate P(the target accepts the path to the node) as a product, along the
 path, of per-node acceptance rates from an ``AcceptanceTracker`` bucketed by the match
-order and by how many occurrences agree on the node (their share among its siblings). The
+length (how far back the history agrees with the text before the occurrence, beyond the
+indexed order: long matches mean the text is being copied) and by whether the node's
+occurrences match longer than its siblings'. The
 tracker learns from every verification, so the policy drafts long trees when the text is
 being copied and nothing when it is not.
 
@@ -24,36 +26,62 @@ import numpy as np
 
 from ..policy import AcceptanceTracker
 from ..tree import TokenSource, TokenTree, TreeBuilder
-from ..verify import VerifyResult
 from .ngram_index import NgramIndex
 
-# bucket = order_bucket * 4 + agreement_bucket
-_ORDER_BUCKETS = (0, 0, 1, 2, 3, 3, 4, 4, 4)  # n = 0..8 -> 0..4 (n >= 6 share a bucket)
-_N_ORDER = 5
-_N_AGREE = 4  # 0: single occurrence, 1: >= 2 occurrences all agree, 2: majority, 3: minority
+# An acceptance bucket is (match-length bucket, rank bucket). The match length of an
+# occurrence is how far back the history agrees with the text before it (beyond the indexed
+# order, up to _MAX_MATCH): a long match means the text is being copied or is looping, and
+# copies are accepted. A node's match length is the longest among the occurrences through it;
+# its rank says how it compares with its siblings: 0 = longest, and backed by >= 2
+# occurrences (the phrase recurs: loops, lists, boilerplate), 1 = longest, one occurrence,
+# 2 = tied with a disagreeing sibling, 3 = a sibling has a longer match.
+_MAX_MATCH = 64
+_LEN_EDGES = (1, 2, 3, 4, 6, 9, 16, 32)  # lower edges of the match-length buckets
+_N_LEN = len(_LEN_EDGES)
+_N_RANK = 4
+# Priors from scripts/calibrate_ngram_priors.py (Python standard-library docstrings and
+# sources as prompts, Gemma 3 270M, greedy; never the Spec-Bench evaluation prompts). The
+# tracker refines them online.
 _PRIOR = np.array(
     [
-        # single, all-agree, majority, minority
-        [0.12, 0.20, 0.10, 0.03],  # n = 1
-        [0.30, 0.40, 0.25, 0.08],  # n = 2
-        [0.45, 0.55, 0.35, 0.10],  # n = 3
-        [0.55, 0.65, 0.45, 0.12],  # n = 4, 5
-        [0.65, 0.75, 0.50, 0.15],  # n >= 6
+        # longest+recurring, longest, tied, beaten
+        [0.53, 0.32, 0.16, 0.04],  # match 1
+        [0.81, 0.42, 0.13, 0.05],  # 2
+        [0.84, 0.51, 0.19, 0.04],  # 3
+        [0.89, 0.50, 0.11, 0.16],  # 4-5
+        [0.91, 0.82, 0.37, 0.18],  # 6-8
+        [0.96, 0.83, 0.18, 0.09],  # 9-15
+        [0.98, 0.95, 0.17, 0.09],  # 16-31
+        [0.99, 0.99, 0.45, 0.10],  # 32+
     ]
 ).ravel()
 
 
-def _bucket(order: int, count: int, parent_count: int) -> int:
-    ob = _ORDER_BUCKETS[min(order, len(_ORDER_BUCKETS) - 1)]
-    if parent_count <= 1:
-        ab = 0
-    elif count == parent_count:
-        ab = 1
-    elif 2 * count > parent_count:
-        ab = 2
+def _len_bucket(match_len: int) -> int:
+    b = 0
+    for i, edge in enumerate(_LEN_EDGES):
+        if match_len >= edge:
+            b = i
+    return b
+
+
+def _bucket(match_len: int, best_sibling_len: int, support: int) -> int:
+    if match_len > best_sibling_len:
+        rank = 0 if support >= 2 else 1
+    elif match_len == best_sibling_len:
+        rank = 2
     else:
-        ab = 3
-    return ob * _N_AGREE + ab
+        rank = 3
+    return _len_bucket(match_len) * _N_RANK + rank
+
+
+def match_length(tokens: list[int], start: int, cap: int = _MAX_MATCH) -> int:
+    """How many tokens before ``start`` equal the last tokens of the history (at most cap)."""
+    end = len(tokens)
+    n = 0
+    while n < cap and start - 1 - n >= 0 and tokens[start - 1 - n] == tokens[end - 1 - n]:
+        n += 1
+    return n
 
 
 class NgramDrafter:
@@ -76,7 +104,7 @@ class NgramDrafter:
         max_n: int = 8,
         min_n: int = 1,
         max_occurrences: int = 12,
-        max_depth: int = 32,
+        max_depth: int = 48,
         index=None,
     ) -> None:
         self.max_n = max_n
@@ -102,9 +130,9 @@ class NgramDrafter:
         if depth_cap <= 0 or max_nodes <= 1 or len(toks) < 2:
             return builder.build()
         matches = self.index.lookup_all(min_n=self.min_n, max_occurrences=self.max_occurrences)
-        # trie of continuations: counts of occurrences through each node, best order
-        counts = [0]
-        orders = [0]
+        # trie of continuations
+        orders = [0]  # longest match length of the occurrences through each node
+        support = [0]  # occurrences through each node
         seen: set[int] = set()
         n_hist = len(toks)
         n_occ = 0
@@ -116,41 +144,61 @@ class NgramDrafter:
                     continue
                 seen.add(s)
                 n_occ += 1
-                counts[0] += 1
+                mlen = match_length(toks, s) if m.order >= self.max_n else m.order
                 node = 0
-                for t in toks[s : min(s + depth_cap, n_hist)]:
+                # once the target accepts a node, the history matches one token further
+                for d, t in enumerate(toks[s : min(s + depth_cap, n_hist)]):
                     child = builder.find(node, t)
                     if child < 0:
                         child = builder.add(node, t, source=TokenSource.NGRAM, score=0.0)
-                        counts.append(0)
-                        orders.append(m.order)
-                    counts[child] += 1
-                    orders[child] = max(orders[child], m.order)
+                        orders.append(0)
+                        support.append(0)
+                    orders[child] = max(orders[child], mlen + d)
+                    support[child] += 1
                     node = child
         n = len(builder)
         score = builder.score
         parents = builder.parents
-        buckets = [0] * n
+        kids: list[list[int]] = [[] for _ in range(n)]
         for i in range(1, n):
-            p = parents[i]
-            b = _bucket(orders[i], counts[i], counts[p])
-            buckets[i] = b
-            score[i] = score[p] * self.tracker.estimate(b)
+            kids[parents[i]].append(i)
+        buckets = [0] * n
+        for p in range(n):
+            ks = kids[p]
+            if not ks:
+                continue
+            lens = [orders[c] for c in ks]
+            top = max(lens)
+            second = max((x for j, x in enumerate(lens) if j != lens.index(top)), default=0)
+            for c in ks:
+                other = second if orders[c] == top else top
+                b = _bucket(orders[c], other, support[c])
+                buckets[c] = b
+                score[c] = score[p] * self.tracker.estimate(b)
         builder.feature = buckets
         tree = builder.build()
         if tree.n_nodes > 4 * max_nodes:
             tree = tree.best_subtree(4 * max_nodes)
         return tree
 
-    def observe(self, tree: TokenTree, result: VerifyResult) -> None:
-        """Learn from the verification of a tree this drafter proposed (possibly pruned by the
-        policy). Every child of the root and of each accepted node was "tried"."""
+    def observe(self, tree: TokenTree, emitted: Sequence[int]) -> None:
+        """Learn from a step: ``tree`` as proposed (before the policy pruned it) and the tokens
+        the target emitted. Walking the proposal along the emitted tokens, every child of a
+        reached node was "tried": accepted if its token is the next emitted one. (With greedy
+        or seeded Gumbel verification the emitted tokens do not depend on what was verified,
+        so nodes the policy did not verify are scored exactly as if they had been.)"""
         if tree.n_nodes > 1 and tree.feature is not None:
-            accepted = set(result.path)
-            for node in [0, *result.path]:
+            node = 0
+            for tok in emitted:
+                nxt = -1
                 for c in tree.children(node):
-                    if tree.source[c] == TokenSource.NGRAM:
-                        self.tracker.record(int(tree.feature[c]), c in accepted)
+                    hit = int(tree.token_ids[c]) == tok
+                    self.tracker.record(int(tree.feature[c]), hit)
+                    if hit:
+                        nxt = c
+                if nxt < 0:
+                    break
+                node = nxt
         self.tracker.end_step()
 
     def close(self) -> None:
