@@ -74,7 +74,8 @@ class GenerationResult:
         text: generated text (cut before a stop string; no end-of-generation token).
         token_ids: generated token ids (the same cut).
         finish_reason: ``"stop"`` (end-of-generation token or stop string), ``"length"``
-            (``max_tokens`` reached or the context is full) or ``"cancelled"``.
+            (``max_tokens`` reached or the context is full), ``"time"`` (``max_time_ms``
+            reached) or ``"cancelled"``.
         stop: the stop string matched, ``"<eog>"`` for an end-of-generation token, else None.
         sources: how each token was produced (``TokenSource``).
         logprobs: per-token log-probabilities when requested.
@@ -124,8 +125,10 @@ class GenerationStream:
         return next(self._gen)
 
     def cancel(self) -> None:
+        """Stop this generation (thread-safe); a no-op once it has ended."""
         self.cancelled.set()
-        self._engine.ctx.request_abort()
+        if self._engine._active_stream is self:
+            self._engine.ctx.request_abort()
 
     def close(self) -> None:
         self._gen.close()
@@ -139,6 +142,20 @@ class GenerationStream:
 
 def _now_us() -> float:
     return time.perf_counter() * 1e6
+
+
+@dataclass
+class _Request:
+    """Everything one generation needs, validated."""
+
+    prompt: list[int]
+    sampler: RequestSampler
+    drafter: Drafter | None
+    max_tokens: int
+    stop: Sequence[str]
+    max_time_ms: float | None
+    draft_context: list[list[int]]
+    t_start_us: float
 
 
 class Engine:
@@ -198,6 +215,7 @@ class Engine:
         self.drafter: Drafter | None = None
         self.set_drafter(drafter)
         self._lock = threading.RLock()
+        self._active_stream: GenerationStream | None = None
 
     # -- configuration ------------------------------------------------------------------------
 
@@ -257,6 +275,8 @@ class Engine:
         speculative: bool = True,
         parse_special: bool = False,
         add_special: bool = True,
+        max_time_ms: float | None = None,
+        draft_context: Sequence[str | Sequence[int]] = (),
     ) -> GenerationStream:
         """Start a generation; iterate the returned stream for ``StreamChunk``s.
 
@@ -267,6 +287,11 @@ class Engine:
             stop: stop strings; the text is cut before the first one completed.
             speculative: False decodes without the drafter for this request.
             parse_special: tokenise special-token text (e.g. chat markup) as special tokens.
+            add_special: add BOS (and EOS) as the model asks when tokenising text.
+            max_time_ms: stop generating (``finish_reason == "time"``) once this much time
+                has passed since the first generated token; prefill is not limited.
+            draft_context: extra texts or token sequences the drafter may draft from (an
+                editor's suffix and other files): the n-gram drafter indexes them too.
         Raises:
             InvalidRequestError: bad parameters or an empty prompt.
             ContextOverflowError: the prompt does not leave room for one generated token.
@@ -289,23 +314,36 @@ class Engine:
                 f"the prompt has {len(tokens)} tokens but the context holds {self.ctx.n_ctx}; "
                 f"shorten it or use a larger context (n_ctx / --n-ctx >= {len(tokens) + max_tokens})"
             )
+        if max_time_ms is not None and max_time_ms <= 0:
+            raise InvalidRequestError(f"max_time_ms must be > 0, got {max_time_ms}")
+        extra = [
+            self.model.tokenize(c, add_special=False) if isinstance(c, str) else [int(t) for t in c]
+            for c in draft_context
+        ]
         req = RequestSampler(sampling, self.model, tokens)
-        drafter = self.drafter if speculative else None
+        request = _Request(
+            prompt=tokens,
+            sampler=req,
+            drafter=self.drafter if speculative else None,
+            max_tokens=max_tokens,
+            stop=list(stop),
+            max_time_ms=max_time_ms,
+            draft_context=extra,
+            t_start_us=t_start,
+        )
         stream = GenerationStream(self, iter(()))
-        stream._gen = self._run(stream, tokens, req, drafter, max_tokens, stop, t_start)
+        stream._gen = self._run(stream, request)
         return stream
 
-    def _run(
-        self,
-        stream: GenerationStream,
-        prompt: list[int],
-        req: RequestSampler,
-        drafter: Drafter | None,
-        max_tokens: int,
-        stop: Sequence[str],
-        t_start: float,
-    ) -> Iterator[StreamChunk]:
+    def plain_tokens_per_s(self) -> float:
+        """Estimated plain-decoding speed on this machine now (from the measured cost model)."""
+        return 1e6 / self.cost_model.t_decode_us(1)
+
+    def _run(self, stream: GenerationStream, request: _Request) -> Iterator[StreamChunk]:
+        prompt, req, drafter = request.prompt, request.sampler, request.drafter
+        max_tokens, stop, t_start = request.max_tokens, request.stop, request.t_start_us
         with self._lock:
+            self._active_stream = stream
             cache = self.cache
             model = self.model
             stats = GenerationStats(drafter=drafter.name if drafter else "none", seed=req.seed)
@@ -341,7 +379,10 @@ class Engine:
                 t_prefill_end = _now_us()
                 stats.t_prefill_us = t_prefill_end - t_start
                 if drafter is not None:
-                    drafter.begin(prompt)
+                    if request.draft_context:
+                        drafter.begin(prompt, context=request.draft_context)
+                    else:
+                        drafter.begin(prompt)
                 root = prompt[-1]
                 t_gen0 = _now_us()
                 step = 0
@@ -355,10 +396,18 @@ class Engine:
                         break
                     if stream.cancelled.is_set():
                         raise _Cancelled
+                    if request.max_time_ms is not None and step and (_now_us() - t_gen0) >= 1e3 * request.max_time_ms:
+                        finish_reason = "time"
+                        break
                     t0 = _now_us()
                     cand, tree = self._propose(drafter, root, remaining, cache.n_free)
                     t1 = _now_us()
-                    lay, logits = cache.decode_tree(tree)
+                    try:
+                        lay, logits = cache.decode_tree(tree)
+                    except DecodeError:
+                        if stream.cancelled.is_set():
+                            raise _Cancelled from None
+                        raise
                     t2 = _now_us()
                     cursor = req.cursor(cache.root_pos + 1)
                     try:
@@ -414,6 +463,7 @@ class Engine:
                 raise
             finally:
                 t_end = _now_us()
+                self._active_stream = None
                 self.ctx.clear_abort()
                 # -- cut everything at the same point ---------------------------------------------
                 if assembler.stop_hit is not None:

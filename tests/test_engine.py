@@ -332,3 +332,31 @@ def test_real_model_rejection_and_gumbel_reproduce_the_target_distribution(model
             assert chisquare_pvalue(counts[support], proc_probs[support]) > 1e-3, mode
     finally:
         ctx.close()
+
+
+def test_max_time_ms_stops_generation(eng):
+    eng.reset()
+    res = eng.generate(PROMPT, max_tokens=500, sampling=GREEDY, max_time_ms=1)
+    assert res.finish_reason == "time"
+    assert 1 <= len(res.token_ids) < 500
+    eng.cache.check()
+
+
+def test_draft_context_is_used_by_the_ngram_drafter(eng):
+    """Text given as draft context (e.g. an editor's suffix) is drafted from."""
+    ref = plain(eng, PROMPT, 40)
+    eng.reset()
+    without = eng.generate(PROMPT, max_tokens=40, sampling=GREEDY)
+    eng.reset()
+    with_ctx = eng.generate(PROMPT, max_tokens=40, sampling=GREEDY, draft_context=[ref.token_ids])
+    assert with_ctx.token_ids == ref.token_ids
+    assert with_ctx.stats.num_accepted_tokens > without.stats.num_accepted_tokens
+    assert with_ctx.stats.mean_acceptance_length > 2
+
+
+def test_cancel_after_end_does_not_leak_into_the_next_request(eng):
+    s = eng.stream("Hi", max_tokens=2, sampling=GREEDY)
+    list(s)
+    s.cancel()  # too late: must not abort the next request
+    res = eng.generate("Hello", max_tokens=3, sampling=GREEDY)
+    assert res.finish_reason == "length" and len(res.token_ids) == 3

@@ -6,8 +6,10 @@ object with ``begin / propose / accept``; ``observe`` feeds it the verification 
 can calibrate the acceptance estimates it puts in ``TokenTree.score``.
 
 Contract:
-    * ``begin(history)`` is called once per request with every token before the first
-      generated one; ``history[-1]`` is the root of the first tree.
+    * ``begin(history, context=())`` is called once per request with every token before the
+      first generated one; ``history[-1]`` is the root of the first tree. ``context`` holds
+      extra token sequences the request offers to draft from (e.g. an editor's suffix and
+      open files); it is passed only when non-empty, so simple drafters may omit it.
     * ``propose(max_depth, max_nodes)`` returns a ``TokenTree`` whose root is the last
       history token, with at most ``max_nodes`` nodes (root included) and depth at most
       ``max_depth``. A root-only tree means "nothing to draft": the step is a plain decode.
@@ -33,7 +35,7 @@ class Drafter(Protocol):
     name: str
     source: TokenSource
 
-    def begin(self, history: Sequence[int]) -> None: ...
+    def begin(self, history: Sequence[int], context: Sequence[Sequence[int]] = ()) -> None: ...
 
     def propose(self, max_depth: int, max_nodes: int) -> TokenTree: ...
 

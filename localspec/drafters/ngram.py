@@ -116,8 +116,13 @@ class NgramDrafter:
 
     # -- protocol -----------------------------------------------------------------------------
 
-    def begin(self, history: Sequence[int]) -> None:
-        self.index.reset(list(history))
+    def begin(self, history: Sequence[int], context: Sequence[Sequence[int]] = ()) -> None:
+        """Index ``context`` (extra token sequences to draft from) followed by ``history``."""
+        toks: list[int] = []
+        for c in context:
+            toks.extend(c)
+        toks.extend(history)
+        self.index.reset(toks)
         self.tracker.reset_request()
 
     def accept(self, tokens: Sequence[int]) -> None:
