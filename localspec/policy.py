@@ -65,6 +65,12 @@ class AcceptanceTracker:
         p = (self.local_acc[bucket] + w * self.base_rate(bucket)) / (self.local_n[bucket] + w)
         return float(min(0.995, p))
 
+    def estimates(self) -> np.ndarray:
+        """[n_buckets] float64: ``estimate(b)`` of every bucket (the same numbers)."""
+        base = (self.acc + self.prior_weight * self.prior) / (self.n + self.prior_weight)
+        w = self.local_weight
+        return np.minimum(0.995, (self.local_acc + w * base) / (self.local_n + w))
+
     def end_step(self) -> None:
         self.local_acc *= self.decay
         self.local_n *= self.decay

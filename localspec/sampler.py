@@ -86,6 +86,15 @@ class Cursor:
     def counts(self):
         return self._pen.counts if self._pen is not None else None
 
+    @property
+    def window(self):
+        """The penalty window before ``pos`` (oldest first), or None without penalties."""
+        return self._pen.window if self._pen is not None else None
+
+    @property
+    def has_grammar(self) -> bool:
+        return self._grammar is not None
+
     def target_token(self, row: np.ndarray) -> int:
         """The target's token here: greedy argmax, or the seeded Gumbel-max sample.
 

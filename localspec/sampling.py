@@ -31,7 +31,9 @@ from typing import Literal
 
 import numpy as np
 
+from . import native
 from .errors import GrammarError, InvalidRequestError
+from .native import rows as native_rows
 
 MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -249,17 +251,33 @@ class Candidates:
 
 
 class LogitsProcessor:
-    """Applies ``SamplingParams`` to logits rows (numpy reference implementation).
+    """Applies ``SamplingParams`` to logits rows.
+
+    The numpy code here is the reference implementation. Rows without a grammar go through
+    the C kernels of ``localspec.native`` when they are available (same candidates and
+    tokens; the tests compare both).
 
     Args:
         params: the sampling parameters.
         n_vocab: vocabulary size.
         suppress_ids: token ids the model never emits ([k] int; get ``-inf``).
+        use_native: None follows ``localspec.native.enabled()`` at each call; False always
+            runs the numpy reference; True requires the native kernels.
+    Raises:
+        InvalidRequestError: a logit_bias token id outside the vocabulary.
+        RuntimeError: ``use_native=True`` but the native library is not available.
     """
 
     _CHUNK = 512
 
-    def __init__(self, params: SamplingParams, n_vocab: int, suppress_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        n_vocab: int,
+        suppress_ids: Sequence[int] = (),
+        *,
+        use_native: bool | None = None,
+    ) -> None:
         self.params = params
         self.n_vocab = n_vocab
         bias = dict(params.logit_bias)
@@ -271,6 +289,18 @@ class LogitsProcessor:
         self._bias_ids = np.fromiter((int(t) for t in bias), dtype=np.int64, count=len(bias))
         self._bias_val = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
         self._all_ids = None
+        if use_native and not native.AVAILABLE:
+            raise RuntimeError(f"the native kernels are not available: {native.LOAD_ERROR}")
+        self.use_native = use_native
+        self._native_state = None
+
+    def native_state(self):
+        """The C kernels' view of these parameters when they serve this processor, else None."""
+        if self.use_native is False or (self.use_native is None and not native.enabled()):
+            return None
+        if self._native_state is None:
+            self._native_state = native_rows.SamplingState(self.params, self._bias_ids, self._bias_val)
+        return self._native_state
 
     @property
     def all_ids(self) -> np.ndarray:
@@ -327,6 +357,10 @@ class LogitsProcessor:
             GrammarError: no token is allowed.
         """
         p = self.params
+        if grammar is None:
+            state = self.native_state()
+            if state is not None:
+                return Candidates(*native_rows.candidates(state, row, counts))
         x = self.adjusted(row, counts)
         if p.is_greedy:
             if grammar is None:
@@ -369,6 +403,10 @@ class LogitsProcessor:
         """The token at absolute position ``pos``: greedy, or seeded Gumbel-max over the
         processed distribution. Exactly a sample of ``softmax(candidates.logits)``."""
         p = self.params
+        if grammar is None:
+            state = self.native_state()
+            if state is not None:
+                return native_rows.choose(state, row, pos, seed, counts)
         if p.is_greedy:
             return int(self.candidates(row, counts, grammar).ids[0])
         truncating = p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0

@@ -34,6 +34,10 @@ Two walks, both exactly the target's distribution:
 
     If no child is accepted, the recovered token is drawn from the residual; a node without
     children yields a bonus token drawn from ``target_probs``.
+
+``verify`` runs both walks in C (``localspec.native``) for requests without a grammar when
+the library is available; ``verify_greedy`` and ``verify_rejection`` are the reference the
+tests compare it with (same accepted path and tokens for the same seed).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .native import verify as native_verify
 from .tree import TokenSource, TokenTree
 
 
@@ -77,6 +82,14 @@ def _final_source(tree: TokenTree, node: int, had_children: bool) -> TokenSource
     return TokenSource.RECOVERED if had_children else TokenSource.BONUS
 
 
+def _result(tree: TokenTree, path: list[int], tokens: list[int]) -> VerifyResult:
+    """The ``VerifyResult`` of a walk that accepted ``path`` and emitted ``tokens``."""
+    last = path[-1] if path else 0
+    sources = [TokenSource(int(tree.source[c])) for c in path]
+    sources.append(_final_source(tree, last, bool(tree.children(last))))
+    return VerifyResult(path, tokens, [0, *path], sources, [int(tree.depth[c]) for c in path])
+
+
 def _child_with_token(tree: TokenTree, node: int, token: int) -> int:
     for c in tree.children(node):
         if tree.token_ids[c] == token:
@@ -96,17 +109,12 @@ def verify_greedy(tree: TokenTree, logits: np.ndarray, cursor) -> VerifyResult:
     node = 0
     path: list[int] = []
     tokens: list[int] = []
-    rows: list[int] = []
-    sources: list[TokenSource] = []
     while True:
         t = cursor.target_token(logits[node])
-        rows.append(node)
         tokens.append(t)
         child = _child_with_token(tree, node, t)
         if child < 0:
-            sources.append(_final_source(tree, node, bool(tree.children(node))))
-            return VerifyResult(path, tokens, rows, sources, [int(tree.depth[c]) for c in path])
-        sources.append(TokenSource(int(tree.source[child])))
+            return _result(tree, path, tokens)
         path.append(child)
         cursor.advance(t)
         node = child
@@ -138,12 +146,9 @@ def verify_rejection(tree: TokenTree, logits: np.ndarray, cursor) -> VerifyResul
     node = 0
     path: list[int] = []
     tokens: list[int] = []
-    rows: list[int] = []
-    sources: list[TokenSource] = []
     while True:
         target_probs = cursor.target_probs(logits[node])
         kids = tree.children(node)
-        rows.append(node)
         residual = target_probs
         accepted = -1
         for k, c in enumerate(kids):
@@ -174,21 +179,27 @@ def verify_rejection(tree: TokenTree, logits: np.ndarray, cursor) -> VerifyResul
         if accepted >= 0:
             t = int(tree.token_ids[accepted])
             tokens.append(t)
-            sources.append(TokenSource(int(tree.source[accepted])))
             path.append(accepted)
             cursor.advance(t)
             node = accepted
             continue
-        t = sample_from(residual, cursor.residual_uniform())
-        tokens.append(t)
-        sources.append(_final_source(tree, node, bool(kids)))
-        return VerifyResult(path, tokens, rows, sources, [int(tree.depth[c]) for c in path])
+        tokens.append(sample_from(residual, cursor.residual_uniform()))
+        return _result(tree, path, tokens)
 
 
 def verify(tree: TokenTree, logits: np.ndarray, cursor) -> VerifyResult:
     """Dispatch: greedy / Gumbel walk, or classic rejection sampling when the request asks
     for it at temperature > 0."""
     req = cursor.req
-    if req.is_greedy or req.params.verify == "gumbel":
-        return verify_greedy(tree, logits, cursor)
-    return verify_rejection(tree, logits, cursor)
+    rejection = not (req.is_greedy or req.params.verify == "gumbel")
+    state = None if cursor.has_grammar else req.processor.native_state()
+    if state is not None:
+        walk = native_verify.walk(
+            tree, logits, state, seed=req.seed, pos=cursor.pos, window=cursor.window, rejection=rejection
+        )
+        for t in walk.tokens[:-1]:
+            cursor.advance(t)
+        return _result(tree, walk.path, walk.tokens)
+    if rejection:
+        return verify_rejection(tree, logits, cursor)
+    return verify_greedy(tree, logits, cursor)

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .. import native
 from ..policy import AcceptanceTracker
 from ..tree import TokenSource, TokenTree, TreeBuilder
 from .ngram_index import NgramIndex
@@ -84,6 +85,13 @@ def match_length(tokens: list[int], start: int, cap: int = _MAX_MATCH) -> int:
     return n
 
 
+def _native_ngram():
+    """``localspec.native.ngram`` (imported on first use: it imports this package)."""
+    from ..native import ngram
+
+    return ngram
+
+
 class NgramDrafter:
     """Drafts token trees from earlier occurrences of the history's suffix.
 
@@ -92,7 +100,10 @@ class NgramDrafter:
         min_n: shortest suffix matched.
         max_occurrences: most recent occurrences read per suffix order (bounds the cost).
         max_depth: longest continuation drafted.
-        index: an ``NgramIndex``-compatible object (the native one when available).
+        index: an ``NgramIndex``-compatible object; by default the C index
+            (``native.ngram.NativeNgramIndex``) when the native kernels are enabled, else
+            ``NgramIndex``. With the C index, ``propose`` builds the trie in C too
+            (``native.ngram.draft_trie``: the same tree, node for node).
     """
 
     name = "ngram"
@@ -111,7 +122,9 @@ class NgramDrafter:
         self.min_n = min_n
         self.max_occurrences = max_occurrences
         self.max_depth = max_depth
-        self.index = index if index is not None else NgramIndex(max_n)
+        if index is None:
+            index = _native_ngram().NativeNgramIndex(max_n) if native.enabled() else NgramIndex(max_n)
+        self.index = index
         self.tracker = AcceptanceTracker(_PRIOR)
 
     # -- protocol -----------------------------------------------------------------------------
@@ -129,6 +142,8 @@ class NgramDrafter:
         self.index.extend(tokens)
 
     def propose(self, max_depth: int, max_nodes: int) -> TokenTree:
+        if native.AVAILABLE and isinstance(self.index, _native_ngram().NativeNgramIndex):
+            return self._propose_native(max_depth, max_nodes)
         toks = self.index.tokens
         builder = TreeBuilder(toks[-1])
         depth_cap = min(max_depth, self.max_depth)
@@ -182,6 +197,38 @@ class NgramDrafter:
                 score[c] = score[p] * self.tracker.estimate(b)
         builder.feature = buckets
         tree = builder.build()
+        if tree.n_nodes > 4 * max_nodes:
+            tree = tree.best_subtree(4 * max_nodes)
+        return tree
+
+    def _propose_native(self, max_depth: int, max_nodes: int) -> TokenTree:
+        """``propose`` with the trie built in C from the native index (same tree)."""
+        depth_cap = min(max_depth, self.max_depth)
+        if depth_cap <= 0 or max_nodes <= 1 or len(self.index) < 2:
+            return TreeBuilder(self.index.last()).build()
+        trie = _native_ngram().draft_trie(
+            self.index,
+            min_n=self.min_n,
+            max_n=self.max_n,
+            max_occurrences=self.max_occurrences,
+            depth_cap=depth_cap,
+            max_match=_MAX_MATCH,
+            len_edges=_LEN_EDGES,
+            n_rank=_N_RANK,
+            estimates=self.tracker.estimates(),
+        )
+        n = trie.token_ids.size
+        source = np.full(n, int(TokenSource.NGRAM), dtype=np.int8)
+        source[0] = int(TokenSource.DECODE)
+        tree = TokenTree(
+            token_ids=trie.token_ids,
+            parents=trie.parents,
+            depth=trie.depth,
+            source=source,
+            score=trie.score,
+            draft_probs=np.full(n, np.nan, dtype=np.float32),
+            feature=trie.bucket,
+        )
         if tree.n_nodes > 4 * max_nodes:
             tree = tree.best_subtree(4 * max_nodes)
         return tree

@@ -1,0 +1,154 @@
+"""ctypes bindings of the C library built from ``native/`` (see ``native/localspec_native.h``
+for the contracts). Only this module touches raw pointers and function signatures."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import os
+from ctypes import POINTER, c_double, c_float, c_int8, c_int32, c_int64, c_uint64, c_void_p
+from pathlib import Path
+
+ABI_VERSION = 1
+
+# error codes (LS_ERR_*)
+ERR_BANNED = -1
+ERR_NONE_ALLOWED = -2
+ERR_ZERO_DRAFT_PROB = -3
+ERR_NO_DRAFT_DIST = -4
+ERR_NOMEM = -5
+ERR_BAD_TREE = -6
+ERR_ARG = -7
+
+VERIFY_GREEDY = 0
+VERIFY_REJECTION = 1
+
+_LIB_STEM = "_lsnative"
+
+
+class Sampling(ctypes.Structure):
+    """``ls_sampling``."""
+
+    _fields_ = [
+        ("temperature", c_double),
+        ("top_p", c_double),
+        ("min_p", c_double),
+        ("top_k", c_int32),
+        ("penalty_last_n", c_int32),
+        ("has_penalties", c_int32),
+        ("_pad", c_int32),
+        ("repeat_penalty", c_float),
+        ("frequency_penalty", c_float),
+        ("presence_penalty", c_float),
+        ("_padf", c_float),
+        ("bias_ids", c_void_p),
+        ("bias_vals", c_void_p),
+        ("n_bias", c_int64),
+        ("seed", c_uint64),
+    ]
+
+
+class Tree(ctypes.Structure):
+    """``ls_tree``."""
+
+    _fields_ = [
+        ("n_nodes", c_int32),
+        ("_pad", c_int32),
+        ("token_ids", c_void_p),
+        ("parents", c_void_p),
+        ("draft_probs", c_void_p),
+        ("draft_dists", c_void_p),
+        ("dist_is_f64", c_void_p),
+    ]
+
+
+class DraftParams(ctypes.Structure):
+    """``ls_draft_params``."""
+
+    _fields_ = [
+        ("min_n", c_int32),
+        ("max_n", c_int32),
+        ("max_occurrences", c_int32),
+        ("depth_cap", c_int32),
+        ("max_match", c_int32),
+        ("n_len_edges", c_int32),
+        ("len_edges", c_void_p),
+        ("n_rank", c_int32),
+        ("_pad", c_int32),
+        ("estimates", c_void_p),
+    ]
+
+
+_P = c_void_p  # every array argument is passed as an address (ndarray.ctypes.data)
+
+_SIGNATURES = {
+    "ls_abi_version": (c_int32, []),
+    "ls_has_openmp": (c_int32, []),
+    "ls_stream_key": (c_uint64, [c_uint64, c_int64, c_int32]),
+    "ls_uniform": (c_double, [c_uint64, c_int64]),
+    "ls_uniforms": (None, [c_uint64, _P, c_int64, _P]),
+    "ls_gumbel_noise": (None, [c_uint64, _P, c_int64, _P]),
+    "ls_workspace_new": (c_void_p, [c_int64, c_int32]),
+    "ls_workspace_free": (None, [c_void_p]),
+    "ls_workspace_set_threads": (None, [c_void_p, c_int32]),
+    "ls_apply_bias": (None, [_P, _P, _P, c_int64]),
+    "ls_apply_penalties": (None, [_P, _P, _P, c_int64, c_float, c_float, c_float]),
+    "ls_argmax": (c_int64, [_P, c_int64]),
+    "ls_logsumexp": (c_double, [_P, c_int64]),
+    "ls_log_softmax": (None, [_P, c_int64, _P]),
+    "ls_softmax": (None, [_P, c_int64, _P]),
+    "ls_rows_logsumexp": (None, [_P, c_int64, c_int64, _P, c_int64, _P, c_int32]),
+    "ls_rows_argmax": (None, [_P, c_int64, c_int64, _P, c_int64, _P, c_int32]),
+    "ls_candidates": (c_int64, [POINTER(Sampling), _P, c_int64, _P, _P, c_int64, c_void_p, _P, _P]),
+    "ls_choose": (c_int64, [POINTER(Sampling), _P, c_int64, _P, _P, c_int64, c_int64, c_void_p]),
+    "ls_sample_from": (c_int64, [_P, c_int64, c_double]),
+    "ls_verify": (
+        c_int32,
+        [POINTER(Tree), _P, c_int64, c_int64, POINTER(Sampling), c_int32, c_int64, _P, c_int64, c_void_p, _P, _P,
+         POINTER(c_int32)],
+    ),
+    "ls_ngram_new": (c_void_p, [c_int32]),
+    "ls_ngram_free": (None, [c_void_p]),
+    "ls_ngram_len": (c_int64, [c_void_p]),
+    "ls_ngram_extend": (c_int32, [c_void_p, _P, c_int64]),
+    "ls_ngram_truncate": (None, [c_void_p, c_int64]),
+    "ls_ngram_tokens": (c_int64, [c_void_p, c_int64, c_int64, _P]),
+    "ls_ngram_lookup": (c_int32, [c_void_p, c_int32, c_int32, c_int32, _P, _P, _P]),
+    "ls_ngram_draft": (c_int32, [c_void_p, POINTER(DraftParams), c_int32, _P, _P, _P, _P, _P, _P, _P]),
+}  # fmt: skip
+
+
+def library_candidates() -> list[Path]:
+    """Where the library may be: ``LOCALSPEC_NATIVE_LIB``, else next to this module with any
+    extension-module suffix of this interpreter (the package build names it like one)."""
+    env = os.environ.get("LOCALSPEC_NATIVE_LIB")
+    if env:
+        return [Path(env)]
+    here = Path(__file__).resolve().parent
+    return [here / (_LIB_STEM + s) for s in importlib.machinery.EXTENSION_SUFFIXES]
+
+
+def load() -> ctypes.CDLL:
+    """Load the library and declare its functions.
+
+    Raises:
+        OSError: no library file, it does not load, or its ABI version is not ours.
+    """
+    tried = []
+    for path in library_candidates():
+        if not path.is_file():
+            tried.append(str(path))
+            continue
+        lib = ctypes.CDLL(str(path))
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+        version = lib.ls_abi_version()
+        if version != ABI_VERSION:
+            raise OSError(f"{path} has ABI version {version}, expected {ABI_VERSION}: rebuild with `pip install -e .`")
+        return lib
+    raise OSError("the native library is not built (looked for " + ", ".join(tried) + "); `pip install -e .` builds it")
+
+
+__all__ = ["DraftParams", "Sampling", "Tree", "load", "c_int8", "c_int32", "c_void_p"]

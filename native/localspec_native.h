@@ -1,0 +1,227 @@
+/*
+ * localspec_native.h -- localspec's own C kernels: sampling transforms over logits rows,
+ * verification walks of token trees, and the incremental n-gram index.
+ *
+ * Plain C11. No Python API, no llama.cpp headers: everything works on float rows
+ * ([n_vocab] float32 logits, row-major [n_rows, n_vocab] blocks) and int32 token arrays.
+ * Loaded by localspec/native/ through ctypes; localspec's numpy code
+ * (localspec/sampling.py, verify.py, drafters/ngram_index.py, drafters/ngram.py) is the
+ * reference these kernels are tested against: same candidate sets and token choices,
+ * probabilities equal to ~1e-12 (the tests ask for 1e-6).
+ *
+ * Conventions
+ *   - "requires:" lists what the caller guarantees; "returns:" what comes back.
+ *   - Errors are negative return values (LS_ERR_*); nothing is printed, nothing aborts.
+ *   - Array arguments carry shape comments; every pointer is caller-owned unless a
+ *     function says it allocates (then a matching *_free exists).
+ *   - Random numbers are the counter-based streams of localspec.sampling: the uniform of
+ *     stream key K at counter c is ((splitmix64(K + (c + 1) * golden) >> 11) + 0.5) / 2^53,
+ *     bit-for-bit; Gumbel noise is -log(-log(u)) in double.
+ *   - Results never depend on the number of threads (row reductions use a fixed chunking).
+ */
+#ifndef LOCALSPEC_NATIVE_H
+#define LOCALSPEC_NATIVE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define LS_API __declspec(dllexport)
+#elif defined(__GNUC__)
+#define LS_API __attribute__((visibility("default")))
+#else
+#define LS_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define LS_ABI_VERSION 1
+
+/* error codes (negative returns) */
+#define LS_ERR_BANNED (-1)         /* every token is banned (-inf) by logit bias */
+#define LS_ERR_NONE_ALLOWED (-2)   /* no finite logit at all (temperature without truncation) */
+#define LS_ERR_ZERO_DRAFT_PROB (-3) /* a stochastic child has draft probability <= 0 */
+#define LS_ERR_NO_DRAFT_DIST (-4)  /* a stochastic child's parent has no draft distribution */
+#define LS_ERR_NOMEM (-5)
+#define LS_ERR_BAD_TREE (-6)       /* parents[0] != -1 or parents[i] >= i */
+#define LS_ERR_ARG (-7)            /* an argument is out of range */
+
+/* stream domains (localspec.sampling.STREAM_*) */
+#define LS_STREAM_GUMBEL 0
+#define LS_STREAM_ACCEPT 1
+#define LS_STREAM_RESIDUAL 2
+
+/* verification modes */
+#define LS_VERIFY_GREEDY 0    /* argmax (temperature 0) or seeded Gumbel-max walk */
+#define LS_VERIFY_REJECTION 1 /* rejection sampling (ratio test / point mass, residuals) */
+
+/* ABI version (LS_ABI_VERSION) and whether the library was built with OpenMP (1/0). */
+LS_API int32_t ls_abi_version(void);
+LS_API int32_t ls_has_openmp(void);
+
+/* ---- random streams ------------------------------------------------------------------ */
+
+/* returns: key of the stream (seed, pos, stream) -- localspec.sampling.stream_key. */
+LS_API uint64_t ls_stream_key(uint64_t seed, int64_t pos, int32_t stream);
+/* returns: the uniform in (0, 1) of stream `key` at `counter` -- sampling.uniform. */
+LS_API double ls_uniform(uint64_t key, int64_t counter);
+/* out[i] = uniform(key, counters[i]).   counters: [n] int64, out: [n] float64 */
+LS_API void ls_uniforms(uint64_t key, const int64_t *counters, int64_t n, double *out);
+/* out[i] = -log(-log(uniform(key, ids[i]))).   ids: [n] int64, out: [n] float64 */
+LS_API void ls_gumbel_noise(uint64_t key, const int64_t *ids, int64_t n, double *out);
+
+/* ---- sampling parameters and workspaces ----------------------------------------------- */
+
+/* localspec.SamplingParams, plus the processor's logit bias (suppressed tokens included). */
+typedef struct ls_sampling {
+    double temperature;        /* 0 = greedy; the division uses (float)temperature */
+    double top_p;              /* 1 = off */
+    double min_p;              /* 0 = off */
+    int32_t top_k;             /* 0 = off */
+    int32_t penalty_last_n;    /* 0 = off, -1 = whole history */
+    int32_t has_penalties;     /* SamplingParams.has_penalties */
+    int32_t _pad;
+    float repeat_penalty, frequency_penalty, presence_penalty, _padf;
+    const int64_t *bias_ids;   /* [n_bias] distinct token ids */
+    const float *bias_vals;    /* [n_bias] added to the logits (-inf bans) */
+    int64_t n_bias;
+    uint64_t seed;
+} ls_sampling;
+
+/* Scratch memory for one vocabulary size (a few bytes x n_vocab x 12). Not thread-safe:
+ * one workspace per concurrent caller. n_threads <= 1 runs single-threaded; more threads
+ * are used for whole-row passes where the library was built with OpenMP.
+ * returns: a workspace, or NULL (out of memory / n_vocab < 1). */
+typedef struct ls_workspace ls_workspace;
+LS_API ls_workspace *ls_workspace_new(int64_t n_vocab, int32_t n_threads);
+LS_API void ls_workspace_free(ls_workspace *ws);
+LS_API void ls_workspace_set_threads(ls_workspace *ws, int32_t n_threads);
+
+/* ---- per-row transforms ---------------------------------------------------------------- */
+
+/* x[ids[i]] += vals[i].   x: [n_vocab] float32 (in place) */
+LS_API void ls_apply_bias(float *x, const int64_t *ids, const float *vals, int64_t n);
+/* llama.cpp's penalties rule on x[ids[i]] with counts[i] (in place, float32 arithmetic):
+ * v = v <= 0 ? v * repeat : v / repeat;  v = v - count * frequency - presence. */
+LS_API void ls_apply_penalties(float *x, const int64_t *ids, const int32_t *counts, int64_t n,
+                               float repeat_penalty, float frequency_penalty, float presence_penalty);
+/* returns: index of the first maximum of x[0..n) (np.argmax), -1 when n < 1. */
+LS_API int64_t ls_argmax(const float *x, int64_t n);
+/* returns: log(sum(exp(x))) in double over the finite entries (-inf when none). */
+LS_API double ls_logsumexp(const float *x, int64_t n);
+/* out = x - logsumexp(x) (float64).  out: [n] */
+LS_API void ls_log_softmax(const float *x, int64_t n, double *out);
+/* out = softmax(x) (float64, -inf -> 0).  out: [n] */
+LS_API void ls_softmax(const float *x, int64_t n, double *out);
+/* logsumexp of each of rows[0..n_rows) of the block (threads over rows).
+ * logits: [*, n_vocab] float32 with row stride `stride` floats; rows: [n_rows]; out: [n_rows] */
+LS_API void ls_rows_logsumexp(const float *logits, int64_t stride, int64_t n_vocab,
+                              const int32_t *rows, int64_t n_rows, double *out, int32_t n_threads);
+/* argmax of each row (threads over rows).  out: [n_rows] int64 */
+LS_API void ls_rows_argmax(const float *logits, int64_t stride, int64_t n_vocab,
+                           const int32_t *rows, int64_t n_rows, int64_t *out, int32_t n_threads);
+
+/* The processed distribution of one row: logit bias, penalties (pen_ids/pen_counts: the
+ * penalty window's distinct tokens and counts), then top-k -> top-p -> min-p ->
+ * temperature, exactly as LogitsProcessor.candidates without a grammar.
+ * requires: row [n_vocab] float32; ids_out [n_vocab] int64; logits_out [n_vocab] float32.
+ * returns: m >= 1 candidates in ids_out / logits_out (logits divided by the temperature;
+ *   greedy: the argmax with logit 0), in the reference's order; or LS_ERR_BANNED /
+ *   LS_ERR_NONE_ALLOWED. */
+LS_API int64_t ls_candidates(const ls_sampling *s, const float *row, int64_t n_vocab,
+                             const int64_t *pen_ids, const int32_t *pen_counts, int64_t n_pen,
+                             ls_workspace *ws, int64_t *ids_out, float *logits_out);
+/* The token at absolute position `pos`: greedy argmax, or the seeded Gumbel-max sample
+ * argmax_i(logits_i / T + g(seed, pos, i)) over the candidates (LogitsProcessor.choose).
+ * returns: a token id >= 0, or an LS_ERR_* code. */
+LS_API int64_t ls_choose(const ls_sampling *s, const float *row, int64_t n_vocab,
+                         const int64_t *pen_ids, const int32_t *pen_counts, int64_t n_pen,
+                         int64_t pos, ls_workspace *ws);
+/* Inverse-CDF draw from probs (verify.sample_from): the first i with cumsum(probs)[i] >
+ * u * sum(probs), stepping back over zero-probability entries.  probs: [n] float64 */
+LS_API int64_t ls_sample_from(const double *probs, int64_t n, double u);
+
+/* ---- verification of token trees ------------------------------------------------------ */
+
+/* A token tree in topological order (localspec.tree.TokenTree). */
+typedef struct ls_tree {
+    int32_t n_nodes;
+    int32_t _pad;
+    const int32_t *token_ids;   /* [n_nodes]; token_ids[0] is the root */
+    const int32_t *parents;     /* [n_nodes]; parents[0] = -1, parents[i] < i */
+    const float *draft_probs;   /* [n_nodes]; NaN = deterministic child (point mass) */
+    const void *const *draft_dists; /* [n_nodes]: node -> [n_vocab] draft distribution its
+                                       stochastic children were drawn from, or NULL */
+    const int8_t *dist_is_f64;  /* [n_nodes]: 1 = that distribution is float64, 0 = float32 */
+} ls_tree;
+
+/* Walk `tree` as localspec.verify does (mode LS_VERIFY_GREEDY: verify_greedy, the argmax /
+ * seeded Gumbel walk; LS_VERIFY_REJECTION: verify_rejection), using the per-position
+ * streams of s->seed starting at absolute position `pos` (the root's successor).
+ * requires: logits row i (stride `stride` floats, n_vocab wide) = logits after node i;
+ *   window [n_window] = the penalty window before `pos` (oldest first, at most
+ *   penalty_last_n tokens unless that is -1); path_out [n_nodes]; tokens_out [n_nodes + 1].
+ * returns: accept_length (>= 0): path_out[0..len) = accepted nodes top-down,
+ *   tokens_out[0..len] = accepted tokens then the recovered/bonus token; or an LS_ERR_*
+ *   code with *err_node = the node concerned. */
+LS_API int32_t ls_verify(const ls_tree *tree, const float *logits, int64_t stride, int64_t n_vocab,
+                         const ls_sampling *s, int32_t mode, int64_t pos,
+                         const int32_t *window, int64_t n_window, ls_workspace *ws,
+                         int32_t *path_out, int32_t *tokens_out, int32_t *err_node);
+
+/* ---- n-gram index ----------------------------------------------------------------------- */
+
+/* n-gram -> end positions of its occurrences, for n in [1, max_n], over a token history.
+ * append: O(max_n^2) per token (amortised: the table grows by doubling); truncate:
+ * O(max_n^2) per removed token; lookups read at most max_occurrences entries per order,
+ * whatever the history length. Same answers as drafters.ngram_index.NgramIndex. */
+typedef struct ls_ngram ls_ngram;
+/* returns: a new empty index, or NULL (max_n < 1 or out of memory) */
+LS_API ls_ngram *ls_ngram_new(int32_t max_n);
+LS_API void ls_ngram_free(ls_ngram *ix);
+LS_API int64_t ls_ngram_len(const ls_ngram *ix);
+/* returns: 0, or LS_ERR_NOMEM (the index is unchanged) */
+LS_API int32_t ls_ngram_extend(ls_ngram *ix, const int32_t *tokens, int64_t n);
+/* forget every token from `length` on (no-op when length >= len) */
+LS_API void ls_ngram_truncate(ls_ngram *ix, int64_t length);
+/* copies tokens[start, start + n) of the history to out; returns how many were copied */
+LS_API int64_t ls_ngram_tokens(const ls_ngram *ix, int64_t start, int64_t n, int32_t *out);
+/* Matches of the history's suffix for every order from min(max_n, len - 1) down to min_n
+ * that occurred before (NgramIndex.lookup_all); first_only stops at the longest.
+ * requires: orders_out [max_n], counts_out [max_n], starts_out [max_n * max_occurrences]
+ * returns: number of matches k; match j has order orders_out[j] and counts_out[j] starts
+ *   (continuation positions, most recent first) at starts_out[j * max_occurrences]. */
+LS_API int32_t ls_ngram_lookup(const ls_ngram *ix, int32_t min_n, int32_t max_occurrences, int32_t first_only,
+                               int32_t *orders_out, int32_t *counts_out, int64_t *starts_out);
+
+/* The n-gram drafter's trie of continuations (drafters.ngram.NgramDrafter.propose, before
+ * pruning): occurrences of the longest matching suffixes (deduplicated, at most
+ * max_occurrences), each continued for up to depth_cap tokens, merged into a trie whose
+ * nodes carry the longest match length and the number of occurrences through them
+ * (support); each node gets its acceptance bucket (match-length bucket x rank among
+ * siblings) and score = parent score * estimates[bucket]. */
+typedef struct ls_draft_params {
+    int32_t min_n, max_n;        /* drafter's orders (match lengths are measured at max_n) */
+    int32_t max_occurrences, depth_cap;
+    int32_t max_match;           /* cap of the measured match length */
+    int32_t n_len_edges;         /* lower edges of the match-length buckets (ascending) */
+    const int32_t *len_edges;
+    int32_t n_rank;              /* rank buckets per length bucket (4) */
+    int32_t _pad;
+    const double *estimates;     /* [n_len_edges * n_rank] acceptance estimate per bucket */
+} ls_draft_params;
+
+/* requires: every *_out array holds cap = 1 + max_occurrences * depth_cap entries.
+ * returns: the number of nodes (>= 1; the root is the last history token), 0 when the
+ *   history is empty, or an LS_ERR_* code. */
+LS_API int32_t ls_ngram_draft(const ls_ngram *ix, const ls_draft_params *p, int32_t cap,
+                              int32_t *token_ids_out, int32_t *parents_out, int32_t *depth_out,
+                              double *score_out, int32_t *bucket_out, int32_t *match_len_out,
+                              int32_t *support_out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* LOCALSPEC_NATIVE_H */

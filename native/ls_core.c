@@ -1,0 +1,158 @@
+/* Random streams, sums, sorting and workspaces shared by the kernels. */
+#include "ls_internal.h"
+
+int32_t ls_abi_version(void) { return LS_ABI_VERSION; }
+
+int32_t ls_has_openmp(void) {
+#if defined(_OPENMP)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ---- random streams (localspec.sampling) ---------------------------------------------- */
+
+uint64_t ls_stream_key(uint64_t seed, int64_t pos, int32_t stream) {
+    uint64_t k = ls__mix64(seed * LS_GOLDEN + (uint64_t)pos + 1u);
+    return ls__mix64(k ^ ((uint64_t)((int64_t)stream + 1) * LS_M2));
+}
+
+double ls_uniform(uint64_t key, int64_t counter) { return ls__u_of_bits(ls__bits53(key, (uint64_t)counter)); }
+
+void ls_uniforms(uint64_t key, const int64_t *counters, int64_t n, double *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = ls__u_of_bits(ls__bits53(key, (uint64_t)counters[i]));
+}
+
+void ls_gumbel_noise(uint64_t key, const int64_t *ids, int64_t n, double *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = ls__gumbel_of_bits(ls__bits53(key, (uint64_t)ids[i]));
+}
+
+/* ---- sums ------------------------------------------------------------------------------ */
+
+double ls__sum(const double *a, int64_t n) {
+    if (n < 8) {
+        double r = 0.0;
+        for (int64_t i = 0; i < n; i++) r += a[i];
+        return r;
+    }
+    if (n <= 128) {
+        double r[8];
+        for (int j = 0; j < 8; j++) r[j] = a[j];
+        int64_t i = 8;
+        for (; i < n - (n % 8); i += 8)
+            for (int j = 0; j < 8; j++) r[j] += a[i + j];
+        double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; i++) res += a[i];
+        return res;
+    }
+    int64_t n2 = n / 2;
+    n2 -= n2 % 8;
+    return ls__sum(a, n2) + ls__sum(a + n2, n - n2);
+}
+
+/* ---- sorting ----------------------------------------------------------------------------- */
+
+/* LSD radix sort of 64-bit keys, 8 bits a pass, skipping passes where every key shares the
+ * digit. Small inputs use insertion sort. */
+static void radix_sort_u64(uint64_t *keys, int64_t m, uint64_t *tmp) {
+    if (m < 48) {
+        for (int64_t i = 1; i < m; i++) {
+            uint64_t k = keys[i];
+            int64_t j = i - 1;
+            while (j >= 0 && keys[j] > k) {
+                keys[j + 1] = keys[j];
+                j--;
+            }
+            keys[j + 1] = k;
+        }
+        return;
+    }
+    uint64_t *src = keys, *dst = tmp;
+    for (int shift = 0; shift < 64; shift += 8) {
+        int64_t count[256];
+        memset(count, 0, sizeof count);
+        for (int64_t i = 0; i < m; i++) count[(src[i] >> shift) & 0xFF]++;
+        if (count[(src[0] >> shift) & 0xFF] == m) continue; /* all keys share this digit */
+        int64_t off = 0;
+        for (int b = 0; b < 256; b++) {
+            int64_t c = count[b];
+            count[b] = off;
+            off += c;
+        }
+        for (int64_t i = 0; i < m; i++) dst[count[(src[i] >> shift) & 0xFF]++] = src[i];
+        uint64_t *t = src;
+        src = dst;
+        dst = t;
+    }
+    if (src != keys) memcpy(keys, src, (size_t)m * sizeof *keys);
+}
+
+/* A key whose ascending order is descending float order (+0 and -0 equal). */
+static inline uint32_t desc_key(float v) {
+    v = v + 0.0f; /* -0 -> +0 */
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u); /* ascending */
+    return ~u;
+}
+
+void ls__sort_desc(const float *x, int64_t *ids, int64_t m, uint64_t *keys, uint64_t *tmp) {
+    for (int64_t i = 0; i < m; i++) keys[i] = ((uint64_t)desc_key(x[ids[i]]) << 32) | (uint64_t)(uint32_t)ids[i];
+    radix_sort_u64(keys, m, tmp);
+    for (int64_t i = 0; i < m; i++) ids[i] = (int64_t)(uint32_t)(keys[i] & 0xFFFFFFFFu);
+}
+
+void ls__sort_ids(int64_t *ids, double *vals, int64_t m, uint64_t *keys, uint64_t *tmp, double *vtmp) {
+    for (int64_t i = 0; i < m; i++) keys[i] = ((uint64_t)(uint32_t)ids[i] << 32) | (uint64_t)i;
+    radix_sort_u64(keys, m, tmp);
+    for (int64_t i = 0; i < m; i++) vtmp[i] = vals[keys[i] & 0xFFFFFFFFu];
+    for (int64_t i = 0; i < m; i++) {
+        ids[i] = (int64_t)(keys[i] >> 32);
+        vals[i] = vtmp[i];
+    }
+}
+
+/* ---- workspaces ---------------------------------------------------------------------------- */
+
+ls_workspace *ls_workspace_new(int64_t n_vocab, int32_t n_threads) {
+    if (n_vocab < 1 || n_vocab > 0x7FFFFFFF) return NULL;
+    ls_workspace *ws = (ls_workspace *)calloc(1, sizeof *ws);
+    if (!ws) return NULL;
+    size_t n = (size_t)n_vocab;
+    ws->n_vocab = n_vocab;
+    ws->n_threads = n_threads < 1 ? 1 : n_threads;
+    ws->row = (float *)malloc(n * sizeof(float));
+    ws->ids = (int64_t *)malloc(n * sizeof(int64_t));
+    ws->logits = (float *)malloc(n * sizeof(float));
+    ws->vals = (double *)malloc(n * sizeof(double));
+    ws->vals2 = (double *)malloc(n * sizeof(double));
+    ws->ids2 = (int64_t *)malloc(n * sizeof(int64_t));
+    ws->keys = (uint64_t *)malloc(n * sizeof(uint64_t));
+    ws->keys2 = (uint64_t *)malloc(n * sizeof(uint64_t));
+    ws->hist_mass = (double *)malloc(LS_CHUNKS * LS_HIST_BINS * sizeof(double));
+    if (!ws->row || !ws->ids || !ws->logits || !ws->vals || !ws->vals2 || !ws->ids2 || !ws->keys ||
+        !ws->keys2 || !ws->hist_mass) {
+        ls_workspace_free(ws);
+        return NULL;
+    }
+    return ws;
+}
+
+void ls_workspace_free(ls_workspace *ws) {
+    if (!ws) return;
+    free(ws->row);
+    free(ws->ids);
+    free(ws->logits);
+    free(ws->vals);
+    free(ws->vals2);
+    free(ws->ids2);
+    free(ws->keys);
+    free(ws->keys2);
+    free(ws->hist_mass);
+    free(ws);
+}
+
+void ls_workspace_set_threads(ls_workspace *ws, int32_t n_threads) {
+    if (ws) ws->n_threads = n_threads < 1 ? 1 : n_threads;
+}
