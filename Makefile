@@ -9,7 +9,10 @@ PROMPT ?= Question: What is the tallest mountain in the world?\nAnswer: Mount Ev
 
 .PHONY: run test env clean
 
-$(VENV)/.installed: pyproject.toml
+# native/ is compiled by the package build: editing it re-runs the (editable) install.
+NATIVE_SRC := setup.py $(wildcard native/*.c native/*.h)
+
+$(VENV)/.installed: pyproject.toml $(NATIVE_SRC)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install -e ".[$(EXTRAS)]"
@@ -24,4 +27,4 @@ test: $(VENV)/.installed
 	$(PY) -m pytest
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info localspec/native/_lsnative*

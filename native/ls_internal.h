@@ -69,7 +69,7 @@ static inline ls_v4i ls__finite4(ls_v4f v) {
 /* Hot row loops get an AVX2 clone picked at load time where the toolchain supports it
  * (GCC on x86-64 Linux). No FMA and no reassociation: every clone computes the same bits. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && !defined(LS_NO_CLONES)
-#define LS_HOT __attribute__((target_clones("avx2", "default")))
+#define LS_HOT __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define LS_HOT
 #endif

@@ -3,6 +3,10 @@
  * Reference: localspec/sampling.py (LogitsProcessor). */
 #include "ls_internal.h"
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #define BLOCK 256
 
 static inline int64_t chunk_lo(int64_t n, int nch, int c) { return (int64_t)((n * (int64_t)c) / nch); }
@@ -45,23 +49,21 @@ LS_HOT static float max_finite_range(const float *x, int64_t lo, int64_t hi, int
     int64_t i = lo;
 #if LS_VEC
     const ls_v4f ninf = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-    ls_v4f m0 = ninf, m1 = ninf;
-    ls_v4i c0 = {0, 0, 0, 0}, c1 = c0;
-    for (; i + 8 <= hi; i += 8) {
-        ls_v4f a = ls__load4(x + i), b = ls__load4(x + i + 4);
-        ls_v4i fa = ls__finite4(a), fb = ls__finite4(b);
-        a = ls__select4(fa, a, ninf);
-        b = ls__select4(fb, b, ninf);
-        m0 = ls__select4(a > m0, a, m0);
-        m1 = ls__select4(b > m1, b, m1);
-        c0 -= fa;
-        c1 -= fb;
-    }
-    m0 = ls__select4(m1 > m0, m1, m0);
-    for (int j = 0; j < 4; j++) {
-        r = m0[j] > r ? m0[j] : r;
-        cnt += c0[j] + c1[j];
-    }
+    ls_v4f m[4] = {ninf, ninf, ninf, ninf};
+    ls_v4i c[4] = {{0, 0, 0, 0}, {0, 0, 0, 0}, {0, 0, 0, 0}, {0, 0, 0, 0}};
+    for (; i + 16 <= hi; i += 16)
+        for (int g = 0; g < 4; g++) {
+            ls_v4f a = ls__load4(x + i + 4 * g);
+            ls_v4i f = ls__finite4(a);
+            a = ls__select4(f, a, ninf);
+            m[g] = ls__select4(a > m[g], a, m[g]);
+            c[g] -= f;
+        }
+    for (int g = 0; g < 4; g++)
+        for (int j = 0; j < 4; j++) {
+            r = m[g][j] > r ? m[g][j] : r;
+            cnt += c[g][j];
+        }
 #endif
     for (; i < hi; i++) {
         float v = x[i];
@@ -94,48 +96,43 @@ void ls__row_max(const float *x, int64_t n, int32_t n_threads, float *max_out, i
     *n_finite_out = cnt;
 }
 
-/* first index of the maximum (np.argmax; NaN ignored) */
+/* first index of the maximum (np.argmax; NaN ignored): the maximum in one pass (four
+ * independent max chains), then the first index holding it. */
 LS_HOT int64_t ls_argmax(const float *x, int64_t n) {
     if (n < 1) return -1;
     float best = x[0];
-    int64_t at = 0, i = 0;
-#if LS_VEC
-    if (n >= 8) {
-        const ls_v4i four = {4, 4, 4, 4};
-        ls_v4f m0 = ls__load4(x), m1 = ls__load4(x + 4);
-        ls_v4i cur0 = {0, 1, 2, 3}, cur1 = {4, 5, 6, 7};
-        ls_v4i i0 = cur0, i1 = cur1;
-        for (i = 8; i + 8 <= n; i += 8) {
-            cur0 += four + four;
-            cur1 += four + four;
-            ls_v4f a = ls__load4(x + i), b = ls__load4(x + i + 4);
-            ls_v4i ka = a > m0, kb = b > m1;
-            m0 = ls__select4(ka, a, m0);
-            m1 = ls__select4(kb, b, m1);
-            i0 = (cur0 & ka) | (i0 & ~ka);
-            i1 = (cur1 & kb) | (i1 & ~kb);
+    int64_t i = 0;
+#if defined(__SSE2__)
+    if (n >= 16) {
+        __m128 m0 = _mm_loadu_ps(x), m1 = _mm_loadu_ps(x + 4), m2 = _mm_loadu_ps(x + 8), m3 = _mm_loadu_ps(x + 12);
+        for (i = 16; i + 16 <= n; i += 16) {
+            /* maxps(a, m) = a > m ? a : m: a NaN in x never replaces the running maximum */
+            m0 = _mm_max_ps(_mm_loadu_ps(x + i), m0);
+            m1 = _mm_max_ps(_mm_loadu_ps(x + i + 4), m1);
+            m2 = _mm_max_ps(_mm_loadu_ps(x + i + 8), m2);
+            m3 = _mm_max_ps(_mm_loadu_ps(x + i + 12), m3);
         }
-        /* lane maxima, each at its first index: the first overall among the largest */
-        best = m0[0];
-        at = i0[0];
-        for (int j = 0; j < 4; j++) {
-            if (m0[j] > best || (m0[j] == best && i0[j] < at)) {
-                best = m0[j];
-                at = i0[j];
-            }
-            if (m1[j] > best || (m1[j] == best && i1[j] < at)) {
-                best = m1[j];
-                at = i1[j];
-            }
-        }
+        float lanes[16];
+        _mm_storeu_ps(lanes, m0);
+        _mm_storeu_ps(lanes + 4, m1);
+        _mm_storeu_ps(lanes + 8, m2);
+        _mm_storeu_ps(lanes + 12, m3);
+        for (int j = 0; j < 16; j++) best = lanes[j] > best ? lanes[j] : best;
+    }
+#endif
+    for (; i < n; i++) best = x[i] > best ? x[i] : best;
+    i = 0;
+#if defined(__SSE2__)
+    __m128 b4 = _mm_set1_ps(best);
+    for (; i + 16 <= n; i += 16) {
+        __m128 e = _mm_or_ps(_mm_or_ps(_mm_cmpeq_ps(_mm_loadu_ps(x + i), b4), _mm_cmpeq_ps(_mm_loadu_ps(x + i + 4), b4)),
+                             _mm_or_ps(_mm_cmpeq_ps(_mm_loadu_ps(x + i + 8), b4), _mm_cmpeq_ps(_mm_loadu_ps(x + i + 12), b4)));
+        if (_mm_movemask_ps(e)) break;
     }
 #endif
     for (; i < n; i++)
-        if (x[i] > best) {
-            best = x[i];
-            at = i;
-        }
-    return at;
+        if (x[i] == best) return i;
+    return 0; /* every value NaN */
 }
 
 /* ---- exp sums -------------------------------------------------------------------------------- */

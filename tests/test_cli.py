@@ -83,9 +83,26 @@ def test_bench_writes_json_table_and_plot(tmp_path, capsys):
 
 
 def test_bench_ngram_micro(capsys):
+    from localspec import native
+
     assert main(["bench", "ngram", "--sizes", "1024,4096", "--steps", "20", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert [r["history_tokens"] for r in d["ngram"]] == [1024, 4096]
+    indexes = ["NativeNgramIndex", "NgramIndex"] if native.AVAILABLE else ["NgramIndex"]
+    assert [(r["index"], r["history_tokens"]) for r in d["ngram"]] == [(i, n) for i in indexes for n in (1024, 4096)]
+
+
+def test_bench_kernels_micro(capsys):
+    from localspec import native
+
+    if not native.AVAILABLE:
+        pytest.skip("native kernels not built")
+    assert main(["bench", "kernels", "--reps", "1", "--vocab", "4096", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["native"]["available"]
+    assert len(d["kernels"]) >= 10
+    for k in d["kernels"]:
+        assert k["same"], k["kernel"]
+        assert k["native_us"] > 0 and k["reference_us"] > 0 and k["speedup"] > 0
 
 
 @pytest.mark.parametrize("bad", [["generate"], ["bench"]])

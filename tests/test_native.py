@@ -10,6 +10,7 @@ import pytest
 
 from conftest import FakeModel
 from localspec import native
+from localspec.bench.kernels import gemma_like_rows, spine_tree
 from localspec.drafters.ngram import NgramDrafter
 from localspec.drafters.ngram_index import NgramIndex
 from localspec.errors import GrammarError, InvalidRequestError
@@ -30,13 +31,6 @@ def test_native_library_is_built():
         pytest.skip("LOCALSPEC_NATIVE=0")
     assert native.AVAILABLE, native.LOAD_ERROR
     assert native.enabled()
-
-
-def gemma_like_rows(rng, n_rows, n_vocab=WIDE):
-    """Rows shaped like Gemma 3 logits (mean -6, sd 3.7, a heavier upper tail)."""
-    x = rng.normal(-6.0, 3.7, (n_rows, n_vocab))
-    x += rng.exponential(1.5, (n_rows, n_vocab)) * (rng.random((n_rows, n_vocab)) < 0.01)
-    return x.astype(np.float32)
 
 
 # -- streams and row kernels ----------------------------------------------------------------
@@ -236,22 +230,6 @@ def test_small_vocab_trees_match_reference(params, rng):
             logits[int(tree.parents[i]), int(tree.token_ids[i])] += rng.uniform(0, 3)
         history = rng.integers(0, V, 10).tolist()
         assert_same(*run_both(tree, logits, params.with_seed(trial), history))
-
-
-def spine_tree(rng, params, rows, n_nodes, depth, seed, pos):
-    """A tree whose first ``depth`` levels follow the reference walk's choices (so both
-    walks go deep), padded with decoy branches to ``n_nodes``."""
-    ref = LogitsProcessor(params, rows.shape[1], use_native=False)
-    b = TreeBuilder(int(rng.integers(rows.shape[1])))
-    node = 0
-    spine = [0]
-    for d in range(depth):
-        tok = ref.choose(rows[node], pos + d, seed) if params.verify == "gumbel" else int(np.argmax(rows[node]))
-        node = b.add(node, tok, source=TokenSource.NGRAM)
-        spine.append(node)
-    while len(b) < n_nodes:
-        b.add(spine[int(rng.integers(len(spine)))], int(rng.integers(rows.shape[1])), source=TokenSource.NGRAM)
-    return b.build()
 
 
 @needs_native

@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from ..drafters.ngram import NgramDrafter
+from ..drafters.ngram_index import NgramIndex
 
 
 def synthetic_history(n: int, *, vocab: int = 32000, seed: int = 0) -> list[int]:
@@ -26,9 +27,25 @@ def synthetic_history(n: int, *, vocab: int = 32000, seed: int = 0) -> list[int]
     return out[:n]
 
 
-def bench_ngram(sizes=(1024, 8192, 32768), *, steps: int = 300, max_depth: int = 16, max_nodes: int = 64, make_drafter=None) -> list[dict]:
-    """Per history size: µs per step (append + propose) and µs per index build token."""
-    make = make_drafter or NgramDrafter
+def bench_ngram(
+    sizes=(1024, 8192, 32768), *, steps: int = 300, max_depth: int = 16, max_nodes: int = 64, make_drafter=None, index: str = "default"
+) -> list[dict]:
+    """Per history size: µs per step (append + propose) and µs per index build token.
+
+    Args:
+        index: ``"native"`` (the C index and trie), ``"reference"`` (the Python
+            ``NgramIndex``) or ``"default"`` (what ``NgramDrafter()`` picks).
+    """
+    if make_drafter is not None:
+        make = make_drafter
+    elif index == "reference":
+        make = lambda: NgramDrafter(index=NgramIndex(8))  # noqa: E731
+    elif index == "native":
+        from ..native.ngram import NativeNgramIndex
+
+        make = lambda: NgramDrafter(index=NativeNgramIndex(8))  # noqa: E731
+    else:
+        make = NgramDrafter
     rows = []
     for n in sizes:
         hist = synthetic_history(n + steps + 1)
@@ -45,6 +62,7 @@ def bench_ngram(sizes=(1024, 8192, 32768), *, steps: int = 300, max_depth: int =
         arr = np.array(times) * 1e6
         rows.append(
             {
+                "index": type(d.index).__name__,
                 "history_tokens": n,
                 "step_us_median": float(np.median(arr)),
                 "step_us_p90": float(np.percentile(arr, 90)),

@@ -1,5 +1,5 @@
 """``localspec bench``: speed of speculative vs plain decoding on Spec-Bench-format prompts,
-and micro-benchmarks (``bench ngram``)."""
+and micro-benchmarks (``bench ngram``, ``bench kernels``, ``bench host``)."""
 
 from __future__ import annotations
 
@@ -41,19 +41,112 @@ def register(sub) -> None:
     ng.add_argument("--steps", type=int, default=300)
     ng.add_argument("--json", action="store_true")
     ng.set_defaults(func=run_ngram)
+    kn = bsub.add_parser(
+        "kernels",
+        help="native C kernels vs the numpy reference (sampling, verification, n-gram)",
+        description="Times each kernel with the native C library and with the numpy / Python "
+        "reference on the same inputs (262,144-token rows), and checks both give the same result.",
+    )
+    kn.add_argument("--reps", type=int, default=5, help="timed calls per kernel (median reported)")
+    kn.add_argument("--real-rows", action="store_true", help="logits rows from the default model instead of synthetic ones")
+    kn.add_argument("--threads", type=int, default=None, help="threads of the native row passes (default 1)")
+    kn.add_argument("--vocab", type=int, default=262144, help="width of the synthetic rows (default 262144)")
+    kn.add_argument("--json", action="store_true")
+    kn.set_defaults(func=run_kernels)
+    ho = bsub.add_parser(
+        "host",
+        help="host overhead per step (all but llama_decode) with forced tree sizes",
+        description="Runs the engine with n-gram trees padded to exactly --nodes nodes (no adaptive "
+        "policy), greedy and T=0.8/top-p=0.95, with the native kernels and with the numpy reference, "
+        "and reports host time (everything but llama_decode) against llama_decode time per step.",
+    )
+    ho.add_argument("--nodes", type=int, default=16, help="nodes per verified tree, root included (default 16)")
+    ho.add_argument("-n", "--max-tokens", type=int, default=64)
+    ho.add_argument("--json", action="store_true")
+    add_model_args(ho)
+    ho.set_defaults(func=run_host)
+
+
+def _native_line() -> str:
+    from .. import native
+
+    d = native.describe()
+    if not d["available"]:
+        return f"native kernels: NOT AVAILABLE ({d['load_error']})"
+    return f"native kernels: loaded, OpenMP {'yes' if d['openmp'] else 'no'}, {d['threads']} thread(s)"
 
 
 def run_ngram(a: argparse.Namespace) -> int:
+    from .. import native
     from ..bench.ngram import bench_ngram
 
-    rows = bench_ngram([int(s) for s in a.sizes.split(",")], steps=a.steps)
+    sizes = [int(s) for s in a.sizes.split(",")]
+    rows = bench_ngram(sizes, steps=a.steps, index="reference")
+    if native.AVAILABLE:
+        rows = bench_ngram(sizes, steps=a.steps, index="native") + rows
     if a.json:
-        print(json.dumps({"ngram": rows}))
+        print(json.dumps({"native": native.describe(), "ngram": rows}))
     else:
-        print("| history tokens | µs/step (median) | µs/step (p90) | build µs/token |\n|---|---|---|---|")
+        print("| index | history tokens | µs/step (median) | µs/step (p90) | build µs/token |\n|---|---|---|---|---|")
         for r in rows:
             print(
-                f"| {r['history_tokens']} | {r['step_us_median']:.0f} | {r['step_us_p90']:.0f} | {r['build_us_per_token']:.2f} |"
+                f"| {r['index']} | {r['history_tokens']} | {r['step_us_median']:.0f} | {r['step_us_p90']:.0f} "
+                f"| {r['build_us_per_token']:.2f} |"
+            )
+    return 0
+
+
+def run_kernels(a: argparse.Namespace) -> int:
+    from .. import native
+    from ..bench.kernels import bench_kernels, model_rows
+
+    if not native.AVAILABLE:
+        raise SystemExit(f"error: {_native_line()}")
+    if a.threads:
+        native.set_threads(a.threads)
+    if a.real_rows:
+        rows = model_rows(64)
+    else:
+        import numpy as np
+
+        from ..bench.kernels import gemma_like_rows
+
+        rows = gemma_like_rows(np.random.default_rng(0), 64, a.vocab)
+    timings = bench_kernels(reps=a.reps, rows=rows)
+    if a.json:
+        print(json.dumps({"native": native.describe(), "rows": "model" if a.real_rows else "synthetic", "kernels": [t.to_dict() for t in timings]}))
+    else:
+        print(_native_line() + f"; rows: {'default model' if a.real_rows else 'synthetic, Gemma-shaped'}, {rows.shape[1]:,} wide")
+        print("| kernel | native µs | reference µs | speedup | same result |\n|---|---|---|---|---|")
+        for t in timings:
+            print(f"| {t.kernel} | {t.native_us:.0f} | {t.reference_us:.0f} | {t.speedup:.1f}x | {'yes' if t.same else 'NO'} |")
+    return 0
+
+
+def run_host(a: argparse.Namespace) -> int:
+    from ..bench.host import as_dicts, bench_host
+
+    a.max_tree_nodes = max(a.max_tree_nodes, a.nodes)
+    engine = make_engine(a, "ngram")
+    try:
+        rows = bench_host(engine, n_nodes=a.nodes, max_tokens=a.max_tokens)
+    finally:
+        engine.close()
+    if a.json:
+        from .. import native
+
+        print(json.dumps({"native": native.describe(), "host": as_dicts(rows)}))
+    else:
+        print(_native_line())
+        print(
+            "| sampling | kernels | steps | nodes/step | tokens/step | host µs/step | llama_decode µs/step | host/decode "
+            "| draft µs | verify µs | other µs |\n|---|---|---|---|---|---|---|---|---|---|---|"
+        )
+        for r in rows:
+            print(
+                f"| {r.sampling} | {r.kernels} | {r.steps} | {r.mean_tree_nodes:.1f} | {r.mean_acceptance_length:.2f} "
+                f"| {r.t_host_us_per_step:.0f} | {r.t_decode_us_per_step:.0f} | {100 * r.host_fraction:.1f}% "
+                f"| {r.t_draft_us_per_step:.0f} | {r.t_verify_us_per_step:.0f} | {r.t_other_us_per_step:.0f} |"
             )
     return 0
 
