@@ -141,6 +141,10 @@ int64_t ls__candidates(const ls_sampling *s, const float *x, int64_t n, ls_works
 int64_t ls__choose(const ls_sampling *s, const float *x, int64_t n, int64_t pos, ls_workspace *ws);
 /* Softmax of the candidate logits ws->logits[0..m) into ws->vals (float64). */
 void ls__candidate_probs(ls_workspace *ws, int64_t m);
+/* verify.sample_from over a sparse distribution: vals[j] is the probability of token
+ * ids[j] (ids ascending; ids NULL = j itself), every other token has probability 0. Returns
+ * the token the dense inverse-CDF draw picks. */
+int64_t ls__sample_sparse(const int64_t *ids, const double *vals, int64_t m, double u);
 /* max over finite entries and their number */
 void ls__row_max(const float *x, int64_t n, int32_t n_threads, float *max_out, int64_t *n_finite_out);
 

@@ -611,18 +611,22 @@ int64_t ls_choose(const ls_sampling *s, const float *row, int64_t n_vocab, const
     return ls__choose(s, x, n_vocab, pos, ws);
 }
 
-int64_t ls_sample_from(const double *probs, int64_t n, double u) {
-    if (n < 1) return -1;
+int64_t ls__sample_sparse(const int64_t *ids, const double *vals, int64_t m, double u) {
     double total = 0.0;
-    for (int64_t i = 0; i < n; i++) total += probs[i];
+    for (int64_t j = 0; j < m; j++) total += vals[j];
     double target = u * total;
     double c = 0.0;
-    int64_t i = 0;
-    for (; i < n; i++) {
-        c += probs[i];
+    int64_t j = 0;
+    for (; j < m; j++) {
+        c += vals[j];
         if (c > target) break;
     }
-    if (i >= n) i = n - 1;
-    while (probs[i] <= 0.0 && i > 0) i--;
-    return i;
+    if (j >= m) j = m - 1;
+    while (j >= 0 && vals[j] <= 0.0) j--;
+    if (j < 0) return 0;
+    return ids ? ids[j] : j;
+}
+
+int64_t ls_sample_from(const double *probs, int64_t n, double u) {
+    return n < 1 ? -1 : ls__sample_sparse(NULL, probs, n, u);
 }

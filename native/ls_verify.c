@@ -143,23 +143,6 @@ static int64_t find_id(const int64_t *ids, int64_t m, int64_t token) {
     return (lo < m && ids[lo] == token) ? lo : -1;
 }
 
-/* verify.sample_from on a sparse distribution (ids ascending; every other token has
- * probability 0): the same token as the dense inverse-CDF draw */
-static int64_t sample_sparse(const int64_t *ids, const double *vals, int64_t m, double u) {
-    double total = 0.0;
-    for (int64_t j = 0; j < m; j++) total += vals[j];
-    double target = u * total;
-    double c = 0.0;
-    int64_t j = 0;
-    for (; j < m; j++) {
-        c += vals[j];
-        if (c > target) break;
-    }
-    if (j >= m) j = m - 1;
-    while (j >= 0 && vals[j] <= 0.0) j--;
-    return j >= 0 ? ids[j] : 0;
-}
-
 /* ---- the walks -------------------------------------------------------------------------------- */
 
 int32_t ls_verify(const ls_tree *tree, const float *logits, int64_t stride, int64_t n_vocab, const ls_sampling *s,
@@ -259,7 +242,7 @@ int32_t ls_verify(const ls_tree *tree, const float *logits, int64_t stride, int6
             }
             if (rc) break;
             token = accepted >= 0 ? tree->token_ids[accepted]
-                                  : sample_sparse(ids, res, m, ls_uniform(ls_stream_key(s->seed, pos, LS_STREAM_RESIDUAL), 0));
+                                  : ls__sample_sparse(ids, res, m, ls_uniform(ls_stream_key(s->seed, pos, LS_STREAM_RESIDUAL), 0));
         }
         tokens_out[n_path] = (int32_t)token;
         if (accepted < 0) {

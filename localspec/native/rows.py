@@ -149,22 +149,22 @@ def _block(logits: np.ndarray) -> tuple[np.ndarray, int]:
     return logits, logits.strides[0] // 4
 
 
-def rows_logsumexp(logits: np.ndarray, rows, n_threads: int = 1) -> np.ndarray:
-    """[k] float64 logsumexp of ``logits[rows]`` (``logits``: [n_rows, n_vocab] float32)."""
+def _per_row(fn, logits: np.ndarray, rows, dtype, n_threads: int) -> np.ndarray:
     logits, stride = _block(logits)
     rows = np.ascontiguousarray(rows, dtype=np.int32)
-    out = np.empty(rows.size, dtype=np.float64)
-    lib.ls_rows_logsumexp(logits.ctypes.data, stride, logits.shape[1], rows.ctypes.data, rows.size, out.ctypes.data, n_threads)
+    out = np.empty(rows.size, dtype=dtype)
+    fn(logits.ctypes.data, stride, logits.shape[1], rows.ctypes.data, rows.size, out.ctypes.data, n_threads)
     return out
+
+
+def rows_logsumexp(logits: np.ndarray, rows, n_threads: int = 1) -> np.ndarray:
+    """[k] float64 logsumexp of ``logits[rows]`` (``logits``: [n_rows, n_vocab] float32)."""
+    return _per_row(lib.ls_rows_logsumexp, logits, rows, np.float64, n_threads)
 
 
 def rows_argmax(logits: np.ndarray, rows, n_threads: int = 1) -> np.ndarray:
     """[k] int64 argmax of ``logits[rows]``."""
-    logits, stride = _block(logits)
-    rows = np.ascontiguousarray(rows, dtype=np.int32)
-    out = np.empty(rows.size, dtype=np.int64)
-    lib.ls_rows_argmax(logits.ctypes.data, stride, logits.shape[1], rows.ctypes.data, rows.size, out.ctypes.data, n_threads)
-    return out
+    return _per_row(lib.ls_rows_argmax, logits, rows, np.int64, n_threads)
 
 
 def uniforms(key: int, counters) -> np.ndarray:
