@@ -153,7 +153,8 @@ typedef struct ls_tree {
     const int32_t *parents;     /* [n_nodes]; parents[0] = -1, parents[i] < i */
     const float *draft_probs;   /* [n_nodes]; NaN = deterministic child (point mass) */
     const void *const *draft_dists; /* [n_nodes]: node -> [n_vocab] draft distribution its
-                                       stochastic children were drawn from, or NULL */
+                                       stochastic children were drawn from, or NULL (the
+                                       whole table may be NULL: no distributions) */
     const int8_t *dist_is_f64;  /* [n_nodes]: 1 = that distribution is float64, 0 = float32 */
 } ls_tree;
 

@@ -202,7 +202,7 @@ int32_t ls_verify(const ls_tree *tree, const float *logits, int64_t stride, int6
                 int64_t at = find_id(ids, m, xt);
                 double r = at >= 0 ? res[at] : 0.0;
                 if (is_stochastic(tree, c)) {
-                    if (!tree->draft_dists[node]) {
+                    if (!tree->draft_dists || !tree->draft_dists[node]) {
                         rc = LS_ERR_NO_DRAFT_DIST;
                         *err_node = c;
                         break;

@@ -385,3 +385,17 @@ def test_engine_output_is_identical_with_and_without_native_kernels(engine):
         assert run(True, sampled) == ref
     finally:
         engine.drafter, engine.adaptive = old_drafter, old_adaptive
+
+
+def test_bench_host_measures_forced_trees(engine):
+    """`localspec bench host`: every verified tree has the forced size, host and decode times
+    are measured, and native and reference runs emit the same tokens."""
+    from localspec.bench.host import SAMPLINGS, bench_host
+
+    rows = bench_host(engine, n_nodes=6, max_tokens=10, prompts=(PROMPT,), samplings=SAMPLINGS)
+    assert {(r.sampling, r.kernels) for r in rows} >= {(s, "reference") for s in SAMPLINGS}
+    for r in rows:
+        assert r.steps > 0 and r.t_decode_us_per_step > 0 and r.t_host_us_per_step > 0
+        assert 3 < r.mean_tree_nodes <= 6  # 6 per step; the last steps may be cut by max_tokens
+        assert r.identical_to_reference in (None, True)
+    assert engine.drafter.name == "ngram" and engine.adaptive

@@ -140,14 +140,17 @@ def run_host(a: argparse.Namespace) -> int:
         print(_native_line())
         print(
             "| sampling | kernels | steps | nodes/step | tokens/step | host µs/step | llama_decode µs/step | host/decode "
-            "| draft µs | verify µs | other µs |\n|---|---|---|---|---|---|---|---|---|---|---|"
+            "| host/calibrated decode | draft µs | verify µs | other µs |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
         )
         for r in rows:
             print(
                 f"| {r.sampling} | {r.kernels} | {r.steps} | {r.mean_tree_nodes:.1f} | {r.mean_acceptance_length:.2f} "
                 f"| {r.t_host_us_per_step:.0f} | {r.t_decode_us_per_step:.0f} | {100 * r.host_fraction:.1f}% "
+                f"| {100 * r.host_fraction_calibrated:.1f}% of {r.t_decode_calibrated_us / 1e3:.0f} ms "
                 f"| {r.t_draft_us_per_step:.0f} | {r.t_verify_us_per_step:.0f} | {r.t_other_us_per_step:.0f} |"
             )
+        if any(r.identical_to_reference is False for r in rows):
+            print("WARNING: native and reference outputs differ")
     return 0
 
 

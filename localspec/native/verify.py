@@ -56,7 +56,7 @@ def walk(tree, logits: np.ndarray, state, *, seed: int, pos: int, window, reject
     t.token_ids = token_ids.ctypes.data
     t.parents = parents.ctypes.data
     t.draft_probs = draft_probs.ctypes.data
-    keep = []
+    keep = []  # arrays the C side reads, alive until the call returns
     if rejection and tree.draft_dists:
         ptrs = (ctypes.c_void_p * n)()
         f64 = (ctypes.c_int8 * n)()
@@ -69,11 +69,6 @@ def walk(tree, logits: np.ndarray, state, *, seed: int, pos: int, window, reject
             keep.append(d)
             ptrs[int(node)] = d.ctypes.data
             f64[int(node)] = 1 if d.dtype == np.float64 else 0
-        t.draft_dists = ctypes.addressof(ptrs)
-        t.dist_is_f64 = ctypes.addressof(f64)
-    else:  # no stochastic child can be verified without one: give the C side empty tables
-        ptrs = (ctypes.c_void_p * n)()
-        f64 = (ctypes.c_int8 * n)()
         t.draft_dists = ctypes.addressof(ptrs)
         t.dist_is_f64 = ctypes.addressof(f64)
     win = None if window is None else np.fromiter(window, dtype=np.int32, count=len(window))
