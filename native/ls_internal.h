@@ -44,8 +44,9 @@ static inline double ls__gumbel_of_bits(uint64_t h) { return -log(-log(ls__u_of_
 
 static inline int ls__isfinite(float v) { return fabsf(v) <= FLT_MAX; }
 
-/* Portable 4-lane vectors (GCC / Clang vector extensions; plain loops elsewhere). */
-#if defined(__GNUC__) || defined(__clang__)
+/* Portable 4-lane vectors (GCC / Clang vector extensions; plain loops elsewhere, or with
+ * -DLS_NO_VEC: tests/test_native.py builds that variant and checks it gives the same answers). */
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(LS_NO_VEC)
 #define LS_VEC 1
 typedef float ls_v4f __attribute__((vector_size(16)));
 typedef int32_t ls_v4i __attribute__((vector_size(16)));

@@ -3,7 +3,8 @@
  * Reference: localspec/sampling.py (LogitsProcessor). */
 #include "ls_internal.h"
 
-#if defined(__SSE2__)
+#if defined(__SSE2__) && !defined(LS_NO_VEC)
+#define LS_SSE2 1
 #include <emmintrin.h>
 #endif
 
@@ -96,13 +97,57 @@ void ls__row_max(const float *x, int64_t n, int32_t n_threads, float *max_out, i
     *n_finite_out = cnt;
 }
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(LS_NO_CLONES) && !defined(LS_NO_VEC)
+#define LS_ARGMAX_AVX2 1
+#include <immintrin.h>
+/* ls_argmax with 8-lane AVX2 registers (picked at run time where the CPU has AVX2) */
+__attribute__((target("avx2"))) static int64_t argmax_avx2(const float *x, int64_t n) {
+    float best = x[0];
+    int64_t i = 0;
+    if (n >= 32) {
+        __m256 m0 = _mm256_loadu_ps(x), m1 = _mm256_loadu_ps(x + 8), m2 = _mm256_loadu_ps(x + 16),
+               m3 = _mm256_loadu_ps(x + 24);
+        for (i = 32; i + 32 <= n; i += 32) {
+            m0 = _mm256_max_ps(_mm256_loadu_ps(x + i), m0);
+            m1 = _mm256_max_ps(_mm256_loadu_ps(x + i + 8), m1);
+            m2 = _mm256_max_ps(_mm256_loadu_ps(x + i + 16), m2);
+            m3 = _mm256_max_ps(_mm256_loadu_ps(x + i + 24), m3);
+        }
+        float lanes[32];
+        _mm256_storeu_ps(lanes, m0);
+        _mm256_storeu_ps(lanes + 8, m1);
+        _mm256_storeu_ps(lanes + 16, m2);
+        _mm256_storeu_ps(lanes + 24, m3);
+        for (int j = 0; j < 32; j++) best = lanes[j] > best ? lanes[j] : best;
+    }
+    for (; i < n; i++) best = x[i] > best ? x[i] : best;
+    __m256 b8 = _mm256_set1_ps(best);
+    for (i = 0; i + 32 <= n; i += 32) {
+        __m256 e = _mm256_or_ps(
+            _mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), b8, _CMP_EQ_OQ),
+                         _mm256_cmp_ps(_mm256_loadu_ps(x + i + 8), b8, _CMP_EQ_OQ)),
+            _mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i + 16), b8, _CMP_EQ_OQ),
+                         _mm256_cmp_ps(_mm256_loadu_ps(x + i + 24), b8, _CMP_EQ_OQ)));
+        if (_mm256_movemask_ps(e)) break;
+    }
+    for (; i < n; i++)
+        if (x[i] == best) return i;
+    return 0;
+}
+#endif
+
 /* first index of the maximum (np.argmax; NaN ignored): the maximum in one pass (four
  * independent max chains), then the first index holding it. */
 LS_HOT int64_t ls_argmax(const float *x, int64_t n) {
     if (n < 1) return -1;
+#if LS_ARGMAX_AVX2
+    static int have_avx2 = -1;
+    if (have_avx2 < 0) have_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+    if (have_avx2) return argmax_avx2(x, n);
+#endif
     float best = x[0];
     int64_t i = 0;
-#if defined(__SSE2__)
+#if LS_SSE2
     if (n >= 16) {
         __m128 m0 = _mm_loadu_ps(x), m1 = _mm_loadu_ps(x + 4), m2 = _mm_loadu_ps(x + 8), m3 = _mm_loadu_ps(x + 12);
         for (i = 16; i + 16 <= n; i += 16) {
@@ -122,7 +167,7 @@ LS_HOT int64_t ls_argmax(const float *x, int64_t n) {
 #endif
     for (; i < n; i++) best = x[i] > best ? x[i] : best;
     i = 0;
-#if defined(__SSE2__)
+#if LS_SSE2
     __m128 b4 = _mm_set1_ps(best);
     for (; i + 16 <= n; i += 16) {
         __m128 e = _mm_or_ps(_mm_or_ps(_mm_cmpeq_ps(_mm_loadu_ps(x + i), b4), _mm_cmpeq_ps(_mm_loadu_ps(x + i + 4), b4)),
