@@ -97,87 +97,84 @@ void ls__row_max(const float *x, int64_t n, int32_t n_threads, float *max_out, i
     *n_finite_out = cnt;
 }
 
+/* np.argmax in one pass over memory: the maximum of each block of ARGMAX_BLOCK values (four
+ * independent max chains; maxps(v, m) = v > m ? v : m, so NaN never enters), then the first
+ * index holding the overall maximum, looked for only in the first block that has it.
+ * NaN values are ignored; a row of -inf (or NaN) gives 0. */
+#define ARGMAX_BLOCK 1024
+
+#define LS_ARGMAX_BODY(VEC, W, LOADU, MAX, SET1, STOREU)                                      \
+    float best = -INFINITY;                                                                  \
+    int64_t best_block = -1, at = -1;                                                        \
+    int64_t nb = n / ARGMAX_BLOCK;                                                           \
+    for (int64_t b = 0; b < nb; b++) {                                                       \
+        const float *p = x + b * ARGMAX_BLOCK;                                               \
+        VEC m0 = SET1(-INFINITY), m1 = m0, m2 = m0, m3 = m0;                                 \
+        for (int j = 0; j < ARGMAX_BLOCK; j += 4 * (W)) {                                    \
+            m0 = MAX(LOADU(p + j), m0);                                                      \
+            m1 = MAX(LOADU(p + j + (W)), m1);                                                \
+            m2 = MAX(LOADU(p + j + 2 * (W)), m2);                                            \
+            m3 = MAX(LOADU(p + j + 3 * (W)), m3);                                            \
+        }                                                                                    \
+        m0 = MAX(MAX(m0, m1), MAX(m2, m3));                                                  \
+        float lanes[W];                                                                      \
+        STOREU(lanes, m0);                                                                   \
+        float bm = lanes[0];                                                                 \
+        for (int j = 1; j < (W); j++) bm = lanes[j] > bm ? lanes[j] : bm;                    \
+        if (bm > best) {                                                                     \
+            best = bm;                                                                       \
+            best_block = b;                                                                  \
+        }                                                                                    \
+    }                                                                                        \
+    for (int64_t i = nb * ARGMAX_BLOCK; i < n; i++)                                          \
+        if (x[i] > best) {                                                                   \
+            best = x[i];                                                                     \
+            at = i;                                                                          \
+        }                                                                                    \
+    if (at < 0 && best_block >= 0) {                                                         \
+        const float *p = x + best_block * ARGMAX_BLOCK;                                      \
+        for (int j = 0; j < ARGMAX_BLOCK; j++)                                               \
+            if (p[j] == best) {                                                              \
+                at = best_block * ARGMAX_BLOCK + j;                                          \
+                break;                                                                       \
+            }                                                                                \
+    }                                                                                        \
+    return at < 0 ? 0 : at;
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(LS_NO_CLONES) && !defined(LS_NO_VEC)
 #define LS_ARGMAX_AVX2 1
 #include <immintrin.h>
-/* ls_argmax with 8-lane AVX2 registers (picked at run time where the CPU has AVX2) */
+/* with 8-lane AVX2 registers (picked at run time where the CPU has AVX2) */
 __attribute__((target("avx2"))) static int64_t argmax_avx2(const float *x, int64_t n) {
-    float best = x[0];
-    int64_t i = 0;
-    if (n >= 32) {
-        __m256 m0 = _mm256_loadu_ps(x), m1 = _mm256_loadu_ps(x + 8), m2 = _mm256_loadu_ps(x + 16),
-               m3 = _mm256_loadu_ps(x + 24);
-        for (i = 32; i + 32 <= n; i += 32) {
-            m0 = _mm256_max_ps(_mm256_loadu_ps(x + i), m0);
-            m1 = _mm256_max_ps(_mm256_loadu_ps(x + i + 8), m1);
-            m2 = _mm256_max_ps(_mm256_loadu_ps(x + i + 16), m2);
-            m3 = _mm256_max_ps(_mm256_loadu_ps(x + i + 24), m3);
-        }
-        float lanes[32];
-        _mm256_storeu_ps(lanes, m0);
-        _mm256_storeu_ps(lanes + 8, m1);
-        _mm256_storeu_ps(lanes + 16, m2);
-        _mm256_storeu_ps(lanes + 24, m3);
-        for (int j = 0; j < 32; j++) best = lanes[j] > best ? lanes[j] : best;
-    }
-    for (; i < n; i++) best = x[i] > best ? x[i] : best;
-    __m256 b8 = _mm256_set1_ps(best);
-    for (i = 0; i + 32 <= n; i += 32) {
-        __m256 e = _mm256_or_ps(
-            _mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), b8, _CMP_EQ_OQ),
-                         _mm256_cmp_ps(_mm256_loadu_ps(x + i + 8), b8, _CMP_EQ_OQ)),
-            _mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i + 16), b8, _CMP_EQ_OQ),
-                         _mm256_cmp_ps(_mm256_loadu_ps(x + i + 24), b8, _CMP_EQ_OQ)));
-        if (_mm256_movemask_ps(e)) break;
-    }
-    for (; i < n; i++)
-        if (x[i] == best) return i;
-    return 0;
+    LS_ARGMAX_BODY(__m256, 8, _mm256_loadu_ps, _mm256_max_ps, _mm256_set1_ps, _mm256_storeu_ps)
 }
 #endif
 
-/* first index of the maximum (np.argmax; NaN ignored): the maximum in one pass (four
- * independent max chains), then the first index holding it. */
-LS_HOT int64_t ls_argmax(const float *x, int64_t n) {
+#if LS_SSE2
+static int64_t argmax_sse2(const float *x, int64_t n) {
+    LS_ARGMAX_BODY(__m128, 4, _mm_loadu_ps, _mm_max_ps, _mm_set1_ps, _mm_storeu_ps)
+}
+#endif
+
+int64_t ls_argmax(const float *x, int64_t n) {
     if (n < 1) return -1;
 #if LS_ARGMAX_AVX2
     static int have_avx2 = -1;
     if (have_avx2 < 0) have_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
     if (have_avx2) return argmax_avx2(x, n);
 #endif
-    float best = x[0];
-    int64_t i = 0;
 #if LS_SSE2
-    if (n >= 16) {
-        __m128 m0 = _mm_loadu_ps(x), m1 = _mm_loadu_ps(x + 4), m2 = _mm_loadu_ps(x + 8), m3 = _mm_loadu_ps(x + 12);
-        for (i = 16; i + 16 <= n; i += 16) {
-            /* maxps(a, m) = a > m ? a : m: a NaN in x never replaces the running maximum */
-            m0 = _mm_max_ps(_mm_loadu_ps(x + i), m0);
-            m1 = _mm_max_ps(_mm_loadu_ps(x + i + 4), m1);
-            m2 = _mm_max_ps(_mm_loadu_ps(x + i + 8), m2);
-            m3 = _mm_max_ps(_mm_loadu_ps(x + i + 12), m3);
+    return argmax_sse2(x, n);
+#else
+    float best = -INFINITY;
+    int64_t at = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (x[i] > best) {
+            best = x[i];
+            at = i;
         }
-        float lanes[16];
-        _mm_storeu_ps(lanes, m0);
-        _mm_storeu_ps(lanes + 4, m1);
-        _mm_storeu_ps(lanes + 8, m2);
-        _mm_storeu_ps(lanes + 12, m3);
-        for (int j = 0; j < 16; j++) best = lanes[j] > best ? lanes[j] : best;
-    }
+    return at;
 #endif
-    for (; i < n; i++) best = x[i] > best ? x[i] : best;
-    i = 0;
-#if LS_SSE2
-    __m128 b4 = _mm_set1_ps(best);
-    for (; i + 16 <= n; i += 16) {
-        __m128 e = _mm_or_ps(_mm_or_ps(_mm_cmpeq_ps(_mm_loadu_ps(x + i), b4), _mm_cmpeq_ps(_mm_loadu_ps(x + i + 4), b4)),
-                             _mm_or_ps(_mm_cmpeq_ps(_mm_loadu_ps(x + i + 8), b4), _mm_cmpeq_ps(_mm_loadu_ps(x + i + 12), b4)));
-        if (_mm_movemask_ps(e)) break;
-    }
-#endif
-    for (; i < n; i++)
-        if (x[i] == best) return i;
-    return 0; /* every value NaN */
 }
 
 /* ---- exp sums -------------------------------------------------------------------------------- */

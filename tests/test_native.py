@@ -57,6 +57,12 @@ def test_row_reductions_match_numpy(rng):
     block[1, rng.integers(0, WIDE, 100)] = -np.inf
     block[2, 77] = block[2].max()  # a tie: the first index wins
     block[2, 5] = block[2].max()
+    block[3, [200000, 7000, 262143]] = block[3].max() + 1  # ties in different blocks
+    for row in (np.full(WIDE, -np.inf, dtype=np.float32), np.full(1030, -np.inf, dtype=np.float32)):
+        assert rows.argmax(row) == 0 == int(np.argmax(row))
+    tail = np.zeros(1030, dtype=np.float32)
+    tail[1029] = 1.0  # the maximum after the last whole block
+    assert rows.argmax(tail) == 1029
     for row in block:
         assert rows.argmax(row) == int(np.argmax(row))
         x = row.astype(np.float64)
