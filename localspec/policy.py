@@ -65,6 +65,13 @@ class AcceptanceTracker:
         p = (self.local_acc[bucket] + w * self.base_rate(bucket)) / (self.local_n[bucket] + w)
         return float(min(0.995, p))
 
+    def estimates(self) -> list[float]:
+        """``estimate(b)`` of every bucket (one vectorised computation per step)."""
+        base = (self.acc + self.prior_weight * self.prior) / (self.n + self.prior_weight)
+        w = self.local_weight
+        p = (self.local_acc + w * base) / (self.local_n + w)
+        return np.minimum(p, 0.995).tolist()
+
     def end_step(self) -> None:
         self.local_acc *= self.decay
         self.local_n *= self.decay

@@ -117,7 +117,8 @@ class SequenceCache:
             for i in range(0, len(tokens), step):
                 chunk = tokens[i : i + step]
                 self._prefill_batch.set_sequence(chunk, self.n_past, output="none")
-                self.ctx.decode(self._prefill_batch)
+                with self.ctx.abortable():
+                    self.ctx.decode(self._prefill_batch)
                 self.tokens.extend(chunk)
                 if on_chunk is not None:
                     on_chunk(i + len(chunk), len(tokens))
