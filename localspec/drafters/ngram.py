@@ -158,9 +158,11 @@ class NgramDrafter:
                 seen.add(s)
                 n_occ += 1
                 mlen = match_length(toks, s) if m.order >= self.max_n else m.order
+                # weak matches rarely continue for long: bound their depth (and the cost)
+                depth = depth_cap if mlen >= 8 else min(depth_cap, 16 if mlen >= 4 else 6)
                 node = 0
                 # once the target accepts a node, the history matches one token further
-                for d, t in enumerate(toks[s : min(s + depth_cap, n_hist)]):
+                for d, t in enumerate(toks[s : min(s + depth, n_hist)]):
                     child = builder.find(node, t)
                     if child < 0:
                         if len(builder) >= node_cap:
