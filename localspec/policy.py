@@ -65,11 +65,12 @@ class AcceptanceTracker:
         p = (self.local_acc[bucket] + w * self.base_rate(bucket)) / (self.local_n[bucket] + w)
         return float(min(0.995, p))
 
-    def estimates(self) -> np.ndarray:
-        """[n_buckets] float64: ``estimate(b)`` of every bucket (the same numbers)."""
+    def estimates(self) -> list[float]:
+        """``estimate(b)`` of every bucket (one vectorised computation per step)."""
         base = (self.acc + self.prior_weight * self.prior) / (self.n + self.prior_weight)
         w = self.local_weight
-        return np.minimum(0.995, (self.local_acc + w * base) / (self.local_n + w))
+        p = (self.local_acc + w * base) / (self.local_n + w)
+        return np.minimum(p, 0.995).tolist()
 
     def end_step(self) -> None:
         self.local_acc *= self.decay
@@ -98,12 +99,14 @@ class SpeculationPolicy:
     Args:
         cost: the target's ``CostModel``.
         max_nodes: largest tree to verify (root included).
-        enabled: False forces plain decoding (b = 1).
+        min_gain: speculate only when the expected rate beats plain decoding by this fraction
+            (estimation errors make marginal choices lose on average).
     """
 
-    def __init__(self, cost: CostModel, *, max_nodes: int = 64) -> None:
+    def __init__(self, cost: CostModel, *, max_nodes: int = 64, min_gain: float = 0.05) -> None:
         self.cost = cost
         self.max_nodes = max_nodes
+        self.min_gain = min_gain
         self.t_host_base_us = 1500.0  # per step, refined online
         self.t_host_node_us = 100.0  # per extra node, refined online
         self._alpha = 0.1
@@ -118,7 +121,8 @@ class SpeculationPolicy:
             return Choice(1, 1.0, 1.0 / (self.cost.t_decode_us(1) + self.host_us(1)))
         scores = np.sort(tree.score[1:])[::-1]
         exp_tokens = 1.0 + np.concatenate([[0.0], np.cumsum(scores)])  # index b-1 -> E(b)
-        best = Choice(1, 1.0, 1.0 / (self.cost.t_decode_us(1) + self.host_us(1)))
+        plain = Choice(1, 1.0, 1.0 / (self.cost.t_decode_us(1) + self.host_us(1)))
+        best = plain
         for b in self.cost.sizes:
             if b > limit:
                 break
@@ -126,6 +130,9 @@ class SpeculationPolicy:
             rate = e / (self.cost.t_decode_us(b) + self.host_us(b))
             if rate > best.expected_rate:
                 best = Choice(b, e, rate)
+        # estimates are noisy: speculate only for a clear expected gain over plain decoding
+        if best.expected_rate < plain.expected_rate * (1.0 + self.min_gain):
+            return plain
         return best
 
     def observe_step(self, b: int, t_decode_us: float, t_host_us: float) -> None:

@@ -37,7 +37,7 @@
 extern "C" {
 #endif
 
-#define LS_ABI_VERSION 1
+#define LS_ABI_VERSION 2
 
 /* error codes (negative returns) */
 #define LS_ERR_BANNED (-1)         /* every token is banned (-inf) by logit bias */
@@ -197,24 +197,29 @@ LS_API int64_t ls_ngram_tokens(const ls_ngram *ix, int64_t start, int64_t n, int
 LS_API int32_t ls_ngram_lookup(const ls_ngram *ix, int32_t min_n, int32_t max_occurrences, int32_t first_only,
                                int32_t *orders_out, int32_t *counts_out, int64_t *starts_out);
 
-/* The n-gram drafter's trie of continuations (drafters.ngram.NgramDrafter.propose, before
- * pruning): occurrences of the longest matching suffixes (deduplicated, at most
- * max_occurrences), each continued for up to depth_cap tokens, merged into a trie whose
- * nodes carry the longest match length and the number of occurrences through them
- * (support); each node gets its acceptance bucket (match-length bucket x rank among
- * siblings) and score = parent score * estimates[bucket]. */
+/* The n-gram drafter's trie of continuations (drafters.ngram.NgramDrafter.propose):
+ * occurrences of the longest matching suffixes (deduplicated, at most max_occurrences),
+ * each continued for depth_by_match[its match length] tokens, merged into a trie of at most
+ * node_cap nodes whose nodes carry the longest match length and the number of occurrences
+ * through them (support); each node gets its acceptance bucket (match-length bucket x rank
+ * among siblings) and score = parent score * estimates[bucket]. */
 typedef struct ls_draft_params {
     int32_t min_n, max_n;        /* drafter's orders (match lengths are measured at max_n) */
     int32_t max_occurrences, depth_cap;
+    int32_t node_cap;            /* most nodes, root included */
     int32_t max_match;           /* cap of the measured match length */
     int32_t n_len_edges;         /* lower edges of the match-length buckets (ascending) */
-    const int32_t *len_edges;
     int32_t n_rank;              /* rank buckets per length bucket (4) */
+    int32_t n_depth_by_match;
     int32_t _pad;
+    const int32_t *len_edges;    /* [n_len_edges] */
+    const int32_t *depth_by_match; /* [n_depth_by_match]: continuation length of an occurrence
+                                      with match length m: [min(m, n - 1)] (<= depth_cap) */
     const double *estimates;     /* [n_len_edges * n_rank] acceptance estimate per bucket */
 } ls_draft_params;
 
-/* requires: every *_out array holds cap = 1 + max_occurrences * depth_cap entries.
+/* requires: every *_out array holds cap >= min(node_cap, 1 + max_occurrences * depth_cap)
+ *   entries.
  * returns: the number of nodes (>= 1; the root is the last history token), 0 when the
  *   history is empty, or an LS_ERR_* code. */
 LS_API int32_t ls_ngram_draft(const ls_ngram *ix, const ls_draft_params *p, int32_t cap,

@@ -255,8 +255,10 @@ int32_t ls_ngram_draft(const ls_ngram *ix, const ls_draft_params *p, int32_t cap
                        int32_t *mlen_out, int32_t *support_out) {
     int64_t n_hist = ix->len;
     if (n_hist == 0) return 0;
-    if (p->max_occurrences < 0 || p->depth_cap < 0 || cap < 1 ||
-        (int64_t)cap < 1 + (int64_t)p->max_occurrences * p->depth_cap || p->n_rank < 1 || p->n_len_edges < 1)
+    int64_t need = 1 + (int64_t)p->max_occurrences * p->depth_cap;
+    if (p->node_cap < need) need = p->node_cap < 1 ? 1 : p->node_cap;
+    if (p->max_occurrences < 0 || p->depth_cap < 0 || cap < 1 || cap < need || p->n_rank < 1 || p->n_len_edges < 1 ||
+        p->n_depth_by_match < 1)
         return LS_ERR_ARG;
     tok_out[0] = ix->tok[n_hist - 1];
     parent_out[0] = -1;
@@ -282,7 +284,7 @@ int32_t ls_ngram_draft(const ls_ngram *ix, const ls_draft_params *p, int32_t cap
     first[0] = next[0] = last[0] = -1;
     int32_t n_matches = ls_ngram_lookup(ix, p->min_n, max_occ, 0, orders, counts, starts);
     int32_t n_occ = 0;
-    for (int32_t mi = 0; mi < n_matches && n_occ < max_occ; mi++) {
+    for (int32_t mi = 0; mi < n_matches && n_occ < max_occ && n < p->node_cap; mi++) {
         for (int32_t si = 0; si < counts[mi]; si++) {
             int64_t s = starts[(int64_t)mi * max_occ + si];
             int dup = 0;
@@ -290,14 +292,17 @@ int32_t ls_ngram_draft(const ls_ngram *ix, const ls_draft_params *p, int32_t cap
             if (dup || n_occ >= max_occ) continue;
             seen[n_occ++] = s;
             int32_t mlen = orders[mi] >= p->max_n ? match_length(ix, s, p->max_match) : orders[mi];
+            int32_t depth = p->depth_by_match[mlen < p->n_depth_by_match ? mlen : p->n_depth_by_match - 1];
+            if (depth > p->depth_cap) depth = p->depth_cap;
             int32_t node = 0;
-            int64_t stop = s + p->depth_cap < n_hist ? s + p->depth_cap : n_hist;
+            int64_t stop = s + depth < n_hist ? s + depth : n_hist;
             for (int64_t q = s; q < stop; q++) {
                 int32_t t = ix->tok[q];
                 int32_t d = (int32_t)(q - s);
                 int32_t child = first[node];
                 while (child >= 0 && tok_out[child] != t) child = next[child];
                 if (child < 0) {
+                    if (n >= p->node_cap) break;
                     child = n++;
                     tok_out[child] = t;
                     parent_out[child] = node;

@@ -58,12 +58,19 @@ _PRIOR = np.array(
 ).ravel()
 
 
-def _len_bucket(match_len: int) -> int:
+def _len_bucket_slow(match_len: int) -> int:
     b = 0
     for i, edge in enumerate(_LEN_EDGES):
         if match_len >= edge:
             b = i
     return b
+
+
+_LEN_BUCKET = [_len_bucket_slow(n) for n in range(_MAX_MATCH + 257)]
+
+
+def _len_bucket(match_len: int) -> int:
+    return _LEN_BUCKET[min(match_len, len(_LEN_BUCKET) - 1)]
 
 
 def _bucket(match_len: int, best_sibling_len: int, support: int) -> int:
@@ -74,6 +81,18 @@ def _bucket(match_len: int, best_sibling_len: int, support: int) -> int:
     else:
         rank = 3
     return _len_bucket(match_len) * _N_RANK + rank
+
+
+def _node_cap(max_nodes: int) -> int:
+    """Most trie nodes built for a step: occurrences come best first, and the policy keeps
+    at most ``max_nodes`` of them."""
+    return 3 * max_nodes
+
+
+def _occurrence_depth(match_len: int, depth_cap: int) -> int:
+    """How far an occurrence is continued: weak matches rarely continue for long, so their
+    depth (and the cost) is bounded."""
+    return depth_cap if match_len >= 8 else min(depth_cap, 16 if match_len >= 4 else 6)
 
 
 def match_length(tokens: list[int], start: int, cap: int = _MAX_MATCH) -> int:
@@ -156,8 +175,9 @@ class NgramDrafter:
         seen: set[int] = set()
         n_hist = len(toks)
         n_occ = 0
+        node_cap = _node_cap(max_nodes)
         for m in matches:
-            if n_occ >= self.max_occurrences:
+            if n_occ >= self.max_occurrences or len(builder) >= node_cap:
                 break
             for s in m.starts:
                 if s in seen or n_occ >= self.max_occurrences:
@@ -165,11 +185,14 @@ class NgramDrafter:
                 seen.add(s)
                 n_occ += 1
                 mlen = match_length(toks, s) if m.order >= self.max_n else m.order
+                depth = _occurrence_depth(mlen, depth_cap)
                 node = 0
                 # once the target accepts a node, the history matches one token further
-                for d, t in enumerate(toks[s : min(s + depth_cap, n_hist)]):
+                for d, t in enumerate(toks[s : min(s + depth, n_hist)]):
                     child = builder.find(node, t)
                     if child < 0:
+                        if len(builder) >= node_cap:
+                            break
                         child = builder.add(node, t, source=TokenSource.NGRAM, score=0.0)
                         orders.append(0)
                         support.append(0)
@@ -183,6 +206,7 @@ class NgramDrafter:
         for i in range(1, n):
             kids[parents[i]].append(i)
         buckets = [0] * n
+        est = self.tracker.estimates()
         for p in range(n):
             ks = kids[p]
             if not ks:
@@ -194,12 +218,9 @@ class NgramDrafter:
                 other = second if orders[c] == top else top
                 b = _bucket(orders[c], other, support[c])
                 buckets[c] = b
-                score[c] = score[p] * self.tracker.estimate(b)
+                score[c] = score[p] * est[b]
         builder.feature = buckets
-        tree = builder.build()
-        if tree.n_nodes > 4 * max_nodes:
-            tree = tree.best_subtree(4 * max_nodes)
-        return tree
+        return builder.build()
 
     def _propose_native(self, max_depth: int, max_nodes: int) -> TokenTree:
         """``propose`` with the trie built in C from the native index (same tree)."""
@@ -212,7 +233,9 @@ class NgramDrafter:
             max_n=self.max_n,
             max_occurrences=self.max_occurrences,
             depth_cap=depth_cap,
+            node_cap=_node_cap(max_nodes),
             max_match=_MAX_MATCH,
+            depth_by_match=[_occurrence_depth(m, depth_cap) for m in range(max(_MAX_MATCH, self.max_n) + 1)],
             len_edges=_LEN_EDGES,
             n_rank=_N_RANK,
             estimates=self.tracker.estimates(),
@@ -220,7 +243,7 @@ class NgramDrafter:
         n = trie.token_ids.size
         source = np.full(n, int(TokenSource.NGRAM), dtype=np.int8)
         source[0] = int(TokenSource.DECODE)
-        tree = TokenTree(
+        return TokenTree(
             token_ids=trie.token_ids,
             parents=trie.parents,
             depth=trie.depth,
@@ -229,9 +252,6 @@ class NgramDrafter:
             draft_probs=np.full(n, np.nan, dtype=np.float32),
             feature=trie.bucket,
         )
-        if tree.n_nodes > 4 * max_nodes:
-            tree = tree.best_subtree(4 * max_nodes)
-        return tree
 
     def observe(self, tree: TokenTree, emitted: Sequence[int]) -> None:
         """Learn from a step: ``tree`` as proposed (before the policy pruned it) and the tokens

@@ -9,7 +9,7 @@ import os
 from ctypes import POINTER, c_double, c_float, c_int8, c_int32, c_int64, c_uint64, c_void_p
 from pathlib import Path
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 # error codes (LS_ERR_*)
 ERR_BANNED = -1
@@ -70,11 +70,14 @@ class DraftParams(ctypes.Structure):
         ("max_n", c_int32),
         ("max_occurrences", c_int32),
         ("depth_cap", c_int32),
+        ("node_cap", c_int32),
         ("max_match", c_int32),
         ("n_len_edges", c_int32),
-        ("len_edges", c_void_p),
         ("n_rank", c_int32),
+        ("n_depth_by_match", c_int32),
         ("_pad", c_int32),
+        ("len_edges", c_void_p),
+        ("depth_by_match", c_void_p),
         ("estimates", c_void_p),
     ]
 

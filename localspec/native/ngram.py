@@ -130,7 +130,9 @@ def draft_trie(
     max_n: int,
     max_occurrences: int,
     depth_cap: int,
+    node_cap: int,
     max_match: int,
+    depth_by_match: Sequence[int],
     len_edges: Sequence[int],
     n_rank: int,
     estimates: np.ndarray,
@@ -138,21 +140,28 @@ def draft_trie(
     """Build the trie of ``NgramDrafter.propose`` in C (see ``ls_ngram_draft``).
 
     Args:
+        node_cap: most nodes, root included (an occurrence stops where it would add more).
+        depth_by_match: [k] how far an occurrence whose match length is m is continued
+            (``depth_by_match[min(m, k - 1)]``, at most ``depth_cap``).
         estimates: [len(len_edges) * n_rank] float64 acceptance estimate per bucket.
     Raises:
         IndexError: the history is empty.
     """
     edges = np.ascontiguousarray(len_edges, dtype=np.int32)
+    depths = np.ascontiguousarray(depth_by_match, dtype=np.int32)
+    if depths.size < 1:
+        raise ValueError("depth_by_match is empty")
     est = np.ascontiguousarray(estimates, dtype=np.float64)
     if est.size != edges.size * n_rank:
         raise ValueError(f"{est.size} estimates for {edges.size} x {n_rank} buckets")
     p = _lib.DraftParams()
     p.min_n, p.max_n = int(min_n), int(max_n)
     p.max_occurrences, p.depth_cap = max(0, int(max_occurrences)), max(0, int(depth_cap))
-    p.max_match = int(max_match)
+    p.max_match, p.node_cap = int(max_match), int(node_cap)
     p.n_len_edges, p.len_edges = int(edges.size), edges.ctypes.data
+    p.n_depth_by_match, p.depth_by_match = int(depths.size), depths.ctypes.data
     p.n_rank, p.estimates = int(n_rank), est.ctypes.data
-    cap = 1 + p.max_occurrences * p.depth_cap
+    cap = max(1, min(p.node_cap, 1 + p.max_occurrences * p.depth_cap))
     tok = np.empty(cap, dtype=np.int32)
     par = np.empty(cap, dtype=np.int32)
     dep = np.empty(cap, dtype=np.int32)
