@@ -104,11 +104,17 @@ def match_length(tokens: list[int], start: int, cap: int = _MAX_MATCH) -> int:
     return n
 
 
+_NATIVE_NGRAM = None
+
+
 def _native_ngram():
     """``localspec.native.ngram`` (imported on first use: it imports this package)."""
-    from ..native import ngram
+    global _NATIVE_NGRAM
+    if _NATIVE_NGRAM is None:
+        from ..native import ngram
 
-    return ngram
+        _NATIVE_NGRAM = ngram
+    return _NATIVE_NGRAM
 
 
 class NgramDrafter:
@@ -145,6 +151,8 @@ class NgramDrafter:
             index = _native_ngram().NativeNgramIndex(max_n) if native.enabled() else NgramIndex(max_n)
         self.index = index
         self.tracker = AcceptanceTracker(_PRIOR)
+        self._trie = None  # native.ngram.TrieBuilder, made on first use
+        self._depth_tables: dict[int, np.ndarray] = {}
 
     # -- protocol -----------------------------------------------------------------------------
 
@@ -227,18 +235,21 @@ class NgramDrafter:
         depth_cap = min(max_depth, self.max_depth)
         if depth_cap <= 0 or max_nodes <= 1 or len(self.index) < 2:
             return TreeBuilder(self.index.last()).build()
-        trie = _native_ngram().draft_trie(
-            self.index,
-            min_n=self.min_n,
-            max_n=self.max_n,
-            max_occurrences=self.max_occurrences,
-            depth_cap=depth_cap,
-            node_cap=_node_cap(max_nodes),
-            max_match=_MAX_MATCH,
-            depth_by_match=[_occurrence_depth(m, depth_cap) for m in range(max(_MAX_MATCH, self.max_n) + 1)],
-            len_edges=_LEN_EDGES,
-            n_rank=_N_RANK,
-            estimates=self.tracker.estimates(),
+        if self._trie is None:
+            self._trie = _native_ngram().TrieBuilder(
+                min_n=self.min_n,
+                max_n=self.max_n,
+                max_occurrences=self.max_occurrences,
+                max_match=_MAX_MATCH,
+                len_edges=_LEN_EDGES,
+                n_rank=_N_RANK,
+            )
+        depths = self._depth_tables.get(depth_cap)
+        if depths is None:
+            k = max(_MAX_MATCH, self.max_n) + 1
+            depths = self._depth_tables[depth_cap] = np.array([_occurrence_depth(m, depth_cap) for m in range(k)], dtype=np.int32)
+        trie = self._trie.build(
+            self.index, depth_cap=depth_cap, node_cap=_node_cap(max_nodes), depth_by_match=depths, estimates=self.tracker.estimates()
         )
         n = trie.token_ids.size
         source = np.full(n, int(TokenSource.NGRAM), dtype=np.int8)

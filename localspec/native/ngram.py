@@ -123,58 +123,63 @@ class Trie:
     support: np.ndarray
 
 
-def draft_trie(
-    index: NativeNgramIndex,
-    *,
-    min_n: int,
-    max_n: int,
-    max_occurrences: int,
-    depth_cap: int,
-    node_cap: int,
-    max_match: int,
-    depth_by_match: Sequence[int],
-    len_edges: Sequence[int],
-    n_rank: int,
-    estimates: np.ndarray,
-) -> Trie:
-    """Build the trie of ``NgramDrafter.propose`` in C (see ``ls_ngram_draft``).
+class TrieBuilder:
+    """The n-gram drafter's trie of continuations, built in C (``ls_ngram_draft``): the
+    same trie as ``NgramDrafter.propose`` builds in Python. Parameters that do not change
+    between steps and the output buffers are kept here.
 
     Args:
-        node_cap: most nodes, root included (an occurrence stops where it would add more).
-        depth_by_match: [k] how far an occurrence whose match length is m is continued
-            (``depth_by_match[min(m, k - 1)]``, at most ``depth_cap``).
-        estimates: [len(len_edges) * n_rank] float64 acceptance estimate per bucket.
-    Raises:
-        IndexError: the history is empty.
+        min_n / max_n: the drafter's orders (match lengths are measured at ``max_n``).
+        max_occurrences: most occurrences merged.
+        max_match: cap of the measured match length.
+        len_edges: lower edges of the match-length buckets; n_rank: rank buckets per length.
     """
-    edges = np.ascontiguousarray(len_edges, dtype=np.int32)
-    depths = np.ascontiguousarray(depth_by_match, dtype=np.int32)
-    if depths.size < 1:
-        raise ValueError("depth_by_match is empty")
-    est = np.ascontiguousarray(estimates, dtype=np.float64)
-    if est.size != edges.size * n_rank:
-        raise ValueError(f"{est.size} estimates for {edges.size} x {n_rank} buckets")
-    p = _lib.DraftParams()
-    p.min_n, p.max_n = int(min_n), int(max_n)
-    p.max_occurrences, p.depth_cap = max(0, int(max_occurrences)), max(0, int(depth_cap))
-    p.max_match, p.node_cap = int(max_match), int(node_cap)
-    p.n_len_edges, p.len_edges = int(edges.size), edges.ctypes.data
-    p.n_depth_by_match, p.depth_by_match = int(depths.size), depths.ctypes.data
-    p.n_rank, p.estimates = int(n_rank), est.ctypes.data
-    cap = max(1, min(p.node_cap, 1 + p.max_occurrences * p.depth_cap))
-    tok = np.empty(cap, dtype=np.int32)
-    par = np.empty(cap, dtype=np.int32)
-    dep = np.empty(cap, dtype=np.int32)
-    score = np.empty(cap, dtype=np.float64)
-    bucket = np.empty(cap, dtype=np.int32)
-    mlen = np.empty(cap, dtype=np.int32)
-    support = np.empty(cap, dtype=np.int32)
-    n = lib.ls_ngram_draft(
-        index._ptr, ctypes.byref(p), cap, tok.ctypes.data, par.ctypes.data, dep.ctypes.data, score.ctypes.data,
-        bucket.ctypes.data, mlen.ctypes.data, support.ctypes.data,
-    )  # fmt: skip
-    if n == 0:
-        raise IndexError("the history is empty")
-    if n < 0:
-        raise MemoryError("n-gram trie: out of memory") if n == _lib.ERR_NOMEM else ValueError(f"n-gram trie: error {n}")
-    return Trie(tok[:n], par[:n], dep[:n], score[:n], bucket[:n], mlen[:n], support[:n])
+
+    def __init__(self, *, min_n: int, max_n: int, max_occurrences: int, max_match: int, len_edges: Sequence[int], n_rank: int) -> None:
+        self._edges = np.ascontiguousarray(len_edges, dtype=np.int32)
+        self.n_buckets = int(self._edges.size * n_rank)
+        p = _lib.DraftParams()
+        p.min_n, p.max_n = int(min_n), int(max_n)
+        p.max_occurrences, p.max_match = max(0, int(max_occurrences)), int(max_match)
+        p.n_len_edges, p.len_edges, p.n_rank = int(self._edges.size), self._edges.ctypes.data, int(n_rank)
+        self._p = p
+        self._pref = ctypes.byref(p)
+        self._cap = 0
+
+    def _buffers(self, cap: int) -> None:
+        if cap <= self._cap:
+            return
+        self._ints = np.empty((6, cap), dtype=np.int32)  # token, parent, depth, bucket, match_len, support
+        self._score = np.empty(cap, dtype=np.float64)
+        self._addr = [self._ints[i].ctypes.data for i in range(6)] + [self._score.ctypes.data]
+        self._cap = cap
+
+    def build(self, index: NativeNgramIndex, *, depth_cap: int, node_cap: int, depth_by_match: np.ndarray, estimates) -> Trie:
+        """The trie for the index's current history.
+
+        Args:
+            depth_cap: longest continuation.
+            node_cap: most nodes, root included (an occurrence stops where it would add more).
+            depth_by_match: [k] int32, how far an occurrence whose match length is m is
+                continued (``depth_by_match[min(m, k - 1)]``, at most ``depth_cap``).
+            estimates: [n_buckets] acceptance estimate per bucket.
+        Raises:
+            IndexError: the history is empty.
+        """
+        depths = np.ascontiguousarray(depth_by_match, dtype=np.int32)
+        est = np.ascontiguousarray(estimates, dtype=np.float64)
+        if depths.size < 1 or est.size != self.n_buckets:
+            raise ValueError(f"need >= 1 depths and {self.n_buckets} estimates, got {depths.size} and {est.size}")
+        p = self._p
+        p.depth_cap, p.node_cap = max(0, int(depth_cap)), int(node_cap)
+        p.n_depth_by_match, p.depth_by_match, p.estimates = int(depths.size), depths.ctypes.data, est.ctypes.data
+        cap = max(1, min(p.node_cap, 1 + p.max_occurrences * p.depth_cap))
+        self._buffers(cap)
+        tok, par, dep, bucket, mlen, support, score = self._addr
+        n = lib.ls_ngram_draft(index._ptr, self._pref, self._cap, tok, par, dep, score, bucket, mlen, support)
+        if n == 0:
+            raise IndexError("the history is empty")
+        if n < 0:
+            raise MemoryError("n-gram trie: out of memory") if n == _lib.ERR_NOMEM else ValueError(f"n-gram trie: error {n}")
+        ints = self._ints[:, :n].copy()
+        return Trie(ints[0], ints[1], ints[2], self._score[:n].copy(), ints[3], ints[4], ints[5])
