@@ -47,6 +47,9 @@ def register(sub) -> None:
     ng.add_argument("--steps", type=int, default=300)
     ng.add_argument("--json", action="store_true")
     ng.set_defaults(func=run_ngram)
+    from . import bench_complete
+
+    bench_complete.register(bsub)
 
 
 def run_ngram(a: argparse.Namespace) -> int:
