@@ -121,6 +121,16 @@ def test_cli_serve_prints_its_address_and_stops_on_a_signal(sig):
             p.wait()
 
 
+def test_cli_serve_on_a_taken_port_fails_at_once():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        r = subprocess.run(cli("--serve", "--port", str(s.getsockname()[1])), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "cannot listen" in r.stderr and "loading model" not in r.stderr
+
+
 def test_cli_needs_a_mode():
     r = subprocess.run(cli(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--serve" in r.stderr

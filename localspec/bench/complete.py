@@ -2,7 +2,8 @@
 
 **Keystroke latency** (``bench_latency``): a ~2,000-token prefix of a source file, sent as
 llama.vim sends it (lines above the cursor in ``input_prefix``, the current line in
-``prompt``) with ``n_predict`` 16; then the same request with only the last line changed.
+``prompt``) with ``n_predict`` 16; then the same request with only the last line changed
+(its second half replaced).
 The first request prefills everything (its cache is cleared first); the second reuses the
 KV cache of the common prefix and prefills only the changed line. Both generate exactly
 ``n_predict`` tokens (greedy, ``ignore_eos``), so the difference is the prompt work. Times
@@ -95,7 +96,7 @@ def bench_latency(url: str, text: str, tokenize, *, n_prefix_tokens: int = 2000,
                   repeats: int = 3) -> dict:  # fmt: skip
     """First request vs. the same request with its last line changed (see module docstring)."""
     prefix, line, suffix = split_source(text, tokenize, n_prefix_tokens)
-    changed = line + "  # edited"
+    changed = line[: len(line) // 2] + "value_2 = 0"  # the line's end replaced, as an edit does
     pairs = []
     with httpx.Client(base_url=url, timeout=600) as c:
         for _ in range(repeats):

@@ -55,6 +55,15 @@ def run(a: argparse.Namespace) -> int:
         max_queue=a.max_queue,
         default_n_predict=a.n_predict,
     )
+    sock = None
+    if a.serve:  # fail before loading the model when the port is taken
+        from ..server.http import bind_socket
+
+        try:
+            sock = bind_socket(a.host, a.port)
+        except OSError as e:
+            print(f"localspec: error: {e}", file=sys.stderr)
+            return 1
     engine = make_engine(a, a.drafter)
     service = CompletionService(engine, config)
     fim = has_fim(engine.model)
@@ -80,15 +89,11 @@ def run(a: argparse.Namespace) -> int:
         try:
             serve(
                 service,
-                a.host,
-                a.port,
+                sock,
                 max_body_bytes=a.max_body_bytes,
                 log_level="info" if a.verbose else "warning",
                 on_ready=on_ready,
             )
-        except OSError as e:
-            print(f"localspec: error: {e}", file=sys.stderr)
-            return 1
         except KeyboardInterrupt:
             pass
         finally:
@@ -98,3 +103,5 @@ def run(a: argparse.Namespace) -> int:
     finally:
         service.close()
         engine.close()
+        if sock is not None:
+            sock.close()

@@ -243,10 +243,10 @@ def _uvicorn_server(app, *, log_level: str, on_ready=None):
     return _Server(config)
 
 
-def serve(service: CompletionService, host: str, port: int, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+def serve(service: CompletionService, sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           log_level: str = "warning", on_ready=None) -> None:  # fmt: skip
-    """Serve until interrupted (SIGINT / SIGTERM); ``on_ready(address)`` once listening."""
-    sock = bind_socket(host, port)
+    """Serve on ``sock`` (see ``bind_socket``) until interrupted (SIGINT / SIGTERM);
+    ``on_ready(address)`` once listening. Closes the socket."""
     addr = address_of(sock)
     server = _uvicorn_server(
         create_app(service, max_body_bytes=max_body_bytes),
