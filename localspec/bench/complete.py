@@ -72,12 +72,19 @@ def split_source(text: str, tokenize, n_tokens: int) -> tuple[str, str, str]:
 
 @dataclass
 class LatencyPair:
+    """One first request and its edited repeat: wall-clock times (client side) and the
+    server's own timings (prompt processing, generation)."""
+
     t_first_ms: float
     t_second_ms: float
     prompt_tokens: int
     first_prompt_n: int
     second_prompt_n: int
     second_cache_n: int
+    first_prompt_ms: float
+    first_predicted_ms: float
+    second_prompt_ms: float
+    second_predicted_ms: float
 
     @property
     def ratio(self) -> float:
@@ -102,10 +109,11 @@ def bench_latency(url: str, text: str, tokenize, *, n_prefix_tokens: int = 2000,
         for _ in range(repeats):
             first, t1 = _post(c, {**llama_vim_request(prefix, line, suffix, n_predict), "cache_prompt": False})
             second, t2 = _post(c, llama_vim_request(prefix, changed, suffix, n_predict))
+            f, s = first["timings"], second["timings"]
             pairs.append(
                 LatencyPair(
-                    t1, t2, first["tokens_evaluated"], first["timings"]["prompt_n"], second["timings"]["prompt_n"],
-                    second["timings"]["cache_n"],
+                    t1, t2, first["tokens_evaluated"], f["prompt_n"], s["prompt_n"], s["cache_n"],
+                    f["prompt_ms"], f["predicted_ms"], s["prompt_ms"], s["predicted_ms"],
                 )  # fmt: skip
             )
     ratios = [p.ratio for p in pairs]
