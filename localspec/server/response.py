@@ -70,6 +70,40 @@ def timings(stats: GenerationStats, n_predicted: int) -> dict:
     return t
 
 
+def stop_type_of(result, reason: str | None) -> tuple[str, str]:
+    """llama.cpp's ``(stop_type, stopping_word)`` for an engine ``GenerationResult`` (None:
+    cancelled before it started) that an editor stop (``reason``) may have ended."""
+    if reason is not None:
+        return "limit", ""
+    if result is None or result.finish_reason == "cancelled":
+        return "none", ""
+    if result.finish_reason == "stop":
+        return ("eos", "") if result.stop == "<eog>" else ("word", result.stop or "")
+    return "limit", ""  # length, time, full context
+
+
+def generation_settings(req, params, applied: list[str], seed, speculative: bool) -> dict:
+    """The ``generation_settings`` object: what the request ran with."""
+    return {
+        "n_predict": req.n_predict,
+        "seed": seed,
+        "temperature": params.temperature,
+        "top_k": params.top_k,
+        "top_p": params.top_p,
+        "min_p": params.min_p,
+        "repeat_penalty": params.repeat_penalty,
+        "repeat_last_n": params.penalty_last_n,
+        "frequency_penalty": params.frequency_penalty,
+        "presence_penalty": params.presence_penalty,
+        "samplers": applied,
+        "stop": req.stop,
+        "stream": req.stream,
+        "n_indent": req.n_indent,
+        "t_max_predict_ms": req.t_max_predict_ms,
+        "speculative": speculative,
+    }
+
+
 @dataclass
 class Outcome:
     """Everything the final response reports about one request.

@@ -30,7 +30,7 @@ from ..stats import GenerationStats
 from .fields import EXCEED_CONTEXT, SERVER_ERROR, UNAVAILABLE, RequestError, error_body
 from .prompt import BuiltPrompt, build_completion_prompt, build_infill_prompt
 from .protocol import CompletionRequest
-from .response import Outcome, final_response, partial_response
+from .response import Outcome, final_response, generation_settings, partial_response, stop_type_of
 from .samplers import SamplingPlan, resolve_sampling
 from .stops import EditorStops
 
@@ -362,16 +362,39 @@ class CompletionService:
         """
         req = job.request
         stats = result.stats if result is not None else GenerationStats()
-        finish = reason or (result.finish_reason if result is not None else "cancelled")
-        if reason is not None:
-            stop_type, word = "limit", ""
-        elif result is None or result.finish_reason == "cancelled":
-            stop_type, word = "none", ""
-        elif result.finish_reason == "stop":
-            stop_type, word = ("eos", "") if result.stop == "<eog>" else ("word", result.stop or "")
-        else:
-            stop_type, word = "limit", ""
+        stop_type, word = stop_type_of(result, reason)
         ctx_full = stats.n_prompt_tokens + stats.n_generated_tokens >= self.engine.n_ctx - 1
+        info = self._info(job, plan, built, stats, reason or (result.finish_reason if result else "cancelled"))
+        info["queue_ms"] = queue_ms
+        outcome = Outcome(
+            content=content,
+            tokens=tokens,
+            stop_type=stop_type,
+            stopping_word=word,
+            truncated=bool(built is not None and built.n_extra_dropped) or ctx_full,
+            stats=stats,
+            localspec=info,
+        )
+        want_prompt = req.response_fields is None or any(f.split("/")[0] == "prompt" for f in req.response_fields)
+        prompt_text = self.model.detokenize(built.tokens, special=True) if built is not None and want_prompt else ""
+        params = plan.params if plan is not None else self.config.sampling
+        data = final_response(
+            outcome,
+            id_slot=req.id_slot,
+            model=self.model_name,
+            prompt_text=prompt_text,
+            generation_settings=generation_settings(
+                req, params, plan.applied if plan else [], stats.seed, info["speculative"]
+            ),
+            return_tokens=req.return_tokens,
+            response_fields=req.response_fields,
+        )
+        return Event("final", data)
+
+    @staticmethod
+    def _info(job: Job, plan: SamplingPlan | None, built: BuiltPrompt | None, stats, finish: str) -> dict:
+        """The response's ``localspec`` object (speculation, FIM, samplers, notes)."""
+        req = job.request
         notes = list(plan.notes) if plan is not None else []
         if built is not None and req.kind == "infill" and not built.fim:
             notes.insert(0, NO_FIM_NOTE)
@@ -379,10 +402,9 @@ class CompletionService:
             notes.append(f"n_cmpl {req.n_cmpl} asked: localspec answers one completion per request")
         if req.not_implemented:
             notes.append(f"ignored (not implemented): {', '.join(req.not_implemented)}")
-        spec = stats.drafter != "none"
         info: dict[str, Any] = {
             "fim": bool(built.fim) if built is not None else None,
-            "speculative": spec,
+            "speculative": stats.drafter != "none",
             "drafter": stats.drafter,
             "n_steps": stats.n_steps,
             "mean_acceptance_length": stats.mean_acceptance_length,
@@ -390,7 +412,6 @@ class CompletionService:
             "num_accepted_tokens": stats.num_accepted_tokens,
             "finish_reason": finish,
             "seed": stats.seed,
-            "queue_ms": queue_ms,
         }
         if plan is not None:
             info["samplers"] = {"applied": plan.applied, "not_applied": plan.not_applied}
@@ -403,43 +424,4 @@ class CompletionService:
         if job.cancel_reason is not None:
             info["cancelled"] = job.cancel_reason
         info["notes"] = notes
-        p = plan.params if plan is not None else self.config.sampling
-        settings = {
-            "n_predict": req.n_predict,
-            "seed": stats.seed,
-            "temperature": p.temperature,
-            "top_k": p.top_k,
-            "top_p": p.top_p,
-            "min_p": p.min_p,
-            "repeat_penalty": p.repeat_penalty,
-            "repeat_last_n": p.penalty_last_n,
-            "frequency_penalty": p.frequency_penalty,
-            "presence_penalty": p.presence_penalty,
-            "samplers": plan.applied if plan is not None else [],
-            "stop": req.stop,
-            "stream": req.stream,
-            "n_indent": req.n_indent,
-            "t_max_predict_ms": req.t_max_predict_ms,
-            "speculative": spec,
-        }
-        outcome = Outcome(
-            content=content,
-            tokens=tokens,
-            stop_type=stop_type,
-            stopping_word=word,
-            truncated=bool(built is not None and built.n_extra_dropped) or ctx_full,
-            stats=stats,
-            localspec=info,
-        )
-        want_prompt = req.response_fields is None or any(f.split("/")[0] == "prompt" for f in req.response_fields)
-        prompt_text = self.model.detokenize(built.tokens, special=True) if built is not None and want_prompt else ""
-        data = final_response(
-            outcome,
-            id_slot=req.id_slot,
-            model=self.model_name,
-            prompt_text=prompt_text,
-            generation_settings=settings,
-            return_tokens=req.return_tokens,
-            response_fields=req.response_fields,
-        )
-        return Event("final", data)
+        return info
