@@ -327,3 +327,14 @@ def test_oversized_bodies_are_refused(service):
         r = c.post("/infill", content=chunks(), headers={"content-type": "application/json"})
         assert r.status_code == 413
         assert c.post("/completion", json={"prompt": "a", "n_predict": 1}).status_code == 200
+
+
+def test_an_error_after_streaming_started_is_an_event(client):
+    # the grammar allows "a" and then only the end, which ignore_eos bans: an error mid-stream
+    body = {"prompt": "Say a:", "n_predict": 5, "stream": True, "grammar": 'root ::= "a"', "ignore_eos": True, **GREEDY}
+    with client.stream("POST", "/completion", json=body) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert events[0]["content"] == "a" and events[-1]["error"]["code"] == 400
+    assert "grammar" in events[-1]["error"]["message"]
+    assert client.get("/health").status_code == 200
