@@ -413,6 +413,9 @@ class Engine:
                     cursor = req.cursor(cache.root_pos + 1)
                     try:
                         res = verify(tree, logits, cursor)
+                    except BaseException:  # e.g. a grammar with no way on: keep the history, drop the drafts
+                        cache.commit(tree, lay, [])
+                        raise
                     finally:
                         cursor.close()
                     lps = self._logprobs(logits, res, want_logprobs) if want_logprobs is not None else None

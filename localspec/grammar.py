@@ -25,13 +25,14 @@ class _TokenDataBuffer:
         self.arr = np.zeros(0, dtype=self.dtype)
         self.c_array = lib.llama_token_data_array()
 
-    def fill(self, ids: np.ndarray) -> np.ndarray:
+    def fill(self, ids: np.ndarray, logits: np.ndarray | None = None) -> np.ndarray:
+        """Point the C array at ``ids`` ([n] int) with ``logits`` ([n] float32, default 0)."""
         n = int(ids.size)
         if self.arr.size < n:
             self.arr = np.zeros(max(n, 2 * self.arr.size), dtype=self.dtype)
         view = self.arr[:n]
         view["id"] = ids
-        view["logit"] = 0.0
+        view["logit"] = 0.0 if logits is None else logits
         view["p"] = 0.0
         self.c_array.data = view.ctypes.data_as(lib.llama_token_data_p)
         self.c_array.size = n

@@ -27,7 +27,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -44,6 +44,21 @@ _M2 = 0x94D049BB133111EB
 STREAM_GUMBEL = 0
 STREAM_ACCEPT = 1
 STREAM_RESIDUAL = 2
+
+
+class CandidateFilter(Protocol):
+    """A stateless transform of one position's candidate set.
+
+    ``__call__(ids, logits)`` takes the candidates that survived top-k / top-p / min-p
+    (``ids`` [m] int64, ``logits`` [m] float32, before temperature) and returns the
+    candidates to sample from, as a new ``(ids, logits)`` pair. It must depend on nothing
+    but its arguments, so that every verified position gets exactly what plain decoding
+    would get there.
+    """
+
+    name: str
+
+    def __call__(self, ids: np.ndarray, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 @dataclass(frozen=True)
@@ -71,6 +86,9 @@ class SamplingParams:
             it reproducible for the same drafter only.
         logprobs: None = no log-probabilities; n >= 0 = the emitted token's log-prob under the
             raw model distribution plus the top-n alternatives.
+        candidate_filter: a stateless per-position transform of the candidate set (e.g.
+            llama.cpp's ``infill`` sampler, see ``CandidateFilter``), applied after top-k /
+            top-p / min-p and before temperature, identically with and without speculation.
     """
 
     temperature: float = 0.8
@@ -87,6 +105,7 @@ class SamplingParams:
     grammar_root: str = "root"
     verify: Literal["gumbel", "rejection"] = "gumbel"
     logprobs: int | None = None
+    candidate_filter: "CandidateFilter | None" = None
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -298,6 +317,8 @@ class LogitsProcessor:
         """The C kernels' view of these parameters when they serve this processor, else None."""
         if self.use_native is False or (self.use_native is None and not native.enabled()):
             return None
+        if self.params.candidate_filter is not None:  # the C kernels know no candidate filters
+            return None
         if self._native_state is None:
             self._native_state = native_rows.SamplingState(self.params, self._bias_ids, self._bias_val)
         return self._native_state
@@ -362,6 +383,8 @@ class LogitsProcessor:
             if state is not None:
                 return Candidates(*native_rows.candidates(state, row, counts))
         x = self.adjusted(row, counts)
+        if p.candidate_filter is not None:
+            return self._filtered(x, grammar)
         if p.is_greedy:
             if grammar is None:
                 t = int(np.argmax(x))
@@ -382,6 +405,12 @@ class LogitsProcessor:
             if ids.size == 0:
                 raise GrammarError("no token is allowed here (grammar / logit_bias)")
             return Candidates(ids, (x[ids] / np.float32(p.temperature)).astype(np.float32))
+        ids = self._truncated(x, grammar)
+        return Candidates(ids, (x[ids] / np.float32(p.temperature)).astype(np.float32))
+
+    def _truncated(self, x: np.ndarray, grammar) -> np.ndarray:
+        """Token ids surviving grammar -> top-k -> top-p -> min-p on adjusted logits ``x``."""
+        p = self.params
         # sorted candidate prefix (descending), grammar applied before truncation
         k = p.top_k if p.top_k > 0 else self.n_vocab
         if grammar is None:
@@ -397,7 +426,26 @@ class LogitsProcessor:
             ids = _truncate_sorted(sorted_ids, x, p.top_p, p.min_p)
         if ids.size == 0:
             raise InvalidRequestError("every token is banned by logit_bias")
-        return Candidates(ids, (x[ids] / np.float32(p.temperature)).astype(np.float32))
+        return ids
+
+    def _filtered(self, x: np.ndarray, grammar) -> Candidates:
+        """The pipeline with a ``candidate_filter`` between truncation and temperature.
+
+        Truncation applies also at temperature 0 here, because the filter sees the truncated
+        set (llama.cpp's chain ``top_k -> top_p -> infill -> temperature(0)``); greedy then
+        takes the highest logit among the filtered candidates.
+        """
+        p = self.params
+        ids = self._truncated(x, grammar)
+        ids, logits = p.candidate_filter(ids, x[ids].astype(np.float32))
+        keep = np.isfinite(logits)
+        ids, logits = np.asarray(ids, dtype=np.int64)[keep], np.asarray(logits, dtype=np.float32)[keep]
+        if ids.size == 0:
+            raise InvalidRequestError(f"the {p.candidate_filter.name} sampler left no candidate")
+        if p.is_greedy:
+            i = int(np.argmax(logits))
+            return Candidates(ids[i : i + 1], np.array([0.0], dtype=np.float32))
+        return Candidates(ids, (logits / np.float32(p.temperature)).astype(np.float32))
 
     def choose(self, row: np.ndarray, pos: int, seed: int, counts=None, grammar=None) -> int:
         """The token at absolute position ``pos``: greedy, or seeded Gumbel-max over the
@@ -410,7 +458,7 @@ class LogitsProcessor:
         if p.is_greedy:
             return int(self.candidates(row, counts, grammar).ids[0])
         truncating = p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
-        if grammar is not None and not truncating:
+        if grammar is not None and not truncating and p.candidate_filter is None:
             # argmax over grammar-valid tokens of (x/T + g): walk the perturbed order, check grammar lazily
             x = self.adjusted(row, counts)
             z = x.astype(np.float64) / p.temperature + gumbel_noise(seed, pos, self.all_ids)

@@ -36,6 +36,19 @@ def model(model_path):
     m.close()
 
 
+# FIM token ids written into the FIM test model: <unused0> ... <unused4> of Gemma 3's vocabulary
+FIM_IDS = {"pre": 6, "suf": 7, "mid": 8, "rep": 9, "sep": 10}
+
+
+@pytest.fixture(scope="session")
+def fim_model_path(model_path, tmp_path_factory):
+    """The default model with fill-in-the-middle tokens in its metadata (~10-20 s to write)."""
+    from localspec.models.gguf_edit import copy_gguf
+
+    dst = tmp_path_factory.mktemp("fim") / "gemma-3-270m-fim.gguf"
+    return copy_gguf(model_path, dst, set_kv={f"tokenizer.ggml.fim_{k}_token_id": v for k, v in FIM_IDS.items()})
+
+
 @pytest.fixture(scope="session")
 def engine(model):
     """A shared engine (n-gram drafter). Tests must leave its drafter as they found it."""
@@ -44,6 +57,18 @@ def engine(model):
     e = Engine(model, drafter="ngram", n_ctx=4096, cost_model=fixed_cost_model())
     yield e
     e.close()
+
+
+@pytest.fixture(scope="module")
+def service(engine):
+    """A completion service on the shared engine (greedy by default), for one test module."""
+    from localspec.sampling import SamplingParams
+    from localspec.server import CompletionService, ServiceConfig
+
+    svc = CompletionService(engine, ServiceConfig(sampling=SamplingParams.greedy()))
+    yield svc
+    svc.close()
+    engine.reset()
 
 
 @pytest.fixture

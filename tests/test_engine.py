@@ -182,6 +182,20 @@ def test_grammar_errors_are_clear(eng):
     assert len(eng.generate("x", max_tokens=2, sampling=GREEDY).token_ids) == 2
 
 
+def test_a_grammar_dead_end_mid_generation_keeps_the_cache_consistent(eng):
+    # "a", then only end-of-generation is allowed, and the bias bans it: verification raises
+    eos_ban = {t: float("-inf") for t in eng.model.eog_ids}
+    sp = SamplingParams.greedy(grammar='root ::= "a"', logit_bias=eos_ban)
+    eng.reset()
+    stream = eng.stream("Say a:", max_tokens=5, sampling=sp)
+    with pytest.raises(GrammarError):
+        for _ in stream:
+            pass
+    eng.cache.check()
+    assert eng.cache.tokens == eng.tokenize("Say a:") + stream.result.token_ids
+    assert len(eng.generate("x", max_tokens=2, sampling=GREEDY).token_ids) == 2
+
+
 def test_utf8_streaming_is_byte_identical(eng):
     prompt = "Translate to Japanese and Chinese with emoji: I love tea 🍵 ->"
     for spec in (False, True):

@@ -72,6 +72,10 @@ def register(sub) -> None:
     add_model_args(ho)
     ho.set_defaults(func=run_host)
 
+    from . import bench_complete
+
+    bench_complete.register(bsub)
+
 
 def _native_line() -> str:
     from .. import native

@@ -1,0 +1,114 @@
+"""Typed reads of JSON request fields, with llama.cpp-style error bodies.
+
+Every reader takes the decoded JSON object, a key and a default; a present value of the
+wrong type or out of range raises ``RequestError`` naming the field, so a client learns
+exactly what to fix. Absent keys (and JSON ``null``) give the default. Unknown keys are never
+looked at, so they are ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+# llama.cpp server error types (tools/server/server-common.cpp, format_error_response)
+INVALID_REQUEST = "invalid_request_error"
+NOT_FOUND = "not_found_error"
+SERVER_ERROR = "server_error"
+NOT_SUPPORTED = "not_supported_error"
+UNAVAILABLE = "unavailable_error"
+EXCEED_CONTEXT = "exceed_context_size_error"
+
+
+class RequestError(Exception):
+    """A request the server answers with an error status and a JSON error body.
+
+    Attributes:
+        status: HTTP status (400 bad input, 404, 413 body too large, 501, 503 busy, 500).
+        message: what is wrong and what to do.
+        type: llama.cpp's error type string.
+    """
+
+    def __init__(self, message: str, status: int = 400, type: str = INVALID_REQUEST) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+
+    def body(self) -> dict:
+        """``{"error": {"code", "message", "type"}}`` as llama.cpp's server sends it."""
+        return error_body(self.status, self.message, self.type)
+
+
+def error_body(status: int, message: str, type: str) -> dict:
+    return {"error": {"code": status, "message": message, "type": type}}
+
+
+_MISSING = object()
+
+
+def _get(d: Mapping[str, Any], key: str):
+    v = d.get(key, _MISSING)
+    return _MISSING if v is None else v
+
+
+def get_bool(d: Mapping[str, Any], key: str, default: bool) -> bool:
+    v = _get(d, key)
+    if v is _MISSING:
+        return default
+    if not isinstance(v, bool):
+        raise RequestError(f'"{key}" must be a boolean (true or false), got {type(v).__name__}')
+    return v
+
+
+def _in_range(key: str, v, lo, hi):
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise RequestError(f'"{key}" must be in [{lo}, {hi}], got {v}')
+    return v
+
+
+def get_int(d: Mapping[str, Any], key: str, default: int, lo: int | None = None, hi: int | None = None) -> int:
+    """An integer (a float with an integral value is accepted, as JSON writers differ)."""
+    v = _get(d, key)
+    if v is _MISSING:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+        raise RequestError(f'"{key}" must be an integer, got {v!r}')
+    return _in_range(key, int(v), lo, hi)
+
+
+def get_float(d: Mapping[str, Any], key: str, default: float, lo: float | None = None, hi: float | None = None) -> float:
+    v = _get(d, key)
+    if v is _MISSING:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise RequestError(f'"{key}" must be a finite number, got {v!r}')
+    return _in_range(key, float(v), lo, hi)
+
+
+def get_str(d: Mapping[str, Any], key: str, default: str | None) -> str | None:
+    v = _get(d, key)
+    if v is _MISSING:
+        return default
+    if not isinstance(v, str):
+        raise RequestError(f'"{key}" must be a string, got {type(v).__name__}')
+    return v
+
+
+def get_str_list(d: Mapping[str, Any], key: str, default: list[str] | None) -> list[str] | None:
+    """A list of strings; a single string is taken as a one-element list."""
+    v = _get(d, key)
+    if v is _MISSING:
+        return default
+    if isinstance(v, str):
+        return [v]
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise RequestError(f'"{key}" must be a list of strings')
+    return list(v)
+
+
+def require(d: Mapping[str, Any], key: str) -> Any:
+    if _get(d, key) is _MISSING:
+        raise RequestError(f'"{key}" is required')
+    return d[key]

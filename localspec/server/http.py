@@ -1,0 +1,287 @@
+"""The HTTP server: llama.cpp-compatible endpoints over a ``CompletionService`` (Starlette).
+
+Endpoints: ``POST /infill``, ``POST /completion`` (and ``/completions``), ``GET /health``
+(and ``/v1/health``), ``GET /props``, ``GET /v1/models`` (and ``/models``). Responses and
+errors have llama.cpp's shapes; streaming (``"stream": true``) sends server-sent events
+``data: {...}\\n\\n``, the last one with ``"stop": true``.
+
+Every request body is read with a size bound (413 beyond it) and parsed strictly (400 with a
+message for malformed JSON, a missing field or a wrong type); unknown paths get 404 and
+wrong methods 405, all as JSON. A client that disconnects - before or during generation,
+streaming or not - cancels its job, and the engine goes on with the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from .fields import INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, RequestError, error_body
+from .protocol import parse_request
+from .response import dumps, sse
+from .service import CompletionService, Event, Job
+
+log = logging.getLogger("localspec.server")
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+def json_response(obj, status: int = 200) -> Response:
+    return Response(dumps(obj).encode("utf-8"), status_code=status, media_type="application/json")
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json(request: Request, max_bytes: int):
+    """The decoded JSON body.
+
+    Raises:
+        RequestError: 413 when larger than ``max_bytes``; 400 when not UTF-8 JSON.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise RequestError(f"the request body has {declared} bytes; the limit is {max_bytes}", 413)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise RequestError(f"the request body is larger than the limit of {max_bytes} bytes", 413)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise RequestError("the request body is empty; send a JSON object")
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise RequestError(f"the request body is not valid JSON: {e}") from None
+
+
+class JobResponse:
+    """ASGI response that waits for a job's events and cancels the job if the client leaves.
+
+    Non-streaming: one JSON body (the final response, or the error with its status).
+    Streaming: the first event decides - an error is sent as a plain JSON error (as
+    llama.cpp does); otherwise ``text/event-stream`` with one event per partial and the final.
+    """
+
+    def __init__(self, job: Job, events: asyncio.Queue, stream: bool) -> None:
+        self.job = job
+        self.events = events
+        self.stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def watch_disconnect() -> None:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        self.job.cancel("the client disconnected")
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch_disconnect)
+            try:
+                if self.stream:
+                    await self._send_stream(send)
+                else:
+                    await self._send_one(send)
+            finally:
+                if not self.job.done.is_set():
+                    self.job.cancel("the response ended early")
+                tg.cancel_scope.cancel()
+
+    async def _next_final(self) -> Event:
+        while True:
+            ev = await self.events.get()
+            if ev.kind != "partial":
+                return ev
+
+    async def _send_one(self, send) -> None:
+        ev = await self._next_final()
+        await _send_body(send, ev.status, dumps(ev.data).encode("utf-8"), b"application/json")
+
+    async def _send_stream(self, send) -> None:
+        ev = await self.events.get()
+        if ev.kind == "error":
+            await _send_body(send, ev.status, dumps(ev.data).encode("utf-8"), b"application/json")
+            return
+        headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        while True:
+            await send({"type": "http.response.body", "body": sse(ev.data), "more_body": True})
+            if ev.kind != "partial":
+                break
+            ev = await self.events.get()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _send_body(send, status: int, body: bytes, media_type: bytes) -> None:
+    headers = [(b"content-type", media_type), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def create_app(service: CompletionService, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+    """The Starlette app serving ``service``."""
+
+    async def complete(request: Request, kind: str):
+        try:
+            body = await read_json(request, max_body_bytes)
+            req = parse_request(kind, body, default_n_predict=service.config.default_n_predict)
+            loop = asyncio.get_running_loop()
+            events: asyncio.Queue = asyncio.Queue()
+
+            def sink(ev: Event) -> None:
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, ev)
+                except RuntimeError:  # the event loop is gone (server shutting down)
+                    pass
+
+            job = service.submit(req, sink)
+        except RequestError as e:
+            return json_response(e.body(), e.status)
+        return JobResponse(job, events, req.stream)
+
+    async def infill(request: Request):
+        return await complete(request, "infill")
+
+    async def completion(request: Request):
+        return await complete(request, "completion")
+
+    async def health(_request: Request):
+        return json_response(service.health())
+
+    async def props(_request: Request):
+        e = service.engine
+        return json_response(
+            {
+                "default_generation_settings": {"n_ctx": e.n_ctx, "params": {"n_predict": service.config.default_n_predict}},
+                "total_slots": 1,
+                "model_path": str(service.model.path),
+                "fim": {"supported": bool(service.model.fim_tokens()), "tokens": service.model.fim_tokens()},
+                "speculative": {"drafter": e.drafter_name, "enabled": service.config.speculative},
+                "build_info": "localspec",
+                "localspec": {"requests": dict(service.counters)},
+            }
+        )
+
+    async def models(_request: Request):
+        return json_response(
+            {
+                "object": "list",
+                "data": [{"id": service.model_name, "object": "model", "created": 0, "owned_by": "localspec"}],
+            }
+        )
+
+    async def http_error(_request: Request, exc: HTTPException):
+        kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
+        return json_response(error_body(exc.status_code, str(exc.detail), kind), exc.status_code)
+
+    async def server_error(_request: Request, exc: Exception):
+        log.exception("unhandled error", exc_info=exc)
+        return json_response(error_body(500, f"internal error: {exc}", SERVER_ERROR), 500)
+
+    routes = [
+        Route("/infill", infill, methods=["POST"]),
+        Route("/completion", completion, methods=["POST"]),
+        Route("/completions", completion, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/health", health, methods=["GET"]),
+        Route("/props", props, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/models", models, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0 = a free port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(128)
+    return sock
+
+
+def address_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _uvicorn_server(app, *, log_level: str, on_ready=None):
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and on_ready is not None:
+                on_ready()
+
+    config = uvicorn.Config(
+        app, log_level=log_level, access_log=log_level in ("info", "debug"), lifespan="off", timeout_graceful_shutdown=3
+    )
+    return _Server(config)
+
+
+def serve(service: CompletionService, sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+          log_level: str = "warning", on_ready=None) -> None:  # fmt: skip
+    """Serve on ``sock`` (see ``bind_socket``) until interrupted (SIGINT / SIGTERM);
+    ``on_ready(address)`` once listening. Closes the socket."""
+    addr = address_of(sock)
+    server = _uvicorn_server(
+        create_app(service, max_body_bytes=max_body_bytes),
+        log_level=log_level,
+        on_ready=(lambda: on_ready(addr)) if on_ready else None,
+    )
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+class ServerThread:
+    """An in-process server on a free loopback port, in a background thread (tests, benches).
+
+    Use as a context manager; ``url`` is its base address.
+    """
+
+    def __init__(self, service: CompletionService, host: str = "127.0.0.1", port: int = 0, **app_kw) -> None:
+        self.service = service
+        self._sock = bind_socket(host, port)
+        self.url = address_of(self._sock)
+        self._server = _uvicorn_server(create_app(service, **app_kw), log_level="warning")
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+        self._sock.close()

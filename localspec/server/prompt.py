@@ -1,0 +1,168 @@
+"""Prompt building for editor completions: fill-in-the-middle, or prefix completion.
+
+**With FIM tokens** (the model's vocabulary reports ``fim_pre``, ``fim_suf`` and ``fim_mid``;
+``Model.fim_tokens()``) the prompt follows llama.cpp's server (``format_prompt_infill`` in
+``tools/server/server-common.cpp``), the repo-level pattern of Qwen2.5-Coder
+(arXiv:2409.12186)::
+
+    [BOS] [FIM_REP]myproject\\n                    (when the vocabulary has FIM_REP)
+          [FIM_SEP]{filename}\\n{extra chunk}       (per input_extra chunk; without FIM_SEP
+          ...                                      a "--- snippet ---" separator)
+          [FIM_SEP]filename\\n                      (when the vocabulary has FIM_SEP)
+          [FIM_PRE]{prefix}{prompt}[FIM_SUF]{suffix}[FIM_MID]
+
+(``spm`` order puts the suffix part first.) The prefix keeps its last 3/4 of ``window``
+tokens, the suffix its first ``window/4 - 2 - len(prompt)``, the extra context the last
+``n_ctx - window - 2 * n_predict`` tokens, as llama.cpp does with its ``n_batch`` as the window.
+One departure: BOS comes first, not after the extra context.
+
+**Without FIM tokens** (the default Gemma 3 270M) the model completes the text before the
+cursor: ``[BOS] {extra chunks, each after a "--- snippet ---" line} {prefix}{prompt}``. The
+suffix cannot be shown to such a model, so it only feeds the drafter (``draft_context``):
+code after the cursor often repeats what is being typed.
+
+**Stable truncation.** The prefix is cut from the front in blocks of ``window / 16``
+tokens, so successive keystrokes keep the same first token and the engine reuses the KV
+cache of the common prefix (cutting at exactly ``3/4 window`` would shift the start by a
+token at a time and invalidate the whole cache on every keystroke).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+# "\n\n--- snippet ---\n\n": llama.cpp's chunk separator for models without FIM_SEP
+SNIPPET_SEPARATOR = "\n\n--- snippet ---\n\n"
+REPO_NAME = "myproject\n"  # llama.cpp's fixed project name after FIM_REP
+CURRENT_FILE = "filename\n"  # llama.cpp's fixed name of the current file after the last FIM_SEP
+
+
+@dataclass
+class ExtraChunk:
+    """A piece of context from another place in the project (llama.cpp's ``input_extra``)."""
+
+    text: str
+    filename: str = "tmp"
+
+
+@dataclass
+class BuiltPrompt:
+    """A prompt ready for the engine.
+
+    Attributes:
+        tokens: the prompt token ids.
+        fim: True when built with the model's FIM tokens; False for prefix completion.
+        draft_context: token sequences the drafter may draft from that the prompt lacks
+            (the suffix without FIM; the parts cut off by the window).
+        n_prefix_dropped / n_suffix_dropped / n_extra_dropped: tokens left out to fit.
+    """
+
+    tokens: list[int]
+    fim: bool
+    draft_context: list[list[int]] = field(default_factory=list)
+    n_prefix_dropped: int = 0
+    n_suffix_dropped: int = 0
+    n_extra_dropped: int = 0
+
+
+def has_fim(model) -> bool:
+    """Whether the model's vocabulary has the three tokens fill-in-the-middle needs."""
+    return {"pre", "suf", "mid"} <= set(model.fim_tokens())
+
+
+def _block_cut(tokens: list[int], keep: int, block: int) -> int:
+    """How many tokens to drop from the front so at most ``keep`` remain, rounded up to a
+    multiple of ``block`` (a cut point that moves rarely as the text grows)."""
+    over = len(tokens) - keep
+    if over <= 0:
+        return 0
+    return min(len(tokens), -(-over // block) * block)
+
+
+def build_infill_prompt(
+    model,
+    prefix: str,
+    suffix: str,
+    prompt: str,
+    extra: Sequence[ExtraChunk],
+    *,
+    n_ctx: int,
+    n_predict: int,
+    window: int = 4096,
+    spm: bool = False,
+) -> BuiltPrompt:
+    """The prompt of an ``/infill`` request (see the module docstring for the layout).
+
+    Args:
+        model: the target ``backend.Model``.
+        prefix / suffix: text before / after the cursor (``input_prefix`` / ``input_suffix``).
+        prompt: text typed after the prefix (llama.vim sends the current line's part before
+            the cursor here); tokenised with special-token parsing, as llama.cpp does.
+        extra: context chunks (``input_extra``).
+        n_ctx: the engine's context size (tokens).
+        n_predict: tokens to generate (-1: unknown; counted as 0 for the extra budget).
+        window: tokens for prefix + suffix (llama.cpp's ``n_batch``), at most ``n_ctx / 2``.
+        spm: suffix-prefix-middle order (llama.cpp's ``--spm-infill``).
+    """
+    window = max(64, min(window, n_ctx // 2))
+    block = max(1, window // 16)
+    fim = model.fim_tokens()
+    use_fim = {"pre", "suf", "mid"} <= set(fim)
+
+    def tok(text: str) -> list[int]:
+        return model.tokenize(text, add_special=False) if text else []
+
+    prompt_toks = model.tokenize(prompt, add_special=False, parse_special=True) if prompt else []
+    extra_toks: list[int] = []
+    if use_fim and "rep" in fim:
+        extra_toks += [fim["rep"], *tok(REPO_NAME)]
+    for chunk in extra:
+        if use_fim and "sep" in fim:
+            extra_toks += [fim["sep"], *tok(chunk.filename + "\n")]
+        else:
+            extra_toks += tok(SNIPPET_SEPARATOR)
+        extra_toks += tok(chunk.text)
+    if use_fim and "sep" in fim:
+        extra_toks += [fim["sep"], *tok(CURRENT_FILE)]
+    elif extra and not use_fim:
+        extra_toks += tok(SNIPPET_SEPARATOR)  # separates the last chunk from the file itself
+
+    n_extra_take = min(max(0, n_ctx - window - 2 * max(n_predict, 0)), len(extra_toks))
+    n_extra_dropped = len(extra_toks) - n_extra_take
+    extra_kept = extra_toks[n_extra_dropped:]
+    bos = [model.bos] if model.add_bos and model.bos >= 0 else []
+
+    if not use_fim:
+        body = model.tokenize(prefix + prompt, add_special=False, parse_special=True) if prefix + prompt else []
+        cut = _block_cut(body, window, block)
+        suffix_toks = tok(suffix)
+        ctx = [t for t in (body[:cut], suffix_toks, extra_toks[:n_extra_dropped]) if t]
+        tokens = bos + extra_kept + body[cut:]
+        return BuiltPrompt(tokens, False, ctx, n_prefix_dropped=cut, n_extra_dropped=n_extra_dropped)
+
+    prefix_toks = tok(prefix)
+    suffix_toks = tok(suffix)
+    cut = _block_cut(prefix_toks, 3 * (window // 4), block)
+    n_suffix_take = min(len(suffix_toks), max(0, window // 4 - (2 + len(prompt_toks))))
+    pre_part = [fim["pre"], *prefix_toks[cut:], *prompt_toks]
+    suf_part = [fim["suf"], *suffix_toks[:n_suffix_take]]
+    first, second = (suf_part, pre_part) if spm else (pre_part, suf_part)
+    tokens = bos + extra_kept + first + second + [fim["mid"]]
+    ctx = [t for t in (prefix_toks[:cut], suffix_toks[n_suffix_take:], extra_toks[:n_extra_dropped]) if t]
+    return BuiltPrompt(
+        tokens,
+        True,
+        ctx,
+        n_prefix_dropped=cut,
+        n_suffix_dropped=len(suffix_toks) - n_suffix_take,
+        n_extra_dropped=n_extra_dropped,
+    )
+
+
+def build_completion_prompt(model, prompt: str | Sequence[int]) -> BuiltPrompt:
+    """The prompt of a ``/completion`` request: text (BOS added as the model asks, special
+    tokens parsed, as llama.cpp's server does) or token ids as given."""
+    if isinstance(prompt, str):
+        return BuiltPrompt(model.tokenize(prompt, add_special=True, parse_special=True), False)
+    return BuiltPrompt([int(t) for t in prompt], False)

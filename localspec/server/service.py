@@ -1,0 +1,427 @@
+"""``CompletionService``: one engine, one worker thread, a queue of jobs.
+
+The HTTP app and the stdio loop both submit ``CompletionRequest``s here and receive
+``Event``s through a callback (called on the worker thread). Requests run one at a time, in
+arrival order, on a single worker thread that owns the engine; between requests the engine
+keeps its KV cache, so the next request prefills only what differs from the last prompt.
+
+Cancellation: ``Job.cancel()`` is thread-safe. A queued job is answered at once without
+touching the engine; a running one stops after the current step (or aborts a running
+prefill) and the engine stays consistent. A newer request with the same client key (see
+``CompletionRequest.client_key``) cancels the older ones, except a cache warm-up
+(``n_predict`` 0), which waits its turn and cancels nothing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ..errors import ContextOverflowError, InvalidRequestError, LocalSpecError
+from ..sampling import SamplingParams
+from ..stats import GenerationStats
+from .fields import EXCEED_CONTEXT, SERVER_ERROR, UNAVAILABLE, RequestError, error_body
+from .prompt import BuiltPrompt, build_completion_prompt, build_infill_prompt
+from .protocol import CompletionRequest
+from .response import Outcome, final_response, generation_settings, partial_response, stop_type_of
+from .samplers import SamplingPlan, resolve_sampling
+from .stops import EditorStops
+
+log = logging.getLogger("localspec.server")
+
+NO_FIM_NOTE = (
+    "the model has no fill-in-the-middle tokens: completed from the text before the cursor "
+    "(and the extra context); the text after the cursor was used only for drafting"
+)
+
+
+@dataclass
+class Event:
+    """What a job reports: ``partial`` (streamed piece), ``final`` (the response) or ``error``
+    (``data`` is an error body, ``status`` its HTTP status)."""
+
+    kind: Literal["partial", "final", "error"]
+    data: dict
+    status: int = 200
+
+
+@dataclass
+class ServiceConfig:
+    """Server-wide settings.
+
+    Attributes:
+        sampling: defaults for sampling fields a request leaves out (the command line's).
+        window: tokens of prefix + suffix in an infill prompt (llama.cpp's ``n_batch``).
+        spm: suffix-prefix-middle FIM order.
+        max_queue: most requests waiting; more get HTTP 503.
+        default_n_predict: ``n_predict`` of requests without one (-1: until the end).
+        speculative: False serves every request with plain decoding.
+    """
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    window: int = 4096
+    spm: bool = False
+    max_queue: int = 64
+    default_n_predict: int = -1
+    speculative: bool = True
+
+
+class Job:
+    """One submitted request. ``cancel()`` may be called from any thread."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, request: CompletionRequest, sink: Callable[[Event], None]) -> None:
+        self.id = next(Job._ids)
+        self.request = request
+        self._sink = sink
+        self._lock = threading.Lock()
+        self._stream = None
+        self.cancel_reason: str | None = None
+        self.outcome: str | None = None  # "final" or "error" once answered
+        self.done = threading.Event()
+        self.t_submit = time.perf_counter()
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_reason is not None
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stop this job (a no-op once it has finished)."""
+        with self._lock:
+            if self.cancel_reason is not None or self.done.is_set():
+                return
+            self.cancel_reason = reason
+            stream = self._stream
+        if stream is not None:
+            stream.cancel()
+
+    def _attach(self, stream) -> bool:
+        with self._lock:
+            if self.cancel_reason is not None:
+                return False
+            self._stream = stream
+            return True
+
+    def emit(self, event: Event) -> None:
+        try:
+            self._sink(event)
+        except Exception:  # a client that went away must not stop the worker
+            log.debug("job %d: the event sink failed", self.id, exc_info=True)
+        if event.kind != "partial":
+            with self._lock:
+                self._stream = None
+                self.outcome = event.kind
+                self.done.set()
+
+
+class _Call:
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.fn = fn
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+
+
+class CompletionService:
+    """Serves completion requests with one ``Engine`` on one worker thread.
+
+    Args:
+        engine: the engine (its model decides whether prompts use FIM).
+        config: ``ServiceConfig``.
+
+    The engine must not be used by anything else while the service runs; use ``call()`` to
+    run code on it between requests.
+    """
+
+    def __init__(self, engine, config: ServiceConfig | None = None) -> None:
+        self.engine = engine
+        self.config = config or ServiceConfig()
+        self.model = engine.model
+        self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._live: set[Job] = set()
+        self._by_client: dict[str, set[Job]] = {}
+        self._n_waiting = 0
+        self._closed = False
+        self.counters = {"requests": 0, "cancelled": 0, "errors": 0}
+        self._thread = threading.Thread(target=self._worker, name="localspec-engine", daemon=True)
+        self._thread.start()
+
+    # -- public -------------------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self.model.path.name
+
+    def submit(self, request: CompletionRequest, sink: Callable[[Event], None]) -> Job:
+        """Queue a request; ``sink`` receives its events on the worker thread.
+
+        Raises:
+            RequestError: 503 when the server is shutting down or the queue is full.
+        """
+        job = Job(request, sink)
+        key = request.client_key
+        with self._lock:
+            if self._closed:
+                raise RequestError("the server is shutting down", 503, UNAVAILABLE)
+            if self._n_waiting >= self.config.max_queue:
+                raise RequestError(
+                    f"too many requests waiting ({self._n_waiting}); try again later", 503, UNAVAILABLE
+                )
+            older = list(self._by_client.get(key, ())) if key is not None and not request.is_warmup else []
+            if key is not None:
+                self._by_client.setdefault(key, set()).add(job)
+            self._live.add(job)
+            self._n_waiting += 1
+        for old in older:
+            old.cancel("superseded by a newer request from the same client")
+        self._queue.put(job)
+        return job
+
+    def call(self, fn: Callable[[Any], Any], timeout: float | None = None) -> Any:
+        """Run ``fn(engine)`` on the worker thread between requests and return its result."""
+        c = _Call(fn)
+        self._queue.put(c)
+        return c.future.result(timeout)
+
+    def health(self) -> dict:
+        return {"status": "ok"}
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Cancel every job and stop the worker (the engine is left to its owner)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            jobs = list(self._live)
+        for j in jobs:
+            j.cancel("the server is shutting down")
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    # -- worker -------------------------------------------------------------------------------
+
+    def _worker(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, _Call):
+                try:
+                    item.future.set_result(item.fn(self.engine))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    item.future.set_exception(e)
+                continue
+            with self._lock:
+                self._n_waiting -= 1
+            try:
+                self._run(item)
+            except Exception as e:  # never let one request stop the server
+                log.exception("request %d failed", item.id)
+                self._recover()
+                item.emit(Event("error", error_body(500, f"internal error: {e}", SERVER_ERROR), 500))
+            finally:
+                if not item.done.is_set():
+                    item.emit(Event("error", error_body(500, "internal error: no response", SERVER_ERROR), 500))
+                self._forget(item)
+
+    def _forget(self, job: Job) -> None:
+        with self._lock:
+            self.counters["requests"] += 1
+            self.counters["cancelled"] += job.cancelled
+            self.counters["errors"] += job.outcome == "error"
+            self._live.discard(job)
+            key = job.request.client_key
+            group = self._by_client.get(key) if key is not None else None
+            if group is not None:
+                group.discard(job)
+                if not group:
+                    del self._by_client[key]
+
+    def _recover(self) -> None:
+        try:
+            self.engine.reset()
+        except Exception:  # pragma: no cover - nothing more we can do
+            log.exception("engine reset failed")
+
+    def _run(self, job: Job) -> None:
+        req = job.request
+        t_start = time.perf_counter()
+        queue_ms = (t_start - job.t_submit) * 1e3
+        if job.cancelled:
+            job.emit(self._final(job, plan=None, built=None, result=None, content="", tokens=[], reason=None,
+                                 queue_ms=queue_ms))  # fmt: skip
+            return
+        plan: SamplingPlan | None = None
+        try:
+            plan = resolve_sampling(req.sampler_fields, self.config.sampling, self.model)
+            built = self._build(req)
+            self._generate(job, plan, built, queue_ms)
+        except RequestError as e:
+            job.emit(Event("error", e.body(), e.status))
+        except ContextOverflowError as e:
+            job.emit(Event("error", error_body(400, str(e), EXCEED_CONTEXT), 400))
+        except InvalidRequestError as e:
+            job.emit(Event("error", RequestError(str(e)).body(), 400))
+        except LocalSpecError as e:
+            log.exception("request %d: engine error", job.id)
+            self._recover()
+            job.emit(Event("error", error_body(500, str(e), SERVER_ERROR), 500))
+        finally:
+            if plan is not None:
+                plan.close()
+
+    def _build(self, req: CompletionRequest) -> BuiltPrompt:
+        if req.kind == "infill":
+            return build_infill_prompt(
+                self.model,
+                req.input_prefix,
+                req.input_suffix,
+                req.prompt if isinstance(req.prompt, str) else "",
+                req.input_extra,
+                n_ctx=self.engine.n_ctx,
+                n_predict=min(req.n_predict, 1024),
+                window=self.config.window,
+                spm=self.config.spm,
+            )
+        built = build_completion_prompt(self.model, req.prompt)
+        if not built.tokens:
+            raise RequestError('"prompt" is empty (and the model adds no BOS token)')
+        return built
+
+    def _generate(self, job: Job, plan: SamplingPlan, built: BuiltPrompt, queue_ms: float) -> None:
+        req, engine = job.request, self.engine
+        spec = self.config.speculative and engine.drafter is not None and req.speculative is not False
+        max_tokens = req.n_predict if req.n_predict >= 0 else max(0, engine.n_ctx - len(built.tokens))
+        if not req.cache_prompt:
+            engine.reset()
+        stream = engine.stream(
+            built.tokens,
+            max_tokens=max_tokens,
+            sampling=plan.params,
+            stop=req.stop,
+            speculative=spec,
+            draft_context=built.draft_context,
+        )
+        if not job._attach(stream):
+            stream.close()
+            job.emit(self._final(job, plan=plan, built=built, result=None, content="", tokens=[], reason=None,
+                                 queue_ms=queue_ms))  # fmt: skip
+            return
+        stops = EditorStops(req.n_indent, req.t_max_predict_ms)
+        parts: list[str] = []
+        tokens: list[int] = []
+        t_first: float | None = None
+        reason: str | None = None
+        n_prompt = len(built.tokens)
+        try:
+            for chunk in stream:
+                now = time.perf_counter()
+                t_first = now if t_first is None else t_first
+                check = stops.push(chunk.text, (now - t_first) * 1e3)
+                piece = chunk.text[: check.keep]
+                if piece:
+                    parts.append(piece)
+                if chunk.token >= 0 and (piece or not check.stop):
+                    tokens.append(chunk.token)
+                if req.stream and piece:
+                    job.emit(
+                        Event(
+                            "partial",
+                            partial_response(
+                                piece,
+                                [chunk.token] if req.return_tokens and chunk.token >= 0 else [],
+                                id_slot=req.id_slot,
+                                n_predicted=len(tokens),
+                                n_prompt=n_prompt,
+                            ),
+                        )
+                    )
+                if check.stop:
+                    reason = check.reason
+                    break
+        finally:
+            stream.close()
+        job.emit(self._final(job, plan=plan, built=built, result=stream.result, content="".join(parts),
+                             tokens=tokens, reason=reason, queue_ms=queue_ms))  # fmt: skip
+
+    def _final(self, job: Job, *, plan: SamplingPlan | None, built: BuiltPrompt | None, result, content: str,
+               tokens: list[int], reason: str | None, queue_ms: float) -> Event:  # fmt: skip
+        """The final event of a job.
+
+        Args:
+            result: the engine's ``GenerationResult`` (None: cancelled before it started).
+            content / tokens: the completion as the client gets it (after editor stops).
+            reason: ``"indent"`` / ``"time"`` when an editor stop ended it.
+        """
+        req = job.request
+        stats = result.stats if result is not None else GenerationStats()
+        stop_type, word = stop_type_of(result, reason)
+        ctx_full = stats.n_prompt_tokens + stats.n_generated_tokens >= self.engine.n_ctx - 1
+        info = self._info(job, plan, built, stats, reason or (result.finish_reason if result else "cancelled"))
+        info["queue_ms"] = queue_ms
+        outcome = Outcome(
+            content=content,
+            tokens=tokens,
+            stop_type=stop_type,
+            stopping_word=word,
+            truncated=bool(built is not None and built.n_extra_dropped) or ctx_full,
+            stats=stats,
+            localspec=info,
+        )
+        want_prompt = req.response_fields is None or any(f.split("/")[0] == "prompt" for f in req.response_fields)
+        prompt_text = self.model.detokenize(built.tokens, special=True) if built is not None and want_prompt else ""
+        params = plan.params if plan is not None else self.config.sampling
+        data = final_response(
+            outcome,
+            id_slot=req.id_slot,
+            model=self.model_name,
+            prompt_text=prompt_text,
+            generation_settings=generation_settings(
+                req, params, plan.applied if plan else [], stats.seed, info["speculative"]
+            ),
+            return_tokens=req.return_tokens,
+            response_fields=req.response_fields,
+        )
+        return Event("final", data)
+
+    @staticmethod
+    def _info(job: Job, plan: SamplingPlan | None, built: BuiltPrompt | None, stats, finish: str) -> dict:
+        """The response's ``localspec`` object (speculation, FIM, samplers, notes)."""
+        req = job.request
+        notes = list(plan.notes) if plan is not None else []
+        if built is not None and req.kind == "infill" and not built.fim:
+            notes.insert(0, NO_FIM_NOTE)
+        if req.n_cmpl > 1:
+            notes.append(f"n_cmpl {req.n_cmpl} asked: localspec answers one completion per request")
+        if req.not_implemented:
+            notes.append(f"ignored (not implemented): {', '.join(req.not_implemented)}")
+        info: dict[str, Any] = {
+            "fim": bool(built.fim) if built is not None else None,
+            "speculative": stats.drafter != "none",
+            "drafter": stats.drafter,
+            "n_steps": stats.n_steps,
+            "mean_acceptance_length": stats.mean_acceptance_length,
+            "num_draft_tokens": stats.num_draft_tokens,
+            "num_accepted_tokens": stats.num_accepted_tokens,
+            "finish_reason": finish,
+            "seed": stats.seed,
+        }
+        if plan is not None:
+            info["samplers"] = {"applied": plan.applied, "not_applied": plan.not_applied}
+        if built is not None:
+            info["prompt_tokens_dropped"] = {
+                "prefix": built.n_prefix_dropped,
+                "suffix": built.n_suffix_dropped,
+                "extra": built.n_extra_dropped,
+            }
+        if job.cancel_reason is not None:
+            info["cancelled"] = job.cancel_reason
+        info["notes"] = notes
+        return info

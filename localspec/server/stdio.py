@@ -1,0 +1,139 @@
+"""JSON lines over standard input / output, for plugins that spawn a process.
+
+Each input line is one JSON object::
+
+    {"id": 1, "method": "infill", "params": {...the /infill body...}}
+    {"id": 2, "method": "completion", "params": {...the /completion body...}}
+    {"id": 3, "method": "cancel", "params": {"id": 1}}
+    {"id": 4, "method": "health"}
+    {"id": 5, "method": "shutdown"}
+
+Each output line is one JSON object carrying the request's ``id``: ``{"id": 1, "result":
+{...}}`` (the same object the HTTP server returns), ``{"id": 1, "partial": {...}}`` for every
+streamed piece when ``params.stream`` is true, or ``{"id": 1, "error": {"code", "message",
+"type"}}``. The first line is ``{"ready": {...}}`` once the model is loaded. Requests run in
+arrival order; ``cancel`` stops one (queued or running; its ``result`` still comes, with
+``localspec.cancelled`` set), and a newer request with the same ``client_id`` / ``id_slot``
+cancels the older one, as over HTTP. At the end of input, outstanding requests finish and
+the process exits; ``shutdown`` cancels them and exits at once.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import IO, Any
+
+from .fields import INVALID_REQUEST, NOT_FOUND, RequestError, error_body
+from .protocol import parse_request
+from .response import dumps
+from .service import CompletionService, Event, Job
+
+
+class StdioServer:
+    """Runs the JSON-lines protocol over two text streams."""
+
+    def __init__(self, service: CompletionService, inp: IO[str], out: IO[str]) -> None:
+        self.service = service
+        self.inp = inp
+        self.out = out
+        self._write_lock = threading.Lock()
+        self._jobs: dict[Any, Job] = {}  # request id -> running or queued job
+        self._live: set[Job] = set()
+        self._jobs_lock = threading.Lock()
+        self.broken = False
+
+    def write(self, obj: dict) -> None:
+        line = dumps(obj) + "\n"
+        with self._write_lock:
+            if self.broken:
+                return
+            try:
+                self.out.write(line)
+                self.out.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                self.broken = True  # the client is gone; finish quietly
+
+    def run(self, ready: dict | None = None) -> int:
+        """Serve until end of input or ``shutdown``; returns the exit status."""
+        self.write({"ready": ready or {"model": self.service.model_name}})
+        shutdown = False
+        for line in self.inp:
+            if self.broken:
+                break
+            line = line.strip()
+            if not line:
+                continue
+            if self.handle(line) == "shutdown":
+                shutdown = True
+                break
+        with self._jobs_lock:
+            jobs = list(self._live)
+        for job in jobs:
+            if shutdown or self.broken:
+                job.cancel("the client shut the server down")
+            job.done.wait()
+        return 0
+
+    def handle(self, line: str) -> str | None:
+        """Handle one input line; returns ``"shutdown"`` when asked to stop."""
+        try:
+            msg = json.loads(line)
+        except ValueError as e:
+            self.write({"id": None, "error": error_body(400, f"the line is not valid JSON: {e}", INVALID_REQUEST)["error"]})
+            return None
+        if not isinstance(msg, dict):
+            self.write({"id": None, "error": error_body(400, "each line must be a JSON object", INVALID_REQUEST)["error"]})
+            return None
+        rid = msg.get("id")
+        method = msg.get("method")
+        params = msg.get("params", {})
+        try:
+            if method in ("infill", "completion"):
+                self._submit(rid, method, params)
+            elif method == "cancel":
+                target = params.get("id") if isinstance(params, dict) else None
+                with self._jobs_lock:
+                    job = self._jobs.get(target)
+                if job is not None:
+                    job.cancel("cancelled by the client")
+                self.write({"id": rid, "result": {"cancelled": job is not None}})
+            elif method == "health":
+                self.write({"id": rid, "result": self.service.health()})
+            elif method in ("shutdown", "exit"):
+                self.write({"id": rid, "result": {"shutdown": True}})
+                return "shutdown"
+            else:
+                raise RequestError(
+                    f"unknown method {method!r}; use infill, completion, cancel, health or shutdown", 404, NOT_FOUND
+                )
+        except RequestError as e:
+            self.write({"id": rid, "error": e.body()["error"]})
+        return None
+
+    def _submit(self, rid: Any, method: str, params: Any) -> None:
+        if rid is not None and (isinstance(rid, (dict, list, float, bool))):
+            raise RequestError('"id" must be a string, an integer or null')
+        req = parse_request(method, params, default_n_predict=self.service.config.default_n_predict)
+        job: Job | None = None
+
+        def sink(ev: Event) -> None:
+            if ev.kind == "partial":
+                self.write({"id": rid, "partial": ev.data})
+                return
+            if ev.kind == "final":
+                self.write({"id": rid, "result": ev.data})
+            else:
+                self.write({"id": rid, "error": ev.data["error"]})
+            with self._jobs_lock:  # waits until _submit has registered the job
+                self._live.discard(job)
+                if rid is not None and self._jobs.get(rid) is job:
+                    del self._jobs[rid]
+
+        with self._jobs_lock:
+            if rid is not None and rid in self._jobs:
+                raise RequestError(f"request id {rid!r} is still in use")
+            job = self.service.submit(req, sink)
+            self._live.add(job)
+            if rid is not None:
+                self._jobs[rid] = job

@@ -1,0 +1,340 @@
+"""The completion server over HTTP with the real default model: requests shaped exactly like
+llama.vim's and llama.vscode's, streaming and not, speculation against plain decoding,
+KV-cache reuse, queueing, cancellation, client disconnects, and every kind of bad input."""
+
+import json
+import re
+import threading
+import time
+
+import httpx
+import pytest
+
+from localspec.server.http import ServerThread
+from plugin_requests import (
+    VIM_RESPONSE_FIELDS,
+    llama_vim_fim,
+    llama_vim_ring_update,
+    llama_vscode_fim,
+    llama_vscode_prepare,
+)
+
+CODE_PREFIX = (
+    "def add_one(x):\n    return x + 1\n\n\n"
+    "def add_two(x):\n    return x + 2\n\n\n"
+    "def add_three(x):\n    return x + 3\n\n\n"
+    "def add_four(x):\n"
+)
+CODE_SUFFIX = "\n\ndef add_six(x):\n    return x + 6\n"
+
+def vim_request(prefix=CODE_PREFIX, middle="    return ", suffix=CODE_SUFFIX, extra=(), n_predict=16):
+    return llama_vim_fim(prefix, middle, suffix, extra, n_predict=n_predict)
+
+
+GREEDY = {"samplers": ["temperature"], "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def server(service):
+    with ServerThread(service) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=300) as c:
+        yield c
+
+
+def wait_for(pred, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def sse_events(response):
+    """Decoded ``data: {...}`` events of a streamed response, checking the framing."""
+    raw = b"".join(response.iter_bytes())
+    frames = raw.split(b"\n\n")
+    assert frames[-1] == b""
+    out = []
+    for f in frames[:-1]:
+        assert f.startswith(b"data: "), f
+        out.append(json.loads(f[6:]))
+    return out
+
+
+# -- plugin-shaped requests ---------------------------------------------------------------------
+
+
+def test_health_props_models(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/v1/health").status_code == 200
+    props = client.get("/props").json()
+    assert props["default_generation_settings"]["n_ctx"] > 0 and props["fim"]["supported"] is False
+    assert client.get("/v1/models").json()["data"][0]["id"].endswith(".gguf")
+
+
+def test_llama_vim_fim_request(client):
+    r = client.post("/infill", json=vim_request())
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    raw = r.text
+    # the checks llama.vim makes before decoding (s:fim_on_response)
+    assert re.match(r"^\s*{", raw) and re.search(r'"content"\s*:"', raw)
+    d = r.json()
+    assert set(d) == set(VIM_RESPONSE_FIELDS)
+    assert isinstance(d["content"], str) and d["timings/predicted_n"] <= 16
+    assert d["timings/prompt_n"] > 0 and d["tokens_cached"] >= d["timings/prompt_n"]
+
+
+def test_llama_vim_ring_update_fills_the_cache(client):
+    extra = [{"text": "def helper(y):\n    return y * 2\n" * 20, "filename": "helpers.py"}]
+    r = client.post("/infill", json=llama_vim_ring_update(extra))
+    assert r.status_code == 200 and r.json() == {}
+    warm = client.post("/infill", json={**llama_vim_ring_update(extra), "response_fields": None}).json()
+    n_extra = warm["tokens_evaluated"]
+    assert warm["tokens_predicted"] == 0 and warm["timings"]["cache_n"] == n_extra - 1
+    req = vim_request(extra=extra)
+    del req["response_fields"]
+    d = client.post("/infill", json=req).json()
+    # the extra context comes first in the prompt, so it was all in the cache already
+    assert n_extra > 200 and d["timings"]["cache_n"] >= n_extra - 1 and d["timings"]["prompt_n"] < 100
+
+
+def test_llama_vscode_requests(client):
+    chunks = [{"text": "x = 1\n", "filename": "a.py"}]
+    assert client.post("/infill", json=llama_vscode_prepare(chunks)).status_code == 200
+    d = client.post("/infill", json=llama_vscode_fim(CODE_PREFIX, "    return ", CODE_SUFFIX, chunks)).json()
+    # llama.vscode reads `content` from one object (or from each of a list)
+    assert isinstance(d["content"], str) and d["stop"] is True
+    for k in ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "predicted_per_second"):
+        assert k in d["timings"]
+    notes = d["localspec"]["notes"]
+    assert any("fill-in-the-middle" in n for n in notes) and any("n_cmpl 3" in n for n in notes)
+    assert d["localspec"]["fim"] is False and d["localspec"]["samplers"]["applied"] == ["top_k", "top_p", "infill"]
+
+
+def test_streaming_infill(client):
+    req = {**vim_request(n_predict=24), "stream": True, "n_indent": 0, **GREEDY}
+    del req["response_fields"]
+    with client.stream("POST", "/infill", json=req) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert all(e["stop"] is False for e in events[:-1]) and events[-1]["stop"] is True
+    final = events[-1]
+    assert "".join(e["content"] for e in events[:-1]) == final["content"]
+    assert final["timings"]["predicted_n"] == final["tokens_predicted"] <= 24
+    assert final["stop_type"] in ("eos", "limit", "word")
+
+
+def test_completion_endpoint(client):
+    d = client.post("/completion", json={"prompt": "One, two, three, four,", "n_predict": 12, **GREEDY}).json()
+    assert d["tokens_predicted"] > 0 and d["stop_type"] in ("limit", "eos")
+    ids = client.post("/completion", json={"prompt": [2, 4521, 236764], "n_predict": 3, "return_tokens": True}).json()
+    assert len(ids["tokens"]) == ids["tokens_predicted"]
+    w = client.post("/completions", json={"prompt": "One, two, three, four,", "n_predict": 20, "stop": [" six"], **GREEDY})
+    d = w.json()
+    if d["stop_type"] == "word":
+        assert d["stopping_word"] == " six" and " six" not in d["content"]
+
+
+# -- speculation: same text, statistics ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [GREEDY, {"top_k": 40, "top_p": 0.9, "samplers": ["top_k", "top_p", "infill"], "seed": 42}],
+    ids=["greedy", "llama-vim-samplers-seeded"],
+)
+def test_speculative_and_plain_completion_give_the_same_text(client, sampling):
+    base = {**vim_request(n_predict=40), "n_indent": 0, "t_max_predict_ms": 0, "return_tokens": True, **sampling}
+    del base["response_fields"]
+    spec = client.post("/infill", json={**base, "cache_prompt": False}).json()
+    plain = client.post("/infill", json={**base, "cache_prompt": False, "speculative": False}).json()
+    assert spec["tokens"] == plain["tokens"] and spec["content"] == plain["content"]
+    assert spec["localspec"]["speculative"] is True and plain["localspec"]["speculative"] is False
+    assert "draft_n" not in plain["timings"]
+    if sampling is GREEDY:  # the repetitive prefix is drafted from
+        assert spec["timings"]["draft_n"] > 0 and spec["timings"]["draft_n_accepted"] > 0
+        assert spec["localspec"]["mean_acceptance_length"] > 1.0
+
+
+def test_only_the_changed_last_line_is_prefilled(client):
+    req = {**vim_request(n_predict=4), **GREEDY}
+    del req["response_fields"]
+    first = client.post("/infill", json={**req, "cache_prompt": False}).json()
+    second = client.post("/infill", json={**req, "prompt": "    return x +"}).json()
+    n_prompt = second["tokens_evaluated"]
+    assert second["timings"]["cache_n"] >= n_prompt - 5 and second["timings"]["prompt_n"] <= 5
+    assert first["timings"]["cache_n"] == 0
+
+
+def test_samplers_that_cannot_be_applied_are_reported(client):
+    d = client.post(
+        "/completion", json={"prompt": "a b", "n_predict": 2, "samplers": ["dry", "top_k"], "dry_multiplier": 0.8}
+    ).json()
+    assert d["localspec"]["samplers"] == {"applied": ["top_k"], "not_applied": ["dry"]}
+    assert any("dry" in n for n in d["localspec"]["notes"])
+
+
+# -- concurrency, cancellation, disconnects ---------------------------------------------------------
+
+
+def start_stream(server, body, first_event, events):
+    def run():
+        with httpx.Client(base_url=server.url, timeout=300) as c, c.stream("POST", "/completion", json=body) as r:
+            buf = b""
+            for chunk in r.iter_bytes():
+                buf += chunk
+                while b"\n\n" in buf:
+                    frame, buf = buf.split(b"\n\n", 1)
+                    events.append(json.loads(frame[6:]))
+                    first_event.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+LONG = {"prompt": "Once upon a time", "n_predict": 64, "ignore_eos": True, "stream": True, **GREEDY}
+
+
+def test_a_request_from_another_client_waits_its_turn(server, client):
+    first, events = threading.Event(), []
+    t = start_stream(server, {**LONG, "client_id": "a"}, first, events)
+    first.wait(120)
+    d = client.post("/completion", json={"prompt": "Hello", "n_predict": 4, "client_id": "b", **GREEDY}).json()
+    t.join(300)
+    assert events[-1]["stop"] is True and events[-1]["tokens_predicted"] == 64  # not cancelled
+    assert d["tokens_predicted"] == 4 and d["localspec"]["queue_ms"] > 0
+
+
+def test_a_newer_request_from_the_same_client_cancels_the_older(server, client):
+    first, events = threading.Event(), []
+    t = start_stream(server, {**LONG, "id_slot": 0}, first, events)
+    first.wait(120)
+    d = client.post("/completion", json={"prompt": "Hello", "n_predict": 4, "id_slot": 0, **GREEDY}).json()
+    t.join(300)
+    final = events[-1]
+    assert final["stop"] is True and final["stop_type"] == "none"
+    assert "superseded" in final["localspec"]["cancelled"] and final["tokens_predicted"] < 64
+    assert d["tokens_predicted"] == 4
+
+
+def test_a_cache_warmup_waits_and_cancels_nothing(service):
+    from localspec.server import parse_request
+
+    finals = {}
+
+    def sink(name):
+        return lambda ev: finals.setdefault(name, ev) if ev.kind != "partial" else None
+
+    long = service.submit(parse_request("completion", {**LONG, "stream": False, "id_slot": 3}), sink("long"))
+    warm = service.submit(parse_request("completion", {"prompt": "x", "n_predict": 0, "id_slot": 3}), sink("warm"))
+    assert not long.cancelled
+    new = service.submit(parse_request("completion", {"prompt": "y", "n_predict": 2, "id_slot": 3}), sink("new"))
+    assert long.cancelled and warm.cancelled and not new.cancelled
+    for j in (long, warm, new):
+        assert j.done.wait(300)
+    assert finals["warm"].data["localspec"]["cancelled"] and finals["new"].data["tokens_predicted"] == 2
+
+
+def test_client_disconnect_mid_stream_cancels_generation(server, service, client):
+    before = service.counters["cancelled"]
+    with httpx.Client(base_url=server.url, timeout=300) as c, c.stream(
+        "POST", "/completion", json={**LONG, "n_predict": 2000}
+    ) as r:
+        next(r.iter_bytes())  # the first event, then hang up
+    wait_for(lambda: service.counters["cancelled"] > before)
+    service.call(lambda e: e.cache.check())
+    assert client.post("/completion", json={"prompt": "Hi", "n_predict": 3, **GREEDY}).json()["tokens_predicted"] == 3
+
+
+def test_client_disconnect_while_waiting_for_a_plain_response(server, service, client):
+    before = service.counters["cancelled"]
+    body = {"prompt": "Once upon a time", "n_predict": 2000, "ignore_eos": True, **GREEDY}
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=server.url, timeout=1.0) as c:
+        c.post("/completion", json=body)
+    wait_for(lambda: service.counters["cancelled"] > before)
+    service.call(lambda e: e.cache.check())
+    assert client.get("/health").json() == {"status": "ok"}
+
+
+def test_full_queue_answers_503(service, client):
+    old = service.config.max_queue
+    service.config.max_queue = 0
+    try:
+        r = client.post("/completion", json={"prompt": "x", "n_predict": 1})
+    finally:
+        service.config.max_queue = old
+    assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable_error"
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content, status, message",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"", 400, "empty"),
+        (b"[1, 2]", 400, "JSON object"),
+        (b'{"input_prefix": NaN, "input_suffix": ""}', 400, "not valid JSON"),
+        (b"\xff\xfe{}", 400, "not valid JSON"),
+        (b'{"input_suffix": ""}', 400, '"input_prefix" is required'),
+        (b'{"input_prefix": "", "input_suffix": "", "n_predict": "9"}', 400, '"n_predict" must be an integer'),
+        (b'{"input_prefix": "", "input_suffix": "", "input_extra": {}}', 400, '"input_extra" must be an array'),
+        (b'{"input_prefix": "", "input_suffix": "", "grammar": "root ::= ("}', 400, "grammar"),
+    ],
+)
+def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(client, content, status, message):
+    r = client.post("/infill", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["code"] == status and message in err["message"] and err["type"] == "invalid_request_error"
+    assert client.get("/health").status_code == 200
+
+
+def test_unknown_fields_are_ignored(client):
+    r = client.post("/completion", json={"prompt": "a", "n_predict": 1, "no_such_field": [1, {"x": None}]})
+    assert r.status_code == 200
+
+
+def test_prompt_beyond_the_context_is_a_400(client, service):
+    n_ctx = service.engine.n_ctx
+    r = client.post("/completion", json={"prompt": [2] + [236764] * n_ctx, "n_predict": 1})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "exceed_context_size_error"
+
+
+def test_unknown_paths_and_methods(client):
+    r = client.get("/nope")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert client.get("/infill").status_code == 405
+    assert client.post("/health").status_code == 405
+
+
+def test_oversized_bodies_are_refused(service):
+    with ServerThread(service, max_body_bytes=1024) as small, httpx.Client(base_url=small.url, timeout=60) as c:
+        big = json.dumps({"input_prefix": "x" * 4096, "input_suffix": ""}).encode()
+        r = c.post("/infill", content=big, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+
+        def chunks():  # no content-length: the limit applies while reading
+            for i in range(0, len(big), 256):
+                yield big[i : i + 256]
+
+        r = c.post("/infill", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        assert c.post("/completion", json={"prompt": "a", "n_predict": 1}).status_code == 200
+
+
+def test_an_error_after_streaming_started_is_an_event(client):
+    # the grammar allows "a" and then only the end, which ignore_eos bans: an error mid-stream
+    body = {"prompt": "Say a:", "n_predict": 5, "stream": True, "grammar": 'root ::= "a"', "ignore_eos": True, **GREEDY}
+    with client.stream("POST", "/completion", json=body) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert events[0]["content"] == "a" and events[-1]["error"]["code"] == 400
+    assert "grammar" in events[-1]["error"]["message"]
+    assert client.get("/health").status_code == 200

@@ -1,0 +1,136 @@
+"""The JSON-lines stdio mode (in process and as ``localspec complete --stdio``), and the
+``localspec complete --serve`` command."""
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from localspec.server.stdio import StdioServer
+
+GREEDY = {"samplers": ["temperature"], "temperature": 0.0}
+
+
+def run_lines(service, *msgs):
+    lines = [m if isinstance(m, str) else json.dumps(m) for m in msgs]
+    out = io.StringIO()
+    assert StdioServer(service, io.StringIO("\n".join(lines) + "\n"), out).run() == 0
+    return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+def by_id(outs, rid, key="result"):
+    return [o for o in outs if o.get("id") == rid and key in o]
+
+
+def test_requests_results_partials_and_errors(service):
+    outs = run_lines(
+        service,
+        {"id": 1, "method": "infill", "params": {"input_prefix": "def f(x):\n", "input_suffix": "", "n_predict": 4, **GREEDY}},
+        {"id": 2, "method": "completion", "params": {"prompt": "One, two,", "n_predict": 3, "stream": True, **GREEDY}},
+        {"id": 3, "method": "health"},
+        "{not json",
+        "[1, 2]",
+        {"id": 5, "method": "translate"},
+        {"id": 6, "method": "infill", "params": {"input_suffix": ""}},
+        {"id": 7, "method": "completion", "params": {"prompt": "a", "n_predict": 2}},
+        {"id": 7, "method": "completion", "params": {"prompt": "b", "n_predict": 2}},
+    )
+    assert "ready" in outs[0]
+    r1 = by_id(outs, 1)[0]["result"]
+    assert r1["tokens_predicted"] <= 4 and r1["localspec"]["fim"] is False
+    partials = by_id(outs, 2, "partial")
+    final = by_id(outs, 2)[0]["result"]
+    assert partials and "".join(p["partial"]["content"] for p in partials) == final["content"]
+    assert by_id(outs, 3)[0]["result"] == {"status": "ok"}
+    errors = [o for o in outs if o.get("id") is None and "error" in o]
+    assert len(errors) == 2 and "not valid JSON" in errors[0]["error"]["message"]
+    assert by_id(outs, 5, "error")[0]["error"]["code"] == 404
+    assert '"input_prefix" is required' in by_id(outs, 6, "error")[0]["error"]["message"]
+    assert len(by_id(outs, 7)) == 1 and "still in use" in by_id(outs, 7, "error")[0]["error"]["message"]
+
+
+def test_cancel_and_supersede(service):
+    long = {"prompt": "Once upon a time", "n_predict": 400, "ignore_eos": True, **GREEDY}
+    outs = run_lines(
+        service,
+        {"id": "a", "method": "completion", "params": long},
+        {"id": "c1", "method": "cancel", "params": {"id": "a"}},
+        {"id": "c2", "method": "cancel", "params": {"id": "nothing"}},
+        {"id": "b", "method": "completion", "params": {**long, "client_id": "ed"}},
+        {"id": "d", "method": "completion", "params": {"prompt": "Hi", "n_predict": 2, "client_id": "ed", **GREEDY}},
+    )
+    a = by_id(outs, "a")[0]["result"]
+    assert a["localspec"]["cancelled"] == "cancelled by the client" and a["tokens_predicted"] < 400
+    assert by_id(outs, "c1")[0]["result"] == {"cancelled": True}
+    assert by_id(outs, "c2")[0]["result"] == {"cancelled": False}
+    assert "superseded" in by_id(outs, "b")[0]["result"]["localspec"]["cancelled"]
+    assert by_id(outs, "d")[0]["result"]["tokens_predicted"] == 2
+
+
+def test_shutdown_cancels_outstanding_requests(service):
+    outs = run_lines(
+        service,
+        {"id": 1, "method": "completion", "params": {"prompt": "Once", "n_predict": 4000, "ignore_eos": True}},
+        {"id": 2, "method": "shutdown"},
+        {"id": 3, "method": "health"},  # never read
+    )
+    assert by_id(outs, 2)[0]["result"] == {"shutdown": True}
+    assert by_id(outs, 1)[0]["result"]["stop_type"] == "none" and not by_id(outs, 3)
+    service.call(lambda e: e.cache.check())
+
+
+def cli(*args):
+    return [sys.executable, "-m", "localspec", "complete", *args]
+
+
+def test_cli_stdio_one_shot():
+    lines = "\n".join(
+        [
+            json.dumps({"id": 1, "method": "infill", "params": {"input_prefix": "x = ", "input_suffix": "", "n_predict": 3}}),
+            json.dumps({"id": 2, "method": "health"}),
+        ]
+    )
+    r = subprocess.run(cli("--stdio", "--temperature", "0"), input=lines, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    outs = [json.loads(x) for x in r.stdout.splitlines()]
+    assert outs[0]["ready"]["fim"] is False and outs[0]["ready"]["drafter"] == "ngram"
+    assert by_id(outs, 1)[0]["result"]["tokens_predicted"] <= 3
+    assert by_id(outs, 2)[0]["result"] == {"status": "ok"}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_cli_serve_prints_its_address_and_stops_on_a_signal(sig):
+    p = subprocess.Popen(cli("--serve", "--port", "0"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("localspec complete: listening on http://127.0.0.1:"), p.stderr.read()
+        url = line.split()[-1]
+        assert httpx.get(url + "/health", timeout=30).json() == {"status": "ok"}
+        d = httpx.post(url + "/infill", json={"input_prefix": "a", "input_suffix": "", "n_predict": 2}, timeout=300)
+        assert d.status_code == 200
+        p.send_signal(sig)
+        assert p.wait(60) == 0
+    finally:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def test_cli_serve_on_a_taken_port_fails_at_once():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        r = subprocess.run(cli("--serve", "--port", str(s.getsockname()[1])), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "cannot listen" in r.stderr and "loading model" not in r.stderr
+
+
+def test_cli_needs_a_mode():
+    r = subprocess.run(cli(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--serve" in r.stderr
