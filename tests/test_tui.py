@@ -261,3 +261,56 @@ async def test_multiline_message_and_theme_switch():
         app.theme = "textual-light"
         await pilot.pause()
         assert not app.dark and not list(app.query(AnswerView))[-1].dark
+
+
+def test_native_stderr_is_kept_off_the_screen(capfd):
+    """While the app runs, what C code writes to descriptor 2 goes to a file the app reads
+    (for error messages); Python's stderr (where Textual draws) still reaches the terminal."""
+    import os
+    import sys
+
+    from localspec.tui.stderr import NativeStderr
+
+    with NativeStderr() as native:
+        os.write(2, b"parse: error parsing grammar\n")
+        print("drawn by textual", file=sys.__stderr__, flush=True)
+        assert native.take() == "parse: error parsing grammar\n"
+        assert native.take() == ""
+    os.write(2, b"after\n")
+    err = capfd.readouterr().err
+    assert "drawn by textual" in err and "after" in err and "parse:" not in err
+
+
+@pytest.mark.anyio
+async def test_load_a_model_by_path_keeps_the_conversation(chat_engine, chat_template_model_path, tmp_path):
+    """ctrl+o: a bad path is refused in the dialog; a GGUF with a chat template is loaded in
+    a worker, and the conversation goes on in that model's own format."""
+    from localspec.tui.screens import PathScreen
+
+    loaded = []
+
+    def factory(path, drafter):
+        e = Engine(path, drafter=drafter, n_ctx=1024, cost_model=fixed_cost_model())
+        loaded.append(e)
+        return e
+
+    chat_engine.reset()
+    app = ChatApp(engine=chat_engine, engine_factory=factory, sampling=SamplingParams.greedy(), max_tokens=8)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "Hello!")
+        await pilot.press("ctrl+o")
+        await wait_until(pilot, lambda: isinstance(app.screen, PathScreen))
+        app.screen.query_one(Input).value = str(tmp_path / "nope.gguf")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, PathScreen) and "not found" in str(app.screen.query_one("#error").render())
+        app.screen.query_one(Input).value = str(chat_template_model_path)
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.state == "idle" and app.session.engine is not chat_engine)
+        await pilot.pause()
+        assert app.session.format.uses_template and any("own chat template" in t for t in notices(app))
+        assert [m.role for m in app.session.messages] == ["user", "assistant"]
+        await send(pilot, "And now?")
+        assert len(app.session.turns) == 2 and app.session.turns[-1].finish_reason in ("stop", "length")
+        assert app.session.builder.tokens[0] == loaded[0].model.bos
+    assert loaded[0].ctx._ctx is None  # the app owned the engine it loaded and closed it at exit

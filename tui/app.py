@@ -224,8 +224,13 @@ class ChatApp(App):
     def watch_colour(self, _colour: bool) -> None:
         self._redraw_colours()
 
+    def _native_mark(self) -> None:
+        """Forget native stderr output so far (call before an operation ``_explain`` may follow)."""
+        if self.native_stderr is not None:
+            self.native_stderr.take()
+
     def _explain(self, error: BaseException) -> str:
-        """``error``'s message, with what native code wrote to stderr meanwhile (if captured)."""
+        """``error``'s message, with what native code wrote to stderr since ``_native_mark``."""
         detail = " ".join(self.native_stderr.take().split()) if self.native_stderr is not None else ""
         return f"{error} ({detail})" if detail else str(error)
 
@@ -245,6 +250,7 @@ class ChatApp(App):
         self.run_worker(run, thread=True, group="engine", exit_on_error=False)
 
     def _load_job(self, path: str | None) -> None:
+        self._native_mark()
         try:
             engine = self.engine_factory(path, self.drafter_choice)
         except Exception as e:  # noqa: BLE001 - shown in the app, never a crash
@@ -326,6 +332,7 @@ class ChatApp(App):
             self.notify("Wait for the model: " + {"loading": "loading a model", "switching": "switching drafter"}.get(
                 self.state, "an answer is being generated (esc stops it)"), severity="warning")
             return
+        self._native_mark()
         try:
             stream = self.session.begin_turn(text)
         except LocalSpecError as e:
@@ -498,6 +505,7 @@ class ChatApp(App):
         from localspec.errors import GrammarError
         from localspec.grammar import GrammarState
 
+        self._native_mark()
         try:
             GrammarState(engine.model, grammar).close()
         except GrammarError as e:
