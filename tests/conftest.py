@@ -148,3 +148,13 @@ def chat_template_model_path(model_path, tmp_path_factory):
 
     dst = tmp_path_factory.mktemp("gguf") / "gemma3-270m-chat-template.gguf"
     return copy_gguf(model_path, dst, set_kv={"tokenizer.chat_template": GEMMA_CHAT_TEMPLATE})
+
+
+@pytest.fixture(scope="session")
+def chat_template_engine(chat_template_model_path):
+    """An engine (n-gram drafter) on the default model with Gemma's chat template."""
+    from localspec import Engine
+
+    e = Engine(chat_template_model_path, drafter="ngram", n_ctx=2048, cost_model=fixed_cost_model())
+    yield e
+    e.close()

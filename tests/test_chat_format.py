@@ -23,19 +23,8 @@ U, A, S = "user", "assistant", "system"
 
 
 @pytest.fixture(scope="module")
-def template_model(chat_template_model_path):
-    from localspec.backend import Model
-
-    m = Model(chat_template_model_path)
-    yield m
-    m.close()
-
-
-@pytest.fixture(scope="module")
-def template_engine(template_model):
-    e = Engine(template_model, drafter="ngram", n_ctx=2048, cost_model=fixed_cost_model())
-    yield e
-    e.close()
+def template_model(chat_template_engine):
+    return chat_template_engine.model
 
 
 def test_gemma_template_renders_like_gemma():
@@ -125,11 +114,11 @@ def test_prompt_builder_falls_back_when_the_text_changes(model):
     assert other == b._tokenize_full("Something else") and b.n_reused_tokens == 0
 
 
-def test_template_session_two_turns_reuse_the_cache(template_engine):
+def test_template_session_two_turns_reuse_the_cache(chat_template_engine):
     """With the model's template: answers end at <end_of_turn> (an end-of-generation token) and
     the second turn prefills only its new text."""
-    template_engine.reset()
-    s = ChatSession(template_engine, sampling=SamplingParams.greedy(), max_tokens=16)
+    chat_template_engine.reset()
+    s = ChatSession(chat_template_engine, sampling=SamplingParams.greedy(), max_tokens=16)
     assert s.format.uses_template
     r1 = _turn(s, "What is the capital of France?")
     assert r1.finish_reason in ("stop", "length") and "<end_of_turn>" not in r1.answer

@@ -188,20 +188,18 @@ async def test_errors_are_shown_and_keep_the_conversation(model, long_sampling, 
 
 
 @pytest.mark.anyio
-async def test_model_chat_template_is_used(chat_template_model_path):
+async def test_model_chat_template_is_used(chat_template_engine):
     """A GGUF with a chat template: the app says so and answers end at <end_of_turn>."""
-    e = Engine(str(chat_template_model_path), drafter="ngram", n_ctx=1024, cost_model=fixed_cost_model())
-    try:
-        app = ChatApp(engine=e, sampling=SamplingParams.greedy(), max_tokens=16)
-        async with app.run_test(size=SIZE) as pilot:
-            assert any("own chat template" in t for t in notices(app))
-            assert "chat template" in app.sub_title
-            await send(pilot, "Say hello.")
-            rec = app.session.turns[-1]
-            assert rec.finish_reason in ("stop", "length") and "<end_of_turn>" not in rec.answer
-            assert app.session.builder.tokens[: 1] == [e.model.bos]
-    finally:
-        e.close()
+    e = chat_template_engine
+    e.reset()
+    app = ChatApp(engine=e, sampling=SamplingParams.greedy(), max_tokens=16)
+    async with app.run_test(size=SIZE) as pilot:
+        assert any("own chat template" in t for t in notices(app))
+        assert "chat template" in app.sub_title
+        await send(pilot, "Say hello.")
+        rec = app.session.turns[-1]
+        assert rec.finish_reason in ("stop", "length") and "<end_of_turn>" not in rec.answer
+        assert app.session.builder.tokens[:1] == [e.model.bos]
 
 
 @pytest.mark.anyio
