@@ -345,7 +345,7 @@ class ChatApp(App):
         chat.anchor()
         self._turn += 1
         self._stream = stream
-        self._live = LiveTurn(drafter=self.drafter_choice)
+        self._live = LiveTurn()
         turn = self._turn
 
         def job() -> None:

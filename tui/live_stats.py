@@ -22,7 +22,6 @@ class LiveTurn:
     chunk, so the prefill of the prompt is not in it (as in ``GenerationStats.tokens_per_s``).
     """
 
-    drafter: str = "none"
     n_tokens: int = 0
     n_steps: int = 0
     sources: Counter = field(default_factory=Counter)
