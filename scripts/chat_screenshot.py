@@ -1,6 +1,6 @@
 """Take docs/chat.svg: a real `localspec chat` session with the default model, driven headless.
 
-    python scripts/chat_screenshot.py [--out docs/chat.svg] [--size 120x36]
+    python scripts/chat_screenshot.py [--out docs/chat.svg] [--size 120x40]
 
 Greedy decoding with the n-gram drafter; the timings in the picture are those measured on
 the machine that runs the script.
@@ -16,7 +16,7 @@ from localspec import Engine, SamplingParams
 from localspec.tui import ChatApp
 
 CODE = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n"
-PROMPTS = ["What is the capital of France?", "Copy this code:\n" + CODE]
+PROMPTS = ["What is the capital of France?", "Copy this code:\n" + CODE, "Copy it again."]
 
 
 async def session(out: str, size: tuple[int, int], max_tokens: int) -> None:
@@ -42,7 +42,7 @@ async def session(out: str, size: tuple[int, int], max_tokens: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="docs/chat.svg")
-    p.add_argument("--size", default="120x36", help="terminal size COLSxROWS")
+    p.add_argument("--size", default="120x40", help="terminal size COLSxROWS")
     p.add_argument("--max-tokens", type=int, default=96)
     a = p.parse_args()
     cols, rows = (int(x) for x in a.size.split("x"))
