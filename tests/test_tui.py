@@ -180,9 +180,14 @@ async def test_errors_are_shown_and_keep_the_conversation(model, long_sampling, 
             await pilot.press("enter")
             await wait_until(pilot, lambda: not isinstance(app.screen, SamplingScreen))
             assert app.session.sampling.grammar and app.session.max_tokens == 4
+            # the grammar ends after "yes"/"no" but end-of-generation tokens are still banned
+            # (logit bias of long_sampling): the step fails; the partial answer stays
             await send(pilot, "Is the sky blue?")
-            assert app.session.turns, notices(app)
-            assert app.session.turns[-1].answer in ("yes", "no")
+            rec = app.session.turns[-1]
+            assert rec.answer in ("yes", "no") and rec.finish_reason == "error"
+            assert any("Generation failed" in t and "grammar" in t for t in notices(app, "error"))
+            await send(pilot, "And the grass?")  # the session goes on
+            assert len(app.session.turns) == 2
     finally:
         small.close()
 

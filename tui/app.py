@@ -395,12 +395,14 @@ class ChatApp(App):
             if users:  # the turn is undone: its message goes back to the input box
                 users[-1].remove()
                 self.query_one("#prompt", PromptInput).value = users[-1].text
-            self.notice(f"The answer could not start: {msg.error}", "error")
+            self.notice(f"The answer could not start: {self._explain(msg.error)}", "error")
         else:
             if answer is not None:
                 answer.finish(rec)
-            if rec.note:
-                self.notice(rec.note, "error" if rec.finish_reason == "error" else "warning")
+            if rec.finish_reason == "error":
+                self.notice(f"Generation failed: {self._explain(msg.error)} (the partial answer is kept)", "error")
+            elif rec.note:
+                self.notice(rec.note, "warning")
         self._refresh_stats()
         if self._pending_drafter is not None:
             name, self._pending_drafter = self._pending_drafter, None
