@@ -26,15 +26,21 @@ def test_live_turn_counts_tokens_steps_sources_and_excludes_the_first_step_from_
     assert live.tokens_per_s == pytest.approx(6 / 0.2)  # tokens after step 0 over 5.0 -> 5.2 s
 
 
-def test_rate_series_windows_never_span_turns():
-    r = RateSeries(window=4)
-    for i in range(9):  # turn 1: first chunk opens the window, then 8 tokens 0.1 s apart
-        r.add(1, 1.0 + 0.1 * i)
+def test_rate_series_windows_are_timed_and_never_span_turns():
+    r = RateSeries(interval_s=0.5)
+    for i in range(9):  # turn 1: first chunk opens the window, then 8 tokens 0.125 s apart
+        r.add(1, 1.0 + 0.125 * i)
     r.end_turn(2.0)
-    assert list(r.points) == pytest.approx([10.0, 10.0])  # 4 tokens per 0.4 s
-    r.add(1, 100.0)  # turn 2 starts much later: the pause is not counted
-    r.add(1, 100.5)
-    r.end_turn(100.5)
-    assert list(r.points) == pytest.approx([10.0, 10.0, 2.0])
+    assert list(r.points) == pytest.approx([8.0, 8.0])  # 4 tokens per 0.5 s
+    r.add(1, 50.0)
+    for _ in range(9):  # a step's 9 tokens arriving together make no point of their own
+        r.add(1, 50.0 + 1e-6)
+    r.add(1, 50.5)
+    assert list(r.points) == pytest.approx([8.0, 8.0, 20.0])
+    r.end_turn(50.5)
+    r.add(1, 100.0)  # turn 3 starts much later: the pause is not counted
+    r.add(1, 100.2)
+    r.end_turn(100.2)
+    assert list(r.points) == pytest.approx([8.0, 8.0, 20.0, 5.0])
     r.clear()
     assert not r.points

@@ -154,7 +154,7 @@ class ChatApp(App):
         self._job_done.set()
         self._stats_auto = True  # follow the terminal width until the user toggles the panel
         self._stats_dirty = False
-        self.rates = RateSeries(window=8)
+        self.rates = RateSeries()
 
     # -- layout ---------------------------------------------------------------------------------
 

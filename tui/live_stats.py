@@ -57,34 +57,37 @@ class LiveTurn:
 
 
 class RateSeries:
-    """Tokens/s over the conversation, one point per ``window`` generated tokens.
+    """Tokens/s over the conversation, one point per ``interval_s`` of generation.
 
-    Windows never span two turns (the time between turns is the user typing); a turn's
-    last partial window counts when it holds at least ``window // 4`` tokens.
+    Windows are measured in time, not tokens: the tokens of one speculative step arrive
+    together, so a window of a few tokens could be microseconds long. Windows never span
+    two turns (the time between turns is the user typing), and the first chunk of a turn
+    only opens its window (the prefill is not in the rate); a turn's last partial window
+    counts when it lasted at least ``interval_s / 4``.
 
     Args:
-        window: tokens per point.
+        interval_s: seconds per point.
         max_points: points kept (the oldest are dropped).
     """
 
-    def __init__(self, window: int = 16, max_points: int = 120) -> None:
-        self.window = window
+    def __init__(self, interval_s: float = 0.25, max_points: int = 120) -> None:
+        self.interval_s = interval_s
         self.points: deque[float] = deque(maxlen=max_points)
         self._t0: float | None = None
         self._n = 0
 
     def add(self, n_tokens: int, t_s: float) -> None:
         """``n_tokens`` more tokens arrived at time ``t_s``."""
-        if self._t0 is None:  # the first chunk of a turn opens the window (prefill excluded)
+        if self._t0 is None:
             self._t0 = t_s
             return
         self._n += n_tokens
-        if self._n >= self.window and t_s > self._t0:
+        if t_s - self._t0 >= self.interval_s:
             self.points.append(self._n / (t_s - self._t0))
             self._t0, self._n = t_s, 0
 
     def end_turn(self, t_s: float) -> None:
-        if self._t0 is not None and self._n >= max(1, self.window // 4) and t_s > self._t0:
+        if self._t0 is not None and self._n and t_s - self._t0 >= self.interval_s / 4:
             self.points.append(self._n / (t_s - self._t0))
         self._t0, self._n = None, 0
 
