@@ -119,3 +119,67 @@ def chisquare_pvalue(observed, probs, min_expected: float = 5.0) -> float:
     if len(o) < 2:
         return 1.0
     return float(stats.chisquare(o, e).pvalue)
+
+
+# The chat template of Gemma 3 instruction-tuned models (as published with them), written
+# into a copy of the default (base) model by ``chat_template_model_path``.
+GEMMA_CHAT_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
+
+@pytest.fixture(scope="session")
+def chat_template_model_path(model_path, tmp_path_factory):
+    """A copy of the default model whose GGUF carries Gemma's chat template (~10 s, once)."""
+    from localspec.models.gguf_edit import copy_gguf
+
+    dst = tmp_path_factory.mktemp("gguf") / "gemma3-270m-chat-template.gguf"
+    return copy_gguf(model_path, dst, set_kv={"tokenizer.chat_template": GEMMA_CHAT_TEMPLATE})
+
+
+@pytest.fixture(scope="session")
+def chat_template_engine(chat_template_model_path):
+    """An engine (n-gram drafter) on the default model with Gemma's chat template."""
+    from localspec import Engine
+
+    e = Engine(chat_template_model_path, drafter="ngram", n_ctx=2048, cost_model=fixed_cost_model())
+    yield e
+    e.close()

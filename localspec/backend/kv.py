@@ -92,9 +92,13 @@ class SequenceCache:
         if n_keep < 0 or n_keep > self.n_past:
             raise ValueError(f"truncate({n_keep}) with {self.n_past} tokens committed")
         self.pending = []
-        if n_keep < self.n_past:
-            self.ctx.seq_rm(0, n_keep, -1)
-            del self.tokens[n_keep:]
+        # Also drops the cells of a tree that was decoded but never committed (a step that
+        # raised between decode_tree and commit, e.g. a GrammarError in verification).
+        for s in self._scratch_seqs:
+            if s != 0:
+                self.ctx.seq_rm(int(s), -1, -1)
+        self.ctx.seq_rm(0, n_keep, -1)
+        del self.tokens[n_keep:]
         self.check()
 
     def prefill(self, tokens: Sequence[int], *, on_chunk=None) -> None:

@@ -1,0 +1,62 @@
+"""``localspec chat``: the terminal chat app (needs the ``tui`` extra)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .common import add_drafter_args, add_model_args, add_sampling_args, make_engine, sampling_from_args
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "chat",
+        help="chat in the terminal, seeing where each token came from",
+        description="A terminal chat with the model (Textual). Tokens are coloured by how they were "
+        "produced (n-gram, draft model, EAGLE-3, recovered, bonus, plain decoding); a panel shows the "
+        "speculation statistics. Models with a chat template in their GGUF use it; others (the default "
+        "base model) use a plain 'User:/Assistant:' transcript. ctrl+p lists every command.",
+    )
+    p.add_argument("-n", "--max-tokens", type=int, default=512, help="most tokens per answer (default 512)")
+    p.add_argument("--system", default=None, help="system message (the preamble of the plain transcript)")
+    p.add_argument(
+        "--transcript",
+        action="store_true",
+        help="use the plain 'User:/Assistant:' transcript even if the model has a chat template",
+    )
+    p.add_argument("--save-dir", default=".", help="default folder of saved transcripts")
+    add_drafter_args(p)
+    add_sampling_args(p)
+    add_model_args(p)
+    p.set_defaults(func=run)
+
+
+def run(a: argparse.Namespace) -> int:
+    try:
+        from localspec.tui import ChatApp
+        from localspec.tui.stderr import NativeStderr
+    except ImportError as e:  # textual missing
+        raise SystemExit(f"error: localspec chat needs the [tui] extra: pip install 'localspec[tui]' ({e})") from None
+    sampling = sampling_from_args(a)
+
+    def factory(path: str | None, drafter: str):
+        a.model = path
+        return make_engine(a, drafter, progress=False)
+
+    native = NativeStderr()
+    app = ChatApp(
+        model=a.model,
+        engine_factory=factory,
+        drafter=a.drafter,
+        sampling=sampling,
+        max_tokens=a.max_tokens,
+        system=a.system,
+        transcript=a.transcript,
+        save_dir=a.save_dir,
+        native_stderr=native,
+    )
+    with native:  # llama.cpp's own stderr lines must not land on the screen
+        try:
+            app.run()
+        finally:
+            app.shutdown_engine()
+    return 0

@@ -1,0 +1,30 @@
+"""An error raised inside a generation step leaves the engine consistent."""
+
+import pytest
+
+from localspec import SamplingParams
+from localspec.errors import GrammarError
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_grammar_error_mid_step_keeps_the_cache_consistent(engine, drafter):
+    """The grammar is complete after " yes" but every end-of-generation token is banned: the
+    step raises GrammarError after its tree was decoded. The stream still gets its result, the
+    error is the GrammarError (not a KV check failure), and the next request works."""
+    old = engine.drafter_name
+    engine.set_drafter(drafter)
+    try:
+        engine.reset()
+        prompt = "Question: Is the sky blue?\nAnswer:"
+        banned = {t: float("-inf") for t in engine.model.eog_ids}
+        sampling = SamplingParams.greedy(grammar='root ::= " yes" | " no"', logit_bias=banned)
+        stream = engine.stream(prompt, max_tokens=8, sampling=sampling)
+        with pytest.raises(GrammarError):
+            for _ in stream:
+                pass
+        assert stream.result is not None and stream.result.text in ("", " yes", " no")
+        engine.cache.check()
+        r = engine.generate(prompt, max_tokens=4, sampling=SamplingParams.greedy())
+        assert r.stats.n_generated_tokens == 4 and r.stats.n_cached_tokens > 0
+    finally:
+        engine.set_drafter(old)

@@ -1,0 +1,319 @@
+"""The chat app driven headless with Textual's Pilot, on the real default model.
+
+Answers are short (max_tokens 16) and greedy, so the whole module runs in seconds.
+"""
+
+import time
+
+import pytest
+
+pytest.importorskip("textual")
+
+from conftest import fixed_cost_model  # noqa: E402
+from textual.widgets import Input, OptionList  # noqa: E402
+
+from localspec import Engine, SamplingParams  # noqa: E402
+from localspec.drafters import drafter_names  # noqa: E402
+from localspec.tree import TokenSource  # noqa: E402
+from localspec.tui import ChatApp  # noqa: E402
+from localspec.tui.chat_format import display_text  # noqa: E402
+from localspec.tui.messages import AnswerView, Notice, UserMessage  # noqa: E402
+from localspec.tui.prompt_input import PromptInput  # noqa: E402
+from localspec.tui.provenance import LABELS, source_style  # noqa: E402
+from localspec.tui.screens import DrafterScreen, SamplingScreen  # noqa: E402
+
+SIZE = (100, 30)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def chat_engine(model):
+    e = Engine(model, drafter="ngram", n_ctx=2048, cost_model=fixed_cost_model())
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def long_sampling(model):
+    """Greedy, with every token that holds a newline and every end-of-generation token
+    banned: the base model then writes on until max_tokens (for stopping half way)."""
+    banned = {t: float("-inf") for t in range(model.n_vocab) if b"\n" in model.token_bytes(t)}
+    banned.update({t: float("-inf") for t in model.eog_ids})
+    return SamplingParams.greedy(logit_bias=banned)
+
+
+async def wait_until(pilot, cond, timeout_s=120.0):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout_s, "timed out waiting for the app"
+        await pilot.pause(0.02)
+
+
+async def send(pilot, text, *, wait=True):
+    app = pilot.app
+    app.query_one("#prompt", PromptInput).value = text
+    await pilot.press("enter")
+    if wait:
+        await wait_until(pilot, lambda: app.state == "idle")
+        await pilot.pause()
+
+
+async def choose_drafter(pilot, name):
+    app = pilot.app
+    await pilot.press("ctrl+d")
+    await wait_until(pilot, lambda: isinstance(app.screen, DrafterScreen))
+    app.screen.query_one(OptionList).highlighted = drafter_names().index(name)
+    await pilot.press("enter")
+    await wait_until(pilot, lambda: app.state == "idle" and not isinstance(app.screen, DrafterScreen))
+    await pilot.pause()
+
+
+def notices(app, kind=None):
+    return [n.text for n in app.query(Notice) if kind is None or n.kind == kind]
+
+
+@pytest.mark.anyio
+async def test_two_turns_stop_half_way_switch_drafter(chat_engine, long_sampling, tmp_path):
+    """Send a turn, switch drafter, stop a long answer half way, send another turn: the
+    transcript, the statistics and the KV reuse stay consistent."""
+    chat_engine.reset()
+    app = ChatApp(engine=chat_engine, sampling=SamplingParams.greedy(), max_tokens=16)
+    async with app.run_test(size=SIZE) as pilot:
+        assert any("no chat template" in t for t in notices(app, "warning"))
+
+        # -- turn 1: n-gram drafter ------------------------------------------------------------
+        await send(pilot, "What is the capital of France?")
+        r1 = app.session.turns[-1]
+        assert r1.drafter == "ngram" and 0 < r1.stats.n_generated_tokens <= 16
+        answers = list(app.query(AnswerView))
+        assert len(answers) == 1 and answers[0].record is r1
+        assert answers[0].text == r1.answer  # streamed chunks spell the final text
+        assert "tok/s" in str(app.query_one("#status").render())
+
+        # -- switch drafter between turns --------------------------------------------------------
+        await choose_drafter(pilot, "none")
+        assert chat_engine.drafter_name == "none" and app.drafter_choice == "none"
+        assert any("Drafter: none" in t for t in notices(app))
+
+        # -- turn 2: long answer, stopped half way with esc --------------------------------------
+        app.session.sampling, app.session.max_tokens = long_sampling, 400
+        await send(pilot, "Tell me a long story about a lighthouse keeper.", wait=False)
+        await wait_until(pilot, lambda: app._live is not None and app._live.n_tokens >= 3)
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: app.state == "idle")
+        await pilot.pause()
+        r2 = app.session.turns[-1]
+        assert r2.finish_reason == "cancelled" and r2.stopped
+        assert 3 <= r2.stats.n_generated_tokens < 400
+        assert r2.drafter == "none" and r2.stats.n_spec_steps == 0
+        assert set(r2.stats.token_sources) <= {"decode"}
+        # the KV cache of turn 1 survived the drafter switch: only the new text was prefilled
+        assert r2.stats.n_cached_tokens >= r1.stats.n_prompt_tokens + len(r1.token_ids) - 1
+        assert list(app.query(AnswerView))[-1].text == r2.answer
+        assert "stopped" in str(list(app.query(AnswerView))[-1].render())
+
+        # -- turn 3: back to n-gram; the stopped answer is part of the conversation --------------
+        await choose_drafter(pilot, "ngram")
+        app.session.sampling, app.session.max_tokens = SamplingParams.greedy(), 16
+        await send(pilot, "Thank you.")
+        r3 = app.session.turns[-1]
+        assert r3.drafter == "ngram" and r3.finish_reason in ("stop", "length")
+        assert r3.stats.n_cached_tokens >= r2.stats.n_prompt_tokens + len(r2.token_ids) - 1
+
+        # -- transcript and statistics -----------------------------------------------------------
+        assert [m.role for m in app.session.messages] == ["user", "assistant"] * 3
+        assert [m.text for m in app.query(UserMessage)] == [t.user for t in app.session.turns]
+        md = app.session.to_markdown()
+        assert md.count("## User") == 3 and md.count("## Assistant") == 3 and "finish cancelled" in md
+        assert display_text(r2.answer)[:40] in md
+        state = app._panel_state()
+        assert state.stats is r3.stats and state.n_context == app.session.n_context_tokens > 0
+        assert state.plain_tokens_per_s == pytest.approx(chat_engine.plain_tokens_per_s())
+        saved = app.save_transcript(str(tmp_path / "chat.md"))
+        assert saved is not None and saved.read_text() .count("## User") == 3
+        await pilot.press("ctrl+g")
+        assert app.clipboard == app.session.last_answer == display_text(r3.answer)
+
+
+@pytest.mark.anyio
+async def test_errors_are_shown_and_keep_the_conversation(model, long_sampling, tmp_path):
+    """A missing model, a message that does not fit, a context that fills up, and a bad
+    grammar: each is a message in the app; nothing typed or said is lost."""
+    app = ChatApp(model=str(tmp_path / "missing.gguf"))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.state == "idle")
+        await pilot.pause()
+        assert any("not found" in t for t in notices(app, "error"))
+        await send(pilot, "hello")
+        assert any("no model is loaded" in t for t in notices(app, "error"))
+        assert app.query_one("#prompt", PromptInput).value == "hello"
+
+    small = Engine(model, drafter="ngram", n_ctx=256, cost_model=fixed_cost_model())
+    try:
+        app = ChatApp(engine=small, sampling=long_sampling, max_tokens=200)
+        async with app.run_test(size=SIZE) as pilot:
+            await send(pilot, "word " * 300)
+            assert any("new chat" in t for t in notices(app, "error"))
+            assert app.query_one("#prompt", PromptInput).value.strip() == ("word " * 300).strip()
+            assert app.session.messages == [] and not app.query(UserMessage)
+
+            await send(pilot, "Repeat: " + "tick tock " * 64)  # 215 tokens: fits, the answer fills the rest
+            rec = app.session.turns[-1]
+            assert rec.finish_reason == "length" and rec.stats.n_generated_tokens < 200
+            assert any("context is full" in t for t in notices(app, "warning"))
+
+            await pilot.press("ctrl+n")
+            assert app.session.messages == []
+            await pilot.press("ctrl+t")
+            await wait_until(pilot, lambda: isinstance(app.screen, SamplingScreen))
+            app.screen.query_one("#grammar", Input).value = "root ::= ("
+            await pilot.press("enter")
+            await pilot.pause()
+            assert isinstance(app.screen, SamplingScreen)  # the dialog stays open with the error
+            assert "grammar" in str(app.screen.query_one("#error").render()).lower()
+            app.screen.query_one("#grammar", Input).value = 'root ::= "yes" | "no"'
+            app.screen.query_one("#max_tokens", Input).value = "4"
+            await pilot.press("enter")
+            await wait_until(pilot, lambda: not isinstance(app.screen, SamplingScreen))
+            assert app.session.sampling.grammar and app.session.max_tokens == 4
+            # the grammar ends after "yes"/"no" but end-of-generation tokens are still banned
+            # (logit bias of long_sampling): the step fails; the partial answer stays
+            await send(pilot, "Is the sky blue?")
+            rec = app.session.turns[-1]
+            assert rec.answer in ("yes", "no") and rec.finish_reason == "error"
+            assert any("Generation failed" in t and "grammar" in t for t in notices(app, "error"))
+            await send(pilot, "And the grass?")  # the session goes on
+            assert len(app.session.turns) == 2
+    finally:
+        small.close()
+
+
+@pytest.mark.anyio
+async def test_model_chat_template_is_used(chat_template_engine):
+    """A GGUF with a chat template: the app says so and answers end at <end_of_turn>."""
+    e = chat_template_engine
+    e.reset()
+    app = ChatApp(engine=e, sampling=SamplingParams.greedy(), max_tokens=16)
+    async with app.run_test(size=SIZE) as pilot:
+        assert any("own chat template" in t for t in notices(app))
+        assert "chat template" in app.sub_title
+        await send(pilot, "Say hello.")
+        rec = app.session.turns[-1]
+        assert rec.finish_reason in ("stop", "length") and "<end_of_turn>" not in rec.answer
+        assert app.session.builder.tokens[:1] == [e.model.bos]
+
+
+@pytest.mark.anyio
+async def test_every_action_is_in_the_palette_and_the_footer(chat_engine):
+    app = ChatApp(engine=chat_engine, sampling=SamplingParams.greedy())
+    async with app.run_test(size=(80, 24)) as pilot:
+        titles = [c.title for c in app.get_system_commands(app.screen)]
+        for t in ("Stop generating", "Drafter…", "Sampling settings…", "Toggle provenance colours",
+                  "Toggle statistics panel", "Load a model…", "Save transcript…", "Copy last answer",
+                  "New chat"):  # fmt: skip
+            assert t in titles
+        for name in drafter_names():
+            assert f"Drafter: {name}" in titles
+        shown = {b.action for b in app.BINDINGS if b.show}
+        assert shown >= {"stop", "drafter", "sampling", "toggle_colour", "toggle_stats", "load_model", "save",
+                         "copy_answer", "new_chat"}  # fmt: skip
+        assert not app.show_stats  # 80 columns: the panel starts hidden, ctrl+b shows it
+        await pilot.press("ctrl+b")
+        assert app.show_stats
+        await pilot.press("ctrl+l")
+        assert not app.colour and not app.query_one("#legend").display
+
+
+def test_every_token_source_has_a_label_and_a_style():
+    for dark in (True, False):
+        colours = [source_style(s, dark=dark).color for s in TokenSource if s != TokenSource.DECODE]
+        assert len(set(colours)) == len(colours) and None not in colours
+    for s in TokenSource:
+        assert LABELS[s] and source_style(s, no_color=True).color is None
+    assert all(source_style(s, no_color=True) for s in TokenSource if s != TokenSource.DECODE)
+
+
+def test_cli_chat_has_the_generate_flags(capsys):
+    from localspec.cli.main import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["chat", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--model", "--drafter", "--temperature", "--top-k", "--seed", "--grammar", "--n-ctx",
+                 "--max-tokens", "--system", "--transcript"):  # fmt: skip
+        assert flag in out
+
+
+@pytest.mark.anyio
+async def test_multiline_message_and_theme_switch():
+    """ctrl+j adds a line, enter sends the whole message; a light theme redraws the colours."""
+    from tui_fakes import FakeClock, FakeEngine
+
+    app = ChatApp(engine=FakeEngine(), clock=FakeClock())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("a", "ctrl+j", "b")
+        assert app.query_one("#prompt", PromptInput).value == "a\nb"
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.state == "idle" and app.session.turns)
+        assert app.session.turns[-1].user == "a\nb" and app.query_one("#prompt", PromptInput).value == ""
+        app.theme = "textual-light"
+        await pilot.pause()
+        assert not app.dark and not list(app.query(AnswerView))[-1].dark
+
+
+def test_native_stderr_is_kept_off_the_screen(capfd):
+    """While the app runs, what C code writes to descriptor 2 goes to a file the app reads
+    (for error messages); Python's stderr (where Textual draws) still reaches the terminal."""
+    import os
+    import sys
+
+    from localspec.tui.stderr import NativeStderr
+
+    with NativeStderr() as native:
+        os.write(2, b"parse: error parsing grammar\n")
+        print("drawn by textual", file=sys.__stderr__, flush=True)
+        assert native.take() == "parse: error parsing grammar\n"
+        assert native.take() == ""
+    os.write(2, b"after\n")
+    err = capfd.readouterr().err
+    assert "drawn by textual" in err and "after" in err and "parse:" not in err
+
+
+@pytest.mark.anyio
+async def test_load_a_model_by_path_keeps_the_conversation(chat_engine, chat_template_model_path, tmp_path):
+    """ctrl+o: a bad path is refused in the dialog; a GGUF with a chat template is loaded in
+    a worker, and the conversation goes on in that model's own format."""
+    from localspec.tui.screens import PathScreen
+
+    loaded = []
+
+    def factory(path, drafter):
+        e = Engine(path, drafter=drafter, n_ctx=1024, cost_model=fixed_cost_model())
+        loaded.append(e)
+        return e
+
+    chat_engine.reset()
+    app = ChatApp(engine=chat_engine, engine_factory=factory, sampling=SamplingParams.greedy(), max_tokens=8)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "Hello!")
+        await pilot.press("ctrl+o")
+        await wait_until(pilot, lambda: isinstance(app.screen, PathScreen))
+        app.screen.query_one(Input).value = str(tmp_path / "nope.gguf")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, PathScreen) and "not found" in str(app.screen.query_one("#error").render())
+        app.screen.query_one(Input).value = str(chat_template_model_path)
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.state == "idle" and app.session.engine is not chat_engine)
+        await pilot.pause()
+        assert app.session.format.uses_template and any("own chat template" in t for t in notices(app))
+        assert [m.role for m in app.session.messages] == ["user", "assistant"]
+        await send(pilot, "And now?")
+        assert len(app.session.turns) == 2 and app.session.turns[-1].finish_reason in ("stop", "length")
+        assert app.session.builder.tokens[0] == loaded[0].model.bos
+    assert loaded[0].ctx._ctx is None  # the app owned the engine it loaded and closed it at exit

@@ -1,0 +1,56 @@
+"""The message box: several lines, enter sends."""
+
+from __future__ import annotations
+
+from textual import events
+from textual.message import Message
+from textual.widgets import TextArea
+
+
+class PromptInput(TextArea):
+    """A compact, growing text box. Enter sends (``Submitted``); ctrl+j inserts a new line
+    (so do shift+enter and alt+enter in terminals that report them); pasted text keeps its
+    new lines."""
+
+    DEFAULT_CSS = """
+    PromptInput { height: auto; min-height: 1; max-height: 8; }
+    """
+    NEWLINE_KEYS = ("ctrl+j", "shift+enter", "alt+enter")
+
+    class Submitted(Message):
+        """The user pressed enter; ``value`` is the whole text."""
+
+        def __init__(self, prompt_input: "PromptInput", value: str) -> None:
+            super().__init__()
+            self.input = prompt_input
+            self.value = value
+
+        @property
+        def control(self) -> "PromptInput":
+            return self.input
+
+    def __init__(self, *, placeholder: str = "", id: str | None = None) -> None:
+        super().__init__("", soft_wrap=True, compact=True, placeholder=placeholder, id=id, tab_behavior="focus")
+
+    @property
+    def value(self) -> str:
+        return self.text
+
+    @value.setter
+    def value(self, text: str) -> None:
+        self.load_text(text)
+        self.move_cursor(self.document.end)
+
+    async def _on_key(self, event: events.Key) -> None:
+        if event.key == "enter":
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.Submitted(self, self.text))
+            return
+        if event.key in self.NEWLINE_KEYS:
+            event.stop()
+            event.prevent_default()
+            start, end = self.selection
+            self._replace_via_keyboard("\n", start, end)
+            return
+        await super()._on_key(event)

@@ -1,0 +1,187 @@
+"""The statistics panel: how speculation is doing, live and for the last answer.
+
+Shows tokens/s, the speed against plain decoding (estimated from the engine's measured
+decode cost, ``Engine.plain_tokens_per_s()``), the mean acceptance length (bonus included),
+accepted / drafted tokens, acceptance by depth, the tokens by source, the time split of the
+generation loop (draft / verify / other), the prompt and context use, and a chart of
+tokens/s over the conversation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import Sparkline, Static
+
+from localspec.stats import GenerationStats
+from localspec.tree import TokenSource
+
+from .live_stats import LiveTurn
+from .provenance import LABELS, source_style
+
+BAR_WIDTH = 8
+MAX_DEPTHS = 5
+
+
+@dataclass
+class PanelState:
+    """Everything the panel draws. ``stats`` (exact, after a turn) wins over ``live``."""
+
+    drafter: str = "none"
+    stats: GenerationStats | None = None
+    live: LiveTurn | None = None
+    plain_tokens_per_s: float = 0.0
+    n_context: int = 0
+    n_ctx: int = 0
+    dark: bool = True
+    no_color: bool = False
+
+
+def _bar(frac: float, width: int = BAR_WIDTH) -> str:
+    frac = min(max(frac, 0.0), 1.0)
+    full = round(frac * width)
+    return "█" * full + "░" * (width - full)
+
+
+def _num(x: float) -> str:
+    """A rate with the digits that matter: 0.42, 8.5, 64."""
+    return f"{x:.2f}" if x < 1 else f"{x:.1f}" if x < 100 else f"{x:.0f}"
+
+
+def _title(text: str) -> Text:
+    return Text(text, style="bold")
+
+
+def _grid() -> Table:
+    t = Table.grid(padding=(0, 1))
+    t.add_column(style="dim", no_wrap=True)
+    t.add_column(no_wrap=True)
+    return t
+
+
+def render_panel(st: PanelState) -> RenderableType:
+    """The panel's text (without the chart) for ``st``."""
+    s, live = st.stats, st.live
+    parts: list[RenderableType] = [_title("Speculation")]
+    g = _grid()
+    g.add_row("drafter", st.drafter)
+    if s is None and live is None:
+        g.add_row("tokens/s", "–")
+        parts.append(g)
+        parts.append(Text("Send a message to see how each token is produced.", style="dim"))
+        return Group(*parts)
+    if s is not None:
+        tps, mal, acc, drafted = s.tokens_per_s, s.mean_acceptance_length, s.num_accepted_tokens, s.num_draft_tokens
+        sources = {TokenSource[k.upper()]: v for k, v in s.token_sources.items()}
+        label = ""
+    else:
+        assert live is not None
+        tps, mal, acc, drafted = live.tokens_per_s, live.mean_acceptance_length, live.num_accepted_tokens, None
+        sources = dict(live.sources)
+        label = " (live)"
+    g.add_row("tokens/s", f"{_num(tps)}{label}")
+    if st.plain_tokens_per_s > 0:
+        if tps > 0:
+            g.add_row("vs plain", f"≈{tps / st.plain_tokens_per_s:.2f}× (estimate)")
+        g.add_row("plain", f"≈{_num(st.plain_tokens_per_s)} tokens/s")
+    g.add_row("accept len", f"{mal:.2f} tokens/step")
+    g.add_row("accepted", f"{acc}/{drafted} drafted" if drafted is not None else f"{acc}")
+    parts.append(g)
+    parts.append(_sources_bar(sources, st))
+    if s is not None:
+        parts.extend(_depths(s))
+        parts.extend(_time_split(s))
+        g2 = _grid()
+        g2.add_row("prompt", f"{s.n_prompt_tokens} tok ({s.n_cached_tokens} cached)")
+        g2.add_row("prefill", f"{s.t_prefill_us / 1e3:.0f} ms")
+        parts.append(g2)
+    if st.n_ctx:
+        g3 = _grid()
+        g3.add_row("context", f"{st.n_context}/{st.n_ctx} tok")
+        parts.append(g3)
+    return Group(*parts)
+
+
+def _sources_bar(sources: dict[TokenSource, int], st: PanelState) -> RenderableType:
+    """A bar split by token source, then the counts."""
+    total = sum(sources.values())
+    bar = Text()
+    counts = Text()
+    if total:
+        width = 24
+        for src in TokenSource:
+            n = sources.get(src, 0)
+            if not n:
+                continue
+            style = source_style(src, dark=st.dark, no_color=st.no_color)
+            bar.append("█" * max(1, round(width * n / total)), style=style)
+            if counts:
+                counts.append(" ")
+            counts.append(f"{LABELS[src]} {n}", style=style)
+    return Group(bar, counts) if total else Text("")
+
+
+def _depths(s: GenerationStats) -> list[RenderableType]:
+    rates = s.acceptance_per_depth
+    if not rates:
+        return []
+    g = _grid()
+    for d, (r, n) in enumerate(zip(rates[:MAX_DEPTHS], s.drafted_per_depth[:MAX_DEPTHS], strict=True), start=1):
+        g.add_row(f"depth {d}", f"{_bar(r)} {100 * r:3.0f}% of {n}")
+    out: list[RenderableType] = [_title("Acceptance by depth"), g]
+    if len(rates) > MAX_DEPTHS:
+        out.append(Text(f"… {len(rates) - MAX_DEPTHS} deeper", style="dim"))
+    return out
+
+
+def _time_split(s: GenerationStats) -> list[RenderableType]:
+    draft = s.t_draft_us
+    verify = s.t_decode_us + s.t_verify_us  # target decode of the tree + acceptance
+    other = s.t_other_us
+    total = draft + verify + other
+    if total <= 0:
+        return []
+    g = _grid()
+    for name, t in (("draft", draft), ("verify", verify), ("other", other)):
+        g.add_row(name, f"{_bar(t / total)} {100 * t / total:3.0f}% {t / 1e3:.0f} ms")
+    return [_title("Time split"), g]
+
+
+class StatsPanel(VerticalScroll):
+    """The panel widget: ``show(state)`` redraws it; ``chart(points)`` the tokens/s chart."""
+
+    DEFAULT_CSS = """
+    StatsPanel { width: 34; padding: 0 1; border-left: vkey $foreground 20%; }
+    StatsPanel > #stats-body { height: auto; }
+    StatsPanel > #chart-title { height: 1; margin-top: 1; text-style: bold; }
+    StatsPanel > Sparkline { height: 3; }
+    StatsPanel > #chart-range { height: 1; color: $text-muted; }
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.body = Static(id="stats-body")
+        self.sparkline = Sparkline([], id="rate-chart")
+        self.chart_range = Static("", id="chart-range")
+
+    def compose(self) -> ComposeResult:
+        yield self.body
+        yield Static("Tokens/s over the chat", id="chart-title")
+        yield self.sparkline
+        yield self.chart_range
+
+    def show(self, state: PanelState) -> None:
+        self.body.update(render_panel(state))
+
+    def chart(self, points) -> None:
+        """Draw the tokens/s series (the chart is scaled from its minimum to its maximum)."""
+        data = list(points)
+        self.sparkline.data = data
+        self.chart_range.update(
+            f"min {min(data):.0f} · max {max(data):.0f} · last {data[-1]:.0f}" if data else "no answers yet"
+        )
