@@ -37,6 +37,24 @@ def model(model_path):
 
 
 @pytest.fixture(scope="session")
+def derived_draft_path(model_path, tmp_path_factory):
+    """A real, different draft model: the default model's first 12 of 18 layers (written once
+    per session; its greedy acceptance is low, so drafts are often rejected)."""
+    from localspec.models.derive import derive_draft
+
+    return derive_draft(model_path, tmp_path_factory.mktemp("drafts") / "draft-12.gguf", 12)
+
+
+@pytest.fixture(scope="session")
+def derived_draft(derived_draft_path):
+    from localspec.backend import Model
+
+    m = Model(derived_draft_path)
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="session")
 def engine(model):
     """A shared engine (n-gram drafter). Tests must leave its drafter as they found it."""
     from localspec import Engine

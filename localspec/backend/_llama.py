@@ -26,6 +26,15 @@ import llama_cpp as _lib  # noqa: E402 - raw ctypes bindings (llama_cpp.llama_cp
 lib = _lib
 log = logging.getLogger("localspec.llama")
 
+from llama_cpp._ggml import libggml as _libggml  # noqa: E402
+
+
+
+# void ggml_backend_tensor_get(const struct ggml_tensor * tensor, void * data, size_t offset, size_t size)
+ggml_tensor_get = _libggml.ggml_backend_tensor_get
+ggml_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+ggml_tensor_get.restype = None
+
 # ggml_log_level: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5
 _LEVELS = {"debug": 1, "info": 2, "warn": 3, "warning": 3, "error": 4, "none": 99}
 _PY_LEVEL = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}

@@ -103,6 +103,8 @@ def run(a: argparse.Namespace) -> int:
         config = {
             "dataset": str(a.dataset),
             "drafter": a.drafter,
+            "draft_model": a.draft_model,
+            "eagle": a.eagle,
             "max_tokens": a.max_tokens,
             "temperature": a.temperature,
             "per_category": a.per_category,
