@@ -55,6 +55,14 @@ def derived_draft(derived_draft_path):
 
 
 @pytest.fixture(scope="session")
+def random_head_path(model_path, tmp_path_factory):
+    """An untrained EAGLE-3 head for the default model (written once per session)."""
+    from localspec.models.eagle3_gguf import random_eagle3
+
+    return random_eagle3(model_path, tmp_path_factory.mktemp("heads") / "eagle3-random.gguf", draft_vocab=4096)
+
+
+@pytest.fixture(scope="session")
 def engine(model):
     """A shared engine (n-gram drafter). Tests must leave its drafter as they found it."""
     from localspec import Engine

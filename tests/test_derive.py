@@ -68,9 +68,18 @@ def test_cli_generate_with_a_draft_model(capsys, derived_draft_path):
     assert d["stats"]["num_draft_tokens"] > 0
 
 
+def test_cli_generate_with_an_eagle3_head(capsys, random_head_path):
+    args = ["generate", "Once upon a time", "-n", "16", "--temperature", "0", "--json"]
+    assert main([*args, "--drafter", "eagle3", "--eagle", str(random_head_path), "--no-adaptive"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["stats"]["drafter"] == "eagle3" and d["stats"]["num_draft_tokens"] > 0
+
+
 def test_cli_drafter_without_its_model_is_a_clear_error(capsys):
     assert main(["generate", "hi", "-n", "2", "--drafter", "draft"]) == 1
     assert "--draft-model" in capsys.readouterr().err
+    assert main(["generate", "hi", "-n", "2", "--drafter", "eagle3"]) == 1
+    assert "--eagle" in capsys.readouterr().err
 
 
 def test_cli_bench_with_a_model_drafter(tmp_path, capsys, derived_draft_path):

@@ -26,9 +26,34 @@ import llama_cpp as _lib  # noqa: E402 - raw ctypes bindings (llama_cpp.llama_cp
 lib = _lib
 log = logging.getLogger("localspec.llama")
 
+# Extension APIs of this llama.cpp (llama-ext.h: nextn embeddings, ctx_other), bound by
+# llama-cpp-python under their C++ symbol names; EAGLE-3 heads use them.
+import llama_cpp.llama_cpp_ext as ext  # noqa: E402
 from llama_cpp._ggml import libggml as _libggml  # noqa: E402
 
 
+
+def _ext_function(names: tuple[str, ...], argtypes, restype):
+    """A llama-ext.h function by its C or C++ (Itanium) symbol name; None when absent."""
+    for name in names:
+        f = getattr(_lib.llama_cpp._lib, name, None)
+        if f is not None:
+            f.argtypes, f.restype = argtypes, restype
+            return f
+    return None
+
+
+# const int32_t * llama_model_target_layer_ids(const llama_model *); uint32_t ..._n(...)
+model_target_layer_ids = _ext_function(
+    ("llama_model_target_layer_ids", "_Z28llama_model_target_layer_idsPK11llama_model"),
+    [ctypes.c_void_p],
+    ctypes.POINTER(ctypes.c_int32),
+)
+model_target_layer_ids_n = _ext_function(
+    ("llama_model_target_layer_ids_n", "_Z30llama_model_target_layer_ids_nPK11llama_model"),
+    [ctypes.c_void_p],
+    ctypes.c_uint32,
+)
 
 # void ggml_backend_tensor_get(const struct ggml_tensor * tensor, void * data, size_t offset, size_t size)
 ggml_tensor_get = _libggml.ggml_backend_tensor_get

@@ -1,5 +1,5 @@
 """``localspec bench``: speed of speculative vs plain decoding on Spec-Bench-format prompts,
-and micro-benchmarks (``bench ngram``)."""
+and micro-benchmarks (``bench ngram``, ``bench features``)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,13 @@ def register(sub) -> None:
     ng.add_argument("--steps", type=int, default=300)
     ng.add_argument("--json", action="store_true")
     ng.set_defaults(func=run_ngram)
+    ft = bsub.add_parser("features", help="cost per decode of capturing target features (EAGLE-3)")
+    ft.add_argument("--layers", default="2,9,15", help="target layer ids (default 2,9,15)")
+    ft.add_argument("--sizes", default="1,8", help="batch sizes (default 1,8)")
+    ft.add_argument("--reps", type=int, default=30)
+    ft.add_argument("-m", "--model", default=None, help="target GGUF (default: the embedded model)")
+    ft.add_argument("--json", action="store_true")
+    ft.set_defaults(func=run_features)
 
 
 def run_ngram(a: argparse.Namespace) -> int:
@@ -55,6 +62,26 @@ def run_ngram(a: argparse.Namespace) -> int:
             print(
                 f"| {r['history_tokens']} | {r['step_us_median']:.0f} | {r['step_us_p90']:.0f} | {r['build_us_per_token']:.2f} |"
             )
+    return 0
+
+
+def run_features(a: argparse.Namespace) -> int:
+    from ..backend import Model
+    from ..bench.features import bench_features
+    from ..models import resolve_model
+
+    model = Model(resolve_model(a.model))
+    try:
+        layers = [int(x) for x in a.layers.split(",")]
+        rows = bench_features(model, layers, sizes=[int(s) for s in a.sizes.split(",")], reps=a.reps)
+    finally:
+        model.close()
+    if a.json:
+        print(json.dumps({"features": rows}))
+    else:
+        print("| batch | decode µs | with tap µs | overhead µs | in callback µs |\n|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['batch']} | {r['t_plain_us']:.0f} | {r['t_tap_us']:.0f} | {r['t_overhead_us']:.0f} | {r['t_callback_us']:.0f} |")
     return 0
 
 

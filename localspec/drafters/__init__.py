@@ -8,8 +8,9 @@ name       drafter                                         options
 =========  ==============================================  ===========================
 ngram      prompt-lookup n-gram trees (``NgramDrafter``)   --
 draft      a standalone GGUF draft model                   ``draft_model``, ``draft_n_ctx``
-auto       n-gram every step, plus a draft model when the   ``draft_model`` (optional)
-           policy expects it to pay
+eagle3     an EAGLE-3 head for the target                  ``eagle``
+auto       n-gram every step, plus a draft model or an     ``draft_model`` or ``eagle``
+           EAGLE-3 head when the policy expects it to pay  (optional)
 =========  ==============================================  ===========================
 """
 
@@ -35,15 +36,34 @@ def _draft(draft_model=None, draft_n_ctx: int | None = None) -> Drafter:
     return DraftModelDrafter(draft_model, n_ctx=draft_n_ctx)
 
 
-def _auto(draft_model=None, draft_n_ctx: int | None = None) -> Drafter:
+def _eagle3(eagle=None) -> Drafter:
+    from .eagle3 import Eagle3Drafter
+
+    if eagle is None:
+        raise InvalidRequestError(
+            "the eagle3 drafter needs an EAGLE-3 head: --eagle PATH (Python: eagle=PATH); "
+            "`localspec models random-eagle3 TARGET --out PATH` writes an untrained one for tests"
+        )
+    return Eagle3Drafter(eagle)
+
+
+def _auto(draft_model=None, draft_n_ctx: int | None = None, eagle=None) -> Drafter:
     from .auto import AutoDrafter
 
-    return AutoDrafter(_draft(draft_model, draft_n_ctx) if draft_model is not None else None)
+    if draft_model is not None and eagle is not None:
+        raise InvalidRequestError("--drafter auto takes a draft model or an EAGLE-3 head, not both")
+    model = None
+    if draft_model is not None:
+        model = _draft(draft_model, draft_n_ctx)
+    elif eagle is not None:
+        model = _eagle3(eagle)
+    return AutoDrafter(model)
 
 
 _REGISTRY: dict[str, Callable[..., Drafter]] = {
     "ngram": NgramDrafter,
     "draft": _draft,
+    "eagle3": _eagle3,
     "auto": _auto,
 }
 
