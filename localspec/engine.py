@@ -427,6 +427,7 @@ class Engine:
             finish_reason = "length"
             stop_name: str | None = None
             self.ctx.clear_abort()
+            redecoded0 = cache.n_redecoded
             t_gen0 = t_prefill_end = _now_us()
             try:
                 # -- prompt: reuse the common prefix, prefill the rest but the last token -----
@@ -565,6 +566,7 @@ class Engine:
                 keep_kv = min(cache.n_past, len(prompt) + len(out_tokens))
                 cache.truncate(keep_kv)
                 stats.n_generated_tokens = len(out_tokens)
+                stats.n_redecoded_tokens = cache.n_redecoded - redecoded0
                 stats.token_sources = count_sources(out_sources)
                 stats.num_accepted_tokens = sum(1 for s in out_sources if TokenSource(s).is_draft)
                 max_d = max(step_drafted, default=0)

@@ -73,6 +73,13 @@ class AcceptanceTracker:
         p = (self.local_acc[bucket] + w * self.base_rate(bucket)) / (self.local_n[bucket] + w)
         return float(min(0.995, p))
 
+    def estimates(self) -> list[float]:
+        """``estimate(b)`` of every bucket (one vectorised computation per step)."""
+        base = (self.acc + self.prior_weight * self.prior) / (self.n + self.prior_weight)
+        w = self.local_weight
+        p = (self.local_acc + w * base) / (self.local_n + w)
+        return np.minimum(p, 0.995).tolist()
+
     def end_step(self) -> None:
         self.local_acc *= self.decay
         self.local_n *= self.decay
@@ -196,12 +203,14 @@ class SpeculationPolicy:
     Args:
         cost: the target's ``CostModel``.
         max_nodes: largest tree to verify (root included).
-        enabled: False forces plain decoding (b = 1).
+        min_gain: speculate only when the expected rate beats plain decoding by this fraction
+            (estimation errors make marginal choices lose on average).
     """
 
-    def __init__(self, cost: CostModel, *, max_nodes: int = 64) -> None:
+    def __init__(self, cost: CostModel, *, max_nodes: int = 64, min_gain: float = 0.05) -> None:
         self.cost = cost
         self.max_nodes = max_nodes
+        self.min_gain = min_gain
         self.t_host_base_us = 1500.0  # per step, refined online
         self.t_host_node_us = 100.0  # per extra node, refined online
         self._alpha = 0.1
@@ -231,6 +240,9 @@ class SpeculationPolicy:
             rate = e / (t_draft_us + self.cost.t_decode_us(b) + self.host_us(b))
             if rate > best.expected_rate:
                 best = Choice(b, e, rate)
+        # estimates are noisy: speculate only for a clear expected gain over plain decoding
+        if best.expected_rate < plain.expected_rate * (1.0 + self.min_gain):
+            return plain
         return best
 
     # -- model drafters -----------------------------------------------------------------------

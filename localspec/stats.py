@@ -27,6 +27,9 @@ class GenerationStats:
         n_spec_steps: steps that verified at least one draft token.
         num_draft_tokens: draft tokens verified, over all steps.
         num_accepted_tokens: emitted tokens that were accepted drafts.
+        n_redecoded_tokens: accepted tokens decoded a second time (without logits) because an
+            earlier tree branch sat between them and the root in the KV cache (cells are kept
+            in position order so that results stay bit-identical to plain decoding).
         drafted_per_depth: [d] steps whose verified tree reached depth d+1.
         accepted_per_depth: [d] steps that accepted a draft at depth d+1.
         token_sources: count of emitted tokens per ``TokenSource`` name.
@@ -46,6 +49,7 @@ class GenerationStats:
     n_spec_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    n_redecoded_tokens: int = 0
     drafted_per_depth: list[int] = field(default_factory=list)
     accepted_per_depth: list[int] = field(default_factory=list)
     token_sources: dict[str, int] = field(default_factory=dict)

@@ -153,6 +153,26 @@ class TokenTree:
 
     # -- editing ------------------------------------------------------------------------------
 
+    def _take(self, idx: np.ndarray) -> "TokenTree":
+        """The nodes ``idx`` (parents listed before children) as a new tree; node ``i`` of the
+        result is node ``idx[i]`` of this one. Every kept node's parent must be kept."""
+        remap = np.full(self.n_nodes, -1, dtype=np.int32)
+        remap[idx] = np.arange(idx.size, dtype=np.int32)
+        par = self.parents[idx]
+        parents = np.where(par >= 0, remap[np.maximum(par, 0)], -1).astype(np.int32)
+        if np.any(parents[1:] < 0) or np.any(parents[1:] >= np.arange(1, idx.size)):
+            raise ValueError("a kept node's parent is missing or comes after it")
+        return TokenTree(
+            token_ids=self.token_ids[idx].copy(),
+            parents=parents,
+            depth=self.depth[idx].copy(),
+            source=self.source[idx].copy(),
+            score=self.score[idx].copy(),
+            draft_probs=self.draft_probs[idx].copy(),
+            draft_dists={int(remap[p]): d for p, d in self.draft_dists.items() if remap[p] >= 0},
+            feature=None if self.feature is None else self.feature[idx].copy(),
+        )
+
     def subtree(self, keep: np.ndarray) -> "TokenTree":
         """A new tree of the nodes where ``keep`` is True (must be closed under parents).
 
@@ -163,48 +183,18 @@ class TokenTree:
         """
         keep = np.asarray(keep, dtype=bool).copy()
         keep[0] = True
-        idx = np.flatnonzero(keep)
-        if np.any(~keep[self.parents[idx[1:]]]):
-            raise ValueError("subtree: a kept node's parent was dropped")
-        remap = np.full(self.n_nodes, -1, dtype=np.int32)
-        remap[idx] = np.arange(idx.size, dtype=np.int32)
-        parents = np.where(self.parents[idx] >= 0, remap[np.maximum(self.parents[idx], 0)], -1).astype(np.int32)
-        dists = {int(remap[p]): d for p, d in self.draft_dists.items() if keep[p]}
-        return TokenTree(
-            token_ids=self.token_ids[idx].copy(),
-            parents=parents,
-            depth=self.depth[idx].copy(),
-            source=self.source[idx].copy(),
-            score=self.score[idx].copy(),
-            draft_probs=self.draft_probs[idx].copy(),
-            draft_dists=dists,
-            feature=None if self.feature is None else self.feature[idx].copy(),
-        )
+        return self._take(np.flatnonzero(keep))
 
     def reordered(self, order: np.ndarray) -> "TokenTree":
         """The same tree with nodes renumbered: new node i is old node ``order[i]``.
 
-        ``order`` must be a permutation with ``order[0] == 0`` that lists parents before
-        children.
+        Raises:
+            ValueError: ``order`` does not list parents before children.
         """
         order = np.asarray(order, dtype=np.int64)
-        n = self.n_nodes
-        inv = np.empty(n, dtype=np.int32)
-        inv[order] = np.arange(n, dtype=np.int32)
-        par = self.parents[order]
-        parents = np.where(par >= 0, inv[np.maximum(par, 0)], -1).astype(np.int32)
-        if np.any(parents[1:] >= np.arange(1, n)):
-            raise ValueError("reordered: parents must precede children")
-        return TokenTree(
-            token_ids=self.token_ids[order].copy(),
-            parents=parents,
-            depth=self.depth[order].copy(),
-            source=self.source[order].copy(),
-            score=self.score[order].copy(),
-            draft_probs=self.draft_probs[order].copy(),
-            draft_dists={int(inv[p]): d for p, d in self.draft_dists.items()},
-            feature=None if self.feature is None else self.feature[order].copy(),
-        )
+        if order.size != self.n_nodes or order[0] != 0:
+            raise ValueError("reordered: order must be a permutation starting at the root")
+        return self._take(order)
 
     def best_first_dfs(self) -> "TokenTree":
         """The tree renumbered in depth-first order, the highest-scoring child first.

@@ -29,11 +29,12 @@ class ScriptedDrafter:
     name = "scripted"
     source = TokenSource.NGRAM
 
-    def __init__(self, script, chain=4, wrong_every=0, decoys=0, seed=0):
+    def __init__(self, script, chain=4, wrong_every=0, decoys=0, seed=0, decoys_first=False):
         self.script = list(script)
         self.chain = chain
         self.wrong_every = wrong_every
         self.decoys = decoys
+        self.decoy_score = 0.95 if decoys_first else 0.1  # best-first order puts decoys first
         self.rng = np.random.default_rng(seed)
         self.history: list[int] = []
         self.proposed = 0
@@ -65,8 +66,8 @@ class ScriptedDrafter:
                 tok = (tok + 17) % 200000
             for _ in range(self.decoys):
                 if len(b) < max_nodes - 1:
-                    b.add(node, int(self.rng.integers(1000, 200000)), source=TokenSource.NGRAM, score=0.1)
-            node = b.add(node, tok, source=TokenSource.NGRAM, score=0.9 ** (d + 1))
+                    b.add(node, int(self.rng.integers(1000, 200000)), source=TokenSource.NGRAM, score=self.decoy_score)
+            node = b.add(node, tok, source=TokenSource.NGRAM, score=0.9 ** (d + 1) * (0.5 if self.decoy_score > 0.5 else 1))
         return b.build()
 
 

@@ -9,6 +9,7 @@ rollback never needs cells that a window cache already dropped).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -107,10 +108,11 @@ class Context:
             params.cb_eval_user_data = cb_eval_user_data
         if ctx_other is not None:
             params.ctx_other = ctx_other.handle
+        # The abort callback is a Python function that ggml calls between graph nodes
+        # (hundreds of times per decode, ~0.5 ms in all): it is installed only around long
+        # decodes (``abortable()``, used by prefill), not for every generation step.
         self._abort = threading.Event()
         self._abort_cb = lib.ggml_abort_callback(lambda _data: self._abort.is_set())
-        params.abort_callback = self._abort_cb
-        params.abort_callback_data = None
         recent_errors(clear=True)
         ctx = lib.llama_init_from_model(model.handle, params)
         if not ctx:
@@ -214,8 +216,18 @@ class Context:
             raise DecodeError(f"no embeddings for output {i}")
         return np.ctypeslib.as_array(ptr, shape=(n_embd,))
 
+    @contextlib.contextmanager
+    def abortable(self):
+        """Within this block ``request_abort()`` stops a running ``decode`` early."""
+        lib.llama_set_abort_callback(self.handle, self._abort_cb, None)
+        try:
+            yield
+        finally:
+            lib.llama_set_abort_callback(self.handle, lib.ggml_abort_callback(0), None)
+
     def request_abort(self) -> None:
-        """Make the running (or next) ``decode`` stop early and raise ``DecodeError``."""
+        """Make a running abortable ``decode`` (see ``abortable``) stop early and raise
+        ``DecodeError``; other decodes finish and the caller checks its own flag."""
         self._abort.set()
 
     def clear_abort(self) -> None:

@@ -38,6 +38,7 @@ class SequenceCache:
         self.ctx = ctx
         self.tokens: list[int] = []
         self.pending: list[int] = []  # accepted tokens not in the cache yet (decoded next)
+        self.n_redecoded = 0  # accepted tokens decoded again to keep cells in position order
         self.max_tree_nodes = int(max_tree_nodes)
         self._prefill_batch = Batch(ctx.n_batch, 1)
         self._tree_batch = Batch(max(2 * self.max_tree_nodes, 1), max(ctx.n_seq_max, 1))
@@ -117,7 +118,8 @@ class SequenceCache:
             for i in range(0, len(tokens), step):
                 chunk = tokens[i : i + step]
                 self._prefill_batch.set_sequence(chunk, self.n_past, output="none")
-                self.ctx.decode(self._prefill_batch)
+                with self.ctx.abortable():
+                    self.ctx.decode(self._prefill_batch)
                 self.tokens.extend(chunk)
                 if on_chunk is not None:
                     on_chunk(i + len(chunk), len(tokens))
@@ -202,4 +204,5 @@ class SequenceCache:
         self.tokens.append(int(tree.token_ids[0]))
         self.tokens.extend(int(tree.token_ids[i]) for i in path[:n_contig])
         self.pending = [int(tree.token_ids[i]) for i in path[n_contig:]]
+        self.n_redecoded += len(self.pending)
         self.check()

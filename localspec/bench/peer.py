@@ -5,11 +5,17 @@ llama-cpp-python vendors; docs/bench.md says how) once per mode - plain, and eac
 n-gram speculative modes - on a loopback port, sends the same prompt tokens to
 ``/completion`` with greedy sampling and no prompt cache, and reads the server's own timings
 (``predicted_n`` / ``predicted_ms``: decode time, prefill excluded).
+
+With ``exact=True`` (the default when localspec itself runs with exact kernels) the server
+runs with the same numerics as localspec (``--no-repack``, ``GGML_CPU_TILED_MM=0``, K cache
+BF16 / V cache F16), so its plain output is the same text as localspec's and acceptance is
+compared on the same continuations; ``exact=False`` runs llama.cpp's defaults.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import time
@@ -40,8 +46,19 @@ class PeerRun:
 class PeerServer:
     """One ``llama-server`` process in one speculative mode (``"none"`` = plain)."""
 
-    def __init__(self, binary: str | Path, model: str | Path, mode: str, *, n_ctx: int, threads: int, log_dir: Path) -> None:
+    def __init__(
+        self,
+        binary: str | Path,
+        model: str | Path,
+        mode: str,
+        *,
+        n_ctx: int,
+        threads: int,
+        log_dir: Path,
+        exact: bool = True,
+    ) -> None:
         self.mode = mode
+        self.exact = exact
         self.port = free_port()
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"llama-server-{mode}.log"
@@ -58,8 +75,14 @@ class PeerServer:
         ]  # fmt: skip
         if mode != "none":
             args += ["--spec-type", mode]
+        env = dict(os.environ)
+        if exact:
+            args += ["--no-repack", "-ctk", "bf16", "-ctv", "f16", "-fa", "on"]
+            env["GGML_CPU_TILED_MM"] = "0"
+        else:
+            env.pop("GGML_CPU_TILED_MM", None)
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready()
 
     def _wait_ready(self, timeout_s: float = 120.0) -> None:

@@ -31,6 +31,12 @@ def register(sub) -> None:
         help="also run this llama-server binary plain and in each n-gram mode on the same prompts",
     )
     p.add_argument("--peer-modes", default=None, help="comma-separated llama-server --spec-type modes")
+    p.add_argument(
+        "--peer-kernels",
+        choices=("same", "exact", "fast"),
+        default="same",
+        help="numerics of the peer server: the same as localspec (default), exact, or llama.cpp's defaults",
+    )
     add_drafter_args(p)
     add_sampling_args(p, greedy_default=True)
     add_model_args(p)
@@ -107,9 +113,18 @@ def run(a: argparse.Namespace) -> int:
         if a.peer_llama_server:
             modes = a.peer_modes.split(",") if a.peer_modes else list(peer_mod.NGRAM_MODES)
             print(f"localspec: starting llama-server in modes: none, {', '.join(modes)}", file=sys.stderr)
+            from ..backend import exact_kernels
+
+            exact = exact_kernels() if a.peer_kernels == "same" else a.peer_kernels == "exact"
             for mode in ["none", *modes]:
                 peers[mode] = peer_mod.PeerServer(
-                    a.peer_llama_server, engine.model.path, mode, n_ctx=engine.n_ctx, threads=engine.ctx.n_threads, log_dir=out
+                    a.peer_llama_server,
+                    engine.model.path,
+                    mode,
+                    n_ctx=engine.n_ctx,
+                    threads=engine.ctx.n_threads,
+                    log_dir=out,
+                    exact=exact,
                 )
         try:
             from tqdm import tqdm
@@ -136,6 +151,7 @@ def run(a: argparse.Namespace) -> int:
             "temperature": a.temperature,
             "per_category": a.per_category,
             "peer_llama_server": a.peer_llama_server,
+            "peer_kernels": a.peer_kernels,
             **machine_info(engine),
         }
         write_json(out / "bench.json", config, cats_summary, records)

@@ -57,12 +57,19 @@ _PRIOR = np.array(
 ).ravel()
 
 
-def _len_bucket(match_len: int) -> int:
+def _len_bucket_slow(match_len: int) -> int:
     b = 0
     for i, edge in enumerate(_LEN_EDGES):
         if match_len >= edge:
             b = i
     return b
+
+
+_LEN_BUCKET = [_len_bucket_slow(n) for n in range(_MAX_MATCH + 257)]
+
+
+def _len_bucket(match_len: int) -> int:
+    return _LEN_BUCKET[min(match_len, len(_LEN_BUCKET) - 1)]
 
 
 def _bucket(match_len: int, best_sibling_len: int, support: int) -> int:
@@ -141,8 +148,9 @@ class NgramDrafter:
         seen: set[int] = set()
         n_hist = len(toks)
         n_occ = 0
+        node_cap = 3 * max_nodes  # occurrences come best first; the policy keeps <= max_nodes
         for m in matches:
-            if n_occ >= self.max_occurrences:
+            if n_occ >= self.max_occurrences or len(builder) >= node_cap:
                 break
             for s in m.starts:
                 if s in seen or n_occ >= self.max_occurrences:
@@ -150,11 +158,15 @@ class NgramDrafter:
                 seen.add(s)
                 n_occ += 1
                 mlen = match_length(toks, s) if m.order >= self.max_n else m.order
+                # weak matches rarely continue for long: bound their depth (and the cost)
+                depth = depth_cap if mlen >= 8 else min(depth_cap, 16 if mlen >= 4 else 6)
                 node = 0
                 # once the target accepts a node, the history matches one token further
-                for d, t in enumerate(toks[s : min(s + depth_cap, n_hist)]):
+                for d, t in enumerate(toks[s : min(s + depth, n_hist)]):
                     child = builder.find(node, t)
                     if child < 0:
+                        if len(builder) >= node_cap:
+                            break
                         child = builder.add(node, t, source=TokenSource.NGRAM, score=0.0)
                         orders.append(0)
                         support.append(0)
@@ -168,6 +180,7 @@ class NgramDrafter:
         for i in range(1, n):
             kids[parents[i]].append(i)
         buckets = [0] * n
+        est = self.tracker.estimates()
         for p in range(n):
             ks = kids[p]
             if not ks:
@@ -179,12 +192,9 @@ class NgramDrafter:
                 other = second if orders[c] == top else top
                 b = _bucket(orders[c], other, support[c])
                 buckets[c] = b
-                score[c] = score[p] * self.tracker.estimate(b)
+                score[c] = score[p] * est[b]
         builder.feature = buckets
-        tree = builder.build()
-        if tree.n_nodes > 4 * max_nodes:
-            tree = tree.best_subtree(4 * max_nodes)
-        return tree
+        return builder.build()
 
     def observe(self, tree: TokenTree, emitted: Sequence[int]) -> None:
         """Learn from a step: ``tree`` as proposed (before the policy pruned it) and the tokens
