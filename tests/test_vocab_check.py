@@ -20,20 +20,11 @@ def vocab_files(model_path, tmp_path_factory):
     tokens = src.fields["tokenizer.ggml.tokens"].contents()
     no_tensors = dict(keep_tensor=lambda name: False)
 
-    def edit_token(i, text):
+    def edit_entry(array_key, i, value):
         def edit(key, val):
-            if key == "tokenizer.ggml.tokens":
+            if key == array_key:
                 val = list(val)
-                val[i] = text
-            return val
-
-        return edit
-
-    def edit_type(i, new_type):
-        def edit(key, val):
-            if key == "tokenizer.ggml.token_type":
-                val = list(val)
-                val[i] = new_type
+                val[i] = value
             return val
 
         return edit
@@ -54,8 +45,8 @@ def vocab_files(model_path, tmp_path_factory):
         "same": copy_gguf(src, d / "same.gguf", **no_tensors),
         "eos": copy_gguf(src, d / "eos.gguf", set_kv={"tokenizer.ggml.eos_token_id": 106}, **no_tensors),
         "unk": copy_gguf(src, d / "unk.gguf", set_kv={"tokenizer.ggml.unknown_token_id": 0}, **no_tensors),
-        "text": copy_gguf(src, d / "text.gguf", edit_kv=edit_token(1000, tokens[1000] + "x"), **no_tensors),
-        "type": copy_gguf(src, d / "type.gguf", edit_kv=edit_type(1000, 3), **no_tensors),
+        "text": copy_gguf(src, d / "text.gguf", edit_kv=edit_entry("tokenizer.ggml.tokens", 1000, tokens[1000] + "x"), **no_tensors),
+        "type": copy_gguf(src, d / "type.gguf", edit_kv=edit_entry("tokenizer.ggml.token_type", 1000, 3), **no_tensors),
         "padded": copy_gguf(src, d / "padded.gguf", edit_kv=pad(5), **no_tensors),
         "padded_normal": copy_gguf(src, d / "padded_normal.gguf", edit_kv=pad(1), **no_tensors),
     }

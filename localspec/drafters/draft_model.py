@@ -27,8 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..backend import Batch, Context, Model, SequenceCache
-from ..backend.slots import SeqSlots
+from ..backend import Batch, Model, SequenceCache
 from ..errors import InvalidRequestError
 from ..policy import TreeShape
 from ..tree import TokenSource, TokenTree, TreeBuilder
@@ -73,9 +72,7 @@ class DraftModelDrafter(ModelDrafter):
         max_width: int = 8,
         shape: TreeShape | None = None,
     ) -> None:
-        super().__init__(max_depth=max_depth, max_width=max_width, shape=shape)
-        self._owns_model = not isinstance(model, Model)
-        self.model = model if isinstance(model, Model) else Model(model, n_gpu_layers=n_gpu_layers)
+        super().__init__(model, n_gpu_layers=n_gpu_layers, max_depth=max_depth, max_width=max_width, shape=shape)
         self.n_ctx_request = n_ctx
         self.offset = 0  # history index at draft position 0
         self._root_dpos = 0  # draft position of the current root
@@ -89,29 +86,13 @@ class DraftModelDrafter(ModelDrafter):
                 f"a draft context of {n_ctx} tokens is too small for trees of depth {self.max_depth} and "
                 f"width {self.max_width}: give it at least {2 * self.n_slots + 64} tokens"
             )
-        if self.ctx is not None:
-            self.ctx.close()
-        self.target = target
-        self.n_vocab = target.model.n_vocab
-        self.suppress_ids = target.model.suppress_tokens
-        self.ctx = Context(
-            self.model, n_ctx=n_ctx, n_batch=512, n_seq_max=min(256, self.n_slots + 1), n_threads=target.ctx.n_threads
-        )
+        self.bind(target, n_ctx=n_ctx)
         self.cache = SequenceCache(self.ctx, max_tree_nodes=32)
-        self.slots = SeqSlots(self.ctx)
         self._level_batch = Batch(self.max_width, 1)
         self.offset = 0
-        self.sampler = None
 
     def check_cache(self) -> None:
         self.cache.check()
-
-    def close(self) -> None:
-        if self.ctx is not None:
-            self.ctx.close()
-            self.ctx = None
-        if self._owns_model:
-            self.model.close()
 
     # -- LevelDecoder -------------------------------------------------------------------------
 

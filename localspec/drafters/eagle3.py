@@ -34,10 +34,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..backend import Context, Model
+from ..backend import Model
 from ..backend._llama import ext, model_target_layer_ids, model_target_layer_ids_n
 from ..backend.batch_ext import ExtBatch
-from ..backend.slots import SeqSlots
 from ..errors import KVCacheError, ModelLoadError
 from ..policy import TreeShape
 from ..tree import TokenSource, TreeBuilder
@@ -80,9 +79,7 @@ class Eagle3Drafter(ModelDrafter):
         max_width: int = 8,
         shape: TreeShape | None = None,
     ) -> None:
-        super().__init__(max_depth=max_depth, max_width=max_width, shape=shape)
-        self._owns_model = not isinstance(head, Model)
-        self.model = head if isinstance(head, Model) else Model(head, n_gpu_layers=n_gpu_layers)
+        super().__init__(head, n_gpu_layers=n_gpu_layers, max_depth=max_depth, max_width=max_width, shape=shape)
         if self.model.architecture != "eagle3":
             arch = self.model.architecture
             self.close()
@@ -113,23 +110,9 @@ class Eagle3Drafter(ModelDrafter):
             )
         if target.features is None or tuple(target.features.layers) != self.target_feature_layers:
             raise RuntimeError("the engine must capture the head's target layers (target_feature_layers)")
-        if self.ctx is not None:
-            self.ctx.close()
-        self.target = target
-        self.n_vocab = target.model.n_vocab
-        self.suppress_ids = target.model.suppress_tokens
-        self.ctx = Context(
-            self.model,
-            n_ctx=target.ctx.n_ctx,
-            n_batch=512,
-            n_seq_max=min(256, self.n_slots + 1),
-            n_threads=target.ctx.n_threads,
-            ctx_other=target.ctx,
-        )
+        self.bind(target, n_ctx=target.ctx.n_ctx, ctx_other=target.ctx)
         ext.llama_set_embeddings_nextn(self.ctx.handle, True, True)  # pre-norm rows of the outputs
         self.batch = ExtBatch(self.ctx.handle)
-        self.slots = SeqSlots(self.ctx)
-        self.sampler = None
         self._reset_state()
 
     # -- protocol (besides ModelDrafter's) ------------------------------------------------------
@@ -173,11 +156,7 @@ class Eagle3Drafter(ModelDrafter):
         if getattr(self, "batch", None) is not None:
             self.batch.close()
             self.batch = None
-        if self.ctx is not None:
-            self.ctx.close()
-            self.ctx = None
-        if self._owns_model:
-            self.model.close()
+        super().close()
 
     # -- LevelDecoder -------------------------------------------------------------------------
 

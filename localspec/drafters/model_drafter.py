@@ -5,16 +5,19 @@ the step itself: ask the policy for a tree shape, grow the tree level by level
 (``tree_expand.expand_tree``, which calls the subclass's ``decode_level``), then drop the
 scratch sequences and check the draft's KV cache whatever happened (``finally``).
 
-Subclasses provide ``attach`` (create their context and set ``self.target``, ``self.ctx``,
-``self.slots``, ``self.n_vocab``, ``self.suppress_ids``), ``decode_level``, ``check_cache``
-and ``close``, and may override ``ready`` (can this step draft at all?).
+Subclasses provide ``attach`` (checks, then
+``bind`` to create the draft context), ``decode_level`` and ``check_cache``, and may override
+``ready`` (can this step draft at all?) and ``close``.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 
+from ..backend import Context, Model
+from ..backend.slots import SeqSlots
 from ..policy import ModelDraftStats, TreeShape, accepted_length
 from ..sampling import SamplingParams
 from ..tree import TokenSource, TokenTree
@@ -25,6 +28,8 @@ class ModelDrafter:
     """Base of model drafters (see the module docstring).
 
     Args:
+        model: the drafting model: a GGUF path, or a loaded ``Model`` (not closed by the drafter).
+        n_gpu_layers: layers to offload on CUDA / Metal builds (when loading from a path).
         max_depth / max_width: largest tree shape the policy may ask for (they size the
             draft context's scratch sequences).
         shape: a fixed ``TreeShape`` for every step (tests, experiments); default: the
@@ -34,7 +39,17 @@ class ModelDrafter:
     name = "model"
     source = TokenSource.DRAFT_MODEL
 
-    def __init__(self, *, max_depth: int = 8, max_width: int = 8, shape: TreeShape | None = None) -> None:
+    def __init__(
+        self,
+        model: Model | str | os.PathLike,
+        *,
+        n_gpu_layers: int = 0,
+        max_depth: int = 8,
+        max_width: int = 8,
+        shape: TreeShape | None = None,
+    ) -> None:
+        self._owns_model = not isinstance(model, Model)
+        self.model = model if isinstance(model, Model) else Model(model, n_gpu_layers=n_gpu_layers)
         self.max_depth = max_depth
         self.max_width = max_width
         self.fixed_shape = shape
@@ -43,7 +58,7 @@ class ModelDrafter:
         self.history: list[int] = []
         self.sampler: DraftSampler | None = None
         self.target = None
-        self.ctx = None
+        self.ctx: Context | None = None
         self._slot_of: dict[int, int] = {}
 
     @property
@@ -92,6 +107,26 @@ class ModelDrafter:
         self._slot_of[node] = seq
         return seq
 
+    def bind(self, target, *, n_ctx: int, ctx_other=None) -> None:
+        """Attach to ``target``: (re)create the draft context with a scratch sequence per
+        decoded tree node (``ctx_other``: a context whose tensors the draft borrows)."""
+        if self.ctx is not None:
+            self.ctx.close()
+            self.ctx = None
+        self.target = target
+        self.n_vocab = target.model.n_vocab
+        self.suppress_ids = target.model.suppress_tokens
+        self.ctx = Context(
+            self.model,
+            n_ctx=n_ctx,
+            n_batch=512,
+            n_seq_max=min(256, self.n_slots + 1),
+            n_threads=target.ctx.n_threads,
+            ctx_other=ctx_other,
+        )
+        self.slots = SeqSlots(self.ctx)
+        self.sampler = None
+
     def observe(self, tree: TokenTree, emitted: Sequence[int]) -> None:
         if tree.n_nodes > 1:
             self.stats.observe_accept(accepted_length(tree, emitted))
@@ -105,5 +140,10 @@ class ModelDrafter:
     def check_cache(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def close(self) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def close(self) -> None:
+        """Free the draft context, and the model when the drafter loaded it (idempotent)."""
+        if self.ctx is not None:
+            self.ctx.close()
+            self.ctx = None
+        if self._owns_model:
+            self.model.close()

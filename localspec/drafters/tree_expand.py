@@ -147,7 +147,7 @@ class DraftSampler:
         """
         x = self.processor.adjusted(row, None)
         if self.mode == DraftMode.GREEDY:
-            return _top_k_children(x.astype(np.float64), k)
+            return _top_k_children(x, k)
         cand = self.processor.candidates(row)
         if self.mode == DraftMode.GUMBEL:
             z = cand.logits.astype(np.float64) + gumbel_noise(self.seed, pos, cand.ids)
@@ -164,20 +164,20 @@ class DraftSampler:
 
 
 def _top_k_children(z: np.ndarray, k: int) -> Children:
-    """Top-k of ``z`` ([m] float64, ties: lower index) with softmax(z) as confidence."""
-    finite = np.isfinite(z)
-    n_ok = int(finite.sum())
-    k = min(k, n_ok)
-    if k <= 0:
-        return Children(np.zeros(0, dtype=np.int64), np.zeros(0))
+    """Top-k of ``z`` ([m] float, ``-inf`` = impossible; ties: lower index) with softmax(z) as
+    confidence."""
     if k == 1:
         top = np.array([int(np.argmax(z))])
     else:
+        k = min(k, z.size)
         part = np.argpartition(-z, k - 1)[:k]
         top = part[np.lexsort((part, -z[part]))]
-    m = z[top[0]]
-    lse = m + np.log(np.sum(np.exp(z[finite] - m)))
-    return Children(top.astype(np.int64), np.exp(z[top] - lse))
+    top = top[np.isfinite(z[top])]
+    if top.size == 0:
+        return Children(np.zeros(0, dtype=np.int64), np.zeros(0))
+    m = float(z[top[0]])
+    lse = m + float(np.log(np.sum(np.exp(z - m), dtype=np.float64)))  # exp(-inf) = 0
+    return Children(top.astype(np.int64), np.exp(z[top].astype(np.float64) - lse))
 
 
 # -- the expansion loop ---------------------------------------------------------------------------

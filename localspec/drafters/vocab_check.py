@@ -61,6 +61,17 @@ def _attrs(model: Model, n: int) -> list[int]:
     return [int(get(v, i)) for i in range(n)]
 
 
+def _first_difference(a: list, b: list) -> int:
+    """Index of the first differing entry of two equally long lists, or -1."""
+    if a == b:
+        return -1
+    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", errors="replace")
+
+
 def _special_id_keys(model: Model) -> dict[str, str]:
     """``tokenizer.ggml.*_token_id`` metadata of ``model`` (key -> value as text)."""
     out = {}
@@ -121,18 +132,15 @@ def check_vocab(target: Model, draft: Model) -> VocabCheck:
                 f"{key} differs: target {ka.get(key, 'unset')}, draft {kb.get(key, 'unset')}. {_ADVICE}"
             )
     ta, da = _texts(target, n_common), _texts(draft, n_common)
-    if ta != da:
-        i = next(i for i in range(n_common) if ta[i] != da[i])
-        raise VocabMismatchError(
-            f"token {i} differs: target {ta[i].decode('utf-8', 'replace')!r}, draft "
-            f"{da[i].decode('utf-8', 'replace')!r}. {_ADVICE}"
-        )
+    i = _first_difference(ta, da)
+    if i >= 0:
+        raise VocabMismatchError(f"token {i} differs: target {_text(ta[i])!r}, draft {_text(da[i])!r}. {_ADVICE}")
     tt, dt = _attrs(target, n_common), _attrs(draft, n_common)
-    if tt != dt:
-        i = next(i for i in range(n_common) if tt[i] != dt[i])
+    i = _first_difference(tt, dt)
+    if i >= 0:
         raise VocabMismatchError(
-            f"token {i} ({ta[i].decode('utf-8', 'replace')!r}) has attributes {tt[i]:#x} in the target "
-            f"but {dt[i]:#x} in the draft (token types differ). {_ADVICE}"
+            f"token {i} ({_text(ta[i])!r}) has attributes {tt[i]:#x} in the target but {dt[i]:#x} in "
+            f"the draft (token types differ). {_ADVICE}"
         )
     res = VocabCheck(n_common)
     if target.n_vocab > n_common:
