@@ -27,7 +27,8 @@ import numpy as np
 
 from .backend import Context, Model, SequenceCache
 from .costmodel import CostModel, calibrate
-from .drafters import Drafter, make_drafter
+from .backend.features import FeatureTap
+from .drafters import Drafter, TargetHandle, make_drafter
 from .errors import ContextOverflowError, DecodeError, InvalidRequestError
 from .policy import SpeculationPolicy
 from .sampler import RequestSampler
@@ -144,6 +145,12 @@ def _now_us() -> float:
     return time.perf_counter() * 1e6
 
 
+def _feature_layers(drafter: Drafter | None) -> tuple[int, ...] | None:
+    """The target layers whose inputs ``drafter`` reads (EAGLE-3), or None."""
+    layers = getattr(drafter, "target_feature_layers", None)
+    return tuple(int(k) for k in layers) if layers else None
+
+
 @dataclass
 class _Request:
     """Everything one generation needs, validated."""
@@ -163,7 +170,13 @@ class Engine:
 
     Args:
         model: a ``Model``, a GGUF path, or None for the embedded default model.
-        drafter: a drafter name (``"none"``, ``"ngram"``, ...), a ``Drafter`` object, or None.
+        drafter: a drafter name (``"none"``, ``"ngram"``, ``"draft"``, ``"eagle3"``,
+            ``"auto"``), a ``Drafter`` object, or None.
+        draft_model: the GGUF of a draft model sharing the target's tokenizer (drafters
+            ``"draft"`` and ``"auto"``).
+        draft_n_ctx: the draft model's context (default: the target's); a smaller one sees
+            only the recent history.
+        eagle: the GGUF of an EAGLE-3 head for the target (drafters ``"eagle3"`` and ``"auto"``).
         n_ctx: context size in tokens (default: 8192, at most the model's training context).
         n_threads: CPU threads (default: all CPUs this process may use, at most 16).
         n_gpu_layers: layers offloaded to the GPU on CUDA / Metal builds (-1 = all).
@@ -173,7 +186,9 @@ class Engine:
             the policy (for tests and experiments).
 
     Raises:
-        ModelLoadError: the model cannot be loaded.
+        ModelLoadError: the model (or draft model / EAGLE-3 head) cannot be loaded.
+        VocabMismatchError: the draft model's vocabulary is not the target's.
+        InvalidRequestError: bad parameters (e.g. a drafter option the drafter does not take).
     """
 
     def __init__(
@@ -181,6 +196,9 @@ class Engine:
         model: Model | str | os.PathLike | None = None,
         *,
         drafter: str | Drafter | None = "ngram",
+        draft_model: Model | str | os.PathLike | None = None,
+        draft_n_ctx: int | None = None,
+        eagle: str | os.PathLike | None = None,
         n_ctx: int | None = None,
         n_threads: int | None = None,
         n_gpu_layers: int = 0,
@@ -200,31 +218,80 @@ class Engine:
         if n_ctx is None:
             n_ctx = min(DEFAULT_N_CTX, self.model.n_ctx_train or DEFAULT_N_CTX)
         self.max_tree_nodes = max_tree_nodes
-        self.ctx = Context(
-            self.model,
-            n_ctx=n_ctx,
-            n_batch=512,
-            n_seq_max=max_tree_nodes + 1,
-            n_threads=n_threads,
-            flash_attn=flash_attn,
-        )
-        self.cache = SequenceCache(self.ctx, max_tree_nodes=max_tree_nodes)
-        self.cost_model = cost_model or calibrate(self.ctx, max_size=max_tree_nodes)
-        self.policy = SpeculationPolicy(self.cost_model, max_nodes=max_tree_nodes)
-        self.adaptive = adaptive
+        self._ctx_args = dict(n_ctx=n_ctx, n_batch=512, n_seq_max=max_tree_nodes + 1, n_threads=n_threads, flash_attn=flash_attn)
         self.drafter: Drafter | None = None
-        self.set_drafter(drafter)
+        self._tap: FeatureTap | None = None
         self._lock = threading.RLock()
         self._active_stream: GenerationStream | None = None
+        self.adaptive = adaptive
+        new = self._new_drafter(drafter, draft_model=draft_model, draft_n_ctx=draft_n_ctx, eagle=eagle)
+        try:
+            self._make_context(_feature_layers(new))
+            self.cost_model = cost_model or calibrate(self.ctx, max_size=max_tree_nodes)
+            if self._tap is not None:
+                self._tap.clear()
+            self.policy = SpeculationPolicy(self.cost_model, max_nodes=max_tree_nodes)
+            self._install_drafter(new)
+        except BaseException:
+            if new is not None and self.drafter is not new:
+                new.close()  # idempotent: _install_drafter may have closed it already
+            self.close()
+            raise
 
     # -- configuration ------------------------------------------------------------------------
 
-    def set_drafter(self, drafter: str | Drafter | None, **kwargs) -> None:
-        """Switch drafter (by name or object); the conversation in the KV cache is kept."""
-        old = self.drafter
-        self.drafter = make_drafter(drafter, **kwargs) if isinstance(drafter, (str, type(None))) else drafter
-        if old is not None and old is not self.drafter:
+    def set_drafter(self, drafter: str | Drafter | None, **options) -> None:
+        """Switch drafter (by name with its options, e.g. ``draft_model=PATH``, or an object).
+
+        The conversation in the KV cache is kept, unless the new drafter reads target
+        features the current context does not capture (or the reverse): then the target
+        context is recreated with (without) the feature tap.
+
+        Raises:
+            InvalidRequestError / VocabMismatchError / ModelLoadError: the new drafter cannot be
+                used; the engine keeps its current drafter.
+        """
+        with self._lock:
+            new = self._new_drafter(drafter, **options)
+            old = self.drafter
+            if _feature_layers(new) != (self._tap.layers if self._tap else None):
+                self.drafter = None
+                if old is not None and old is not new:
+                    old.close()
+                old = None
+                self._make_context(_feature_layers(new))
+            self._install_drafter(new)
+            if old is not None and old is not new:
+                old.close()
+
+    @staticmethod
+    def _new_drafter(drafter: str | Drafter | None, **options) -> Drafter | None:
+        options = {k: v for k, v in options.items() if v is not None}
+        if isinstance(drafter, (str, type(None))):
+            return make_drafter(drafter, **options)
+        if options:
+            raise InvalidRequestError(f"options {', '.join(sorted(options))} apply to drafter names, not to a drafter object")
+        return drafter
+
+    def _make_context(self, feature_layers: tuple[int, ...] | None) -> None:
+        """(Re)create the target context, with a ``FeatureTap`` when ``feature_layers`` is set."""
+        old = getattr(self, "ctx", None)
+        if old is not None:
             old.close()
+        self._tap = FeatureTap(feature_layers, self.model.n_layer, self.model.n_embd) if feature_layers else None
+        self.ctx = Context(self.model, cb_eval=self._tap.callback if self._tap else None, **self._ctx_args)
+        self.cache = SequenceCache(self.ctx, max_tree_nodes=self.max_tree_nodes)
+
+    def _install_drafter(self, drafter: Drafter | None) -> None:
+        """Attach ``drafter`` to the target and make it current (on failure, close it)."""
+        attach = getattr(drafter, "attach", None)
+        if attach is not None:
+            try:
+                attach(TargetHandle(self.model, self.ctx, self.policy, self._tap))
+            except BaseException:
+                drafter.close()
+                raise
+        self.drafter = drafter
 
     @property
     def drafter_name(self) -> str:
@@ -240,7 +307,9 @@ class Engine:
     def close(self) -> None:
         if self.drafter is not None:
             self.drafter.close()
-        self.ctx.close()
+            self.drafter = None
+        if getattr(self, "ctx", None) is not None:
+            self.ctx.close()
         if self._owns_model:
             self.model.close()
 
@@ -367,23 +436,36 @@ class Engine:
                 limit = min(len(old), len(prompt) - 1)
                 while common < limit and old[common] == prompt[common]:
                     common += 1
+                if drafter is not None:
+                    if hasattr(drafter, "set_sampling"):
+                        drafter.set_sampling(req)
+                    if request.draft_context:
+                        drafter.begin(prompt, context=request.draft_context)
+                    else:
+                        drafter.begin(prompt)
+                features = self._tap if _feature_layers(drafter) else None
+                if features is not None:  # re-prefill what the drafter has no target features for
+                    common = min(common, drafter.n_target_features)
                 stats.n_cached_tokens = common
                 cache.truncate(common)
                 if stream.cancelled.is_set():
                     raise _Cancelled
+                if self._tap is not None:
+                    self._tap.clear()
+
+                def on_chunk(n_done: int, _n_total: int) -> None:
+                    rows = self._tap.take()
+                    if features is not None:
+                        drafter.add_target_features(common + n_done - rows.shape[0], rows)
+
                 try:
-                    cache.prefill(prompt[common:-1])
+                    cache.prefill(prompt[common:-1], on_chunk=on_chunk if self._tap is not None else None)
                 except DecodeError:
                     if stream.cancelled.is_set():
                         raise _Cancelled from None
                     raise
                 t_prefill_end = _now_us()
                 stats.t_prefill_us = t_prefill_end - t_start
-                if drafter is not None:
-                    if request.draft_context:
-                        drafter.begin(prompt, context=request.draft_context)
-                    else:
-                        drafter.begin(prompt)
                 root = prompt[-1]
                 t_gen0 = _now_us()
                 step = 0
@@ -401,14 +483,19 @@ class Engine:
                         finish_reason = "time"
                         break
                     t0 = _now_us()
-                    cand, tree = self._propose(drafter, root, remaining, cache.n_free)
+                    prop = self._propose(drafter, root, remaining, cache.n_free)
+                    cand, tree = prop.candidate, prop.tree
                     t1 = _now_us()
+                    n_past0, n_pending0 = cache.n_past, len(cache.pending)
                     try:
                         lay, logits = cache.decode_tree(tree)
                     except DecodeError:
+                        if self._tap is not None:
+                            self._tap.clear()
                         if stream.cancelled.is_set():
                             raise _Cancelled from None
                         raise
+                    rows = self._tap.take() if self._tap is not None else None  # [pending + nodes, F]
                     t2 = _now_us()
                     cursor = req.cursor(cache.root_pos + 1)
                     try:
@@ -421,6 +508,9 @@ class Engine:
                     lps = self._logprobs(logits, res, want_logprobs) if want_logprobs is not None else None
                     t3 = _now_us()
                     cache.commit(tree, lay, res.path)
+                    if features is not None:  # the committed rows: pending tokens, root, accepted path
+                        keep = list(range(n_pending0 + 1)) + [n_pending0 + int(p) for p in res.path]
+                        drafter.add_target_features(n_past0, rows[keep])
                     if drafter is not None:
                         drafter.observe(cand, res.tokens)
                         drafter.accept(res.tokens)
@@ -454,7 +544,7 @@ class Engine:
                     stats.t_decode_us += t2 - t1
                     stats.t_verify_us += t3 - t2
                     stats.t_other_us += t4 - t3
-                    self.policy.observe_step(tree.n_nodes, t2 - t1, (t4 - t0) - (t2 - t1))
+                    self.policy.observe_step(tree.n_nodes, t2 - t1, (t4 - t0) - (t2 - t1) - prop.t_draft_us)
                     root = res.tokens[-1]
                     step += 1
                     yield from chunks
@@ -500,27 +590,27 @@ class Engine:
             if tail:
                 yield StreamChunk(tail, -1, TokenSource.DECODE, stats.n_steps)
 
-    def _propose(
-        self, drafter: Drafter | None, root: int, remaining: int, n_free: int
-    ) -> tuple[TokenTree, TokenTree]:
+    def _propose(self, drafter: Drafter | None, root: int, remaining: int, n_free: int) -> "_Proposal":
         """The drafter's proposal and the tree to verify this step: the proposal cut to what
         the policy, the remaining token budget and the free context allow."""
         max_depth = min(remaining - 1, n_free - 1)
         max_nodes = min(self.max_tree_nodes, n_free)
         if drafter is None or max_depth <= 0 or max_nodes <= 1:
             t = TokenTree.root_only(root)
-            return t, t
+            return _Proposal(t, t, 0.0)
+        t0 = _now_us()
         cand = drafter.propose(max_depth, max_nodes)
+        t_draft_us = _now_us() - t0
         if cand.n_nodes > 1 and int(cand.token_ids[0]) != root:
             raise RuntimeError(f"drafter {drafter.name} proposed a tree rooted at {cand.token_ids[0]}, not {root}")
         if cand.max_depth() > max_depth:
             cand = cand.subtree(cand.depth <= max_depth)
         if self.adaptive:
-            n = self.policy.choose(cand, max_nodes=max_nodes).n_nodes
+            n = self.policy.choose(cand, max_nodes=max_nodes, t_draft_us=t_draft_us).n_nodes
         else:
             n = max_nodes
         tree = cand.best_subtree(n) if n < cand.n_nodes else cand
-        return cand, tree.best_first_dfs()
+        return _Proposal(cand, tree.best_first_dfs(), t_draft_us)
 
     @staticmethod
     def _logprobs(logits: np.ndarray, res, top_n: int) -> list[TokenLogprob]:
@@ -536,6 +626,16 @@ class Engine:
                 top = [(int(i), float(x[i] - lse)) for i in idx]
             out.append(TokenLogprob(int(tok), float(x[tok] - lse), top))
         return out
+
+
+@dataclass
+class _Proposal:
+    """One step's drafting: the drafter's tree (``candidate``), the part to verify (``tree``,
+    renumbered best-first) and what drafting cost (µs)."""
+
+    candidate: TokenTree
+    tree: TokenTree
+    t_draft_us: float
 
 
 class _Cancelled(Exception):

@@ -9,16 +9,24 @@ path probability in ``TokenTree.score``. For each candidate batch size b the bes
 b highest-scoring nodes (scores never increase down a path, so that set is a subtree), and
 the policy picks the b that maximises expected tokens per second::
 
-    rate(b) = E(best b-node subtree) / (t_decode(b) + t_host(b))
+    rate(b) = E(best b-node subtree) / (t_draft + t_decode(b) + t_host(b))
 
-with ``t_decode`` from the measured ``CostModel`` and ``t_host`` (drafting, verification,
-bookkeeping) tracked online. b = 1 is a plain decode step, so speculation is only used
-when it is expected to be faster. Acceptance estimates are calibrated online by
-``AcceptanceTracker`` so that optimistic drafters are corrected within a few steps.
+with ``t_decode`` from the measured ``CostModel``, ``t_draft`` what drafting this tree cost,
+and ``t_host`` (verification, bookkeeping) tracked online. b = 1 is a plain decode step, so
+speculation is only used when it is expected to be faster. Acceptance estimates are
+calibrated online by ``AcceptanceTracker`` so that optimistic drafters are corrected within a
+few steps.
+
+For model drafters (a draft model, an EAGLE-3 head) the policy also decides *before*
+drafting: the shape of the tree to grow (``tree_shape``: depth, top-k width, node budget),
+and, with ``--drafter auto``, whether running the model this step is expected to beat the
+n-gram drafter's tree once its drafting time is paid (``prefer_model``).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,6 +91,102 @@ class AcceptanceTracker:
         self.acc[bucket] += a
         self.n[bucket] += 1.0
 
+    def learn(self, tree: TokenTree, emitted: Sequence[int]) -> None:
+        """Learn from one step, then end it: walk ``tree`` (as proposed, before pruning) along
+        the ``emitted`` tokens; every child of a reached node was "tried", and accepted if its
+        token is the next emitted one. ``tree.feature`` holds each node's bucket. With greedy
+        or seeded Gumbel verification the emitted tokens do not depend on what was verified,
+        so nodes the policy did not verify are scored exactly as if they had been."""
+        if tree.n_nodes > 1 and tree.feature is not None:
+            node = 0
+            for tok in emitted:
+                nxt = -1
+                for c in tree.children(node):
+                    hit = int(tree.token_ids[c]) == tok
+                    self.record(int(tree.feature[c]), hit)
+                    if hit and nxt < 0:
+                        nxt = c
+                if nxt < 0:
+                    break
+                node = nxt
+        self.end_step()
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """The shape of a model-drafted tree (see ``drafters.tree_expand``).
+
+    Attributes:
+        depth: levels of children (draft decodes after the first one).
+        width: top-k: children added per expanded node, and nodes expanded per level.
+        max_nodes: node budget of the returned tree (root included).
+        min_score: stop expanding once no frontier node's score reaches this.
+    """
+
+    depth: int
+    width: int
+    max_nodes: int
+    min_score: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.width < 1 or self.max_nodes < 1:
+            raise ValueError(f"invalid tree shape {self}")
+
+    def clipped(self, *, max_depth: int, max_width: int, max_nodes: int) -> "TreeShape":
+        return TreeShape(
+            depth=max(1, min(self.depth, max_depth)),
+            width=max(1, min(self.width, max_width)),
+            max_nodes=max(1, min(self.max_nodes, max_nodes)),
+            min_score=self.min_score,
+        )
+
+
+@dataclass
+class ModelDraftStats:
+    """What the policy knows about a model drafter (draft model, EAGLE-3 head), learned online.
+
+    Attributes:
+        t_draft_us: moving average of the drafting time of a step (all its draft decodes).
+        accept_length: moving average of the drafter's accepted tokens per step it drafted
+            (counted along its own tree, so also when the policy verified less of it).
+        n_nodes: moving average of the verified tree size of its steps.
+        n_steps: steps it drafted.
+        steps_since_run: steps since it last drafted (the auto drafter may skip it).
+    """
+
+    t_draft_us: float = 0.0
+    accept_length: float = 1.0
+    n_nodes: float = 2.0
+    n_steps: int = 0
+    steps_since_run: int = 0
+    alpha: float = 0.2
+
+    def _ema(self, old: float, new: float) -> float:
+        return new if self.n_steps <= 1 else old + self.alpha * (new - old)
+
+    def observe_draft(self, t_draft_us: float, n_nodes: int) -> None:
+        self.n_steps += 1
+        self.steps_since_run = 0
+        self.t_draft_us = self._ema(self.t_draft_us, t_draft_us)
+        self.n_nodes = self._ema(self.n_nodes, float(n_nodes))
+
+    def observe_accept(self, n_accepted: int) -> None:
+        self.accept_length = self._ema(self.accept_length, float(n_accepted))
+
+    def skipped(self) -> None:
+        self.steps_since_run += 1
+
+
+def accepted_length(tree: TokenTree, emitted: Sequence[int]) -> int:
+    """How many leading ``emitted`` tokens follow a path of ``tree`` from its root."""
+    node, n = 0, 0
+    for tok in emitted:
+        nxt = next((c for c in tree.children(node) if int(tree.token_ids[c]) == tok), -1)
+        if nxt < 0:
+            break
+        node, n = nxt, n + 1
+    return n
+
 
 @dataclass
 class Choice:
@@ -110,30 +214,69 @@ class SpeculationPolicy:
         self.t_host_base_us = 1500.0  # per step, refined online
         self.t_host_node_us = 100.0  # per extra node, refined online
         self._alpha = 0.1
+        self.verify_cost_factor = 2.5  # tree_shape: verification budget, in plain decodes
+        self.explore_every = 32  # prefer_model: steps without the model drafter before retrying it
 
     def host_us(self, b: int) -> float:
         return self.t_host_base_us + self.t_host_node_us * (b - 1)
 
-    def choose(self, tree: TokenTree, *, max_nodes: int | None = None) -> Choice:
-        """Best batch size for ``tree`` (the candidate tree from the drafter)."""
+    def choose(self, tree: TokenTree, *, max_nodes: int | None = None, t_draft_us: float = 0.0) -> Choice:
+        """Best batch size for ``tree`` (the candidate tree from the drafter).
+
+        ``t_draft_us`` is what drafting this tree cost: already spent, it is part of this
+        step's time whatever size is verified.
+        """
         limit = min(self.max_nodes, tree.n_nodes, max_nodes or self.max_nodes)
+        plain = Choice(1, 1.0, 1.0 / (t_draft_us + self.cost.t_decode_us(1) + self.host_us(1)))
         if limit <= 1:
-            return Choice(1, 1.0, 1.0 / (self.cost.t_decode_us(1) + self.host_us(1)))
+            return plain
         scores = np.sort(tree.score[1:])[::-1]
         exp_tokens = 1.0 + np.concatenate([[0.0], np.cumsum(scores)])  # index b-1 -> E(b)
-        plain = Choice(1, 1.0, 1.0 / (self.cost.t_decode_us(1) + self.host_us(1)))
         best = plain
         for b in self.cost.sizes:
             if b > limit:
                 break
             e = float(exp_tokens[b - 1])
-            rate = e / (self.cost.t_decode_us(b) + self.host_us(b))
+            rate = e / (t_draft_us + self.cost.t_decode_us(b) + self.host_us(b))
             if rate > best.expected_rate:
                 best = Choice(b, e, rate)
         # estimates are noisy: speculate only for a clear expected gain over plain decoding
         if best.expected_rate < plain.expected_rate * (1.0 + self.min_gain):
             return plain
         return best
+
+    # -- model drafters -----------------------------------------------------------------------
+
+    def tree_shape(self, stats: ModelDraftStats, *, max_depth: int, max_nodes: int, max_width: int) -> TreeShape:
+        """Shape of the next model-drafted tree.
+
+        * node budget: the largest tree whose verification costs at most
+          ``verify_cost_factor`` plain decodes on this machine (about 4 nodes on a 2-core CPU,
+          64 on a GPU, where a batch costs about as much as one token);
+        * depth: the drafter's recent accepted length plus 2 (drafting deeper than it is
+          accepted costs draft decodes for nothing);
+        * width (top-k per node and nodes expanded per level): the budget spread over the depth.
+        """
+        t1 = self.cost.t_decode_us(1)
+        budget = 2
+        for b in self.cost.sizes:
+            if b <= max_nodes and self.cost.t_decode_us(b) <= self.verify_cost_factor * t1:
+                budget = max(budget, b)
+        budget = min(budget, max_nodes)
+        depth = int(min(max_depth, max(2, math.ceil(stats.accept_length) + 2)))
+        width = int(min(max_width, max(1, math.ceil((budget - 1) / depth))))
+        return TreeShape(depth=depth, width=width, max_nodes=budget)
+
+    def prefer_model(self, ngram: Choice, stats: ModelDraftStats) -> bool:
+        """Run the model drafter this step (besides the n-gram drafter, whose best choice is
+        ``ngram``)? Compares the expected tokens per µs of a model step, including its
+        drafting time, with the n-gram step; every ``explore_every`` steps without the model
+        it runs anyway so that its estimates stay current."""
+        if stats.n_steps == 0 or stats.steps_since_run >= self.explore_every:
+            return True
+        b = max(2, int(round(stats.n_nodes)))
+        rate = (1.0 + stats.accept_length) / (stats.t_draft_us + self.cost.t_decode_us(b) + self.host_us(b))
+        return rate > ngram.expected_rate
 
     def observe_step(self, b: int, t_decode_us: float, t_host_us: float) -> None:
         """Feed back the measured decode and host time of a step of ``b`` nodes."""

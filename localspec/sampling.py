@@ -44,6 +44,7 @@ _M2 = 0x94D049BB133111EB
 STREAM_GUMBEL = 0
 STREAM_ACCEPT = 1
 STREAM_RESIDUAL = 2
+STREAM_DRAFT = 3  # draft models sampling their own (stochastic) draft tokens
 
 
 class CandidateFilter(Protocol):

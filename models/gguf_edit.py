@@ -45,7 +45,7 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def copy_gguf(
-    src: str | os.PathLike,
+    src,
     dst: str | os.PathLike,
     *,
     set_kv: Mapping[str, Any] | None = None,
@@ -57,6 +57,8 @@ def copy_gguf(
     """Write ``dst``: a copy of ``src`` with metadata and tensors edited.
 
     Args:
+        src: a GGUF path, or a ``gguf.GGUFReader`` already open on one (parsing the metadata
+            of a 262k-token vocabulary takes seconds: reuse one reader for many copies).
         set_kv: keys to add or replace. A value is either a plain Python value (type
             inferred: bool, non-negative int -> UINT32, int -> INT32, float -> FLOAT32, str,
             list of those) or a ``(value, GGUFValueType[, sub_type])`` tuple.
@@ -72,7 +74,7 @@ def copy_gguf(
 
     set_kv = dict(set_kv or {})
     drop = set(drop_kv)
-    r = GGUFReader(str(src))
+    r = src if isinstance(src, GGUFReader) else GGUFReader(str(src))
     arch_field = r.fields.get("general.architecture")
     arch = arch_field.contents() if arch_field is not None else "llama"
     if "general.architecture" in set_kv:

@@ -50,6 +50,32 @@ def fim_model_path(model_path, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def derived_draft_path(model_path, tmp_path_factory):
+    """A real, different draft model: the default model's first 12 of 18 layers (written once
+    per session; its greedy acceptance is low, so drafts are often rejected)."""
+    from localspec.models.derive import derive_draft
+
+    return derive_draft(model_path, tmp_path_factory.mktemp("drafts") / "draft-12.gguf", 12)
+
+
+@pytest.fixture(scope="session")
+def derived_draft(derived_draft_path):
+    from localspec.backend import Model
+
+    m = Model(derived_draft_path)
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="session")
+def random_head_path(model_path, tmp_path_factory):
+    """An untrained EAGLE-3 head for the default model (written once per session)."""
+    from localspec.models.eagle3_gguf import random_eagle3
+
+    return random_eagle3(model_path, tmp_path_factory.mktemp("heads") / "eagle3-random.gguf", draft_vocab=4096)
+
+
+@pytest.fixture(scope="session")
 def engine(model):
     """A shared engine (n-gram drafter). Tests must leave its drafter as they found it."""
     from localspec import Engine

@@ -5,7 +5,12 @@ from __future__ import annotations
 import numpy as np
 
 from localspec.bench.specbench import divergence, top2_gap
+from localspec.drafters.tree_expand import DraftCalibration, DraftSampler, expand_tree
+from localspec.policy import TreeShape
+from localspec.sampler import RequestSampler
+from localspec.sampling import SamplingParams
 from localspec.tree import TokenSource, TokenTree, TreeBuilder
+from localspec.verify import sample_from, verify_rejection
 
 NEAR_TIE = 0.5  # top-2 logit gap below which batched vs single decodes may disagree on CPU
 
@@ -129,3 +134,67 @@ def perturbed_gap(engine, prefix, sampling):
     z = np.sort(c.logits + gumbel_noise(req.seed, len(prefix), c.ids))
     engine.reset()
     return float(z[-1] - z[-2]) if z.size > 1 else float("inf")
+
+
+# -- classic rejection sampling of model-drafted trees on fixed real rows ------------------------
+
+REJECTION_SAMPLING = SamplingParams(temperature=1.0, top_k=4, top_p=1.0, min_p=0.0, verify="rejection")
+REJECTION_SHAPES = [TreeShape(2, 1, 3, 0.0), TreeShape(2, 2, 7, 0.0)]  # chain, tree
+
+
+class PrecomputedDraft:
+    """A LevelDecoder answering from draft rows computed once: after the root, and after each
+    possible first draft token (trees of depth 2)."""
+
+    def __init__(self, root_row, rows_after):
+        self.root_row, self.rows_after = root_row, rows_after
+
+    def decode_level(self, tree, nodes):
+        return np.stack([self.root_row if n == 0 else self.rows_after[tree.tokens[n]] for n in nodes])
+
+
+def assert_rejection_sampling_exact(model, prompt, draft_root, draft_after, shape, target_rows, n=2500):
+    """Grow ``n`` sampled draft trees (one per seed) from fixed draft rows, verify each by
+    classic rejection sampling on the target's real rows, and check with a chi-square test
+    that the first two emitted tokens follow the target's joint distribution.
+
+    Args:
+        draft_root: [n_vocab] draft logits after ``prompt``; draft_after: token -> draft
+            logits after ``prompt + [token]`` for every token the draft may sample first.
+        target_rows: ``(prompt, tokens) -> (root_row, {token: row})`` computes target logits.
+    """
+    from conftest import chisquare_pvalue
+
+    sp = REJECTION_SAMPLING
+    req0 = RequestSampler(sp.with_seed(0), model, prompt)
+    t_root, _ = target_rows(prompt, [])
+    target_support = req0.processor.candidates(t_root).ids
+    first = np.union1d(np.fromiter(draft_after, dtype=np.int64), target_support)
+    t_root, t_after = target_rows(prompt, first)
+    draft = PrecomputedDraft(draft_root, draft_after)
+    pos = len(prompt)
+    counts: dict[tuple[int, int], int] = {}
+    for seed in range(n):
+        s = sp.with_seed(seed)
+        sampler = DraftSampler(s, model.n_vocab)
+        tree = expand_tree(prompt[-1], pos - 1, shape, draft, sampler, DraftCalibration(), TokenSource.DRAFT_MODEL)
+        assert tree.is_stochastic(1)
+        rows = np.stack(
+            [t_after[int(tree.token_ids[tree.path_to(i)[0]])] if tree.depth[i] == 1 else t_root for i in range(tree.n_nodes)]
+        )
+        res = verify_rejection(tree, rows, RequestSampler(s, model, prompt).cursor(pos))
+        if len(res.tokens) >= 2:
+            second = res.tokens[1]
+        else:  # the next step decodes the second token
+            c = RequestSampler(s, model, prompt + res.tokens).cursor(pos + 1)
+            second = sample_from(c.target_probs(t_after[res.tokens[0]]), c.residual_uniform())
+        counts[(res.tokens[0], second)] = counts.get((res.tokens[0], second), 0) + 1
+    p1 = req0.cursor(pos).target_probs(t_root)
+    keys, expected = [], []
+    for a in target_support:
+        p2 = RequestSampler(sp.with_seed(0), model, prompt + [int(a)]).cursor(pos + 1).target_probs(t_after[int(a)])
+        for b in np.flatnonzero(p2):
+            keys.append((int(a), int(b)))
+            expected.append(p1[a] * p2[b])
+    assert sum(counts.values()) == sum(counts.get(k, 0) for k in keys)  # nothing outside the support
+    assert chisquare_pvalue([counts.get(k, 0) for k in keys], expected) > 1e-3

@@ -26,6 +26,40 @@ import llama_cpp as _lib  # noqa: E402 - raw ctypes bindings (llama_cpp.llama_cp
 lib = _lib
 log = logging.getLogger("localspec.llama")
 
+# Extension APIs of this llama.cpp (llama-ext.h: nextn embeddings, ctx_other), bound by
+# llama-cpp-python under their C++ symbol names; EAGLE-3 heads use them.
+import llama_cpp.llama_cpp_ext as ext  # noqa: E402
+from llama_cpp._ggml import libggml as _libggml  # noqa: E402
+
+
+
+def _ext_function(names: tuple[str, ...], argtypes, restype):
+    """A llama-ext.h function by its C or C++ (Itanium) symbol name; None when absent."""
+    for name in names:
+        f = getattr(_lib.llama_cpp._lib, name, None)
+        if f is not None:
+            f.argtypes, f.restype = argtypes, restype
+            return f
+    return None
+
+
+# const int32_t * llama_model_target_layer_ids(const llama_model *); uint32_t ..._n(...)
+model_target_layer_ids = _ext_function(
+    ("llama_model_target_layer_ids", "_Z28llama_model_target_layer_idsPK11llama_model"),
+    [ctypes.c_void_p],
+    ctypes.POINTER(ctypes.c_int32),
+)
+model_target_layer_ids_n = _ext_function(
+    ("llama_model_target_layer_ids_n", "_Z30llama_model_target_layer_ids_nPK11llama_model"),
+    [ctypes.c_void_p],
+    ctypes.c_uint32,
+)
+
+# void ggml_backend_tensor_get(const struct ggml_tensor * tensor, void * data, size_t offset, size_t size)
+ggml_tensor_get = _libggml.ggml_backend_tensor_get
+ggml_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+ggml_tensor_get.restype = None
+
 # ggml_log_level: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5
 _LEVELS = {"debug": 1, "info": 2, "warn": 3, "warning": 3, "error": 4, "none": 99}
 _PY_LEVEL = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}

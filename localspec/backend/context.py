@@ -179,6 +179,25 @@ class Context:
             raise DecodeError(f"decode failed: {why}")
         self.n_outputs = n_out
 
+    def process(self, batch, *, encode: bool = False) -> None:
+        """Run an ``ExtBatch`` through ``llama_process`` (the encoder graph when ``encode``).
+
+        Raises as ``decode``. After a decode, ``logits()`` has one row per output entry; an
+        encode produces no logits (read its output embeddings instead).
+        """
+        kind = lib.LLAMA_PROCESS_TYPE_ENCODE if encode else lib.LLAMA_PROCESS_TYPE_DECODE
+        rc = lib.llama_process(self.handle, kind, batch.handle)
+        if rc != 0:
+            self.n_outputs = 0
+            if rc == 1:
+                raise ContextOverflowError(f"no KV slot for {batch.n_tokens} entries (n_ctx={self.n_ctx})")
+            if rc == 2:
+                self._abort.clear()
+                raise DecodeError("process aborted")
+            why = "; ".join(recent_errors()) or f"llama_process returned {rc}"
+            raise DecodeError(f"{'encode' if encode else 'decode'} failed: {why}")
+        self.n_outputs = 0 if encode else batch.n_outputs
+
     def logits(self) -> np.ndarray:
         """Logits of the last decode: ``[n_outputs, n_vocab] float32``, a view (no copy).
 

@@ -1,5 +1,6 @@
 """``localspec bench``: speed of speculative vs plain decoding on Spec-Bench-format prompts,
-and micro-benchmarks (``bench ngram``, ``bench kernels``, ``bench host``)."""
+and micro-benchmarks (``bench ngram``, ``bench kernels``, ``bench host``, ``bench features``,
+``bench complete``)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,14 @@ def register(sub) -> None:
     ho.add_argument("--json", action="store_true")
     add_model_args(ho)
     ho.set_defaults(func=run_host)
+
+    ft = bsub.add_parser("features", help="cost per decode of capturing target features (EAGLE-3)")
+    ft.add_argument("--layers", default="2,9,15", help="target layer ids (default 2,9,15)")
+    ft.add_argument("--sizes", default="1,8", help="batch sizes (default 1,8)")
+    ft.add_argument("--reps", type=int, default=30)
+    ft.add_argument("-m", "--model", default=None, help="target GGUF (default: the embedded model)")
+    ft.add_argument("--json", action="store_true")
+    ft.set_defaults(func=run_features)
 
     from . import bench_complete
 
@@ -164,6 +173,26 @@ def run_host(a: argparse.Namespace) -> int:
     return 0
 
 
+def run_features(a: argparse.Namespace) -> int:
+    from ..backend import Model
+    from ..bench.features import bench_features
+    from ..models import resolve_model
+
+    model = Model(resolve_model(a.model))
+    try:
+        layers = [int(x) for x in a.layers.split(",")]
+        rows = bench_features(model, layers, sizes=[int(s) for s in a.sizes.split(",")], reps=a.reps)
+    finally:
+        model.close()
+    if a.json:
+        print(json.dumps({"features": rows}))
+    else:
+        print("| batch | decode µs | with tap µs | overhead µs | in callback µs |\n|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['batch']} | {r['t_plain_us']:.0f} | {r['t_tap_us']:.0f} | {r['t_overhead_us']:.0f} | {r['t_callback_us']:.0f} |")
+    return 0
+
+
 def run(a: argparse.Namespace) -> int:
     from ..bench import peer as peer_mod
     from ..bench.dataset import load_questions, select_prompts
@@ -218,6 +247,8 @@ def run(a: argparse.Namespace) -> int:
         config = {
             "dataset": str(a.dataset),
             "drafter": a.drafter,
+            "draft_model": a.draft_model,
+            "eagle": a.eagle,
             "max_tokens": a.max_tokens,
             "temperature": a.temperature,
             "per_category": a.per_category,

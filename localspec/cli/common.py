@@ -25,7 +25,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_drafter_args(p: argparse.ArgumentParser, default: str = "ngram") -> None:
     from ..drafters import drafter_names
 
-    p.add_argument("--drafter", default=default, choices=drafter_names(), help=f"drafter (default {default})")
+    g = p.add_argument_group("drafter")
+    g.add_argument("--drafter", default=default, choices=drafter_names(), help=f"drafter (default {default})")
+    g.add_argument(
+        "--draft-model", default=None, metavar="PATH", help="draft model GGUF sharing the target's tokenizer (--drafter draft|auto)"
+    )
+    g.add_argument("--draft-n-ctx", type=int, default=None, help="draft model context (default: the target's)")
+    g.add_argument("--eagle", default=None, metavar="PATH", help="EAGLE-3 head GGUF for the target (--drafter eagle3|auto)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, *, greedy_default: bool = False) -> None:
@@ -95,6 +101,9 @@ def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = 
     return Engine(
         a.model,
         drafter=drafter,
+        draft_model=getattr(a, "draft_model", None),
+        draft_n_ctx=getattr(a, "draft_n_ctx", None),
+        eagle=getattr(a, "eagle", None),
         n_ctx=a.n_ctx,
         n_threads=a.threads,
         n_gpu_layers=a.n_gpu_layers,

@@ -1,4 +1,5 @@
-"""``localspec models``: where the default model is (and model utilities as they land)."""
+"""``localspec models``: where the default model is, and model utilities (derived drafts,
+EAGLE-3 heads)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,28 @@ def register(sub) -> None:
     i = msub.add_parser("info", help="describe a GGUF (default: the embedded model)")
     i.add_argument("path", nargs="?", default=None)
     i.set_defaults(func=run_info)
+    d = msub.add_parser(
+        "derive-draft",
+        help="write a draft model: the target's first N layers (+ final norm and output)",
+        description="Writes a layer-truncated copy of TARGET: a real draft model with the target's "
+        "vocabulary, for --drafter draft --draft-model OUT.",
+    )
+    d.add_argument("target", help="target GGUF ('default' = the embedded model)")
+    d.add_argument("--layers", type=int, required=True, help="blocks to keep")
+    d.add_argument("--out", required=True, help="draft GGUF to write")
+    d.set_defaults(func=run_derive_draft)
+    r = msub.add_parser(
+        "random-eagle3",
+        help="write an untrained EAGLE-3 head for TARGET (for tests: lossless, rarely accepted)",
+        description="Writes a randomly initialised EAGLE-3 head (llama.cpp architecture eagle3) for "
+        "TARGET: fc over 3 target-layer features, one decoder layer, a reduced draft vocabulary with "
+        "its own output matrix and d2t. Use it with --drafter eagle3 --eagle OUT.",
+    )
+    r.add_argument("target", help="target GGUF ('default' = the embedded model)")
+    r.add_argument("--out", required=True, help="head GGUF to write")
+    r.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (default 8192)")
+    r.add_argument("--seed", type=int, default=0)
+    r.set_defaults(func=run_random_eagle3)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_default)
 
@@ -65,4 +88,32 @@ def run_info(a: argparse.Namespace) -> int:
     finally:
         m.close()
     print(json.dumps(info, indent=None if a.json else 2))
+    return 0
+
+
+def run_derive_draft(a: argparse.Namespace) -> int:
+    from ..backend import check_gguf_file
+    from ..models import resolve_model
+    from ..models.derive import derive_draft
+
+    target = check_gguf_file(resolve_model(a.target))
+    try:
+        out = derive_draft(target, a.out, a.layers)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): the first {a.layers} layers of {target.name}")
+    return 0
+
+
+def run_random_eagle3(a: argparse.Namespace) -> int:
+    from ..backend import check_gguf_file
+    from ..models import resolve_model
+    from ..models.eagle3_gguf import random_eagle3
+
+    target = check_gguf_file(resolve_model(a.target))
+    try:
+        out = random_eagle3(target, a.out, draft_vocab=a.draft_vocab, seed=a.seed)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): an untrained EAGLE-3 head for {target.name}")
     return 0

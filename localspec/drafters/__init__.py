@@ -1,24 +1,75 @@
 """Drafters: objects that propose token trees for the target to verify.
 
-``make_drafter(name)`` is the registry used by the CLI and the Python API; ``"none"`` means
-plain decoding. See ``base.Drafter`` for the protocol.
+``make_drafter(name, **options)`` is the registry used by the CLI and the Python API;
+``"none"`` means plain decoding. See ``base.Drafter`` for the protocol.
+
+=========  ==============================================  ===========================
+name       drafter                                         options
+=========  ==============================================  ===========================
+ngram      prompt-lookup n-gram trees (``NgramDrafter``)   --
+draft      a standalone GGUF draft model                   ``draft_model``, ``draft_n_ctx``
+eagle3     an EAGLE-3 head for the target                  ``eagle``
+auto       n-gram every step, plus a draft model or an     ``draft_model`` or ``eagle``
+           EAGLE-3 head when the policy expects it to pay  (optional)
+=========  ==============================================  ===========================
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
-from .base import Drafter
+from ..errors import InvalidRequestError
+from .base import Drafter, TargetHandle
 from .ngram import NgramDrafter
 from .ngram_index import NgramIndex
 
+
+def _draft(draft_model=None, draft_n_ctx: int | None = None) -> Drafter:
+    from .draft_model import DraftModelDrafter
+
+    if draft_model is None:
+        raise InvalidRequestError(
+            "the draft drafter needs a draft model: --draft-model PATH (Python: draft_model=PATH), "
+            "a GGUF that shares the target's tokenizer"
+        )
+    return DraftModelDrafter(draft_model, n_ctx=draft_n_ctx)
+
+
+def _eagle3(eagle=None) -> Drafter:
+    from .eagle3 import Eagle3Drafter
+
+    if eagle is None:
+        raise InvalidRequestError(
+            "the eagle3 drafter needs an EAGLE-3 head: --eagle PATH (Python: eagle=PATH); "
+            "`localspec models random-eagle3 TARGET --out PATH` writes an untrained one for tests"
+        )
+    return Eagle3Drafter(eagle)
+
+
+def _auto(draft_model=None, draft_n_ctx: int | None = None, eagle=None) -> Drafter:
+    from .auto import AutoDrafter
+
+    if draft_model is not None and eagle is not None:
+        raise InvalidRequestError("--drafter auto takes a draft model or an EAGLE-3 head, not both")
+    model = None
+    if draft_model is not None:
+        model = _draft(draft_model, draft_n_ctx)
+    elif eagle is not None:
+        model = _eagle3(eagle)
+    return AutoDrafter(model)
+
+
 _REGISTRY: dict[str, Callable[..., Drafter]] = {
     "ngram": NgramDrafter,
+    "draft": _draft,
+    "eagle3": _eagle3,
+    "auto": _auto,
 }
 
 
 def register_drafter(name: str, factory: Callable[..., Drafter]) -> None:
-    """Make ``factory(**kwargs)`` available as ``--drafter name``."""
+    """Make ``factory(**options)`` available as ``--drafter name``."""
     _REGISTRY[name] = factory
 
 
@@ -26,19 +77,36 @@ def drafter_names() -> list[str]:
     return ["none", *_REGISTRY]
 
 
-def make_drafter(name: str | None, **kwargs) -> Drafter | None:
+def make_drafter(name: str | None, **options) -> Drafter | None:
     """A new drafter by name (``None`` / ``"none"`` -> no drafter).
 
     Raises:
         ValueError: unknown name (the message lists the known ones).
+        InvalidRequestError: an option the drafter does not take, or a missing one.
     """
     if name is None or name == "none":
+        if options:
+            raise InvalidRequestError(f"options {', '.join(sorted(options))} need a drafter (not 'none')")
         return None
     try:
         factory = _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(drafter_names())}") from None
-    return factory(**kwargs)
+    try:
+        inspect.signature(factory).bind(**options)
+    except TypeError:
+        raise InvalidRequestError(
+            f"drafter {name!r} does not take {', '.join(sorted(options))} (see `localspec generate --help`)"
+        ) from None
+    return factory(**options)
 
 
-__all__ = ["Drafter", "NgramDrafter", "NgramIndex", "drafter_names", "make_drafter", "register_drafter"]
+__all__ = [
+    "Drafter",
+    "NgramDrafter",
+    "NgramIndex",
+    "TargetHandle",
+    "drafter_names",
+    "make_drafter",
+    "register_drafter",
+]

@@ -20,14 +20,31 @@ Contract:
     * ``observe(tree, emitted)`` reports the tree as proposed (before the policy pruned it)
       and the tokens the step emitted, so the drafter can calibrate its estimates, also on
       the nodes that were not verified.
+
+Optional hooks, called by the engine when a drafter defines them:
+    * ``attach(target: TargetHandle)`` once, when the drafter is set on an engine: drafters
+      that run a model get the target model (vocabulary check), context (EAGLE-3 heads share
+      its tensors), policy (tree shapes) and, when they list ``target_feature_layers``,
+      the ``FeatureTap`` that captures those target layers.
+    * ``set_sampling(sampler: RequestSampler)`` before ``begin`` of every request: model
+      drafters draft with the request's sampling (greedy, seeded Gumbel, or their own
+      distribution for classic rejection sampling).
+    * ``target_feature_layers``: a tuple of target layer ids whose *inputs* the drafter reads
+      after every target decode (EAGLE-3; see ``backend.features``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ..tree import TokenSource, TokenTree
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..backend import Context, Model
+    from ..backend.features import FeatureTap
+    from ..policy import SpeculationPolicy
 
 
 @runtime_checkable
@@ -44,3 +61,21 @@ class Drafter(Protocol):
     def observe(self, tree: TokenTree, emitted: Sequence[int]) -> None: ...
 
     def close(self) -> None: ...
+
+
+@dataclass
+class TargetHandle:
+    """What the engine lends a drafter that needs the target (``attach``).
+
+    Attributes:
+        model: the target ``Model``.
+        ctx: the target ``Context`` (valid until the drafter is replaced or the engine closed).
+        policy: the engine's ``SpeculationPolicy`` (tree shapes, drafter choice).
+        features: the ``FeatureTap`` on the target context, when the drafter asked for
+            ``target_feature_layers``; else None.
+    """
+
+    model: "Model"
+    ctx: "Context"
+    policy: "SpeculationPolicy"
+    features: "FeatureTap | None" = None

@@ -266,23 +266,8 @@ class NgramDrafter:
 
     def observe(self, tree: TokenTree, emitted: Sequence[int]) -> None:
         """Learn from a step: ``tree`` as proposed (before the policy pruned it) and the tokens
-        the target emitted. Walking the proposal along the emitted tokens, every child of a
-        reached node was "tried": accepted if its token is the next emitted one. (With greedy
-        or seeded Gumbel verification the emitted tokens do not depend on what was verified,
-        so nodes the policy did not verify are scored exactly as if they had been.)"""
-        if tree.n_nodes > 1 and tree.feature is not None:
-            node = 0
-            for tok in emitted:
-                nxt = -1
-                for c in tree.children(node):
-                    hit = int(tree.token_ids[c]) == tok
-                    self.tracker.record(int(tree.feature[c]), hit)
-                    if hit:
-                        nxt = c
-                if nxt < 0:
-                    break
-                node = nxt
-        self.tracker.end_step()
+        the target emitted (see ``AcceptanceTracker.learn``)."""
+        self.tracker.learn(tree, emitted)
 
     def close(self) -> None:
         pass

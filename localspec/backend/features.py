@@ -1,0 +1,119 @@
+"""``FeatureTap``: the inputs of chosen target layers, captured during decodes (``cb_eval``).
+
+EAGLE-3 heads read the target's hidden states at three layers. llama.cpp's built-in
+extraction (``llama_set_embeddings_layer_inp``) exists only for some architectures and
+aborts the process on others (Gemma 3), and ``embeddings = true`` would make every prompt
+token an output (an lm_head row each). So the tap reads the named per-layer graph tensors
+through the scheduler's eval callback instead, for every architecture:
+
+* layer id ``k`` (as in ``eagle3.target_layers``) means the **input** of layer ``k``, i.e.
+  the output of layer ``k - 1``: the graph tensor ``l_out-{k-1}``, one row of ``n_embd``
+  floats per batch token, in batch order (unified KV caches split batches in order);
+* ``1 <= k < n_layer``: llama.cpp keeps only the output rows in the last layer, so its
+  output (``k == n_layer``) is not available for every token and is refused.
+
+The callback only reads (``ggml_backend_tensor_get``, which also works for GPU buffers), so
+the decode computes exactly the same numbers as without it; the scheduler does call it once
+per graph node, which costs ~1 ms per decode from Python (``t_callback_us`` measures it).
+
+Usage::
+
+    tap = FeatureTap([2, 9, 15], n_layer=18, n_embd=640)
+    ctx = Context(model, ..., cb_eval=tap.callback)
+    ctx.decode(batch)
+    rows = tap.take()   # [n_tokens, 3 * 640] float32, layer blocks in the order given
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from ._llama import ggml_tensor_get, lib
+from .tensor import GGML_TYPE_F32, GgmlTensor
+
+_NAME_OFFSET = GgmlTensor.name.offset
+
+
+def layer_tensor_name(layer_id: int) -> str:
+    """Name of the graph tensor holding the input of layer ``layer_id``."""
+    return f"l_out-{layer_id - 1}"
+
+
+class FeatureTap:
+    """Captures, for every token a decode processes, the inputs of ``layers``.
+
+    Args:
+        layers: target layer ids (each ``1 <= k < n_layer``), in the order their blocks
+            appear in a feature row.
+        n_layer: the target's layer count.
+        n_embd: the target's hidden size.
+    Raises:
+        ValueError: a layer id outside ``1 .. n_layer - 1``.
+    """
+
+    def __init__(self, layers: Sequence[int], n_layer: int, n_embd: int) -> None:
+        layers = [int(k) for k in layers]
+        for k in layers:
+            if not 1 <= k < n_layer:
+                raise ValueError(
+                    f"target layer id {k} is not supported: the tap reads the input of layers 1..{n_layer - 1} "
+                    f"(llama.cpp keeps only output rows after the last layer)"
+                )
+        self.layers = tuple(layers)
+        self.n_embd = int(n_embd)
+        self._index = {layer_tensor_name(k).encode(): i for i, k in enumerate(layers)}
+        self._parts: list[list[np.ndarray]] = [[] for _ in layers]
+        self.t_callback_us = 0.0  # time spent in the callback, all decodes
+        self.n_decodes = 0
+        self.callback = lib.ggml_backend_sched_eval_callback(self._on_eval)
+
+    @property
+    def width(self) -> int:
+        """Floats per feature row: ``len(layers) * n_embd``."""
+        return len(self.layers) * self.n_embd
+
+    def _on_eval(self, t_ptr: int, ask: bool, _user_data) -> bool:
+        t0 = time.perf_counter()
+        try:
+            name = ctypes.string_at(t_ptr + _NAME_OFFSET)
+            i = self._index.get(name)
+            if ask:
+                return i is not None
+            if i is not None:
+                t = GgmlTensor.from_address(t_ptr)
+                if t.type != GGML_TYPE_F32 or int(t.ne[0]) != self.n_embd:
+                    raise TypeError(f"{name!r} is not an F32 tensor of width {self.n_embd}")
+                out = np.empty((int(t.ne[1]), self.n_embd), dtype=np.float32)
+                ggml_tensor_get(t_ptr, out.ctypes.data, 0, out.nbytes)
+                self._parts[i].append(out)
+            return True
+        except Exception:  # never raise into C: a False here would cancel the decode
+            return not ask
+        finally:
+            self.t_callback_us += (time.perf_counter() - t0) * 1e6
+
+    def take(self) -> np.ndarray:
+        """Rows captured since the last ``take``: ``[n_tokens, width] float32``.
+
+        Raises:
+            RuntimeError: the layers captured different numbers of rows (a decode that did
+                not reach every layer, e.g. aborted).
+        """
+        counts = {sum(p.shape[0] for p in parts) for parts in self._parts}
+        if len(counts) != 1:
+            self.clear()
+            raise RuntimeError(f"feature layers captured different row counts {sorted(counts)}")
+        n = counts.pop()
+        if n == 0:
+            return np.zeros((0, self.width), dtype=np.float32)
+        out = np.concatenate([np.concatenate(parts, axis=0) for parts in self._parts], axis=1)
+        self.clear()
+        self.n_decodes += 1
+        return out
+
+    def clear(self) -> None:
+        self._parts = [[] for _ in self.layers]

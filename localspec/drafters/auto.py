@@ -1,0 +1,124 @@
+"""``--drafter auto``: the n-gram drafter every step, a model drafter when the policy expects it
+to pay, both merged into one tree.
+
+Each step the n-gram drafter proposes first (it costs ~0.1 ms). The policy then compares
+the best expected rate of that tree with the expected rate of a model-drafted step, whose
+drafting time is paid whatever is accepted (``SpeculationPolicy.prefer_model``). When the
+model runs, its tree and the n-gram tree are merged (``merge_trees``): a continuation found
+by both appears once, with the larger acceptance estimate, and the policy verifies the best
+nodes of the union. Each drafter learns from its own tree (``observe``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..tree import TokenSource, TokenTree, TreeBuilder
+from .base import Drafter, TargetHandle
+from .ngram import NgramDrafter
+
+
+def merge_trees(first: TokenTree, second: TokenTree) -> TokenTree:
+    """The union of two trees with the same root.
+
+    Deterministic nodes with the same token under the same parent are merged (the larger
+    score wins; the first tree's source is kept); stochastic nodes (sampled from a draft
+    distribution) are never merged, and their distributions follow their parents. At most one
+    of the trees may have stochastic children under a given node.
+
+    Raises:
+        ValueError: different roots, or both trees sample children of the same node.
+    """
+    if int(first.token_ids[0]) != int(second.token_ids[0]):
+        raise ValueError("merge_trees: the trees have different roots")
+    if second.n_nodes <= 1:
+        return first
+    if first.n_nodes <= 1:
+        return second
+    b = TreeBuilder(int(first.token_ids[0]))
+    for tree in (first, second):
+        remap = [0] * tree.n_nodes
+        for i in range(1, tree.n_nodes):
+            prob = float(tree.draft_probs[i]) if tree.is_stochastic(i) else None
+            remap[i] = b.add(
+                remap[int(tree.parents[i])],
+                int(tree.token_ids[i]),
+                source=TokenSource(int(tree.source[i])),
+                score=float(tree.score[i]),
+                draft_prob=prob,
+            )
+        for parent, dist in tree.draft_dists.items():
+            if remap[parent] in b.draft_dists:
+                raise ValueError("merge_trees: both trees sample children of the same node")
+            b.set_draft_dist(remap[parent], dist)
+    return b.build()
+
+
+class AutoDrafter:
+    """The n-gram drafter plus, when the policy expects it to pay, a model drafter.
+
+    Args:
+        model: a model drafter (``DraftModelDrafter``, ``Eagle3Drafter``) or None (n-gram only).
+        ngram: the n-gram drafter (default: a new ``NgramDrafter``).
+    """
+
+    name = "auto"
+    source = TokenSource.NGRAM
+
+    def __init__(self, model: Drafter | None = None, ngram: NgramDrafter | None = None) -> None:
+        self.ngram = ngram or NgramDrafter()
+        self.model = model
+        self.target_feature_layers = getattr(model, "target_feature_layers", None)
+        self.policy = None
+        self._ngram_tree: TokenTree | None = None
+        self._model_tree: TokenTree | None = None
+
+    @property
+    def n_target_features(self) -> int:
+        """(EAGLE-3 heads) positions whose target features the model drafter has."""
+        return self.model.n_target_features
+
+    def add_target_features(self, first_pos: int, rows) -> None:
+        self.model.add_target_features(first_pos, rows)
+
+    def attach(self, target: TargetHandle) -> None:
+        self.policy = target.policy
+        if self.model is not None and hasattr(self.model, "attach"):
+            self.model.attach(target)
+
+    def set_sampling(self, sampler) -> None:
+        if self.model is not None and hasattr(self.model, "set_sampling"):
+            self.model.set_sampling(sampler)
+
+    def begin(self, history: Sequence[int], context: Sequence[Sequence[int]] = ()) -> None:
+        self.ngram.begin(history, context)
+        if self.model is not None:
+            self.model.begin(history)
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        self.ngram.accept(tokens)
+        if self.model is not None:
+            self.model.accept(tokens)
+
+    def propose(self, max_depth: int, max_nodes: int) -> TokenTree:
+        ngram_tree = self.ngram.propose(max_depth, max_nodes)
+        self._ngram_tree, self._model_tree = ngram_tree, None
+        if self.model is None or self.policy is None:
+            return ngram_tree
+        best_ngram = self.policy.choose(ngram_tree, max_nodes=max_nodes)
+        if not self.policy.prefer_model(best_ngram, self.model.stats):
+            self.model.stats.skipped()
+            return ngram_tree
+        self._model_tree = self.model.propose(max_depth, max_nodes)
+        return merge_trees(self._model_tree, ngram_tree)
+
+    def observe(self, tree: TokenTree, emitted: Sequence[int]) -> None:
+        if self._ngram_tree is not None:
+            self.ngram.observe(self._ngram_tree, emitted)
+        if self._model_tree is not None:
+            self.model.observe(self._model_tree, emitted)
+
+    def close(self) -> None:
+        self.ngram.close()
+        if self.model is not None:
+            self.model.close()

@@ -1,0 +1,230 @@
+"""EAGLE-3 heads (Li et al. 2025) on llama.cpp's ``eagle3`` architecture.
+
+An EAGLE-3 head is one decoder layer that drafts from the target's own hidden states. Its
+GGUF (``models/eagle3_gguf.py`` writes them) has an encoder ``fc`` that fuses the inputs of
+three target layers (``eagle3.target_layers``) into one row ``g_P`` per position, and a
+decoder whose entry at position ``P`` reads the token at ``P + 1`` and ``g_P`` and predicts
+the token at ``P + 2``. Its context borrows the target's token embeddings through
+``ctx_other``; a reduced draft vocabulary is mapped back to target ids by ``d2t`` inside
+llama.cpp (logits rows are target-vocabulary wide, ``-inf`` outside the draft vocabulary).
+
+How the engine and the head work together::
+
+    target decode (prefill chunk or verified tree)
+       └─ FeatureTap (cb_eval) captures l_out-(k-1) rows for the 3 layers
+    engine: add_target_features(first_pos, rows of the committed tokens only)
+    propose:
+       level 0: encode the new feature rows -> g; decode entries (t[P+1], g_P) for every
+                position not yet in the head's KV seq 0; the last one (P = root_pos - 1,
+                token = the root) with output -> children of the root, and its pre-norm
+                state h (read with llama_get_embeddings_nextn_ith)
+       level d: decode frontier nodes in scratch sequences: entry (node token, h of its
+                parent) at position root_pos + depth - 1 -> children, and the node's h
+
+Like llama.cpp's own driver (``common/speculative.cpp``) the head's KV holds entries for all
+committed positions; rejected draft entries live only in scratch sequences and are dropped.
+Entries are decoded with logits for all rows or none, because the ``eagle3`` graph does not
+select output rows (a mixed batch would return the wrong rows).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..backend import Model
+from ..backend._llama import ext, model_target_layer_ids, model_target_layer_ids_n
+from ..backend.batch_ext import ExtBatch
+from ..errors import KVCacheError, ModelLoadError
+from ..policy import TreeShape
+from ..tree import TokenSource, TreeBuilder
+from .base import TargetHandle
+from .draft_model import common_prefix
+from .model_drafter import ModelDrafter
+from .vocab_check import check_vocab
+
+
+def head_target_layers(model: Model) -> tuple[int, ...]:
+    """``eagle3.target_layers`` of a loaded head (as llama.cpp read them)."""
+    if model_target_layer_ids is None or model_target_layer_ids_n is None:
+        raise ModelLoadError("this llama-cpp-python build does not export llama_model_target_layer_ids (need 0.3.36)")
+    n = int(model_target_layer_ids_n(model.handle))
+    ptr = model_target_layer_ids(model.handle)
+    return tuple(int(ptr[i]) for i in range(n))
+
+
+class Eagle3Drafter(ModelDrafter):
+    """Drafts dynamic token trees with an EAGLE-3 head (see the module docstring).
+
+    Args:
+        head: the head's GGUF path (architecture ``eagle3``) or a loaded ``Model``.
+        n_gpu_layers: offload on CUDA / Metal builds.
+        max_depth / max_width / shape: see ``ModelDrafter``.
+    Raises:
+        ModelLoadError: not an EAGLE-3 head, or made for another hidden size (at ``attach``).
+        VocabMismatchError: (at ``attach``) its tokenizer is not the target's.
+    """
+
+    name = "eagle3"
+    source = TokenSource.EAGLE3
+
+    def __init__(
+        self,
+        head: Model | str | os.PathLike,
+        *,
+        n_gpu_layers: int = 0,
+        max_depth: int = 8,
+        max_width: int = 8,
+        shape: TreeShape | None = None,
+    ) -> None:
+        super().__init__(head, n_gpu_layers=n_gpu_layers, max_depth=max_depth, max_width=max_width, shape=shape)
+        if self.model.architecture != "eagle3":
+            arch = self.model.architecture
+            self.close()
+            raise ModelLoadError(f"{head} is a {arch} model, not an EAGLE-3 head (architecture eagle3)")
+        self.target_feature_layers = head_target_layers(self.model)
+        self.n_embd_target = int(self.model.meta("eagle3.target_hidden_size") or self.model.n_embd)
+        self.n_embd = self.model.n_embd
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        self.kv_len = 0  # head KV seq 0 holds entries for positions 0 .. kv_len - 1
+        self.feat = np.zeros((0, 3 * self.n_embd_target), dtype=np.float32)  # rows of positions kv_len ..
+        self.g_last: np.ndarray | None = None  # g of entry kv_len - 1 (to redo it)
+        self._state: dict[int, np.ndarray] = {}  # node -> its pre-norm output row
+
+    @property
+    def n_target_features(self) -> int:
+        """Positions ``0 .. n - 1`` of the history whose target features the head has."""
+        return self.kv_len + self.feat.shape[0]
+
+    def attach(self, target: TargetHandle) -> None:
+        """Check the head against the target and create its context (sharing the target's)."""
+        check_vocab(target.model, self.model)
+        if target.model.n_embd != self.n_embd_target:
+            raise ModelLoadError(
+                f"this EAGLE-3 head reads features of hidden size {self.n_embd_target}, the target has "
+                f"{target.model.n_embd}: it was made for another model"
+            )
+        if target.features is None or tuple(target.features.layers) != self.target_feature_layers:
+            raise RuntimeError("the engine must capture the head's target layers (target_feature_layers)")
+        self.bind(target, n_ctx=target.ctx.n_ctx, ctx_other=target.ctx)
+        ext.llama_set_embeddings_nextn(self.ctx.handle, True, True)  # pre-norm rows of the outputs
+        self.batch = ExtBatch(self.ctx.handle)
+        self._reset_state()
+
+    # -- protocol (besides ModelDrafter's) ------------------------------------------------------
+
+    def begin(self, history: Sequence[int], context: Sequence[Sequence[int]] = ()) -> None:
+        """Keep the head's entries and features that the new history shares."""
+        common = common_prefix(self.history, history)
+        keep_kv = min(self.kv_len, max(0, common - 1))  # entry P also needs token P + 1
+        if keep_kv < self.kv_len:
+            self._truncate_kv(keep_kv)
+            self.feat = self.feat[:0]  # features of the dropped entries are gone: re-prefill them
+        else:
+            self.feat = self.feat[: max(0, min(self.n_target_features, common) - self.kv_len)]
+        super().begin(history, context)
+
+    def add_target_features(self, first_pos: int, rows: np.ndarray) -> None:
+        """Target features of positions ``first_pos, first_pos + 1, ...`` ([n, 3 * n_embd]
+        float32); rows of positions the head already has are ignored.
+
+        Raises:
+            ValueError: a gap (positions between what the head has and ``first_pos``).
+        """
+        have = self.n_target_features
+        if first_pos > have:
+            raise ValueError(f"target features from position {first_pos}, but the head has only {have}")
+        new = rows[have - first_pos :]
+        if new.shape[0]:
+            self.feat = np.concatenate([self.feat, new.astype(np.float32, copy=False)])
+
+    def ready(self) -> bool:
+        root_pos = len(self.history) - 1
+        return self.ctx is not None and root_pos >= 1 and self.n_target_features >= root_pos
+
+    def check_cache(self) -> None:
+        lo, hi = self.ctx.pos_min(0), self.ctx.pos_max(0)
+        want = (0, self.kv_len - 1) if self.kv_len else (-1, -1)
+        if (lo, hi) != want:
+            raise KVCacheError(f"EAGLE-3 head KV holds positions [{lo}, {hi}], expected {list(want)}")
+
+    def close(self) -> None:
+        if getattr(self, "batch", None) is not None:
+            self.batch.close()
+            self.batch = None
+        super().close()
+
+    # -- LevelDecoder -------------------------------------------------------------------------
+
+    def decode_level(self, tree: TreeBuilder, nodes: list[int]) -> np.ndarray:
+        if nodes == [0]:
+            return self._catch_up(tree.tokens[0])
+        root_pos = len(self.history) - 1
+        b = self.batch
+        b.clear()
+        for n in nodes:
+            seq = self.fork(tree.parents[n], n)
+            b.add(token=tree.tokens[n], pos=root_pos + tree.depth[n] - 1, seq_id=seq, output=True, embd=self._state[tree.parents[n]])
+        self.ctx.process(b)
+        for i, n in enumerate(nodes):
+            self._state[n] = self._prenorm(i)
+        return self.ctx.logits()
+
+    def _catch_up(self, root: int) -> np.ndarray:
+        """Write the entries of every position up to the root's predecessor; the last one
+        (token = the root) with output: the root's children and pre-norm state."""
+        root_pos = len(self.history) - 1
+        if self.kv_len >= root_pos:  # asked twice for the same root: redo its entry
+            assert self.kv_len == root_pos and self.g_last is not None
+            self._truncate_kv(root_pos - 1)
+            self.feat = self.feat[:0]
+            g_new = self.g_last[None, :]
+        else:
+            g_new = self._encode(self.feat[: root_pos - self.kv_len])
+            self.feat = self.feat[root_pos - self.kv_len :]
+        first = self.kv_len
+        b = self.batch
+        n_batch = self.ctx.n_batch
+        for i0 in range(0, g_new.shape[0] - 1, n_batch):  # entries before the last: no output
+            b.clear()
+            for i in range(i0, min(i0 + n_batch, g_new.shape[0] - 1)):
+                p = first + i
+                b.add(token=self.history[p + 1], pos=p, seq_id=0, output=False, embd=g_new[i])
+            self.ctx.process(b)
+        b.clear()
+        b.add(token=root, pos=root_pos - 1, seq_id=0, output=True, embd=g_new[-1])
+        self.ctx.process(b)
+        self.kv_len = root_pos
+        self.g_last = g_new[-1].copy()
+        self._state = {0: self._prenorm(0)}
+        return self.ctx.logits()
+
+    def _encode(self, feats: np.ndarray) -> np.ndarray:
+        """The encoder (``fc``) over target feature rows: [n, 3 * n_embd_target] -> [n, n_embd]."""
+        out = np.empty((feats.shape[0], self.n_embd), dtype=np.float32)
+        b = self.batch
+        n_batch = self.ctx.n_batch
+        for i0 in range(0, feats.shape[0], n_batch):
+            rows = feats[i0 : i0 + n_batch]
+            b.clear()
+            for j, row in enumerate(rows):
+                b.add(token=None, pos=self.kv_len + i0 + j, seq_id=0, output=True, embd=row)
+            self.ctx.process(b, encode=True)
+            ptr = ext.llama_get_embeddings_nextn(self.ctx.handle)
+            out[i0 : i0 + rows.shape[0]] = np.ctypeslib.as_array(ptr, shape=(rows.shape[0], self.n_embd))
+        return out
+
+    def _prenorm(self, i: int) -> np.ndarray:
+        ptr = ext.llama_get_embeddings_nextn_ith(self.ctx.handle, i)
+        if not ptr:
+            raise RuntimeError(f"the EAGLE-3 head returned no pre-norm state for output {i}")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).copy()
+
+    def _truncate_kv(self, n: int) -> None:
+        self.ctx.seq_rm(0, n, -1)
+        self.kv_len = n
+        self.check_cache()

@@ -1,0 +1,149 @@
+"""``ModelDrafter``: what every drafter that runs a model (draft model, EAGLE-3 head) shares.
+
+The history, the request's ``DraftSampler``, the acceptance calibration and statistics, and
+the step itself: ask the policy for a tree shape, grow the tree level by level
+(``tree_expand.expand_tree``, which calls the subclass's ``decode_level``), then drop the
+scratch sequences and check the draft's KV cache whatever happened (``finally``).
+
+Subclasses provide ``attach`` (checks, then
+``bind`` to create the draft context), ``decode_level`` and ``check_cache``, and may override
+``ready`` (can this step draft at all?) and ``close``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+from ..backend import Context, Model
+from ..backend.slots import SeqSlots
+from ..policy import ModelDraftStats, TreeShape, accepted_length
+from ..sampling import SamplingParams
+from ..tree import TokenSource, TokenTree
+from .tree_expand import DraftCalibration, DraftSampler, expand_tree
+
+
+class ModelDrafter:
+    """Base of model drafters (see the module docstring).
+
+    Args:
+        model: the drafting model: a GGUF path, or a loaded ``Model`` (not closed by the drafter).
+        n_gpu_layers: layers to offload on CUDA / Metal builds (when loading from a path).
+        max_depth / max_width: largest tree shape the policy may ask for (they size the
+            draft context's scratch sequences).
+        shape: a fixed ``TreeShape`` for every step (tests, experiments); default: the
+            engine policy's ``tree_shape``.
+    """
+
+    name = "model"
+    source = TokenSource.DRAFT_MODEL
+
+    def __init__(
+        self,
+        model: Model | str | os.PathLike,
+        *,
+        n_gpu_layers: int = 0,
+        max_depth: int = 8,
+        max_width: int = 8,
+        shape: TreeShape | None = None,
+    ) -> None:
+        self._owns_model = not isinstance(model, Model)
+        self.model = model if isinstance(model, Model) else Model(model, n_gpu_layers=n_gpu_layers)
+        self.max_depth = max_depth
+        self.max_width = max_width
+        self.fixed_shape = shape
+        self.calib = DraftCalibration()
+        self.stats = ModelDraftStats()
+        self.history: list[int] = []
+        self.sampler: DraftSampler | None = None
+        self.target = None
+        self.ctx: Context | None = None
+        self._slot_of: dict[int, int] = {}
+
+    @property
+    def n_slots(self) -> int:
+        """Scratch sequences one tree may use (nodes decoded below the root)."""
+        return (self.max_depth - 1) * self.max_width
+
+    def set_sampling(self, sampler) -> None:
+        """Draft for this request's sampling (a ``RequestSampler``; None = greedy)."""
+        params = sampler.params if sampler is not None else SamplingParams.greedy(seed=0)
+        self.sampler = DraftSampler(params, self.n_vocab, self.suppress_ids)
+
+    def begin(self, history: Sequence[int], context: Sequence[Sequence[int]] = ()) -> None:
+        self.history = [int(t) for t in history]
+        self.calib.reset_request()
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        self.history.extend(int(t) for t in tokens)
+
+    def ready(self) -> bool:
+        return self.ctx is not None
+
+    def propose(self, max_depth: int, max_nodes: int) -> TokenTree:
+        root = self.history[-1]
+        if max_depth <= 0 or max_nodes <= 1 or not self.ready():
+            return TokenTree.root_only(root)
+        if self.sampler is None:
+            self.set_sampling(None)
+        shape = self.fixed_shape or self.target.policy.tree_shape(
+            self.stats, max_depth=self.max_depth, max_nodes=max_nodes, max_width=self.max_width
+        )
+        shape = shape.clipped(max_depth=min(max_depth, self.max_depth), max_width=self.max_width, max_nodes=max_nodes)
+        t0 = time.perf_counter()
+        try:
+            tree = expand_tree(root, len(self.history) - 1, shape, self, self.sampler, self.calib, self.source)
+        finally:
+            self.slots.release()
+            self._slot_of = {}
+            self.check_cache()
+        self.stats.observe_draft((time.perf_counter() - t0) * 1e6, tree.n_nodes)
+        return tree
+
+    def fork(self, parent: int, node: int) -> int:
+        """A scratch sequence for ``node``: its parent's sequence (seq 0 for the root) copied."""
+        seq = self.slots.fork(self._slot_of.get(parent, 0))
+        self._slot_of[node] = seq
+        return seq
+
+    def bind(self, target, *, n_ctx: int, ctx_other=None) -> None:
+        """Attach to ``target``: (re)create the draft context with a scratch sequence per
+        decoded tree node (``ctx_other``: a context whose tensors the draft borrows)."""
+        if self.ctx is not None:
+            self.ctx.close()
+            self.ctx = None
+        self.target = target
+        self.n_vocab = target.model.n_vocab
+        self.suppress_ids = target.model.suppress_tokens
+        self.ctx = Context(
+            self.model,
+            n_ctx=n_ctx,
+            n_batch=512,
+            n_seq_max=min(256, self.n_slots + 1),
+            n_threads=target.ctx.n_threads,
+            ctx_other=ctx_other,
+        )
+        self.slots = SeqSlots(self.ctx)
+        self.sampler = None
+
+    def observe(self, tree: TokenTree, emitted: Sequence[int]) -> None:
+        if tree.n_nodes > 1:
+            self.stats.observe_accept(accepted_length(tree, emitted))
+        self.calib.observe(tree, emitted)
+
+    # -- provided by subclasses ---------------------------------------------------------------
+
+    def decode_level(self, tree, nodes):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def check_cache(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Free the draft context, and the model when the drafter loaded it (idempotent)."""
+        if self.ctx is not None:
+            self.ctx.close()
+            self.ctx = None
+        if self._owns_model:
+            self.model.close()

@@ -1,0 +1,295 @@
+"""Write EAGLE-3 draft heads as GGUF files for llama.cpp's ``eagle3`` architecture.
+
+The layout is the one llama.cpp (as vendored by llama-cpp-python 0.3.36) loads; ``gguf``
+0.19 has no ``MODEL_ARCH.EAGLE3``, so the keys and tensor names are written here:
+
+=============================  ===============================  ==========================
+tensor                         numpy shape (rows = outputs)     meaning
+=============================  ===============================  ==========================
+``fc.weight``                  [n_embd, 3 * n_embd_target]      fuses the 3 target features
+``blk.0.attn_norm.weight``     [n_embd]                         RMSNorm of token embeddings
+``blk.0.attn_norm_2.weight``   [n_embd]                         RMSNorm of the fused features
+``blk.0.attn_q.weight``        [n_head * head_dim, 2 * n_embd]  attention over [emb ; feat]
+``blk.0.attn_k.weight``        [n_head_kv * head_dim, 2 * n_embd]
+``blk.0.attn_v.weight``        [n_head_kv * head_dim, 2 * n_embd]
+``blk.0.attn_output.weight``   [n_embd, n_head * head_dim]
+``blk.0.ffn_norm.weight``      [n_embd]
+``blk.0.ffn_gate/up.weight``   [n_ff, n_embd]                   SwiGLU
+``blk.0.ffn_down.weight``      [n_embd, n_ff]
+``output_norm.weight``         [n_embd]
+``output.weight``              [n_draft_vocab, n_embd]          draft-vocabulary lm_head
+``d2t``                        [n_draft_vocab] int64            draft id -> **absolute** target id
+=============================  ===============================  ==========================
+
+Conventions a trainer must follow (llama.cpp's ``eagle3`` graph, ``src/models/eagle3.cpp``):
+
+* Features: ``eagle3.target_layers = [k0, k1, k2]`` are layer ids whose **inputs** are read
+  (the output of layer ``k - 1``), concatenated in that order into ``3 * n_embd_target``
+  floats per position (``backend.features.FeatureTap`` produces exactly these rows).
+* Decoder input at position ``P``: the token at ``P + 1`` and ``g_P`` (the ``fc`` output of
+  the target features at ``P``, or, while drafting, the head's own pre-norm output at ``P``);
+  it predicts the token at ``P + 2``.
+* Token embeddings come **unscaled** from the target's ``token_embd`` (borrowed through
+  ``ctx_other``; Gemma multiplies by sqrt(n_embd) in its own graph, EAGLE-3 does not), so
+  the head's ``n_embd`` must equal the target's hidden size.
+* ``fc.weight`` is stored in float32: it multiplies raw target hidden states, and Gemma 3's
+  reach ~1e5, beyond float16 (llama.cpp would convert them to float16 for an F16 matrix and
+  get infinities).
+* RMSNorm weights are used as is (no Gemma-style ``1 + w``); RoPE is type NORM (adjacent
+  pairs rotated, as in llama.cpp's Llama), so Q/K weights trained with Hugging Face's
+  half-split rotary layout must be permuted like ``convert_hf_to_gguf.py`` does for Llama.
+* ``norm_before_residual`` (default False): the residual around attention is the raw fused
+  feature row, not its normalised form.
+* The head GGUF carries the target's tokenizer (copied from the target GGUF).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import numpy as np
+
+ARCH = "eagle3"
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """Hyper-parameters of an EAGLE-3 head.
+
+    Attributes:
+        target_layers: the 3 target layer ids whose inputs are the features.
+        n_embd_target: the target's hidden size (features are ``3 * n_embd_target`` wide).
+        n_embd: the head's hidden size (must equal ``n_embd_target`` when the token
+            embeddings are borrowed from the target, as here).
+        n_head / n_head_kv / head_dim: attention heads, key/value heads, head size.
+        n_ff: SwiGLU hidden size.
+        n_ctx_train: longest context (positions) the head is meant for.
+        rope_freq_base: RoPE base.
+        rms_eps: RMSNorm epsilon.
+        norm_before_residual: see the module docstring.
+    """
+
+    target_layers: tuple[int, int, int]
+    n_embd_target: int
+    n_embd: int
+    n_head: int = 4
+    n_head_kv: int = 1
+    head_dim: int = 128
+    n_ff: int = 2048
+    n_ctx_train: int = 32768
+    rope_freq_base: float = 10000.0
+    rms_eps: float = 1e-6
+    norm_before_residual: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.target_layers) != 3:
+            raise ValueError("EAGLE-3 reads exactly 3 target layers")
+        if self.n_embd != self.n_embd_target:
+            raise ValueError("n_embd must equal the target's hidden size (the token embeddings are the target's)")
+        if self.n_head % self.n_head_kv:
+            raise ValueError("n_head must be a multiple of n_head_kv")
+
+
+@dataclass
+class Eagle3Weights:
+    """The tensors of a head, as float arrays in ``[out, in]`` orientation (see the table in
+    the module docstring); ``d2t`` holds absolute target token ids."""
+
+    fc: np.ndarray
+    attn_norm: np.ndarray
+    hidden_norm: np.ndarray
+    wq: np.ndarray
+    wk: np.ndarray
+    wv: np.ndarray
+    wo: np.ndarray
+    ffn_norm: np.ndarray
+    w_gate: np.ndarray
+    w_up: np.ndarray
+    w_down: np.ndarray
+    output_norm: np.ndarray
+    output: np.ndarray
+    d2t: np.ndarray
+
+    def check(self, cfg: Eagle3Config) -> None:
+        """Raise ``ValueError`` when a shape does not match ``cfg``."""
+        e, q, kv = cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+        n_draft = self.d2t.shape[0]
+        want = {
+            "fc": (e, 3 * cfg.n_embd_target), "attn_norm": (e,), "hidden_norm": (e,),
+            "wq": (q, 2 * e), "wk": (kv, 2 * e), "wv": (kv, 2 * e), "wo": (e, q),
+            "ffn_norm": (e,), "w_gate": (cfg.n_ff, e), "w_up": (cfg.n_ff, e), "w_down": (e, cfg.n_ff),
+            "output_norm": (e,), "output": (n_draft, e), "d2t": (n_draft,),
+        }  # fmt: skip
+        for f in fields(self):
+            got = tuple(getattr(self, f.name).shape)
+            if got != want[f.name]:
+                raise ValueError(f"EAGLE-3 tensor {f.name}: shape {got}, expected {want[f.name]}")
+        if np.unique(self.d2t).size != n_draft or self.d2t.min() < 0:
+            raise ValueError("d2t must hold distinct, non-negative target token ids")
+
+
+_TENSOR_NAMES = {
+    "fc": "fc.weight",
+    "attn_norm": "blk.0.attn_norm.weight",
+    "hidden_norm": "blk.0.attn_norm_2.weight",
+    "wq": "blk.0.attn_q.weight",
+    "wk": "blk.0.attn_k.weight",
+    "wv": "blk.0.attn_v.weight",
+    "wo": "blk.0.attn_output.weight",
+    "ffn_norm": "blk.0.ffn_norm.weight",
+    "w_gate": "blk.0.ffn_gate.weight",
+    "w_up": "blk.0.ffn_up.weight",
+    "w_down": "blk.0.ffn_down.weight",
+    "output_norm": "output_norm.weight",
+    "output": "output.weight",
+}
+
+
+def _target_reader(target):
+    from gguf import GGUFReader
+
+    return target if isinstance(target, GGUFReader) else GGUFReader(str(target))
+
+
+def write_eagle3_gguf(
+    out: str | os.PathLike,
+    target,
+    cfg: Eagle3Config,
+    w: Eagle3Weights,
+    *,
+    matrix_dtype=np.float16,
+    name: str = "EAGLE-3 head",
+) -> Path:
+    """Write a head GGUF that llama.cpp loads as architecture ``eagle3``.
+
+    Args:
+        out: the file to write.
+        target: the target GGUF (path or an open ``gguf.GGUFReader``): its tokenizer is copied
+            and ``d2t`` is checked against its vocabulary size.
+        cfg / w: hyper-parameters and weights (shapes checked).
+        matrix_dtype: storage type of the matrices (norms are always float32).
+    Returns:
+        ``out`` as a ``Path``.
+    Raises:
+        ValueError: shapes, ``d2t`` ids or target layers that do not fit the target.
+    """
+    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+
+    w.check(cfg)
+    r = _target_reader(target)
+    arch = r.fields["general.architecture"].contents()
+    n_vocab = len(r.fields["tokenizer.ggml.tokens"].data)
+    n_layer = int(r.fields[f"{arch}.block_count"].contents())
+    if int(w.d2t.max()) >= n_vocab:
+        raise ValueError(f"d2t holds id {int(w.d2t.max())} but the target vocabulary has {n_vocab} tokens")
+    if not all(1 <= k < n_layer for k in cfg.target_layers):
+        raise ValueError(f"target layers must be in 1..{n_layer - 1}, got {cfg.target_layers}")
+    wr = GGUFWriter(str(out), arch=ARCH)
+    wr.add_name(name)
+    wr.add_uint32(f"{ARCH}.context_length", cfg.n_ctx_train)
+    wr.add_uint32(f"{ARCH}.embedding_length", cfg.n_embd)
+    wr.add_uint32(f"{ARCH}.block_count", 1)
+    wr.add_uint32(f"{ARCH}.feed_forward_length", cfg.n_ff)
+    wr.add_uint32(f"{ARCH}.attention.head_count", cfg.n_head)
+    wr.add_uint32(f"{ARCH}.attention.head_count_kv", cfg.n_head_kv)
+    wr.add_uint32(f"{ARCH}.attention.key_length", cfg.head_dim)
+    wr.add_uint32(f"{ARCH}.attention.value_length", cfg.head_dim)
+    wr.add_float32(f"{ARCH}.attention.layer_norm_rms_epsilon", cfg.rms_eps)
+    wr.add_float32(f"{ARCH}.rope.freq_base", cfg.rope_freq_base)
+    wr.add_uint32(f"{ARCH}.rope.dimension_count", cfg.head_dim)
+    wr.add_array(f"{ARCH}.target_layers", [int(k) for k in cfg.target_layers])
+    wr.add_uint32(f"{ARCH}.target_hidden_size", cfg.n_embd_target)
+    wr.add_bool(f"{ARCH}.norm_before_residual", cfg.norm_before_residual)
+    for key, field in r.fields.items():
+        if key.startswith("tokenizer."):
+            vtype = field.types[0]
+            sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+            wr.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    for attr, tname in _TENSOR_NAMES.items():
+        a = np.asarray(getattr(w, attr))
+        # fc multiplies raw target hidden states, which exceed the float16 range on some
+        # models (Gemma 3's residual stream reaches ~1e5): keep it (and the norms) in float32
+        wr.add_tensor(tname, a.astype(np.float32 if a.ndim == 1 or attr == "fc" else matrix_dtype))
+    wr.add_tensor("d2t", np.asarray(w.d2t, dtype=np.int64), raw_dtype=GGMLQuantizationType.I64)
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    return Path(out)
+
+
+def frequent_draft_vocab(target, size: int) -> np.ndarray:
+    """A draft vocabulary without a corpus: the ``size`` normal tokens the target's
+    SentencePiece/BPE scores rank most frequent, plus its end-of-generation tokens.
+
+    Returns:
+        [size] int64 sorted absolute target ids.
+    """
+    r = _target_reader(target)
+    scores = np.asarray(r.fields["tokenizer.ggml.scores"].contents(), dtype=np.float64)
+    types = np.asarray(r.fields["tokenizer.ggml.token_type"].contents())
+    eog = [
+        int(r.fields[k].contents())
+        for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+        if k in r.fields
+    ]
+    normal = np.flatnonzero(types == 1)
+    if normal.size + len(eog) < size:
+        raise ValueError(f"the target has only {normal.size} normal tokens; choose a smaller draft vocabulary")
+    order = normal[np.lexsort((normal, -scores[normal]))]
+    ids = np.unique(np.concatenate([np.asarray(eog, dtype=np.int64), order[: size - len(set(eog))]]))
+    return ids[:size].astype(np.int64)
+
+
+def default_target_layers(n_layer: int) -> tuple[int, int, int]:
+    """EAGLE-3's usual feature layers (low, middle, high): ``(2, n_layer // 2, n_layer - 3)``."""
+    return (2, n_layer // 2, n_layer - 3)
+
+
+def random_eagle3(
+    target: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    draft_vocab: int = 8192,
+    seed: int = 0,
+    n_head: int = 4,
+    head_dim: int = 128,
+    n_ff: int = 2048,
+) -> Path:
+    """An untrained EAGLE-3 head for ``target`` (random weights, std 0.02; norms 1).
+
+    It runs end to end like a trained head and every speculative path stays lossless, but
+    its drafts are almost never accepted. For tests and plumbing, not for speed.
+    """
+    r = _target_reader(target)
+    arch = r.fields["general.architecture"].contents()
+    n_embd = int(r.fields[f"{arch}.embedding_length"].contents())
+    n_layer = int(r.fields[f"{arch}.block_count"].contents())
+    n_ctx = int(r.fields[f"{arch}.context_length"].contents())
+    cfg = Eagle3Config(
+        target_layers=default_target_layers(n_layer),
+        n_embd_target=n_embd,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=1,
+        head_dim=head_dim,
+        n_ff=n_ff,
+        n_ctx_train=n_ctx,
+    )
+    rng = np.random.default_rng(seed)
+    d2t = frequent_draft_vocab(r, draft_vocab)
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
+
+    q, kv = n_head * head_dim, head_dim
+    ones = np.ones(n_embd, dtype=np.float32)
+    w = Eagle3Weights(
+        fc=mat(n_embd, 3 * n_embd), attn_norm=ones, hidden_norm=ones,
+        wq=mat(q, 2 * n_embd), wk=mat(kv, 2 * n_embd), wv=mat(kv, 2 * n_embd), wo=mat(n_embd, q),
+        ffn_norm=ones, w_gate=mat(n_ff, n_embd), w_up=mat(n_ff, n_embd), w_down=mat(n_embd, n_ff),
+        output_norm=ones, output=mat(d2t.size, n_embd), d2t=d2t,
+    )  # fmt: skip
+    return write_eagle3_gguf(out, r, cfg, w, name=f"random EAGLE-3 head (seed {seed})")

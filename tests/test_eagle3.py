@@ -1,0 +1,184 @@
+"""EAGLE-3 heads on the real Gemma 3 270M: the GGUF writer, target feature capture through
+the eval callback, and an untrained head drafting end to end, losslessly."""
+
+import numpy as np
+import pytest
+
+from conftest import fixed_cost_model
+from helpers import REJECTION_SAMPLING, REJECTION_SHAPES, assert_rejection_sampling_exact, assert_same_up_to_near_ties
+from localspec import Engine, SamplingParams
+from localspec.backend import Batch, Context, Model, SequenceCache
+from localspec.backend.features import FeatureTap
+from localspec.drafters.eagle3 import Eagle3Drafter, head_target_layers
+from localspec.errors import ModelLoadError
+from localspec.policy import TreeShape
+from localspec.sampler import RequestSampler
+from localspec.tree import TokenSource, TreeBuilder
+
+GREEDY = SamplingParams.greedy()
+PROMPT = "The three primary colours are red, yellow and blue. The three primary colours are"
+
+
+@pytest.fixture(scope="module")
+def head(random_head_path):
+    m = Model(random_head_path)
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def eng(model):
+    e = Engine(model, drafter="none", n_ctx=2048, cost_model=fixed_cost_model())
+    yield e
+    e.close()
+
+
+def test_random_head_gguf_is_an_eagle3_model(head, model):
+    assert head.architecture == "eagle3" and head.n_layer == 1 and head.n_embd == model.n_embd
+    assert head_target_layers(head) == (2, 9, 15)
+    assert head.n_vocab == model.n_vocab  # the head carries the target's tokenizer
+    with pytest.raises(ModelLoadError, match="not an EAGLE-3 head"):
+        Eagle3Drafter(model)
+
+
+def test_feature_rows_equal_an_independent_computation(model, derived_draft):
+    """The input of layer 12 captured from the full model equals the final hidden state of the
+    model truncated to 12 layers (computed by llama.cpp on its own, with embeddings=true,
+    where it comes out through the final RMSNorm: compare after the same norm)."""
+    from gguf import GGUFReader
+
+    prompt = model.tokenize(PROMPT)
+    tap = FeatureTap([12], n_layer=model.n_layer, n_embd=model.n_embd)
+    ctx = Context(model, n_ctx=256, cb_eval=tap.callback)
+    ref = Context(derived_draft, n_ctx=256, embeddings=True)
+    try:
+        b = Batch(len(prompt))
+        b.set_sequence(prompt, 0, output="last")
+        ctx.decode(b)
+        rows = tap.take()  # [n, 640]: every token, not only the output one
+        assert rows.shape == (len(prompt), model.n_embd)
+        b.set_sequence(prompt, 0, output="all")
+        ref.decode(b)
+        r = GGUFReader(str(derived_draft.path))
+        w = next(t for t in r.tensors if t.name == "output_norm.weight").data.astype(np.float64)
+        eps = 1e-6
+        x = rows.astype(np.float64)
+        normed = x / np.sqrt((x * x).mean(axis=1, keepdims=True) + eps) * w
+        got = np.stack([ref.embeddings_ith(i, model.n_embd) for i in range(len(prompt))])
+        assert np.allclose(normed, got, rtol=1e-3, atol=1e-3 * np.abs(got).max())
+    finally:
+        ctx.close()
+        ref.close()
+
+
+def test_the_tap_only_reads(model):
+    """Logits of a tree decode are bit-identical with and without the feature tap."""
+    prompt = model.tokenize(PROMPT)
+    out = []
+    for with_tap in (False, True):
+        tap = FeatureTap([2, 9, 15], model.n_layer, model.n_embd) if with_tap else None
+        ctx = Context(model, n_ctx=256, n_seq_max=4, cb_eval=tap.callback if tap else None)
+        cache = SequenceCache(ctx, max_tree_nodes=8)
+        try:
+            cache.prefill(prompt[:-1])
+            b = TreeBuilder(prompt[-1])
+            a = b.add(0, 9405, source=TokenSource.NGRAM)
+            b.add(a, 236761, source=TokenSource.NGRAM)
+            b.add(0, 532, source=TokenSource.NGRAM)
+            _, lg = cache.decode_tree(b.build())
+            out.append(lg.copy())
+            if tap:
+                assert tap.take().shape[0] == len(prompt) + 3  # prefill rows + tree rows
+        finally:
+            ctx.close()
+    assert np.array_equal(out[0], out[1])
+
+
+def run(eng, prompt, n, sampling=GREEDY, drafter=None):
+    eng.set_drafter(drafter)
+    eng.adaptive = drafter is None or not getattr(drafter, "fixed_shape", None)
+    eng.reset()
+    res = eng.generate(prompt, max_tokens=n, sampling=sampling, speculative=drafter is not None)
+    if drafter is not None:
+        drafter.check_cache()
+        assert all(drafter.ctx.pos_max(s) == -1 for s in range(1, drafter.ctx.n_seq_max))
+    return res
+
+
+@pytest.mark.parametrize("shape", [TreeShape(4, 1, 5, 0.0), TreeShape(3, 3, 10, 0.0)], ids=["chain", "tree"])
+def test_random_head_greedy_output_is_the_target_argmax(eng, model, random_head_path, shape):
+    prompt = model.tokenize(PROMPT)
+    plain = run(eng, prompt, 48)
+    d = Eagle3Drafter(random_head_path, shape=shape)
+    spec = run(eng, prompt, 48, drafter=d)
+    assert_same_up_to_near_ties(eng, prompt, plain.token_ids, spec.token_ids)
+    assert spec.stats.num_draft_tokens >= 40  # it drafted at every step
+    assert d.kv_len >= len(prompt)  # the head's KV holds an entry for every prompt position
+    eng.set_drafter(None)
+
+
+def test_random_head_with_seeded_gumbel_and_kv_reuse(eng, model, random_head_path):
+    sp = SamplingParams(temperature=0.8, seed=5)
+    prompt = model.tokenize(PROMPT)
+    plain = run(eng, prompt, 32, sp)
+    d = Eagle3Drafter(random_head_path, shape=TreeShape(3, 2, 7, 0.0))
+    a = run(eng, prompt, 32, sp, d)
+    assert a.token_ids == plain.token_ids or a.stats.n_generated_tokens == 32
+    # a second request sharing the prompt reuses the target's KV and the head's entries
+    b = eng.generate(prompt + a.token_ids[:10], max_tokens=16, sampling=sp)
+    assert b.stats.n_cached_tokens >= len(prompt)
+    d.check_cache()
+    ref = eng.generate(prompt + a.token_ids[:10], max_tokens=16, sampling=sp, speculative=False)
+    assert b.token_ids == ref.token_ids or b.stats.n_generated_tokens == 16
+    eng.set_drafter(None)
+
+
+def test_auto_drafter_with_an_eagle3_head(eng, model, random_head_path):
+    prompt = model.tokenize(PROMPT)
+    plain = run(eng, prompt, 40)
+    eng.set_drafter("auto", eagle=random_head_path)
+    assert eng._tap is not None and eng.drafter.target_feature_layers == (2, 9, 15)
+    eng.reset()
+    res = eng.generate(prompt, max_tokens=40, sampling=GREEDY)
+    assert_same_up_to_near_ties(eng, prompt, plain.token_ids, res.token_ids)
+    eng.set_drafter(None)
+    assert eng._tap is None  # the target context no longer pays for the callback
+
+
+@pytest.mark.parametrize("shape", REJECTION_SHAPES, ids=["chain", "tree"])
+def test_random_head_rejection_sampling_is_exact(eng, model, random_head_path, shape):
+    """Drafts sampled from the head's own (reduced-vocabulary) distribution, verified by
+    classic rejection sampling on real target rows: chi-square on the first two tokens."""
+    prompt = model.tokenize("My favourite fruit is the")
+    d = Eagle3Drafter(random_head_path)
+    eng.set_drafter(d)
+    try:
+        eng.reset()
+        d.begin(prompt)
+        eng.cache.prefill(prompt[:-1])
+        d.add_target_features(0, eng._tap.take())
+        b = TreeBuilder(prompt[-1])
+        root_row = d.decode_level(b, [0])[0].copy()
+        support = RequestSampler(REJECTION_SAMPLING.with_seed(0), model, prompt).processor.candidates(root_row).ids
+        kids = [b.add(0, int(t), source=TokenSource.EAGLE3) for t in support]
+        after = d.decode_level(b, kids)
+        draft_after = {int(t): after[i].copy() for i, t in enumerate(support)}
+        d.slots.release()
+        assert set(support) <= set(np.flatnonzero(np.isfinite(root_row)))  # inside the draft vocabulary
+
+        def target_rows(p, toks):
+            eng.cache.truncate(len(p) - 1)
+            t = TreeBuilder(p[-1])
+            for tok in toks:
+                t.add(0, int(tok), source=TokenSource.NGRAM)
+            tree = t.build()
+            lay, lg = eng.cache.decode_tree(tree)
+            rows = lg.copy()
+            eng.cache.commit(tree, lay, [])
+            eng.cache.truncate(len(p) - 1)
+            eng._tap.clear()
+            return rows[0], {int(tree.token_ids[i]): rows[i] for i in range(1, tree.n_nodes)}
+
+        assert_rejection_sampling_exact(model, prompt, root_row, draft_after, shape, target_rows)
+    finally:
+        eng.set_drafter(None)
