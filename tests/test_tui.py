@@ -317,3 +317,40 @@ async def test_load_a_model_by_path_keeps_the_conversation(chat_engine, chat_tem
         assert len(app.session.turns) == 2 and app.session.turns[-1].finish_reason in ("stop", "length")
         assert app.session.builder.tokens[0] == loaded[0].model.bos
     assert loaded[0].ctx._ctx is None  # the app owned the engine it loaded and closed it at exit
+
+
+@pytest.mark.anyio
+async def test_switch_to_a_draft_model_asks_for_its_path(model, tmp_path):
+    """Choosing the draft-model drafter without a path asks for the GGUF (a bad path stays in
+    the dialog), switches without losing the conversation, and the next answer has tokens
+    from the draft model; the path is remembered for the next switch."""
+    from localspec.tui.screens import PathScreen
+
+    e = Engine(model, drafter="ngram", n_ctx=1024, cost_model=fixed_cost_model())
+    app = ChatApp(engine=e, sampling=SamplingParams.greedy(), max_tokens=24)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await send(pilot, "Count: one, two, three")
+            await pilot.press("ctrl+d")
+            await wait_until(pilot, lambda: isinstance(app.screen, DrafterScreen))
+            app.screen.query_one(OptionList).highlighted = drafter_names().index("draft")
+            await pilot.press("enter")
+            await wait_until(pilot, lambda: isinstance(app.screen, PathScreen))
+            app.screen.query_one(Input).value = str(tmp_path / "missing.gguf")
+            await pilot.press("enter")
+            await pilot.pause()
+            assert isinstance(app.screen, PathScreen)
+            app.screen.query_one(Input).value = str(model.path)  # the target as its own draft
+            await pilot.press("enter")
+            await wait_until(pilot, lambda: app.state == "idle" and e.drafter_name == "draft")
+            await pilot.pause()
+            assert app.drafter_choice == "draft" and app.drafter_options["draft"]["draft_model"] == str(model.path)
+            await send(pilot, "Again: one, two, three")
+            rec = app.session.turns[-1]
+            assert rec.drafter == "draft" and rec.stats.token_sources.get("draft_model", 0) > 0
+            assert [m.role for m in app.session.messages] == ["user", "assistant"] * 2
+            await choose_drafter(pilot, "none")
+            await choose_drafter(pilot, "draft")  # no dialog the second time
+            assert e.drafter_name == "draft"
+    finally:
+        e.close()

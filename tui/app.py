@@ -40,16 +40,21 @@ from .session import ChatSession, TurnRecord
 from .stderr import NativeStderr
 from .stats_panel import PanelState, StatsPanel
 
-EngineFactory = Callable[[str | None, str], Engine]
-"""``(model path or None for the default model, drafter name) -> Engine``; may raise
+EngineFactory = Callable[..., Engine]
+"""``(model path or None for the default model, drafter name, **drafter options) -> Engine``
+(options as ``Engine`` takes them: ``draft_model``, ``draft_n_ctx``, ``eagle``); may raise
 ``LocalSpecError`` (e.g. ``ModelLoadError``)."""
+
+PATH_OPTION = {"draft": ("draft_model", "Draft model GGUF (it must share the target's tokenizer)"),
+               "eagle3": ("eagle", "EAGLE-3 head GGUF trained for this model")}  # fmt: skip
+"""Drafters that need a file: the ``Engine`` option that names it, and the dialog's title."""
 
 WIDE = 100  # columns from which the statistics panel is shown by default
 DRAIN_HZ = 20  # how often streamed tokens are drawn
 
 
-def default_engine_factory(path: str | None, drafter: str) -> Engine:
-    return Engine(path, drafter=drafter)
+def default_engine_factory(path: str | None, drafter: str, **options) -> Engine:
+    return Engine(path, drafter=drafter, **options)
 
 
 # -- messages from the workers -------------------------------------------------------------------
@@ -123,6 +128,7 @@ class ChatApp(App):
         model: str | None = None,
         engine_factory: EngineFactory | None = None,
         drafter: str | None = None,
+        drafter_options: dict[str, dict] | None = None,
         sampling: SamplingParams | None = None,
         max_tokens: int = 512,
         system: str | None = None,
@@ -137,6 +143,9 @@ class ChatApp(App):
         self.engine_factory = engine_factory or default_engine_factory
         self.model_path = model
         self.drafter_choice = drafter or (engine.drafter_name if engine is not None else "ngram")
+        # drafter name -> its options (e.g. {"draft": {"draft_model": PATH}}); paths asked for
+        # in the app are remembered here for later switches and model loads
+        self.drafter_options: dict[str, dict] = {k: dict(v) for k, v in (drafter_options or {}).items()}
         self.session = ChatSession(None, system=system, sampling=sampling, max_tokens=max_tokens, transcript=transcript)
         self.save_dir = Path(save_dir)
         self._initial_engine = engine
@@ -252,7 +261,7 @@ class ChatApp(App):
     def _load_job(self, path: str | None) -> None:
         self._native_mark()
         try:
-            engine = self.engine_factory(path, self.drafter_choice)
+            engine = self.engine_factory(path, self.drafter_choice, **self._options_for(self.drafter_choice))
         except Exception as e:  # noqa: BLE001 - shown in the app, never a crash
             self.post_message(EngineLoaded(None, e, path))
         else:
@@ -304,7 +313,7 @@ class ChatApp(App):
 
         def job() -> None:
             try:
-                engine.set_drafter(name)
+                engine.set_drafter(name, **self._options_for(name))
             except Exception as e:  # noqa: BLE001 - shown in the app
                 self.post_message(DrafterSwitched(name, e))
             else:
@@ -485,8 +494,38 @@ class ChatApp(App):
         names = drafter_names()
         self.push_screen(DrafterScreen(names, self.drafter_choice), self._chose_drafter)
 
+    def _options_for(self, name: str) -> dict:
+        """The options of drafter ``name`` (``auto`` uses those of ``draft`` and ``eagle3``)."""
+        if name == "auto":
+            merged = {**self.drafter_options.get("draft", {}), **self.drafter_options.get("eagle3", {})}
+            return {**merged, **self.drafter_options.get("auto", {})}
+        return dict(self.drafter_options.get(name, {}))
+
+    def _needs_path(self, name: str) -> bool:
+        """True when drafter ``name`` needs a file the app does not know yet (an EAGLE-3 head
+        ships for the default model, so ``eagle3`` needs none there)."""
+        if name not in PATH_OPTION or self._options_for(name).get(PATH_OPTION[name][0]):
+            return False
+        if name == "eagle3":
+            from localspec.models.eagle3_heads import shipped_head
+
+            engine = self.session.engine
+            target = engine.model.path if engine is not None else None
+            return target is None or shipped_head(target) is None
+        return True
+
     def _chose_drafter(self, name: str | None) -> None:
         if name is None or name == self.drafter_choice and self._pending_drafter is None:
+            return
+        if self._needs_path(name):
+            key, title = PATH_OPTION[name]
+
+            def chosen(path: str | None) -> None:
+                if path:
+                    self.drafter_options.setdefault(name, {})[key] = path
+                    self._chose_drafter(name)
+
+            self.push_screen(PathScreen(title, check=_check_model), chosen)
             return
         if self.state == "generating":
             self._pending_drafter = name

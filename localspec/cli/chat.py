@@ -38,15 +38,23 @@ def run(a: argparse.Namespace) -> int:
         raise SystemExit(f"error: localspec chat needs the [tui] extra: pip install 'localspec[tui]' ({e})") from None
     sampling = sampling_from_args(a)
 
-    def factory(path: str | None, drafter: str):
+    def factory(path: str | None, drafter: str, **options):
         a.model = path
+        for key, value in options.items():  # paths chosen in the app win over the command line's
+            setattr(a, key, value)
         return make_engine(a, drafter, progress=False)
+
+    drafter_options = {
+        "draft": {"draft_model": a.draft_model, "draft_n_ctx": a.draft_n_ctx},
+        "eagle3": {"eagle": a.eagle},
+    }
 
     native = NativeStderr()
     app = ChatApp(
         model=a.model,
         engine_factory=factory,
         drafter=a.drafter,
+        drafter_options={k: {o: v for o, v in opts.items() if v is not None} for k, opts in drafter_options.items()},
         sampling=sampling,
         max_tokens=a.max_tokens,
         system=a.system,
