@@ -416,17 +416,20 @@ def extract(
     n_seq: int = 16,
     n_threads: int | None = None,
     progress: bool = True,
+    max_shards: int | None = None,
 ) -> list[Path]:
-    """Record every shard of ``plan`` that ``data_dir`` does not hold yet.
+    """Record every shard of ``plan`` (the first ``max_shards``) that ``data_dir`` does not
+    hold yet.
 
     Returns:
-        The paths of all shards (old and new).
+        The paths of those shards (old and new).
     """
     from tqdm.auto import tqdm
 
     out = Path(data_dir)
     out.mkdir(parents=True, exist_ok=True)
-    todo = [i for i in range(len(plan.shards)) if not (out / f"shard-{i:05d}.npz").exists()]
+    n_shards = len(plan.shards) if max_shards is None else min(max_shards, len(plan.shards))
+    todo = [i for i in range(n_shards) if not (out / f"shard-{i:05d}.npz").exists()]
     if todo:
         max_seq = max(len(t) + (plan.gen_tokens if k == "gen" else 0) for s in plan.shards for k, t in s)
         rec = FeatureRecorder(target, layers, topk=topk, n_seq=n_seq, n_ctx=max(4096, n_seq * (max_seq + 64)),
@@ -452,7 +455,7 @@ def extract(
         finally:
             bar.close()
             rec.close()
-    return shard_paths(out)
+    return [out / f"shard-{i:05d}.npz" for i in range(n_shards)]
 
 
 def prepare_data(
@@ -464,12 +467,12 @@ def prepare_data(
 ) -> list[Path]:
     """Plan (once: ``plan.npz`` in ``data_dir``) and record the shards; resumable.
 
-    ``plan_args`` go to ``make_plan`` (and ``topk``, ``n_seq``, ``n_threads``, ``progress`` to
-    ``extract``). A plan already in ``data_dir`` is reused, whatever the arguments.
+    ``plan_args`` go to ``make_plan`` (and ``topk``, ``n_seq``, ``n_threads``, ``progress``,
+    ``max_shards`` to ``extract``). A plan already in ``data_dir`` is reused, whatever the arguments.
     """
     from localspec.backend import Model
 
-    ex_args = {k: plan_args.pop(k) for k in ("topk", "n_seq", "n_threads", "progress") if k in plan_args}
+    ex_args = {k: plan_args.pop(k) for k in ("topk", "n_seq", "n_threads", "progress", "max_shards") if k in plan_args}
     d = Path(data_dir)
     d.mkdir(parents=True, exist_ok=True)
     plan_path = d / "plan.npz"

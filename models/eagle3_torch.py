@@ -52,15 +52,6 @@ def rope_norm(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
 
 
-@dataclass
-class StepOutput:
-    """One unroll step: ``logits`` [B, T, n_draft] (entry of origin P predicts token
-    P + step + 2) and ``hidden`` [B, T, n_embd] (pre-norm states)."""
-
-    logits: torch.Tensor
-    hidden: torch.Tensor
-
-
 class Eagle3Head(nn.Module):
     """The head's trainable tensors plus the frozen target embedding table.
 
@@ -113,13 +104,16 @@ class Eagle3Head(nn.Module):
         v = self.wv(x).view(b, t, self.cfg.n_head_kv, hd).transpose(1, 2)
         return rope_norm(q, pos, base), rope_norm(k, pos, base), v
 
-    def _finish(self, attn: torch.Tensor, g: torch.Tensor) -> StepOutput:
-        """attn [B, H, T, hd] -> StepOutput (output projection, residual, FFN, lm_head)."""
+    def _finish(self, attn: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """attn [B, H, T, hd] -> pre-norm states [B, T, n_embd] (output projection, residual, FFN)."""
         b, _, t, _ = attn.shape
         r = self.wo(attn.transpose(1, 2).reshape(b, t, -1)) + g
         n = rms_norm(r, self.ffn_norm, self.cfg.rms_eps)
-        h = r + self.w_down(F.silu(self.w_gate(n)) * self.w_up(n))
-        return StepOutput(self.output(rms_norm(h, self.output_norm, self.cfg.rms_eps)), h)
+        return r + self.w_down(F.silu(self.w_gate(n)) * self.w_up(n))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of pre-norm states: [..., n_embd] -> [..., n_draft]."""
+        return self.output(rms_norm(hidden, self.output_norm, self.cfg.rms_eps))
 
     def _expand_kv(self, x: torch.Tensor) -> torch.Tensor:
         """[B, Hkv, ...] -> [B, H, ...]: query head h reads key/value head h // (H / Hkv)."""
@@ -127,7 +121,7 @@ class Eagle3Head(nn.Module):
 
     # -- training-time test --------------------------------------------------------------------
 
-    def forward(self, tokens: torch.Tensor, feats: torch.Tensor, n_steps: int, pos0: int = 0) -> list[StepOutput]:
+    def forward(self, tokens: torch.Tensor, feats: torch.Tensor, n_steps: int, pos0: int = 0) -> list[torch.Tensor]:
         """Unroll the head ``n_steps`` times over a window of ``T`` positions.
 
         Args:
@@ -136,7 +130,8 @@ class Eagle3Head(nn.Module):
             n_steps: unroll depth (1 = plain next-next-token training).
             pos0: position of ``t_0`` (RoPE).
         Returns:
-            One ``StepOutput`` per step. Step ``k``'s entry of origin ``P`` sits at position
+            The pre-norm states [B, T, n_embd] of each step (``logits`` turns them into
+            draft-vocabulary logits). Step ``k``'s entry of origin ``P`` sits at position
             ``P + k``, reads token ``t_{P+k+1}`` and (step 0) ``fc(f_P)`` or (later steps) the
             step ``k - 1`` pre-norm state of the same origin, and attends, as in the runtime's
             head KV, to the step-0 entries at positions ``<= P`` and to its own chain's entries
@@ -148,7 +143,7 @@ class Eagle3Head(nn.Module):
         scale = self.cfg.head_dim**-0.5
         causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
         g = self.encode(feats)
-        outs: list[StepOutput] = []
+        outs: list[torch.Tensor] = []
         k0 = v0 = None
         chain_k: list[torch.Tensor] = []
         chain_v: list[torch.Tensor] = []
@@ -170,9 +165,8 @@ class Eagle3Head(nn.Module):
             attn = p[..., :t] @ v0
             for i, vc in enumerate(chain_v):
                 attn = attn + p[..., t + i : t + i + 1] * vc
-            out = self._finish(attn, g)
-            outs.append(out)
-            g = out.hidden
+            g = self._finish(attn, g)
+            outs.append(g)
         return outs
 
     # -- export --------------------------------------------------------------------------------

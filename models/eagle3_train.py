@@ -47,6 +47,7 @@ class TrainConfig:
         device: ``cpu``, ``cuda``, ``mps`` or ``auto``.
         bf16: autocast matrix products to bfloat16 (CPU with AVX-512 BF16, CUDA).
         val_frac: fraction of sequences held out for the validation accuracies.
+        loss_frac: fraction of positions scored per step (``ttt_loss``); 1 = all.
     """
 
     steps: int = 2000
@@ -57,14 +58,15 @@ class TrainConfig:
     warmup: int = 50
     min_lr_frac: float = 0.1
     weight_decay: float = 0.0
-    vocab_size: int = 16384
+    vocab_size: int = 8192
     device: str = "auto"
     bf16: bool = True
     seed: int = 0
     log_every: int = 25
     ckpt_every: int = 200
     val_frac: float = 0.03
-    head: dict = field(default_factory=lambda: dict(n_head=4, n_head_kv=1, head_dim=128, n_ff=1536))
+    loss_frac: float = 1.0
+    head: dict = field(default_factory=lambda: dict(n_head=4, n_head_kv=1, head_dim=128, n_ff=1024))
 
 
 def pick_device(name: str) -> torch.device:
@@ -139,9 +141,11 @@ class VocabChoice:
     coverage: float
 
 
-def choose_draft_vocab(shards: list[Shard], size: int, always: list[int]) -> VocabChoice:
+def choose_draft_vocab(shards: list[Shard], size: int, always: list[int], prior: np.ndarray | None = None) -> VocabChoice:
     """The ``size`` most frequent target top-1 tokens of the data (ties broken by the tokens'
-    own frequency), with ``always`` (end-of-generation ids) included."""
+    own frequency), with ``always`` (end-of-generation ids) included; when the data has fewer
+    distinct tokens, the rest in the order of ``prior`` (target ids, most likely first, e.g.
+    by tokenizer score)."""
     top1 = np.concatenate([s.topk_ids[:, 0] for s in shards]).astype(np.int64)
     toks = np.concatenate([s.tokens for s in shards]).astype(np.int64)
     n = int(max(top1.max(), toks.max(), max(always, default=0))) + 1
@@ -149,12 +153,25 @@ def choose_draft_vocab(shards: list[Shard], size: int, always: list[int]) -> Voc
     score[list(always)] = np.inf
     order = np.argsort(-score, kind="stable")
     order = order[score[order] > 0][:size]
-    if order.size < size:  # little data: fill with the lowest unseen ids so the size is as asked
-        rest = np.setdiff1d(np.arange(n + size), order)[: size - order.size]
-        order = np.concatenate([order, rest])
+    if order.size < size:  # little data: fill from the prior, then with the lowest unseen ids
+        cand = np.concatenate([np.asarray(prior if prior is not None else [], dtype=np.int64), np.arange(n + size)])
+        cand = cand[~np.isin(cand, order)]
+        _, first = np.unique(cand, return_index=True)
+        order = np.concatenate([order, cand[np.sort(first)][: size - order.size]])
     d2t = np.sort(order).astype(np.int64)
     cov = float(np.isin(top1, d2t).mean())
     return VocabChoice(d2t, cov)
+
+
+def tokenizer_prior(index: GGUFIndex) -> np.ndarray | None:
+    """Normal tokens by descending tokenizer score (SentencePiece log-probabilities), or None
+    when the GGUF has no scores."""
+    scores = index.values.get("tokenizer.ggml.scores")
+    types = index.values.get("tokenizer.ggml.token_type")
+    if scores is None or types is None:
+        return None
+    normal = np.flatnonzero(np.asarray(types) == 1)
+    return normal[np.argsort(-np.asarray(scores)[normal], kind="stable")]
 
 
 def feature_scale(shards: list[Shard], max_rows: int = 20000, seed: int = 0) -> np.ndarray:
@@ -243,34 +260,63 @@ class StepMetrics:
     count: list[int]
 
 
-def ttt_loss(model: Eagle3Head, b: Batch, unroll: int, bf16: bool) -> tuple[torch.Tensor, StepMetrics]:
-    """Weighted training-time-test loss of a batch and its per-step metrics (see module doc)."""
+def ttt_loss(
+    model: Eagle3Head, b: Batch, unroll: int, bf16: bool, loss_frac: float = 1.0, gen: torch.Generator | None = None
+) -> tuple[torch.Tensor, StepMetrics]:
+    """Weighted training-time-test loss of a batch and its per-step metrics (see module doc).
+
+    ``loss_frac`` < 1 scores a random subset of the positions of each step (the draft lm_head
+    dominates the cost; the decoder still runs on every position, which attention needs).
+    """
     dev = b.tokens.device
     with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=bf16):
         outs = model(b.tokens, b.feats, unroll)
     t = b.tokens.shape[1]
     total = torch.zeros((), device=dev)
     m = StepMetrics([], [], [])
-    for k, out in enumerate(outs):
+    for k, hidden in enumerate(outs):
         n = t - k - 1  # origins P whose label (position P + k + 1) is inside the window
         if n <= 0:
             break
-        logp = torch.log_softmax(out.logits[:, :n].float(), -1)  # [B, n, V]
         lid = b.label_ids[:, k + 1 : k + 1 + n]  # [B, n, K]
-        llg = b.label_logits[:, k + 1 : k + 1 + n].masked_fill(lid < 0, float("-inf"))
-        in_vocab = lid[..., 0] >= 0
+        llg = b.label_logits[:, k + 1 : k + 1 + n]
         valid = b.valid[:, k + 1 : k + 1 + n]
-        mask = valid & in_vocab
-        tp = torch.softmax(llg, -1).nan_to_num(0.0)
-        ce = -(tp * logp.gather(-1, lid.clamp(min=0))).sum(-1)  # [B, n]
+        top1 = b.top1[:, k + 1 : k + 1 + n]
+        h = hidden[:, :n]
+        if loss_frac < 1.0:
+            keep = torch.rand(valid.shape, device=dev, generator=gen) < loss_frac
+            valid = valid & keep
+            h, lid, llg, top1, valid = h[keep], lid[keep], llg[keep], top1[keep], valid[keep]  # [N, ...]
+        with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = model.logits(h)
+        logp = torch.log_softmax(logits.float(), -1)  # [..., V]
+        mask = valid & (lid[..., 0] >= 0)
+        tp = torch.softmax(llg.masked_fill(lid < 0, float("-inf")), -1).nan_to_num(0.0)
+        ce = -(tp * logp.gather(-1, lid.clamp(min=0))).sum(-1)
         loss_k = (ce * mask).sum() / mask.sum().clamp(min=1)
         total = total + (STEP_WEIGHT**k) * loss_k
         pred = model.d2t[logp.argmax(-1)]
-        correct = ((pred == b.top1[:, k + 1 : k + 1 + n]) & valid).sum()
         m.loss.append(float(loss_k.detach()))
-        m.correct.append(int(correct))
+        m.correct.append(int(((pred == top1) & valid).sum()))
         m.count.append(int(valid.sum()))
     return total, m
+
+
+def init_from_target(model: Eagle3Head, tt: TargetTensors) -> None:
+    """Start from the target's own readout: ``output`` = the target's lm_head rows of the draft
+    vocabulary, ``output_norm`` = its final norm, and ``fc`` passing the highest feature layer
+    through (divided by its typical size, so that the decoder's updates are not dwarfed by
+    the raw residual stream): at step 0 the head begins as the target's logit lens at that
+    layer (the attention and FFN branches start at zero) and learns the rest."""
+    e = tt.n_embd
+    scale = model.feat_scale[2 * e : 3 * e]
+    with torch.no_grad():
+        model.output.weight.copy_(torch.from_numpy(tt.lm_head_rows(model.d2t.cpu().numpy())))
+        model.output_norm.copy_(torch.from_numpy(tt.output_norm))
+        model.fc.weight.mul_(0.01)
+        model.fc.weight[:, 2 * e : 3 * e] += torch.diag(scale / scale.pow(2).mean().sqrt())
+        model.wo.weight.zero_()  # the residual branches start silent: h = g
+        model.w_down.weight.zero_()
 
 
 # -- the loop --------------------------------------------------------------------------------
@@ -361,13 +407,12 @@ def train_eagle3(
         if ckpt["head_cfg"] != asdict(head_cfg):
             raise ValueError(f"{ckpt_path} was made with other head settings; use another work dir")
     else:
-        vocab = choose_draft_vocab(shards, cfg.vocab_size, tt.eog)
+        vocab = choose_draft_vocab(shards, cfg.vocab_size, tt.eog, prior=tokenizer_prior(tt.index))
         scale = feature_scale(shards, seed=cfg.seed)
     used = np.concatenate([np.unique(s.tokens) for s in shards])
     model = Eagle3Head(head_cfg, tt.embedding_table(used), vocab.d2t, scale)
-    with torch.no_grad():
-        model.output.weight.copy_(torch.from_numpy(tt.lm_head_rows(vocab.d2t)))
-        model.output_norm.copy_(torch.from_numpy(tt.output_norm))
+    if ckpt is None:
+        init_from_target(model, tt)
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     step = 0
@@ -404,7 +449,7 @@ def train_eagle3(
         while step < cfg.steps:
             for gr in opt.param_groups:
                 gr["lr"] = _lr(cfg, step)
-            loss, m = ttt_loss(model, sampler.sample(cfg.batch, device), cfg.unroll, bf16)
+            loss, m = ttt_loss(model, sampler.sample(cfg.batch, device), cfg.unroll, bf16, cfg.loss_frac)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

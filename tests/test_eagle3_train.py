@@ -103,7 +103,7 @@ def test_torch_head_and_llama_cpp_head_agree(model, model_path, target_tensors, 
         hctx.process(b)
         lg0 = hctx.logits()[:, w.d2t].copy()
         h0 = np.stack([np.ctypeslib.as_array(ext.llama_get_embeddings_nextn_ith(hctx.handle, i), shape=(cfg.n_embd,)) for i in range(n - 1)])
-        ref0 = outs[0].logits[0, : n - 1].numpy()
+        ref0 = head.logits(outs[0][0, : n - 1]).detach().numpy()
         # step 1 for a few origins P: entry (t[P+2], h0_P) at position P + 1 over step-0 entries <= P
         lg1, ref1 = [], []
         for p in (0, n // 3, n - 3):
@@ -113,7 +113,7 @@ def test_torch_head_and_llama_cpp_head_agree(model, model_path, target_tensors, 
             b.add(token=tokens[p + 2], pos=p + 1, seq_id=1, output=True, embd=h0[p])
             hctx.process(b)
             lg1.append(hctx.logits()[0, w.d2t].copy())
-            ref1.append(outs[1].logits[0, p].numpy())
+            ref1.append(head.logits(outs[1][0, p]).detach().numpy())
     finally:
         b.close()
         hctx.close()

@@ -27,6 +27,7 @@ def register(sub) -> None:
     p.add_argument("--prompt-tokens", type=int, default=64, help="tokens per self-distillation prompt")
     p.add_argument("--gen-tokens", type=int, default=256, help="tokens the target writes per prompt")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per recorded text chunk")
+    p.add_argument("--shard-tokens", type=int, default=32768, help="approximate tokens per data shard")
     p.add_argument("--topk", type=int, default=8, help="target next-token candidates stored per position")
     p.add_argument("--layers", default=None, help="target layer ids, e.g. 2,9,15 (default: low/middle/high)")
     p.add_argument("--steps", type=int, default=2000, help="optimiser steps")
@@ -34,13 +35,18 @@ def register(sub) -> None:
     p.add_argument("--window", type=int, default=256, help="tokens per training window")
     p.add_argument("--unroll", type=int, default=4, help="training-time-test depth")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--vocab-size", type=int, default=16384, help="draft vocabulary size")
-    p.add_argument("--n-ff", type=int, default=1536, help="feed-forward size of the head")
+    p.add_argument("--loss-frac", type=float, default=0.25, help="fraction of positions scored per step (speed)")
+    p.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary size")
+    p.add_argument("--n-ff", type=int, default=1024, help="feed-forward size of the head")
     p.add_argument("--matrix-type", default="q8_0", choices=["q8_0", "f16", "f32"], help="storage of the head's matrices")
     p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto")
     p.add_argument("--no-bf16", action="store_true", help="train in float32 (default: bfloat16 autocast)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-only", action="store_true", help="record the data and stop")
+    p.add_argument("--max-shards", type=int, default=None, help="record and train on only the first N shards of the plan")
+    p.add_argument("--n-seq", type=int, default=32, help="self-distillation sequences generated together")
+    p.add_argument("--more-data", nargs="*", default=[], metavar="DIR",
+                   help="also train on the shards of these folders (other --data-dir runs' data/ folders)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run_train)
 
@@ -61,7 +67,7 @@ def run_train(a: argparse.Namespace) -> int:
         raise SystemExit("error: train-eagle3 needs torch: pip install 'localspec[train]'") from None
     from ..backend import check_gguf_file
     from ..models import resolve_model
-    from ..models.eagle3_data import prepare_data
+    from ..models.eagle3_data import prepare_data, shard_paths
     from ..models.eagle3_gguf import default_target_layers
     from ..models.eagle3_train import TrainConfig, train_eagle3
 
@@ -78,7 +84,8 @@ def run_train(a: argparse.Namespace) -> int:
         shards = prepare_data(
             target, work / "data", _sources(a.data), layers,
             max_tokens=a.text_tokens, self_distill=a.self_distill, prompt_tokens=a.prompt_tokens,
-            gen_tokens=a.gen_tokens, seq_len=a.seq_len, seed=a.seed, topk=a.topk,
+            gen_tokens=a.gen_tokens, seq_len=a.seq_len, shard_tokens=a.shard_tokens, seed=a.seed, topk=a.topk, n_seq=a.n_seq,
+            max_shards=a.max_shards,
         )  # fmt: skip
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
@@ -87,9 +94,14 @@ def run_train(a: argparse.Namespace) -> int:
         return 0
     cfg = TrainConfig(
         steps=a.steps, batch=a.batch, seq_len=a.window, unroll=a.unroll, lr=a.lr, vocab_size=a.vocab_size,
-        device=a.device, bf16=not a.no_bf16, seed=a.seed,
+        device=a.device, bf16=not a.no_bf16, seed=a.seed, loss_frac=a.loss_frac,
         head=dict(n_head=4, n_head_kv=1, head_dim=128, n_ff=a.n_ff),
     )  # fmt: skip
+    for d in a.more_data:
+        more = shard_paths(d)
+        if not more:
+            raise SystemExit(f"error: no shards in {d}")
+        shards = shards + more
     res = train_eagle3(target, shards, work, a.out, cfg, target_layers=layers, matrix_dtype=a.matrix_type)
     info = dict(
         out=str(res.gguf), size_mib=round(res.gguf.stat().st_size / 2**20, 2), steps=res.steps,
