@@ -30,7 +30,7 @@ from .costmodel import CostModel, calibrate
 from .backend.features import FeatureTap
 from .drafters import Drafter, TargetHandle, make_drafter
 from .errors import ContextOverflowError, DecodeError, InvalidRequestError
-from .policy import SpeculationPolicy
+from .policy import SpeculationPolicy, TreeShape
 from .sampler import RequestSampler
 from .sampling import SamplingParams
 from .stats import GenerationStats, count_sources
@@ -176,7 +176,10 @@ class Engine:
             ``"draft"`` and ``"auto"``).
         draft_n_ctx: the draft model's context (default: the target's); a smaller one sees
             only the recent history.
-        eagle: the GGUF of an EAGLE-3 head for the target (drafters ``"eagle3"`` and ``"auto"``).
+        eagle: the GGUF of an EAGLE-3 head for the target (drafters ``"eagle3"`` and ``"auto"``);
+            with ``"eagle3"`` and no path, the head shipped for the target (default model).
+        draft_shape: a fixed ``TreeShape`` for every step of the ``"eagle3"`` drafter (e.g.
+            ``TreeShape(6, 1, 7)``: chains of 6); default: the policy chooses.
         n_ctx: context size in tokens (default: 8192, at most the model's training context).
         n_threads: CPU threads (default: all CPUs this process may use, at most 16).
         n_gpu_layers: layers offloaded to the GPU on CUDA / Metal builds (-1 = all).
@@ -199,6 +202,7 @@ class Engine:
         draft_model: Model | str | os.PathLike | None = None,
         draft_n_ctx: int | None = None,
         eagle: str | os.PathLike | None = None,
+        draft_shape: TreeShape | None = None,
         n_ctx: int | None = None,
         n_threads: int | None = None,
         n_gpu_layers: int = 0,
@@ -224,7 +228,7 @@ class Engine:
         self._lock = threading.RLock()
         self._active_stream: GenerationStream | None = None
         self.adaptive = adaptive
-        new = self._new_drafter(drafter, draft_model=draft_model, draft_n_ctx=draft_n_ctx, eagle=eagle)
+        new = self._new_drafter(drafter, draft_model=draft_model, draft_n_ctx=draft_n_ctx, eagle=eagle, draft_shape=draft_shape)
         try:
             self._make_context(_feature_layers(new))
             self.cost_model = cost_model or calibrate(self.ctx, max_size=max_tree_nodes)
@@ -264,9 +268,14 @@ class Engine:
             if old is not None and old is not new:
                 old.close()
 
-    @staticmethod
-    def _new_drafter(drafter: str | Drafter | None, **options) -> Drafter | None:
+    def _new_drafter(self, drafter: str | Drafter | None, **options) -> Drafter | None:
         options = {k: v for k, v in options.items() if v is not None}
+        if drafter == "eagle3" and "eagle" not in options:  # the head shipped for this target, if any
+            from .models.eagle3_heads import shipped_head
+
+            head = shipped_head(self.model.path)
+            if head is not None:
+                options["eagle"] = head
         if isinstance(drafter, (str, type(None))):
             return make_drafter(drafter, **options)
         if options:

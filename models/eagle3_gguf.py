@@ -51,6 +51,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .gguf_index import GGUFIndex
+
 ARCH = "eagle3"
 
 
@@ -147,10 +149,31 @@ _TENSOR_NAMES = {
 }
 
 
-def _target_reader(target):
-    from gguf import GGUFReader
+def _target_reader(target) -> GGUFIndex:
+    return target if isinstance(target, GGUFIndex) else GGUFIndex(target)
 
-    return target if isinstance(target, GGUFReader) else GGUFReader(str(target))
+
+class _RawValue(bytes):
+    """A key/value entry's serialized value (type tag included), copied verbatim."""
+
+
+def _writer(out, arch: str):
+    """A ``GGUFWriter`` that also takes ``_RawValue`` entries (the target's tokenizer is
+    copied byte for byte instead of being decoded and re-encoded: 262k strings)."""
+    from gguf import GGUFWriter
+
+    class Writer(GGUFWriter):
+        def _pack_val(self, val, vtype, add_vtype, sub_type=None):
+            if isinstance(val, _RawValue):
+                return bytes(val)
+            return super()._pack_val(val, vtype, add_vtype, sub_type=sub_type)
+
+        def add_raw(self, key: str, raw: bytes) -> None:
+            from gguf.gguf_writer import GGUFValue, GGUFValueType
+
+            self.kv_data[0][key] = GGUFValue(_RawValue(raw), GGUFValueType.ARRAY)
+
+    return Writer(str(out), arch=arch)
 
 
 def write_eagle3_gguf(
@@ -166,27 +189,28 @@ def write_eagle3_gguf(
 
     Args:
         out: the file to write.
-        target: the target GGUF (path or an open ``gguf.GGUFReader``): its tokenizer is copied
+        target: the target GGUF (path or a ``GGUFIndex``): its tokenizer entries are copied
             and ``d2t`` is checked against its vocabulary size.
         cfg / w: hyper-parameters and weights (shapes checked).
-        matrix_dtype: storage type of the matrices (norms are always float32).
+        matrix_dtype: storage type of the decoder and output matrices: ``"q8_0"``, ``"f16"``
+            (or ``np.float16``, the default) or ``"f32"``; ``fc`` and the norms are always float32.
     Returns:
         ``out`` as a ``Path``.
     Raises:
         ValueError: shapes, ``d2t`` ids or target layers that do not fit the target.
     """
-    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+    from gguf import GGMLQuantizationType
 
     w.check(cfg)
     r = _target_reader(target)
-    arch = r.fields["general.architecture"].contents()
-    n_vocab = len(r.fields["tokenizer.ggml.tokens"].data)
-    n_layer = int(r.fields[f"{arch}.block_count"].contents())
+    arch = r.values["general.architecture"]
+    n_vocab = r.array_len("tokenizer.ggml.tokens")
+    n_layer = int(r.values[f"{arch}.block_count"])
     if int(w.d2t.max()) >= n_vocab:
         raise ValueError(f"d2t holds id {int(w.d2t.max())} but the target vocabulary has {n_vocab} tokens")
     if not all(1 <= k < n_layer for k in cfg.target_layers):
         raise ValueError(f"target layers must be in 1..{n_layer - 1}, got {cfg.target_layers}")
-    wr = GGUFWriter(str(out), arch=ARCH)
+    wr = _writer(out, ARCH)
     wr.add_name(name)
     wr.add_uint32(f"{ARCH}.context_length", cfg.n_ctx_train)
     wr.add_uint32(f"{ARCH}.embedding_length", cfg.n_embd)
@@ -202,22 +226,40 @@ def write_eagle3_gguf(
     wr.add_array(f"{ARCH}.target_layers", [int(k) for k in cfg.target_layers])
     wr.add_uint32(f"{ARCH}.target_hidden_size", cfg.n_embd_target)
     wr.add_bool(f"{ARCH}.norm_before_residual", cfg.norm_before_residual)
-    for key, field in r.fields.items():
+    for key, raw in r.raw.items():
         if key.startswith("tokenizer."):
-            vtype = field.types[0]
-            sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
-            wr.add_key_value(key, field.contents(), vtype, sub_type=sub)
+            wr.add_raw(key, raw)
     for attr, tname in _TENSOR_NAMES.items():
-        a = np.asarray(getattr(w, attr))
+        a = np.asarray(getattr(w, attr), dtype=np.float32)
         # fc multiplies raw target hidden states, which exceed the float16 range on some
         # models (Gemma 3's residual stream reaches ~1e5): keep it (and the norms) in float32
-        wr.add_tensor(tname, a.astype(np.float32 if a.ndim == 1 or attr == "fc" else matrix_dtype))
+        if a.ndim == 1 or attr == "fc":
+            wr.add_tensor(tname, a)
+        else:
+            _add_matrix(wr, tname, a, matrix_dtype)
     wr.add_tensor("d2t", np.asarray(w.d2t, dtype=np.int64), raw_dtype=GGMLQuantizationType.I64)
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
     wr.write_tensors_to_file()
     wr.close()
     return Path(out)
+
+
+def _add_matrix(wr, name: str, a: np.ndarray, dtype) -> None:
+    """Add a float32 matrix as ``dtype``: ``"q8_0"``, ``"f16"`` / ``np.float16`` or ``"f32"`` /
+    ``np.float32``. Q8_0 needs rows whose length is a multiple of 32 (else float16 is used)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    kind = dtype.lower() if isinstance(dtype, str) else {"float16": "f16", "float32": "f32"}.get(np.dtype(dtype).name)
+    if kind == "q8_0" and a.shape[-1] % 32 == 0:
+        wr.add_tensor(name, quantize(a, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
+    elif kind in ("f16", "q8_0"):
+        wr.add_tensor(name, a.astype(np.float16))
+    elif kind == "f32":
+        wr.add_tensor(name, a)
+    else:
+        raise ValueError(f"matrix type {dtype!r}: use q8_0, f16 or f32")
 
 
 def frequent_draft_vocab(target, size: int) -> np.ndarray:
@@ -228,13 +270,9 @@ def frequent_draft_vocab(target, size: int) -> np.ndarray:
         [size] int64 sorted absolute target ids.
     """
     r = _target_reader(target)
-    scores = np.asarray(r.fields["tokenizer.ggml.scores"].contents(), dtype=np.float64)
-    types = np.asarray(r.fields["tokenizer.ggml.token_type"].contents())
-    eog = [
-        int(r.fields[k].contents())
-        for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-        if k in r.fields
-    ]
+    scores = np.asarray(r.values["tokenizer.ggml.scores"], dtype=np.float64)
+    types = np.asarray(r.values["tokenizer.ggml.token_type"])
+    eog = [int(r.values[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in r.values]
     normal = np.flatnonzero(types == 1)
     if normal.size + len(eog) < size:
         raise ValueError(f"the target has only {normal.size} normal tokens; choose a smaller draft vocabulary")
@@ -264,10 +302,10 @@ def random_eagle3(
     its drafts are almost never accepted. For tests and plumbing, not for speed.
     """
     r = _target_reader(target)
-    arch = r.fields["general.architecture"].contents()
-    n_embd = int(r.fields[f"{arch}.embedding_length"].contents())
-    n_layer = int(r.fields[f"{arch}.block_count"].contents())
-    n_ctx = int(r.fields[f"{arch}.context_length"].contents())
+    arch = r.values["general.architecture"]
+    n_embd = int(r.values[f"{arch}.embedding_length"])
+    n_layer = int(r.values[f"{arch}.block_count"])
+    n_ctx = int(r.values[f"{arch}.context_length"])
     cfg = Eagle3Config(
         target_layers=default_target_layers(n_layer),
         n_embd_target=n_embd,

@@ -31,7 +31,11 @@ def add_drafter_args(p: argparse.ArgumentParser, default: str = "ngram") -> None
         "--draft-model", default=None, metavar="PATH", help="draft model GGUF sharing the target's tokenizer (--drafter draft|auto)"
     )
     g.add_argument("--draft-n-ctx", type=int, default=None, help="draft model context (default: the target's)")
-    g.add_argument("--eagle", default=None, metavar="PATH", help="EAGLE-3 head GGUF for the target (--drafter eagle3|auto)")
+    g.add_argument("--eagle", default=None, metavar="PATH",
+                   help="EAGLE-3 head GGUF for the target (--drafter eagle3|auto; default for eagle3: the head shipped "
+                   "for the default model)")  # fmt: skip
+    g.add_argument("--draft-shape", default=None, metavar="D,W,N",
+                   help="fixed EAGLE-3 tree shape: depth, width, node budget (e.g. 6,1,7 = chains of 6)")  # fmt: skip
 
 
 def add_sampling_args(p: argparse.ArgumentParser, *, greedy_default: bool = False) -> None:
@@ -92,6 +96,19 @@ def sampling_from_args(a: argparse.Namespace, logprobs: int | None = None) -> Sa
     )
 
 
+def _draft_shape(text: str | None):
+    """``"D,W,N"`` -> ``TreeShape(D, W, N, min_score=0)`` (every level drafted), or None."""
+    if not text:
+        return None
+    from ..policy import TreeShape
+
+    try:
+        d, w, n = (int(x) for x in text.split(","))
+        return TreeShape(d, w, n, min_score=0.0)
+    except ValueError:
+        raise SystemExit(f"error: --draft-shape takes DEPTH,WIDTH,NODES (e.g. 6,1,7), not {text!r}") from None
+
+
 def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = True):
     """Build an ``Engine`` from parsed arguments, saying what it does on stderr."""
     from ..engine import Engine
@@ -104,6 +121,7 @@ def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = 
         draft_model=getattr(a, "draft_model", None),
         draft_n_ctx=getattr(a, "draft_n_ctx", None),
         eagle=getattr(a, "eagle", None),
+        draft_shape=_draft_shape(getattr(a, "draft_shape", None)),
         n_ctx=a.n_ctx,
         n_threads=a.threads,
         n_gpu_layers=a.n_gpu_layers,

@@ -8,7 +8,8 @@ name       drafter                                         options
 =========  ==============================================  ===========================
 ngram      prompt-lookup n-gram trees (``NgramDrafter``)   --
 draft      a standalone GGUF draft model                   ``draft_model``, ``draft_n_ctx``
-eagle3     an EAGLE-3 head for the target                  ``eagle``
+eagle3     an EAGLE-3 head for the target (the shipped     ``eagle``, ``draft_shape``
+           head for the default model when none given)
 auto       n-gram every step, plus a draft model or an     ``draft_model`` or ``eagle``
            EAGLE-3 head when the policy expects it to pay  (optional)
 =========  ==============================================  ===========================
@@ -36,15 +37,16 @@ def _draft(draft_model=None, draft_n_ctx: int | None = None) -> Drafter:
     return DraftModelDrafter(draft_model, n_ctx=draft_n_ctx)
 
 
-def _eagle3(eagle=None) -> Drafter:
+def _eagle3(eagle=None, draft_shape=None) -> Drafter:
     from .eagle3 import Eagle3Drafter
 
     if eagle is None:
         raise InvalidRequestError(
-            "the eagle3 drafter needs an EAGLE-3 head: --eagle PATH (Python: eagle=PATH); "
-            "`localspec models random-eagle3 TARGET --out PATH` writes an untrained one for tests"
+            "the eagle3 drafter needs an EAGLE-3 head for this target: --eagle PATH (Python: eagle=PATH); "
+            "one ships only for the default model. `localspec train-eagle3` trains one from your text "
+            "(docs/eagle3-training.md)"
         )
-    return Eagle3Drafter(eagle)
+    return Eagle3Drafter(eagle, shape=draft_shape)
 
 
 def _auto(draft_model=None, draft_n_ctx: int | None = None, eagle=None) -> Drafter:

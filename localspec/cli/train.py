@@ -1,0 +1,117 @@
+"""``localspec train-eagle3``: record target features from text (and self-distillation), train
+an EAGLE-3 head in torch, export it as a GGUF the eagle3 drafter loads (docs/eagle3-training.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "train-eagle3",
+        help="train an EAGLE-3 head for a GGUF target from your text files (needs the [train] extra)",
+        description="Records the target's features and next-token targets on --data (text/code files or "
+        "folders) and on greedy continuations the target writes from prompts cut from them "
+        "(--self-distill N), then trains an EAGLE-3 head (training-time test, reduced draft vocabulary) and "
+        "writes it to --out. Data shards and checkpoints go to --data-dir; rerunning resumes.",
+    )
+    p.add_argument("--target", default="default", help="target GGUF ('default' = the embedded model)")
+    p.add_argument("--data", nargs="+", required=True, metavar="PATH",
+                   help="text/code files or folders; 'stdlib' = the Python standard library's sources")  # fmt: skip
+    p.add_argument("--out", required=True, help="head GGUF to write")
+    p.add_argument("--data-dir", default=None, help="shards, checkpoint and log (default: OUT.work/); reruns resume")
+    p.add_argument("--text-tokens", type=int, default=100_000, help="corpus tokens recorded as they are")
+    p.add_argument("--self-distill", type=int, default=200, metavar="N", help="prompts the target continues")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="tokens per self-distillation prompt")
+    p.add_argument("--gen-tokens", type=int, default=256, help="tokens the target writes per prompt")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per recorded text chunk")
+    p.add_argument("--shard-tokens", type=int, default=32768, help="approximate tokens per data shard")
+    p.add_argument("--topk", type=int, default=8, help="target next-token candidates stored per position")
+    p.add_argument("--layers", default=None, help="target layer ids, e.g. 2,9,15 (default: low/middle/high)")
+    p.add_argument("--steps", type=int, default=2000, help="optimiser steps")
+    p.add_argument("--batch", type=int, default=8, help="windows per step")
+    p.add_argument("--window", type=int, default=256, help="tokens per training window")
+    p.add_argument("--unroll", type=int, default=4, help="training-time-test depth")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--loss-frac", type=float, default=0.25, help="fraction of positions scored per step (speed)")
+    p.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary size")
+    p.add_argument("--n-ff", type=int, default=1024, help="feed-forward size of the head")
+    p.add_argument("--matrix-type", default="q8_0", choices=["q8_0", "f16", "f32"], help="storage of the head's matrices")
+    p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto")
+    p.add_argument("--no-bf16", action="store_true", help="train in float32 (default: bfloat16 autocast)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-only", action="store_true", help="record the data and stop")
+    p.add_argument("--max-shards", type=int, default=None, help="record and train on only the first N shards of the plan")
+    p.add_argument("--n-seq", type=int, default=32, help="self-distillation sequences generated together")
+    p.add_argument("--more-data", nargs="*", default=[], metavar="DIR",
+                   help="also train on the shards of these folders (other --data-dir runs' data/ folders)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=run_train)
+
+
+def _sources(paths: list[str]) -> list:
+    from ..models.eagle3_data import stdlib_sources
+
+    out = []
+    for p in paths:
+        out.extend(stdlib_sources() if p == "stdlib" else [Path(p)])
+    return out
+
+
+def run_train(a: argparse.Namespace) -> int:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise SystemExit("error: train-eagle3 needs torch: pip install 'localspec[train]'") from None
+    from ..backend import check_gguf_file
+    from ..models import resolve_model
+    from ..models.eagle3_data import prepare_data, shard_paths
+    from ..models.eagle3_gguf import default_target_layers
+    from ..models.eagle3_train import TrainConfig, train_eagle3
+
+    target = check_gguf_file(resolve_model(a.target))
+    work = Path(a.data_dir or f"{a.out}.work")
+    if a.layers:
+        layers = tuple(int(x) for x in a.layers.split(","))
+    else:
+        from ..models.gguf_index import GGUFIndex
+
+        v = GGUFIndex(target).values
+        layers = default_target_layers(int(v[f"{v['general.architecture']}.block_count"]))
+    try:
+        shards = prepare_data(
+            target, work / "data", _sources(a.data), layers,
+            max_tokens=a.text_tokens, self_distill=a.self_distill, prompt_tokens=a.prompt_tokens,
+            gen_tokens=a.gen_tokens, seq_len=a.seq_len, shard_tokens=a.shard_tokens, seed=a.seed, topk=a.topk, n_seq=a.n_seq,
+            max_shards=a.max_shards,
+        )  # fmt: skip
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    if a.data_only:
+        print(f"{len(shards)} shards in {work / 'data'}")
+        return 0
+    cfg = TrainConfig(
+        steps=a.steps, batch=a.batch, seq_len=a.window, unroll=a.unroll, lr=a.lr, vocab_size=a.vocab_size,
+        device=a.device, bf16=not a.no_bf16, seed=a.seed, loss_frac=a.loss_frac,
+        head=dict(n_head=4, n_head_kv=1, head_dim=128, n_ff=a.n_ff),
+    )  # fmt: skip
+    for d in a.more_data:
+        more = shard_paths(d)
+        if not more:
+            raise SystemExit(f"error: no shards in {d}")
+        shards = shards + more
+    res = train_eagle3(target, shards, work, a.out, cfg, target_layers=layers, matrix_dtype=a.matrix_type)
+    info = dict(
+        out=str(res.gguf), size_mib=round(res.gguf.stat().st_size / 2**20, 2), steps=res.steps,
+        train_tokens=res.n_train_tokens, vocab_coverage=round(res.vocab_coverage, 4),
+        val_accuracy=[round(x, 4) for x in res.val_accuracy], train_accuracy=[round(x, 4) for x in res.train_accuracy],
+        wall_s=round(res.wall_s, 1),
+    )  # fmt: skip
+    if a.json:
+        print(json.dumps(info))
+    else:
+        for k, v in info.items():
+            print(f"{k:16s} {v}")
+    return 0

@@ -1,0 +1,171 @@
+"""EAGLE-3 training: the torch head computes what llama.cpp's eagle3 graph computes (parity),
+and a tiny end-to-end run (record -> train -> resume -> export -> draft) works offline."""
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from conftest import fixed_cost_model  # noqa: E402
+from localspec import Engine, SamplingParams  # noqa: E402
+from localspec.backend import Batch, Context, Model  # noqa: E402
+from localspec.backend._llama import ext  # noqa: E402
+from localspec.backend.batch_ext import ExtBatch  # noqa: E402
+from localspec.backend.features import FeatureTap  # noqa: E402
+from localspec.models.eagle3_gguf import Eagle3Config, write_eagle3_gguf  # noqa: E402
+from localspec.models.eagle3_torch import Eagle3Head  # noqa: E402
+from localspec.models.eagle3_train import TrainConfig, read_target, train_eagle3  # noqa: E402
+
+LAYERS = (2, 9, 15)
+TEXT = (
+    "def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n    return a + b\n\n"
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog again.\n"
+)
+# Largest |logit difference| torch vs llama.cpp measured on this CPU (this random head's
+# logits reach +-11): f32 matrices with an F32 KV cache 0.014; with the runtime's BF16 K /
+# F16 V cache 0.099; Q8_0 matrices (llama.cpp quantises activations too) 0.31. The bounds
+# below leave room for other CPUs' rounding.
+GGML_F32 = 0
+CASES = {"f32-kv-f32": ("f32", GGML_F32, 0.05), "f32": ("f32", None, 0.25), "q8_0": ("q8_0", None, 0.6)}
+
+
+@pytest.fixture(scope="module")
+def target_tensors(model_path):
+    return read_target(model_path)
+
+
+def _features(model, tokens):
+    """Target features of ``tokens`` ([n, 3 * n_embd] float32) through the runtime's tap."""
+    tap = FeatureTap(LAYERS, model.n_layer, model.n_embd)
+    ctx = Context(model, n_ctx=512, n_batch=256, cb_eval=tap.callback)
+    b = Batch(256)
+    b.set_sequence(tokens, 0, output="last")
+    ctx.decode(b)
+    return tap.take(), ctx, tap
+
+
+def _random_head(model, tt, n_draft=512, seed=0):
+    cfg = Eagle3Config(target_layers=LAYERS, n_embd_target=model.n_embd, n_embd=model.n_embd, n_head=4, n_head_kv=1,
+                       head_dim=64, n_ff=256, rms_eps=tt.rms_eps)  # fmt: skip
+    rng = np.random.default_rng(seed)
+    d2t = np.sort(rng.choice(model.n_vocab, size=n_draft, replace=False)).astype(np.int64)
+    torch.manual_seed(seed)
+    table = tt.embedding_table(np.asarray(model.tokenize(TEXT)))
+    head = Eagle3Head(cfg, table, d2t, np.full(3 * model.n_embd, 100.0, np.float32))
+    with torch.no_grad():  # larger weights than at init: logits spread out, few near-ties
+        for p in (head.wq, head.wk, head.wv, head.wo, head.w_gate, head.w_up, head.w_down, head.output):
+            p.weight.normal_(0, 0.1)
+        for p in (head.attn_norm, head.hidden_norm, head.ffn_norm, head.output_norm):
+            p.uniform_(0.5, 1.5)
+    return cfg, head
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_torch_head_and_llama_cpp_head_agree(model, model_path, target_tensors, tmp_path, case):
+    """Encoder, one level of entries over real target features, and a second unroll step
+    (the entry of origin P at position P + 1 reading the first step's pre-norm state, in a
+    sequence that shares the step-0 entries <= P): same top-1, logits within LOGIT_TOL."""
+    matrix_type, kv_type, tol = CASES[case]
+    cfg, head = _random_head(model, target_tensors)
+    w = head.to_weights()
+    path = write_eagle3_gguf(tmp_path / "head.gguf", model_path, cfg, w, matrix_dtype=matrix_type)
+    if matrix_type == "q8_0":  # compare against the weights as stored
+        from gguf.quants import dequantize, quantize
+        from gguf import GGMLQuantizationType as Q
+
+        with torch.no_grad():
+            for lin in (head.wq, head.wk, head.wv, head.wo, head.w_gate, head.w_up, head.w_down, head.output):
+                lin.weight.copy_(torch.from_numpy(dequantize(quantize(lin.weight.numpy(), Q.Q8_0), Q.Q8_0)))
+    tokens = model.tokenize(TEXT)
+    n = len(tokens)
+    feats, tctx, _ = _features(model, tokens)
+    hm = Model(path)
+    kv = {} if kv_type is None else dict(type_k=kv_type, type_v=kv_type)
+    hctx = Context(hm, n_ctx=512, n_batch=256, n_seq_max=4, ctx_other=tctx, **kv)
+    ext.llama_set_embeddings_nextn(hctx.handle, True, True)
+    b = ExtBatch(hctx.handle)
+    try:
+        with torch.no_grad():
+            outs = head(torch.tensor(tokens)[None], torch.from_numpy(feats)[None], n_steps=2)
+            g_ref = head.encode(torch.from_numpy(feats)).numpy()
+        # encoder
+        for i in range(n):
+            b.add(token=None, pos=i, seq_id=0, output=True, embd=feats[i])
+        hctx.process(b, encode=True)
+        g = np.ctypeslib.as_array(ext.llama_get_embeddings_nextn(hctx.handle), shape=(n, cfg.n_embd)).copy()
+        assert np.allclose(g, g_ref, rtol=1e-4, atol=1e-3 * np.abs(g_ref).max())
+        # step 0: entries (t[P+1], g_P) at positions P = 0 .. n-2
+        b.clear()
+        for p in range(n - 1):
+            b.add(token=tokens[p + 1], pos=p, seq_id=0, output=True, embd=g[p])
+        hctx.process(b)
+        lg0 = hctx.logits()[:, w.d2t].copy()
+        h0 = np.stack([np.ctypeslib.as_array(ext.llama_get_embeddings_nextn_ith(hctx.handle, i), shape=(cfg.n_embd,)) for i in range(n - 1)])
+        ref0 = head.logits(outs[0][0, : n - 1]).detach().numpy()
+        # step 1 for a few origins P: entry (t[P+2], h0_P) at position P + 1 over step-0 entries <= P
+        lg1, ref1 = [], []
+        for p in (0, n // 3, n - 3):
+            hctx.seq_rm(1)
+            hctx.seq_cp(0, 1, 0, p + 1)
+            b.clear()
+            b.add(token=tokens[p + 2], pos=p + 1, seq_id=1, output=True, embd=h0[p])
+            hctx.process(b)
+            lg1.append(hctx.logits()[0, w.d2t].copy())
+            ref1.append(head.logits(outs[1][0, p]).detach().numpy())
+    finally:
+        b.close()
+        hctx.close()
+        hm.close()
+        tctx.close()
+    for got, ref in ((lg0, ref0), (np.stack(lg1), np.stack(ref1))):
+        diff = np.abs(got - ref).max()
+        print(f"parity {case}: max |logit diff| {diff:.4f}, |logit| <= {np.abs(ref).max():.1f}")
+        assert diff < tol, diff
+        top_ref = np.sort(ref, axis=-1)
+        gap = top_ref[:, -1] - top_ref[:, -2]
+        same = got.argmax(-1) == ref.argmax(-1)
+        assert (same | (gap < 2 * diff)).all()
+        assert same.mean() >= 0.9
+
+
+def test_train_smoke_record_train_resume_export_draft(model, model_path, tmp_path):
+    """A tiny run without network: record 2 text chunks + 2 self-distilled sequences, train 4
+    steps, resume to 6, export Q8_0; the head drafts through the engine, output = plain greedy."""
+    from localspec.models.eagle3_data import load_shard, prepare_data
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_text(TEXT * 6)
+    (corpus / "b.txt").write_text("Speculative decoding drafts tokens and the target checks them. " * 20)
+    shards = prepare_data(model_path, tmp_path / "data", [corpus], LAYERS, max_tokens=96, seq_len=48,
+                          self_distill=2, prompt_tokens=16, gen_tokens=8, shard_tokens=64, topk=4, n_seq=2,
+                          progress=False)  # fmt: skip
+    assert shards and sum(load_shard(p).n_tokens for p in shards) > 96
+    s = load_shard(shards[0])
+    assert s.feats.dtype == np.float16 and np.isfinite(s.features(0, s.n_tokens)).all()
+    again = prepare_data(model_path, tmp_path / "data", [corpus], LAYERS, progress=False)  # resumes: nothing to do
+    assert again == shards
+    cfg = TrainConfig(steps=4, batch=2, seq_len=32, unroll=2, vocab_size=256, warmup=1, log_every=2, ckpt_every=2,
+                      head=dict(n_head=2, n_head_kv=1, head_dim=64, n_ff=64))  # fmt: skip
+    work = tmp_path / "work"
+    out = tmp_path / "head.gguf"
+    r1 = train_eagle3(model_path, shards, work, out, cfg, target_layers=LAYERS, progress=False)
+    assert r1.steps == 4 and len(r1.train_accuracy) == 2
+    cfg.steps = 6
+    r2 = train_eagle3(model_path, shards, work, out, cfg, target_layers=LAYERS, progress=False)
+    assert r2.steps == 6
+    log = [json.loads(x) for x in (work / "train_log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in log if "loss" in x] == [2, 4, 6] and all(len(x["loss"]) == 2 for x in log if "loss" in x)
+    head = Model(out)
+    assert head.architecture == "eagle3"
+    head.close()
+    eng = Engine(model, drafter="eagle3", eagle=out, n_ctx=1024, cost_model=fixed_cost_model())
+    try:
+        prompt = eng.tokenize("def add(a, b):")
+        spec = eng.generate(prompt, max_tokens=12, sampling=SamplingParams.greedy())
+        plain = eng.generate(prompt, max_tokens=12, sampling=SamplingParams.greedy(), speculative=False)
+    finally:
+        eng.close()
+    assert spec.token_ids == plain.token_ids
