@@ -4,7 +4,7 @@
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
-EXTRAS ?= dev,tui,server
+EXTRAS ?= dev,tui,server,train
 PROMPT ?= Question: What is the tallest mountain in the world?\nAnswer: Mount Everest.\nQuestion: What is the longest river in the world?\nAnswer:
 
 .PHONY: run test env clean
