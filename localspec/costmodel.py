@@ -135,23 +135,25 @@ def calibrate(
     ctx.clear()
     batch.set_sequence(rng.integers(100, vocab_hi, n_prefix), 0, output="none")
     ctx.decode(batch)
-    table: dict[int, float] = {}
     # one warm-up decode of the largest size (first-touch of buffers)
     batch.set_sequence(rng.integers(100, vocab_hi, max(sizes)), n_prefix, output="all")
     ctx.decode(batch)
     ctx.seq_rm(0, n_prefix, -1)
-    for i, b in enumerate(sizes):
-        times = []
-        for _ in range(reps):
+    # Rounds over all sizes rather than all repetitions of one size in a row: a burst of load
+    # from another process then spoils one sample of many sizes, which the median drops,
+    # instead of every sample of a few neighbouring sizes.
+    times: dict[int, list[float]] = {b: [] for b in sizes}
+    for r in range(reps):
+        for i, b in enumerate(sizes):
             batch.set_sequence(rng.integers(100, vocab_hi, b), n_prefix, output="all")
             t0 = time.perf_counter()
             ctx.decode(batch)
             ctx.synchronize()
-            times.append((time.perf_counter() - t0) * 1e6)
+            times[b].append((time.perf_counter() - t0) * 1e6)
             ctx.seq_rm(0, n_prefix, -1)
-        table[b] = float(np.median(times))
-        if progress is not None:
-            progress(i + 1, len(sizes))
+            if progress is not None:
+                progress(r * len(sizes) + i + 1, reps * len(sizes))
+    table = {b: float(np.median(ts)) for b, ts in times.items()}
     ctx.clear()
     model = CostModel(table)
     if use_cache:

@@ -162,3 +162,16 @@ def test_missing_and_corrupt_gguf(tmp_path):
         Model(trunc)
     with pytest.raises(ModelLoadError, match="directory"):
         Model(tmp_path)
+
+
+def test_calibration_measures_every_size_in_rounds(ctx):
+    """``calibrate`` times every size ``reps`` times, round by round over all sizes, and leaves
+    the context empty."""
+    from localspec.costmodel import calibrate
+
+    seen = []
+    cm = calibrate(ctx, sizes=(1, 2, 4), reps=2, use_cache=False, progress=lambda done, total: seen.append((done, total)))
+    table = cm.to_json()["table_us"]
+    assert sorted(int(k) for k in table) == [1, 2, 4] and all(v > 0 for v in table.values())
+    assert seen == [(i, 6) for i in range(1, 7)]
+    assert ctx.pos_max(0) == -1
