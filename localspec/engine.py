@@ -38,6 +38,8 @@ from .text import TextAssembler
 from .tree import TokenSource, TokenTree
 from .verify import verify
 
+MIN_N_CTX = 16
+"""Smallest context an engine accepts (tokens)."""
 DEFAULT_N_CTX = 8192
 
 
@@ -213,6 +215,8 @@ class Engine:
     ) -> None:
         if not 1 <= max_tree_nodes <= 255:
             raise InvalidRequestError("max_tree_nodes must be in [1, 255]")
+        if n_ctx is not None and n_ctx < MIN_N_CTX:
+            raise InvalidRequestError(f"n_ctx must be at least {MIN_N_CTX} tokens (got {n_ctx})")
         if model is None:
             from .models import default_model_path
 
@@ -221,6 +225,9 @@ class Engine:
         self.model = model if isinstance(model, Model) else Model(model, n_gpu_layers=n_gpu_layers)
         if n_ctx is None:
             n_ctx = min(DEFAULT_N_CTX, self.model.n_ctx_train or DEFAULT_N_CTX)
+        # llama.cpp needs n_seq_max <= n_ctx (one sequence per tree leaf): a small context
+        # gets smaller trees instead of an abort inside llama.cpp
+        max_tree_nodes = min(max_tree_nodes, n_ctx // 2 - 1)
         self.max_tree_nodes = max_tree_nodes
         self._ctx_args = dict(n_ctx=n_ctx, n_batch=512, n_seq_max=max_tree_nodes + 1, n_threads=n_threads, flash_attn=flash_attn)
         self.drafter: Drafter | None = None

@@ -382,3 +382,27 @@ def test_cancel_after_end_does_not_leak_into_the_next_request(eng):
     s.cancel()  # too late: must not abort the next request
     res = eng.generate("Hello", max_tokens=3, sampling=GREEDY)
     assert res.finish_reason == "length" and len(res.token_ids) == 3
+
+
+def test_small_contexts_work_or_are_refused_clearly(model):
+    """llama.cpp aborts the process when a context's sequences outnumber its tokens: a small
+    context gets smaller trees, a tiny one a clear error, never an abort."""
+    from localspec.backend import Context
+    from localspec.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="at least 16"):
+        Engine(model, n_ctx=8)
+    with pytest.raises(InvalidRequestError, match="cannot hold 65 sequences"):
+        Context(model, n_ctx=64, n_seq_max=65)
+    e = Engine(model, n_ctx=64, cost_model=fixed_cost_model())
+    try:
+        assert e.max_tree_nodes == 31
+        prompt = "one two three four, one two three four, one two"
+        spec = e.generate(prompt, max_tokens=12, sampling=GREEDY)
+        e.reset()
+        assert spec.token_ids == e.generate(prompt, max_tokens=12, sampling=GREEDY, speculative=False).token_ids
+        with pytest.raises(ContextOverflowError):
+            e.generate(" ".join(str(i) for i in range(100)), max_tokens=4, sampling=GREEDY)
+        assert e.generate(prompt, max_tokens=2, sampling=GREEDY).finish_reason == "length"  # still usable
+    finally:
+        e.close()

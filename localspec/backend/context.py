@@ -15,7 +15,7 @@ import threading
 
 import numpy as np
 
-from ..errors import ContextOverflowError, DecodeError, ModelLoadError
+from ..errors import ContextOverflowError, DecodeError, InvalidRequestError, ModelLoadError
 from ._llama import exact_kernels, lib, recent_errors, supports_gpu_offload
 from .batch import Batch
 from .model import Model
@@ -76,6 +76,12 @@ class Context:
     ) -> None:
         self._ctx = None
         self.model = model
+        if n_ctx > 0 and n_seq_max > min(int(n_ctx), int(n_batch)):
+            # llama.cpp asserts (aborting the process) when the sequences outnumber the batch
+            raise InvalidRequestError(
+                f"a context of {n_ctx} tokens (batch {n_batch}) cannot hold {n_seq_max} sequences: "
+                "use a larger context (n_ctx / --n-ctx) or smaller token trees (--max-tree-nodes)"
+            )
         params = lib.llama_context_default_params()
         params.n_ctx = int(n_ctx)
         params.n_batch = int(n_batch)

@@ -120,7 +120,7 @@ def run_kernels(a: argparse.Namespace) -> int:
     from ..bench.kernels import bench_kernels, model_rows
 
     if not native.AVAILABLE:
-        raise SystemExit(f"error: {_native_line()}")
+        raise SystemExit(f"localspec: error: {_native_line()}")
     if a.threads:
         native.set_threads(a.threads)
     if a.real_rows:
@@ -200,9 +200,9 @@ def run(a: argparse.Namespace) -> int:
     from ..bench.specbench import machine_info, run_bench, summarize
 
     if not a.dataset:
-        raise SystemExit("error: --dataset FILE is required (a Spec-Bench question.jsonl)")
+        raise SystemExit("localspec: error: --dataset FILE is required (a Spec-Bench question.jsonl)")
     if a.drafter == "none":
-        raise SystemExit("error: bench compares a drafter against plain decoding; choose --drafter other than none")
+        raise SystemExit("localspec: error: bench compares a drafter against plain decoding; choose --drafter other than none")
     questions = load_questions(a.dataset)
     cats = [c.strip() for c in a.categories.split(",")] if a.categories else None
     prompts = select_prompts(questions, cats, a.per_category)

@@ -43,7 +43,7 @@ def run(a: argparse.Namespace) -> int:
     from ..server.http import ServerThread
 
     if a.skip_latency and not a.humaneval:
-        raise SystemExit("error: nothing to run (--skip-latency without --humaneval PATH)")
+        raise SystemExit("localspec: error: nothing to run (--skip-latency without --humaneval PATH)")
     text = Path(a.prefix_file or localspec.engine.__file__).read_text(encoding="utf-8")
     tasks = spread(load_humaneval_infilling(a.humaneval), a.tasks) if a.humaneval else []
     engine = make_engine(a, a.drafter)

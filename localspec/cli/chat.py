@@ -35,7 +35,7 @@ def run(a: argparse.Namespace) -> int:
         from localspec.tui import ChatApp
         from localspec.tui.stderr import NativeStderr
     except ImportError as e:  # textual missing
-        raise SystemExit(f"error: localspec chat needs the [tui] extra: pip install 'localspec[tui]' ({e})") from None
+        raise SystemExit(f"localspec: error: localspec chat needs the [tui] extra: pip install 'localspec[tui]' ({e})") from None
     sampling = sampling_from_args(a)
 
     def factory(path: str | None, drafter: str, **options):

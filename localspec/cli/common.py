@@ -75,7 +75,7 @@ def sampling_from_args(a: argparse.Namespace, logprobs: int | None = None) -> Sa
             tok, val = item.split("=", 1)
             bias[int(tok)] = -math.inf if val.strip().lower() in ("-inf", "-infinity") else float(val)
         except ValueError:
-            raise SystemExit(f"error: --logit-bias expects TOKEN=BIAS, got {item!r}") from None
+            raise SystemExit(f"localspec: error: --logit-bias expects TOKEN=BIAS, got {item!r}") from None
     grammar = a.grammar
     if a.grammar_file:
         grammar = Path(a.grammar_file).read_text()
@@ -106,7 +106,7 @@ def _draft_shape(text: str | None):
         d, w, n = (int(x) for x in text.split(","))
         return TreeShape(d, w, n, min_score=0.0)
     except ValueError:
-        raise SystemExit(f"error: --draft-shape takes DEPTH,WIDTH,NODES (e.g. 6,1,7), not {text!r}") from None
+        raise SystemExit(f"localspec: error: --draft-shape takes DEPTH,WIDTH,NODES (e.g. 6,1,7), not {text!r}") from None
 
 
 def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = True):

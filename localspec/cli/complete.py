@@ -47,7 +47,7 @@ def run(a: argparse.Namespace) -> int:
     from ..server.prompt import has_fim
 
     if not 0 <= a.port <= 65535:
-        raise SystemExit(f"error: --port must be in 0..65535, got {a.port}")
+        raise SystemExit(f"localspec: error: --port must be in 0..65535, got {a.port}")
     config = ServiceConfig(
         sampling=sampling_from_args(a),
         window=a.fim_window,

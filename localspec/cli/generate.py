@@ -41,15 +41,15 @@ def read_prompt(a: argparse.Namespace) -> str:
         try:
             text = Path(a.file).read_text()
         except OSError as e:
-            raise SystemExit(f"error: cannot read the prompt file: {e}") from None
+            raise SystemExit(f"localspec: error: cannot read the prompt file: {e}") from None
     elif a.prompt is None or a.prompt == "-":
         if sys.stdin.isatty() and a.prompt is None:
-            raise SystemExit("error: give a prompt, --file FILE, or pipe text to standard input")
+            raise SystemExit("localspec: error: give a prompt, --file FILE, or pipe text to standard input")
         text = sys.stdin.read()
     else:
         text = a.prompt
     if not text:
-        raise SystemExit("error: the prompt is empty")
+        raise SystemExit("localspec: error: the prompt is empty")
     return text
 
 

@@ -100,7 +100,9 @@ def run_derive_draft(a: argparse.Namespace) -> int:
     try:
         out = derive_draft(target, a.out, a.layers)
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise SystemExit(f"localspec: error: {e}") from None
+    except OSError as e:
+        raise SystemExit(f"localspec: error: cannot write {a.out}: {e.strerror or e}") from None
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): the first {a.layers} layers of {target.name}")
     return 0
 
@@ -114,6 +116,8 @@ def run_random_eagle3(a: argparse.Namespace) -> int:
     try:
         out = random_eagle3(target, a.out, draft_vocab=a.draft_vocab, seed=a.seed)
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise SystemExit(f"localspec: error: {e}") from None
+    except OSError as e:
+        raise SystemExit(f"localspec: error: cannot write {a.out}: {e.strerror or e}") from None
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): an untrained EAGLE-3 head for {target.name}")
     return 0

@@ -64,7 +64,7 @@ def run_train(a: argparse.Namespace) -> int:
     try:
         import torch  # noqa: F401
     except ImportError:
-        raise SystemExit("error: train-eagle3 needs torch: pip install 'localspec[train]'") from None
+        raise SystemExit("localspec: error: train-eagle3 needs torch: pip install 'localspec[train]'") from None
     from ..backend import check_gguf_file
     from ..models import resolve_model
     from ..models.eagle3_data import prepare_data, shard_paths
@@ -88,7 +88,7 @@ def run_train(a: argparse.Namespace) -> int:
             max_shards=a.max_shards,
         )  # fmt: skip
     except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
+        raise SystemExit(f"localspec: error: {e}") from None
     if a.data_only:
         print(f"{len(shards)} shards in {work / 'data'}")
         return 0
@@ -100,7 +100,7 @@ def run_train(a: argparse.Namespace) -> int:
     for d in a.more_data:
         more = shard_paths(d)
         if not more:
-            raise SystemExit(f"error: no shards in {d}")
+            raise SystemExit(f"localspec: error: no shards in {d}")
         shards = shards + more
     res = train_eagle3(target, shards, work, a.out, cfg, target_layers=layers, matrix_dtype=a.matrix_type)
     info = dict(
