@@ -37,10 +37,24 @@ def doc_files(root: Path = Path("/usr/share/doc")) -> list[Path]:
     for p in sorted(root.rglob("*")):
         if not p.is_file() or "changelog" in p.name.lower() or p.name.lower() == "copyright":
             continue
-        name = p.name[:-3] if p.name.endswith(".gz") else p.name
-        if Path(name).suffix.lower() in DOC_SUFFIXES:
+        if Path(_plain_name(p)).suffix.lower() in DOC_SUFFIXES:
             out.append(p)
     return out
+
+
+def _plain_name(path: Path) -> str:
+    """The file name without a ``.gz`` suffix."""
+    return path.name[:-3] if path.name.endswith(".gz") else path.name
+
+
+def _sample_into(folder: Path, paths: list[Path], n: int, rng: random.Random, read, name_of) -> None:
+    """Write ``read(p)`` to ``folder / name_of(p)`` for a seeded sample of ``n`` of ``paths``
+    (empty texts skipped)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for p in rng.sample(paths, min(n, len(paths))):
+        text = read(p)
+        if text.strip():
+            (folder / name_of(p)).write_text(text)
 
 
 def render_man(page: Path) -> str:
@@ -65,20 +79,11 @@ def main() -> None:
     a = ap.parse_args()
     rng = random.Random(a.seed)
     out = Path(a.out)
-    (out / "man").mkdir(parents=True, exist_ok=True)
-    (out / "doc").mkdir(parents=True, exist_ok=True)
-    pages = man_pages()
-    for p in rng.sample(pages, min(a.man, len(pages))):
-        text = render_man(p)
-        if text.strip():
-            name = p.name[:-3] if p.name.endswith(".gz") else p.name
-            (out / "man" / f"{name}.txt").write_text(text)
-    docs = doc_files()
-    for p in rng.sample(docs, min(a.doc, len(docs))):
-        text = read_doc(p)
-        if text.strip():
-            name = p.name[:-3] if p.name.endswith(".gz") else p.name
-            (out / "doc" / f"{p.relative_to('/usr/share/doc').parts[0]}__{name}.txt").write_text(text)
+    _sample_into(out / "man", man_pages(), a.man, rng, render_man, lambda p: f"{_plain_name(p)}.txt")
+    _sample_into(
+        out / "doc", doc_files(), a.doc, rng, read_doc,
+        lambda p: f"{p.relative_to('/usr/share/doc').parts[0]}__{_plain_name(p)}.txt",
+    )  # fmt: skip
     print(f"{len(list((out / 'man').iterdir()))} man pages, {len(list((out / 'doc').iterdir()))} doc files in {out}")
 
 

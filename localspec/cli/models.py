@@ -91,18 +91,24 @@ def run_info(a: argparse.Namespace) -> int:
     return 0
 
 
+def _write_gguf(write, out, *args, **kwargs):
+    """``write(*args, **kwargs)`` (a GGUF writer returning the path it wrote), with its
+    errors as one-line CLI errors: bad parameters, or an ``out`` that cannot be written."""
+    try:
+        return write(*args, **kwargs)
+    except ValueError as e:
+        raise SystemExit(f"localspec: error: {e}") from None
+    except OSError as e:
+        raise SystemExit(f"localspec: error: cannot write {out}: {e.strerror or e}") from None
+
+
 def run_derive_draft(a: argparse.Namespace) -> int:
     from ..backend import check_gguf_file
     from ..models import resolve_model
     from ..models.derive import derive_draft
 
     target = check_gguf_file(resolve_model(a.target))
-    try:
-        out = derive_draft(target, a.out, a.layers)
-    except ValueError as e:
-        raise SystemExit(f"localspec: error: {e}") from None
-    except OSError as e:
-        raise SystemExit(f"localspec: error: cannot write {a.out}: {e.strerror or e}") from None
+    out = _write_gguf(derive_draft, a.out, target, a.out, a.layers)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): the first {a.layers} layers of {target.name}")
     return 0
 
@@ -113,11 +119,6 @@ def run_random_eagle3(a: argparse.Namespace) -> int:
     from ..models.eagle3_gguf import random_eagle3
 
     target = check_gguf_file(resolve_model(a.target))
-    try:
-        out = random_eagle3(target, a.out, draft_vocab=a.draft_vocab, seed=a.seed)
-    except ValueError as e:
-        raise SystemExit(f"localspec: error: {e}") from None
-    except OSError as e:
-        raise SystemExit(f"localspec: error: cannot write {a.out}: {e.strerror or e}") from None
+    out = _write_gguf(random_eagle3, a.out, target, a.out, draft_vocab=a.draft_vocab, seed=a.seed)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): an untrained EAGLE-3 head for {target.name}")
     return 0

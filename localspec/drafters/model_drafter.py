@@ -12,6 +12,7 @@ Subclasses provide ``attach`` (checks, then
 
 from __future__ import annotations
 
+import abc
 import os
 import time
 from collections.abc import Sequence
@@ -24,7 +25,7 @@ from ..tree import TokenSource, TokenTree
 from .tree_expand import DraftCalibration, DraftSampler, expand_tree
 
 
-class ModelDrafter:
+class ModelDrafter(abc.ABC):
     """Base of model drafters (see the module docstring).
 
     Args:
@@ -134,11 +135,13 @@ class ModelDrafter:
 
     # -- provided by subclasses ---------------------------------------------------------------
 
-    def decode_level(self, tree, nodes):  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def decode_level(self, tree, nodes):
+        """Decode ``nodes`` of the tree under construction; their draft logits rows."""
 
-    def check_cache(self) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def check_cache(self) -> None:
+        """Check the draft KV cache against the history (raises on a mismatch)."""
 
     def close(self) -> None:
         """Free the draft context, and the model when the drafter loaded it (idempotent)."""
