@@ -10,6 +10,18 @@ llama.cpp's default order::
     -> top-k -> top-p -> min-p -> temperature
 
 Temperature 0 is greedy: the argmax after bias, penalties and grammar (no division by 0).
+A row is also decided greedily at temperature > 0 in two cases (``greedy_row``), identically
+here and in the C kernels:
+
+* a token whose adjusted logit is ``+inf`` (a ``+inf`` logit bias) is *forced*: it is chosen
+  with probability 1 at every temperature (several: the lowest id, llama.cpp's argmax; with a
+  grammar, the lowest grammar-allowed one; a grammar that allows none of them treats them as
+  banned). llama.cpp's ``--logit-bias TOKEN=+inf`` has this meaning at temperature 0 (its
+  argmax keeps the first maximum) and no defined one at temperature > 0 (its softmax of
+  ``inf - inf`` is NaN); ``+1e30`` forces the token in both.
+* the temperature is so small that the largest finite adjusted logit divided by it
+  (float32, as the division is done) is not finite, e.g. ``T = 1e-40`` or ``1e-300``: the
+  distribution is the greedy point mass within float precision, so it is taken as such.
 
 **Seeded, reproducible sampling.** At temperature > 0 the token at absolute position ``pos`` is
 ``argmax_i(processed_logits_i + g_i)`` with Gumbel noise ``g_i = -log(-log(u_i))`` and
@@ -67,7 +79,8 @@ class SamplingParams:
     """How tokens are chosen. Defaults are llama.cpp's (``llama-cli`` / ``llama-server``).
 
     Attributes:
-        temperature: 0 = greedy; > 0 divides the logits (applied last).
+        temperature: 0 = greedy; > 0 divides the logits (applied last); a temperature so
+            small that the division overflows float32 decides the row greedily.
         top_k: keep the k most likely tokens (0 = off).
         top_p: keep the smallest set of most likely tokens whose mass reaches p (1 = off).
         min_p: drop tokens with prob < min_p * max prob (0 = off).
@@ -75,7 +88,8 @@ class SamplingParams:
         frequency_penalty: subtract count * this from recent tokens' logits (0 = off).
         presence_penalty: subtract this from recent tokens' logits (0 = off).
         penalty_last_n: window of recent tokens for penalties (0 = off, -1 = whole context).
-        logit_bias: token id -> value added to its logit (``-inf`` bans it).
+        logit_bias: token id -> value added to its logit (``-inf`` bans it, ``+inf`` forces
+            it, see the module docstring; NaN is refused).
         seed: seed of the per-position random streams; None draws one (reported in stats).
         grammar: GBNF grammar text constraining the output, or None.
         grammar_root: start rule of ``grammar``.
@@ -125,6 +139,12 @@ class SamplingParams:
             raise InvalidRequestError(f"verify must be 'gumbel' or 'rejection', got {self.verify!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 100:
             raise InvalidRequestError(f"logprobs must be in [0, 100], got {self.logprobs}")
+        for t, v in dict(self.logit_bias).items():
+            if math.isnan(float(v)):
+                raise InvalidRequestError(f"logit_bias of token {t} must be a number, got NaN")
+        for name in ("frequency_penalty", "presence_penalty", "repeat_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise InvalidRequestError(f"{name} must be finite, got {getattr(self, name)}")
         if self.seed is not None and not 0 <= int(self.seed) <= MASK64:
             raise InvalidRequestError("seed must be a non-negative 64-bit integer")
 
@@ -308,6 +328,7 @@ class LogitsProcessor:
                 raise InvalidRequestError(f"logit_bias token id {t} is outside the vocabulary (0..{n_vocab - 1})")
         self._bias_ids = np.fromiter((int(t) for t in bias), dtype=np.int64, count=len(bias))
         self._bias_val = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
+        self._has_posinf_bias = bool(np.isposinf(self._bias_val).any())
         self._all_ids = None
         if use_native and not native.AVAILABLE:
             raise RuntimeError(f"the native kernels are not available: {native.LOAD_ERROR}")
@@ -368,6 +389,54 @@ class LogitsProcessor:
         ids = np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
         return ids[:need]
 
+    def _forced_ids(self, x: np.ndarray) -> np.ndarray:
+        """Ascending ids whose adjusted logit is ``+inf`` (only a logit bias can make one)."""
+        if not self._has_posinf_bias:
+            return np.zeros(0, dtype=np.int64)
+        ids = self._bias_ids[np.isposinf(x[self._bias_ids])]
+        return np.unique(ids)
+
+    def greedy_row(self, x: np.ndarray, grammar=None) -> bool:
+        """Whether the row with adjusted logits ``x`` ([n_vocab] float32) is decided greedily.
+
+        True at temperature 0; at temperature > 0 when a token is forced (``+inf`` logit bias,
+        allowed by ``grammar``) or when ``float32(max finite x) / float32(T)`` is not finite
+        (the division would overflow). The C kernels apply the same rule (``ls_rows.c``).
+        """
+        p = self.params
+        if p.is_greedy:
+            return True
+        forced = self._forced_ids(x)
+        if forced.size and (grammar is None or grammar.allowed(forced).any()):
+            return True
+        m = x.max()
+        if not np.isfinite(m):
+            if m == -np.inf or np.isnan(m):
+                return False  # nothing finite: the caller reports it
+            fin = x[np.isfinite(x)]
+            if fin.size == 0:
+                return False
+            m = fin.max()
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            return not np.isfinite(np.float32(m) / np.float32(p.temperature))
+
+    def _greedy(self, x: np.ndarray, grammar) -> Candidates:
+        """The greedy point mass of adjusted logits ``x``: a forced token, else the argmax."""
+        if grammar is None:
+            t = int(np.argmax(x))
+            if not x[t] > -np.inf:
+                raise InvalidRequestError("every token is banned by logit_bias")
+            return Candidates(np.array([t], dtype=np.int64), np.array([0.0], dtype=np.float32))
+        forced = self._forced_ids(x)
+        if forced.size:
+            forced = forced[grammar.allowed(forced)]
+            if forced.size:
+                return Candidates(forced[:1], np.array([0.0], dtype=np.float32))
+        ids = self._valid_desc(x, 1, grammar)
+        if ids.size == 0:
+            raise GrammarError("no token can continue the grammar here")
+        return Candidates(ids, np.array([0.0], dtype=np.float32))
+
     def candidates(self, row: np.ndarray, counts: Mapping[int, int] | None = None, grammar=None) -> Candidates:
         """The processed distribution of one row.
 
@@ -377,6 +446,7 @@ class LogitsProcessor:
             grammar: ``GrammarState`` at this position, or None.
         Raises:
             GrammarError: no token is allowed.
+            InvalidRequestError: every token is banned by the logit bias.
         """
         p = self.params
         if grammar is None:
@@ -384,18 +454,11 @@ class LogitsProcessor:
             if state is not None:
                 return Candidates(*native_rows.candidates(state, row, counts))
         x = self.adjusted(row, counts)
+        greedy = self.greedy_row(x, grammar)
         if p.candidate_filter is not None:
-            return self._filtered(x, grammar)
-        if p.is_greedy:
-            if grammar is None:
-                t = int(np.argmax(x))
-                if not np.isfinite(x[t]):
-                    raise InvalidRequestError("every token is banned by logit_bias")
-                return Candidates(np.array([t], dtype=np.int64), np.array([0.0], dtype=np.float32))
-            ids = self._valid_desc(x, 1, grammar)
-            if ids.size == 0:
-                raise GrammarError("no token can continue the grammar here")
-            return Candidates(ids, np.array([0.0], dtype=np.float32))
+            return self._filtered(x, grammar, greedy)
+        if greedy:
+            return self._greedy(x, grammar)
         truncating = p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
         if not truncating:
             if grammar is not None:
@@ -405,9 +468,15 @@ class LogitsProcessor:
             ids = self.all_ids if mask.all() else np.flatnonzero(mask)
             if ids.size == 0:
                 raise GrammarError("no token is allowed here (grammar / logit_bias)")
-            return Candidates(ids, (x[ids] / np.float32(p.temperature)).astype(np.float32))
+            return Candidates(ids, self._scaled(x[ids]))
         ids = self._truncated(x, grammar)
-        return Candidates(ids, (x[ids] / np.float32(p.temperature)).astype(np.float32))
+        return Candidates(ids, self._scaled(x[ids]))
+
+    def _scaled(self, logits: np.ndarray) -> np.ndarray:
+        """``logits / T`` in float32 (finite maximum, as ``greedy_row`` checked; lower logits
+        may become ``-inf``, probability 0 within float precision)."""
+        with np.errstate(over="ignore"):
+            return (logits / np.float32(self.params.temperature)).astype(np.float32)
 
     def _truncated(self, x: np.ndarray, grammar) -> np.ndarray:
         """Token ids surviving grammar -> top-k -> top-p -> min-p on adjusted logits ``x``."""
@@ -429,28 +498,33 @@ class LogitsProcessor:
             raise InvalidRequestError("every token is banned by logit_bias")
         return ids
 
-    def _filtered(self, x: np.ndarray, grammar) -> Candidates:
+    def _filtered(self, x: np.ndarray, grammar, greedy: bool) -> Candidates:
         """The pipeline with a ``candidate_filter`` between truncation and temperature.
 
         Truncation applies also at temperature 0 here, because the filter sees the truncated
         set (llama.cpp's chain ``top_k -> top_p -> infill -> temperature(0)``); greedy then
-        takes the highest logit among the filtered candidates.
+        takes the highest logit among the filtered candidates. A forced token (``+inf`` bias)
+        skips truncation and the filter.
         """
         p = self.params
+        forced = self._forced_ids(x)
+        if forced.size and (grammar is None or grammar.allowed(forced).any()):
+            return self._greedy(x, grammar)
         ids = self._truncated(x, grammar)
         ids, logits = p.candidate_filter(ids, x[ids].astype(np.float32))
         keep = np.isfinite(logits)
         ids, logits = np.asarray(ids, dtype=np.int64)[keep], np.asarray(logits, dtype=np.float32)[keep]
         if ids.size == 0:
             raise InvalidRequestError(f"the {p.candidate_filter.name} sampler left no candidate")
-        if p.is_greedy:
+        if greedy:
             i = int(np.argmax(logits))
             return Candidates(ids[i : i + 1], np.array([0.0], dtype=np.float32))
-        return Candidates(ids, (logits / np.float32(p.temperature)).astype(np.float32))
+        return Candidates(ids, self._scaled(logits))
 
     def choose(self, row: np.ndarray, pos: int, seed: int, counts=None, grammar=None) -> int:
-        """The token at absolute position ``pos``: greedy, or seeded Gumbel-max over the
-        processed distribution. Exactly a sample of ``softmax(candidates.logits)``."""
+        """The token at absolute position ``pos``: greedy (see ``greedy_row``), or seeded
+        Gumbel-max over the processed distribution. Exactly a sample of
+        ``softmax(candidates.logits)``."""
         p = self.params
         if grammar is None:
             state = self.native_state()
@@ -462,12 +536,16 @@ class LogitsProcessor:
         if grammar is not None and not truncating and p.candidate_filter is None:
             # argmax over grammar-valid tokens of (x/T + g): walk the perturbed order, check grammar lazily
             x = self.adjusted(row, counts)
+            if self.greedy_row(x, grammar):
+                return int(self._greedy(x, grammar).ids[0])
             z = x.astype(np.float64) / p.temperature + gumbel_noise(seed, pos, self.all_ids)
             ids = self._valid_desc(z, 1, grammar)
             if ids.size == 0:
                 raise GrammarError("no token can continue the grammar here")
             return int(ids[0])
         c = self.candidates(row, counts, grammar)
+        if c.ids.size == 1:
+            return int(c.ids[0])
         z = c.logits.astype(np.float64) + gumbel_noise(seed, pos, c.ids)
         return int(c.ids[int(np.argmax(z))])
 

@@ -76,7 +76,9 @@ LS_API void ls_gumbel_noise(uint64_t key, const int64_t *ids, int64_t n, double 
 
 /* localspec.SamplingParams, plus the processor's logit bias (suppressed tokens included). */
 typedef struct ls_sampling {
-    double temperature;        /* 0 = greedy; the division uses (float)temperature */
+    double temperature;        /* 0 = greedy; the division uses (float)temperature; a row is
+                                  also greedy when a biased logit is +inf (forced) or when
+                                  max finite logit / (float)temperature is not finite */
     double top_p;              /* 1 = off */
     double min_p;              /* 0 = off */
     int32_t top_k;             /* 0 = off */

@@ -450,20 +450,38 @@ static int64_t min_p_filter_f32(const float *x, int64_t *ids, int64_t m, float M
 
 static inline int is_truncating(const ls_sampling *s) { return s->top_k > 0 || s->top_p < 1.0 || s->min_p > 0.0; }
 
+/* The greedy token of an adjusted row: the first maximum (a +inf logit, i.e. a forced token,
+ * wins); LS_ERR_BANNED when every value is -inf. */
+static int64_t greedy_token(const float *x, int64_t n) {
+    int64_t t = ls_argmax(x, n);
+    return x[t] > -INFINITY ? t : LS_ERR_BANNED;
+}
+
+/* Is the row decided greedily at temperature > 0 (LogitsProcessor.greedy_row)? When a biased
+ * token's adjusted logit is +inf (forced), or when the largest finite value M divided by the
+ * float temperature is not finite (the division overflows: T = 1e-40, or (float)T == 0). */
+static int greedy_at_temperature(const ls_sampling *s, const float *x, float M, int64_t n_fin) {
+    for (int64_t i = 0; i < s->n_bias; i++)
+        if (x[s->bias_ids[i]] == INFINITY) return 1;
+    if (n_fin == 0) return 0;
+    float q = M / (float)s->temperature;
+    return !ls__isfinite(q);
+}
+
 /* Candidate ids of an adjusted row into ws->ids (reference order); logits / T into
  * ws->logits. */
 int64_t ls__candidates(const ls_sampling *s, const float *x, int64_t n, ls_workspace *ws) {
-    if (s->temperature <= 0.0) {
-        int64_t t = ls_argmax(x, n);
-        if (!ls__isfinite(x[t])) return LS_ERR_BANNED;
+    float M = -INFINITY;
+    int64_t n_fin = 0;
+    if (s->temperature > 0.0) ls__row_max(x, n, ws->n_threads, &M, &n_fin);
+    if (s->temperature <= 0.0 || greedy_at_temperature(s, x, M, n_fin)) {
+        int64_t t = greedy_token(x, n);
+        if (t < 0) return t;
         ws->ids[0] = t;
         ws->logits[0] = 0.0f;
         return 1;
     }
     float temp = (float)s->temperature;
-    float M;
-    int64_t n_fin;
-    ls__row_max(x, n, ws->n_threads, &M, &n_fin);
     int64_t m;
     if (!is_truncating(s)) {
         if (n_fin == 0) return LS_ERR_NONE_ALLOWED;
@@ -629,20 +647,19 @@ static int64_t gumbel_row(uint64_t key, const float *x, int64_t n, float M, floa
 }
 
 int64_t ls__choose(const ls_sampling *s, const float *x, int64_t n, int64_t pos, ls_workspace *ws) {
-    if (s->temperature <= 0.0) {
-        int64_t t = ls_argmax(x, n);
-        return ls__isfinite(x[t]) ? t : LS_ERR_BANNED;
-    }
+    if (s->temperature <= 0.0) return greedy_token(x, n);
     uint64_t key = ls_stream_key(s->seed, pos, LS_STREAM_GUMBEL);
     if (!is_truncating(s)) {
         float M;
         int64_t n_fin;
         ls__row_max(x, n, ws->n_threads, &M, &n_fin);
+        if (greedy_at_temperature(s, x, M, n_fin)) return greedy_token(x, n);
         if (n_fin == 0) return LS_ERR_NONE_ALLOWED;
         return gumbel_row(key, x, n, M, (float)s->temperature, ws->n_threads);
     }
     int64_t m = ls__candidates(s, x, n, ws);
     if (m < 0) return m;
+    if (m == 1) return ws->ids[0];
     return ws->ids[gumbel_list(key, ws->ids, ws->logits, m)];
 }
 
