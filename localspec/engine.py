@@ -372,7 +372,8 @@ class Engine:
             stop: stop strings; the text is cut before the first one completed.
             speculative: False decodes without the drafter for this request.
             parse_special: tokenise special-token text (e.g. chat markup) as special tokens.
-            add_special: add BOS (and EOS) as the model asks when tokenising text.
+            add_special: add BOS (and EOS) as the model asks when tokenising text; with
+                ``parse_special`` a text that already starts with the BOS token gets no second.
             max_time_ms: stop generating (``finish_reason == "time"``) once this much time
                 has passed since the first generated token; prefill is not limited.
             draft_context: extra texts or token sequences the drafter may draft from (an
@@ -387,6 +388,11 @@ class Engine:
         t_start = _now_us()
         if isinstance(prompt, str):
             tokens = self.model.tokenize(prompt, add_special=add_special, parse_special=parse_special)
+            bos = self.model.bos
+            if parse_special and add_special and self.model.add_bos and tokens[:2] == [bos, bos]:
+                # the text already starts with the BOS token: do not add a second one (as the
+                # chat app does; llama.cpp only warns)
+                tokens = tokens[1:]
         else:
             tokens = [int(t) for t in prompt]
             bad = [t for t in tokens if not 0 <= t < self.model.n_vocab]
@@ -541,6 +547,7 @@ class Engine:
                     done = False
                     chunks: list[StreamChunk] = []
                     for i, tok in enumerate(res.tokens):
+                        stats.n_step_tokens += 1
                         if model.is_eog(tok):
                             finish_reason, stop_name, done = "stop", "<eog>", True
                             break

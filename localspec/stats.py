@@ -1,9 +1,10 @@
 """Per-request statistics of a generation (speculative or not).
 
 Counts are of *emitted* tokens, so a generation cut by a stop string or an end-of-generation
-token counts only what it kept. ``mean_acceptance_length`` is emitted tokens per verification
-step, the recovered/bonus token included (1.0 for plain decoding); ``accept_length`` of a step
-excludes it. Times carry their unit (µs).
+token counts only what it kept. ``mean_acceptance_length`` is tokens produced per verification
+step, the recovered/bonus token included (1.0 for plain decoding), counting also the
+end-of-generation token and tokens a stop string cut (so it is never below 1); ``accept_length``
+of a step excludes the recovered/bonus token. Times carry their unit (µs).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ class GenerationStats:
         n_cached_tokens: prompt tokens whose KV was reused from the previous request.
         n_generated_tokens: tokens emitted (after any stop cut; EOG not counted).
         n_steps: target verification calls (decode steps) of the generation loop.
+        n_step_tokens: tokens those steps produced: the emitted ones, plus the
+            end-of-generation token and tokens cut by a stop string (>= n_steps).
         n_spec_steps: steps that verified at least one draft token.
         num_draft_tokens: draft tokens verified, over all steps.
         num_accepted_tokens: emitted tokens that were accepted drafts.
@@ -46,6 +49,7 @@ class GenerationStats:
     n_cached_tokens: int = 0
     n_generated_tokens: int = 0
     n_steps: int = 0
+    n_step_tokens: int = 0
     n_spec_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -63,8 +67,9 @@ class GenerationStats:
 
     @property
     def mean_acceptance_length(self) -> float:
-        """Emitted tokens per step, bonus/recovered token included."""
-        return self.n_generated_tokens / self.n_steps if self.n_steps else 0.0
+        """Tokens produced per step, bonus/recovered token included (``n_step_tokens /
+        n_steps``; >= 1 whenever a step ran, 0.0 when none did)."""
+        return self.n_step_tokens / self.n_steps if self.n_steps else 0.0
 
     @property
     def acceptance_rate(self) -> float:

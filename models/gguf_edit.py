@@ -36,11 +36,31 @@ def _infer_type(val: Any):
     raise TypeError(f"cannot store {type(val).__name__} in GGUF metadata")
 
 
-def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    """All metadata key/values of a GGUF (arrays as lists, strings decoded)."""
+def open_reader(path: str | os.PathLike):
+    """A ``gguf.GGUFReader`` on ``path``.
+
+    Raises:
+        ValueError: the file is truncated or corrupt (the reader's own errors, such as
+            ``cannot reshape array of size ...``, say neither), naming the file and its size.
+    """
     from gguf import GGUFReader
 
-    r = GGUFReader(str(path))
+    try:
+        return GGUFReader(str(path))
+    except (ValueError, IndexError, KeyError, OverflowError) as e:
+        size = Path(path).stat().st_size
+        raise ValueError(
+            f"{path} is a truncated or corrupt GGUF file ({size} bytes; the reader said: {e})"
+        ) from None
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """All metadata key/values of a GGUF (arrays as lists, strings decoded).
+
+    Raises:
+        ValueError: a truncated or corrupt file (``open_reader``).
+    """
+    r = open_reader(path)
     return {k: f.contents() for k, f in r.fields.items() if k not in _VIRTUAL}
 
 
@@ -74,7 +94,7 @@ def copy_gguf(
 
     set_kv = dict(set_kv or {})
     drop = set(drop_kv)
-    r = src if isinstance(src, GGUFReader) else GGUFReader(str(src))
+    r = src if isinstance(src, GGUFReader) else open_reader(src)
     arch_field = r.fields.get("general.architecture")
     arch = arch_field.contents() if arch_field is not None else "llama"
     if "general.architecture" in set_kv:

@@ -38,7 +38,8 @@ class Context:
 
     Args:
         model: the loaded model (must outlive the context).
-        n_ctx: KV cache size in tokens (llama.cpp rounds it up to a multiple of 256).
+        n_ctx: context size in tokens; llama.cpp rounds the KV cache up to a multiple of 256
+            (``n_ctx_allocated``) but ``n_ctx`` stays the size asked for, and nothing uses more.
         n_batch: most tokens one ``decode`` call may take (prefill chunk size).
         n_ubatch: physical micro-batch (defaults to ``n_batch``).
         n_seq_max: sequence ids available; token trees need one per leaf plus seq 0.
@@ -126,7 +127,10 @@ class Context:
             raise ModelLoadError(f"llama.cpp could not create a context (n_ctx={n_ctx}): {why}")
         self._ctx = ctx
         self.mem = lib.llama_get_memory(ctx)
-        self.n_ctx: int = lib.llama_n_ctx(ctx)
+        # llama.cpp rounds the KV cache up (to a multiple of 256); the context holds to the size
+        # asked for, so that `--n-ctx 20` means 20 tokens (positions, prompt checks, trees)
+        self.n_ctx_allocated: int = lib.llama_n_ctx(ctx)
+        self.n_ctx: int = min(int(n_ctx), self.n_ctx_allocated) if n_ctx > 0 else self.n_ctx_allocated
         self.n_batch: int = lib.llama_n_batch(ctx)
         self.n_seq_max: int = lib.llama_n_seq_max(ctx)
         self.n_vocab: int = model.n_vocab

@@ -203,7 +203,12 @@ def run(a: argparse.Namespace) -> int:
         raise SystemExit("localspec: error: --dataset FILE is required (a Spec-Bench question.jsonl)")
     if a.drafter == "none":
         raise SystemExit("localspec: error: bench compares a drafter against plain decoding; choose --drafter other than none")
-    questions = load_questions(a.dataset)
+    try:
+        questions = load_questions(a.dataset)
+    except OSError as e:
+        raise SystemExit(f"localspec: error: cannot read --dataset {a.dataset!r}: {e.strerror or e}") from None
+    except (ValueError, UnicodeDecodeError) as e:  # a malformed line names itself
+        raise SystemExit(f"localspec: error: --dataset: {e}") from None
     cats = [c.strip() for c in a.categories.split(",")] if a.categories else None
     prompts = select_prompts(questions, cats, a.per_category)
     sampling = sampling_from_args(a)

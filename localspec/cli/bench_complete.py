@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from .common import add_drafter_args, add_model_args, make_engine
+from .common import add_drafter_args, add_model_args, make_engine, read_text_file
 
 
 def register(bsub) -> None:
@@ -44,8 +44,11 @@ def run(a: argparse.Namespace) -> int:
 
     if a.skip_latency and not a.humaneval:
         raise SystemExit("localspec: error: nothing to run (--skip-latency without --humaneval PATH)")
-    text = Path(a.prefix_file or localspec.engine.__file__).read_text(encoding="utf-8")
-    tasks = spread(load_humaneval_infilling(a.humaneval), a.tasks) if a.humaneval else []
+    text = read_text_file(a.prefix_file or localspec.engine.__file__, "--prefix-file")
+    try:
+        tasks = spread(load_humaneval_infilling(a.humaneval), a.tasks) if a.humaneval else []
+    except OSError as e:
+        raise SystemExit(f"localspec: error: cannot read --humaneval {a.humaneval!r}: {e.strerror or e}") from None
     engine = make_engine(a, a.drafter)
     service = CompletionService(engine, ServiceConfig(sampling=SamplingParams.greedy()))
     results: dict = {"model": str(engine.model.path), "drafter": engine.drafter_name, "n_threads": engine.ctx.n_threads}

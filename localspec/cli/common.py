@@ -13,7 +13,11 @@ from ..sampling import SamplingParams
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and runtime")
     g.add_argument("-m", "--model", default=None, help="target GGUF path (default: the embedded Gemma 3 270M)")
-    g.add_argument("--n-ctx", type=int, default=None, help="context size in tokens (default 8192)")
+    g.add_argument(
+        "--n-ctx", type=int, default=None,
+        help="context size in tokens (default 8192); held to exactly this size, although llama.cpp "
+        "allocates a multiple of 256",
+    )
     g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all available)")
     g.add_argument(
         "-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload on CUDA/Metal builds (-1 = all)"
@@ -54,9 +58,12 @@ def add_sampling_args(p: argparse.ArgumentParser, *, greedy_default: bool = Fals
         action="append",
         default=[],
         metavar="TOKEN=BIAS",
-        help="add BIAS to TOKEN's logit ('-inf' bans it); repeatable",
+        help="add BIAS to TOKEN's logit ('-inf' bans it, 'inf' forces it); repeatable",
     )
-    g.add_argument("--seed", type=int, default=None, help="seed of the per-position random streams")
+    g.add_argument(
+        "--seed", type=int, default=None, help="seed of the per-position random streams (-1 = random, as in llama.cpp; "
+        "the seed used is in the statistics)"
+    )
     g.add_argument("--grammar", default=None, help="GBNF grammar text constraining the output")
     g.add_argument("--grammar-file", default=None, help="file with a GBNF grammar")
     g.add_argument(
@@ -73,12 +80,19 @@ def sampling_from_args(a: argparse.Namespace, logprobs: int | None = None) -> Sa
     for item in a.logit_bias:
         try:
             tok, val = item.split("=", 1)
-            bias[int(tok)] = -math.inf if val.strip().lower() in ("-inf", "-infinity") else float(val)
+            bias[int(tok)] = float(val)  # "inf" / "-inf" too: +inf forces the token, -inf bans it
         except ValueError:
             raise SystemExit(f"localspec: error: --logit-bias expects TOKEN=BIAS, got {item!r}") from None
+        if math.isnan(bias[int(tok)]):
+            raise SystemExit(f"localspec: error: --logit-bias expects a number, got {item!r}")
     grammar = a.grammar
     if a.grammar_file:
-        grammar = Path(a.grammar_file).read_text()
+        grammar = read_text_file(a.grammar_file, "--grammar-file")
+    seed = a.seed
+    if seed is not None and seed < 0:
+        if seed != -1:
+            raise SystemExit(f"localspec: error: --seed must be >= 0, or -1 for a random seed; got {seed}")
+        seed = None
     return SamplingParams(
         temperature=a.temperature,
         top_k=a.top_k,
@@ -89,11 +103,25 @@ def sampling_from_args(a: argparse.Namespace, logprobs: int | None = None) -> Sa
         presence_penalty=a.presence_penalty,
         penalty_last_n=a.penalty_last_n,
         logit_bias=bias,
-        seed=a.seed,
+        seed=seed,
         grammar=grammar,
         verify=a.verify,
         logprobs=logprobs,
     )
+
+
+def read_text_file(path: str, what: str) -> str:
+    """The UTF-8 text of ``path``, or a one-line ``localspec: error:`` naming ``what``."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise SystemExit(f"localspec: error: cannot read {what} {path!r}: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SystemExit(
+            f"localspec: error: {what} {path!r} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})"
+        ) from None
 
 
 def _draft_shape(text: str | None):

@@ -84,8 +84,10 @@ def run(a: argparse.Namespace) -> int:
         def on_ready(addr: str) -> None:
             print(f"localspec complete: listening on {addr}", flush=True)
 
-        # uvicorn handles SIGINT / SIGTERM and re-raises them after a graceful shutdown
+        # uvicorn handles SIGINT / SIGTERM and re-raises them after a graceful shutdown (until
+        # it serves, Ctrl-C exits at once with 130: localspec.cli.main)
         old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+        old_int = signal.signal(signal.SIGINT, _raise_interrupt)
         try:
             serve(
                 service,
@@ -98,6 +100,7 @@ def run(a: argparse.Namespace) -> int:
             pass
         finally:
             signal.signal(signal.SIGTERM, old_term)
+            signal.signal(signal.SIGINT, old_int)
         print("localspec complete: stopped", file=sys.stderr)
         return 0
     finally:

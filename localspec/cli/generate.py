@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from .common import add_drafter_args, add_model_args, add_sampling_args, make_engine, sampling_from_args
+from .common import add_drafter_args, add_model_args, add_sampling_args, make_engine, read_text_file, sampling_from_args
 
 
 def register(sub) -> None:
@@ -27,8 +26,8 @@ def register(sub) -> None:
     p.add_argument(
         "--compare",
         action="store_true",
-        help="also decode without speculation (same sampling) and report the speed ratio and whether "
-        "the outputs are identical",
+        help="also decode without speculation (same sampling; runs in the order speculative, plain, plain, "
+        "speculative) and report the ratio of the median speeds and whether the outputs are identical",
     )
     add_drafter_args(p)
     add_sampling_args(p)
@@ -38,14 +37,15 @@ def register(sub) -> None:
 
 def read_prompt(a: argparse.Namespace) -> str:
     if a.file:
-        try:
-            text = Path(a.file).read_text()
-        except OSError as e:
-            raise SystemExit(f"localspec: error: cannot read the prompt file: {e}") from None
+        text = read_text_file(a.file, "the prompt file")
     elif a.prompt is None or a.prompt == "-":
         if sys.stdin.isatty() and a.prompt is None:
             raise SystemExit("localspec: error: give a prompt, --file FILE, or pipe text to standard input")
-        text = sys.stdin.read()
+        data = sys.stdin.buffer.read()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise SystemExit(f"localspec: error: standard input is not UTF-8 text (byte {e.start})") from None
     else:
         text = a.prompt
     if not text:
@@ -67,6 +67,58 @@ def _summary(stats) -> str:
     return "\n".join(lines)
 
 
+def _logprob_lines(model, logprobs) -> str:
+    """``--logprobs N`` without ``--json``: one line per generated token (its text, log-prob
+    under the raw model distribution, and the top-N alternatives)."""
+
+    def piece(t: int) -> str:
+        return repr(model.token_bytes(int(t)).decode("utf-8", errors="replace"))
+
+    lines = ["log-probabilities (token: log-prob | top alternatives):"]
+    for i, lp in enumerate(logprobs or ()):
+        top = ", ".join(f"{piece(t)} {v:.3f}" for t, v in lp.top)
+        lines.append(f"{i:4d} {piece(lp.token)}: {lp.logprob:.3f}" + (f" | {top}" if top else ""))
+    return "\n".join(lines)
+
+
+COMPARE_ORDER = ("speculative", "plain", "plain", "speculative")
+
+
+def _compare(engine, prompt: str, kw: dict, sampling, first) -> dict:
+    """``--compare``: decode the prompt again in the order ``COMPARE_ORDER`` (the first
+    speculative run is ``first``, the one shown), the KV cache dropped before each run, and
+    compare the medians of the decode speeds. The ABBA order puts a steady drift of the
+    machine's load equally on both sides; a single plain run after the speculative one (what
+    this did before) charged all of it to plain decoding.
+
+    Returns ``spec`` / ``plain`` (the results), ``ratio`` (median speculative / median plain
+    decode tokens/s, None when plain measured 0), ``identical`` (all outputs equal to the
+    first), ``order`` and a one-paragraph ``summary``.
+    """
+    import statistics
+
+    same_seed = {**kw, "sampling": sampling.with_seed(first.stats.seed)}
+    runs = {"speculative": [first], "plain": []}
+    for what in COMPARE_ORDER[1:]:
+        engine.reset()
+        runs[what].append(engine.generate(prompt, **same_seed, speculative=what == "speculative"))
+    spec_rate = statistics.median(r.stats.tokens_per_s for r in runs["speculative"])
+    plain_rate = statistics.median(r.stats.tokens_per_s for r in runs["plain"])
+    ratio = spec_rate / plain_rate if plain_rate else None
+    identical = all(r.token_ids == first.token_ids for rs in runs.values() for r in rs)
+    fmt = ", ".join
+
+    summary = (
+        f"compared {len(COMPARE_ORDER)} runs in the order {fmt(COMPARE_ORDER)} (same seed, KV cache dropped "
+        f"before each): speculative {fmt(f'{r.stats.tokens_per_s:.1f}' for r in runs['speculative'])} tokens/s, "
+        f"plain {fmt(f'{r.stats.tokens_per_s:.1f}' for r in runs['plain'])} tokens/s; "
+        + (f"speed ratio of the medians {ratio:.2f}x; " if ratio is not None else "")
+        + f"identical output: {identical}"
+    )
+    return {"spec": runs["speculative"], "plain": runs["plain"], "ratio": ratio, "identical": identical,
+            "order": list(COMPARE_ORDER), "summary": summary}  # fmt: skip
+
+
 def run(a: argparse.Namespace) -> int:
     prompt = read_prompt(a)
     sampling = sampling_from_args(a, logprobs=a.logprobs)
@@ -85,27 +137,24 @@ def run(a: argparse.Namespace) -> int:
             out.write("\n")
             result = stream.result
             print("\n" + _summary(result.stats), file=sys.stderr)
-        plain = None
-        if a.compare:
-            engine.reset()
-            # same seed: the plain run must give the same text (up to numerical near-ties)
-            plain = engine.generate(prompt, **{**kw, "sampling": sampling.with_seed(result.stats.seed)}, speculative=False)
-            ratio = result.stats.tokens_per_s / plain.stats.tokens_per_s if plain.stats.tokens_per_s else 0.0
-            if not a.json:
-                print(
-                    f"plain decoding: {plain.stats.tokens_per_s:.1f} tokens/s; speed ratio {ratio:.2f}x; "
-                    f"identical output: {plain.token_ids == result.token_ids}",
-                    file=sys.stderr,
-                )
+            if a.logprobs is not None:
+                print(_logprob_lines(engine.model, result.logprobs), file=sys.stderr)
+        cmp = _compare(engine, prompt, kw, sampling, result) if a.compare else None
+        if cmp is not None and not a.json:
+            print(cmp["summary"], file=sys.stderr)
         if a.json:
             d = result.to_dict()
             d["model"] = str(engine.model.path)
-            if plain is not None:
+            if cmp is not None:
+                plain = cmp["plain"][0]
                 d["plain"] = {"token_ids": plain.token_ids, "stats": plain.stats.to_dict()}
-                d["identical_to_plain"] = plain.token_ids == result.token_ids
-                d["speed_ratio"] = (
-                    result.stats.tokens_per_s / plain.stats.tokens_per_s if plain.stats.tokens_per_s else None
-                )
+                d["identical_to_plain"] = cmp["identical"]
+                d["speed_ratio"] = cmp["ratio"]
+                d["compare"] = {
+                    "order": cmp["order"],
+                    "speculative_tokens_per_s": [r.stats.tokens_per_s for r in cmp["spec"]],
+                    "plain_tokens_per_s": [r.stats.tokens_per_s for r in cmp["plain"]],
+                }
             json.dump(d, sys.stdout, ensure_ascii=False)
             sys.stdout.write("\n")
     finally:

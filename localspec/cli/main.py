@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
+import threading
 
 from ..errors import LocalSpecError
 
@@ -23,6 +26,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# commands whose Ctrl-C ends the process at once (see _exit_on_interrupt); the chat app reads
+# Ctrl-C as a key, `complete --serve` hands signals to uvicorn once it serves
+_HARD_INTERRUPT = ("generate", "complete", "bench", "models")
+
+
+def _exit_now_on_sigint(_signum, _frame) -> None:
+    """SIGINT handler: flush what was generated, say so on one line, exit 130.
+
+    A KeyboardInterrupt raised while llama.cpp calls back into Python (its log, progress and
+    abort callbacks, which run throughout model loading, decode-cost measurement and long
+    decodes) is swallowed by ctypes ("Exception ignored on calling ctypes callback
+    function") and the program goes on; exiting from the handler stops it at any moment."""
+    try:
+        sys.stdout.flush()
+    except Exception:  # a write was interrupted half-way; what is lost is lost anyway
+        pass
+    try:
+        os.write(2, b"\nlocalspec: interrupted\n")
+    except OSError:
+        pass
+    os._exit(130)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
@@ -34,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         from ..backend._llama import set_log_level
 
         set_log_level("info")
+    old_handler = None
+    if a.command in _HARD_INTERRUPT and threading.current_thread() is threading.main_thread():
+        old_handler = signal.signal(signal.SIGINT, _exit_now_on_sigint)
     try:
         return int(a.func(a) or 0)
     except LocalSpecError as e:
@@ -44,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # e.g. `localspec generate ... | head`
         return 0
+    finally:
+        if old_handler is not None:
+            signal.signal(signal.SIGINT, old_handler)
 
 
 if __name__ == "__main__":  # pragma: no cover

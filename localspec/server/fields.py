@@ -62,9 +62,16 @@ def get_bool(d: Mapping[str, Any], key: str, default: bool) -> bool:
     return v
 
 
+def range_text(lo, hi) -> str:
+    """``in [lo, hi]``, ``>= lo`` or ``<= hi`` (an open side is not printed as ``None``)."""
+    if lo is not None and hi is not None:
+        return f"in [{lo}, {hi}]"
+    return f">= {lo}" if lo is not None else f"<= {hi}"
+
+
 def _in_range(key: str, v, lo, hi):
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise RequestError(f'"{key}" must be in [{lo}, {hi}], got {v}')
+        raise RequestError(f'"{key}" must be {range_text(lo, hi)}, got {v}')
     return v
 
 

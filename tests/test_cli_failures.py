@@ -1,0 +1,302 @@
+"""Failures a new user reached from the command line and the core (issue 15): each test
+fails without its fix. Ctrl-C is tested with real SIGINTs sent to a real ``localspec``
+process at several moments, each chosen by waiting for an output line (never a pause)."""
+
+import json
+import os
+import queue
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import fixed_cost_model
+from localspec import Engine, SamplingParams
+from localspec.cli.main import main
+from localspec.server.fields import RequestError, get_float, get_int
+
+PROMPT = "The capital of France is"
+
+
+def cli_error(capsys, argv) -> str:
+    """Run ``main(argv)``; it must fail with one ``localspec: error:`` line and no traceback."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    msg = str(e.value.code)
+    assert msg.startswith("localspec: error: ") and "\n" not in msg, msg
+    assert "Traceback" not in capsys.readouterr().err
+    return msg
+
+
+# -- one-line errors instead of tracebacks ------------------------------------------------------
+
+
+def test_missing_grammar_file(capsys, tmp_path):
+    msg = cli_error(capsys, ["generate", PROMPT, "--grammar-file", str(tmp_path / "nope.gbnf")])
+    assert "--grammar-file" in msg and "nope.gbnf" in msg
+
+
+def test_binary_prompt_file(capsys, tmp_path):
+    f = tmp_path / "p.bin"
+    f.write_bytes(b"abc\xff\xfe\x00\x81")
+    msg = cli_error(capsys, ["generate", "-f", str(f)])
+    assert "not UTF-8" in msg and "p.bin" in msg
+
+
+def test_binary_prompt_on_stdin():
+    r = subprocess.run([sys.executable, "-m", "localspec", "generate", "-n", "2"], input=b"\xff\xfe", capture_output=True, timeout=300)
+    err = r.stderr.decode()
+    assert r.returncode == 1 and err.strip() == "localspec: error: standard input is not UTF-8 text (byte 0)", err
+
+
+def test_missing_bench_dataset(capsys, tmp_path):
+    msg = cli_error(capsys, ["bench", "--dataset", str(tmp_path / "question.jsonl")])
+    assert "--dataset" in msg and "question.jsonl" in msg
+
+
+def test_derive_draft_on_a_truncated_gguf(capsys, tmp_path, model_path):
+    cut = tmp_path / "cut.gguf"
+    with open(model_path, "rb") as src, open(cut, "wb") as dst:
+        dst.write(src.read(40 * 2**20))
+    msg = cli_error(capsys, ["models", "derive-draft", str(cut), "--layers", "4", "--out", str(tmp_path / "d.gguf")])
+    assert "truncated" in msg and str(cut) in msg
+    assert not (tmp_path / "d.gguf").exists()
+
+
+def test_range_errors_name_their_bounds():
+    for fn, body, lo, hi, want in [
+        (get_float, {"temperature": -1}, 0.0, None, '"temperature" must be >= 0.0, got -1.0'),
+        (get_float, {"top_p": 2}, 0.0, 1.0, '"top_p" must be in [0.0, 1.0], got 2.0'),
+        (get_int, {"n": 7}, None, 5, '"n" must be <= 5, got 7'),
+    ]:
+        with pytest.raises(RequestError) as e:
+            fn(body, next(iter(body)), None, lo, hi)
+        assert e.value.message == want
+
+
+# -- --seed -1, --logprobs without --json ------------------------------------------------------
+
+
+def test_seed_minus_one_draws_a_seed_and_reports_it(capsys):
+    seeds = []
+    for _ in range(2):
+        assert main(["generate", PROMPT, "-n", "3", "--seed", "-1", "--temperature", "0.8", "--json", "--drafter", "none"]) == 0
+        seeds.append(json.loads(capsys.readouterr().out)["stats"]["seed"])
+    assert all(isinstance(s, int) and s >= 0 for s in seeds) and seeds[0] != seeds[1]
+    msg = cli_error(capsys, ["generate", PROMPT, "--seed", "-2"])
+    assert "-1 for a random seed" in msg
+
+
+def test_logprobs_without_json_are_printed(capsys):
+    assert main(["generate", PROMPT, "-n", "3", "--temperature", "0", "--logprobs", "2", "--drafter", "none"]) == 0
+    err = capsys.readouterr().err
+    lines = err[err.index("log-probabilities") :].splitlines()
+    assert len(lines) == 4, err  # a heading and one line per token
+    for i, line in enumerate(lines[1:]):
+        head, top = line.split(" | ")
+        assert head.split()[0] == str(i) and float(head.rsplit(": ", 1)[1]) <= 0.0
+        assert len(top.split(", ")) == 2
+
+
+# -- --special and a prompt that starts with <bos> -----------------------------------------------
+
+
+def test_special_prompt_starting_with_bos_gets_one_bos(engine, capsys):
+    bos = engine.model.bos
+    plain = engine.generate("Hello there", max_tokens=1, sampling=SamplingParams.greedy())
+    marked = engine.generate("<bos>Hello there", max_tokens=1, sampling=SamplingParams.greedy(), parse_special=True)
+    assert marked.stats.n_prompt_tokens == plain.stats.n_prompt_tokens
+    assert marked.token_ids == plain.token_ids
+    two = engine.model.tokenize("<bos><bos>Hello there", add_special=False, parse_special=True)
+    assert two[:2] == [bos, bos]
+    explicit = engine.generate("<bos><bos>Hello there", max_tokens=1, sampling=SamplingParams.greedy(), parse_special=True)
+    assert explicit.stats.n_prompt_tokens == len(two)  # what the text says, nothing added
+    assert main(["generate", "<bos>Hello there", "--special", "-n", "1", "--temperature", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["n_prompt_tokens"] == plain.stats.n_prompt_tokens
+
+
+# -- --n-ctx is the size asked for ---------------------------------------------------------------
+
+
+def test_small_n_ctx_holds_the_size_asked_for(model, capsys):
+    e = Engine(model, drafter="ngram", n_ctx=20, cost_model=fixed_cost_model())
+    try:
+        assert e.n_ctx == 20 and e.ctx.n_ctx_allocated >= 256  # llama.cpp rounds up; we do not use it
+        r = e.generate("Once upon a time", max_tokens=64, sampling=SamplingParams.greedy())
+        # the KV cache holds at most 20 tokens; the last generated token needs no cell
+        assert r.finish_reason == "length" and r.stats.n_prompt_tokens + r.stats.n_generated_tokens == 21
+        assert e.cache.n_past <= 20
+    finally:
+        e.close()
+    assert main(["generate", "Once upon a time", "--n-ctx", "20", "-n", "64", "--temperature", "0", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["stats"]["n_prompt_tokens"] + len(d["token_ids"]) == 21
+
+
+# -- mean acceptance length counts the end-of-generation step ----------------------------------------
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_mean_acceptance_length_counts_the_eog_step(engine, drafter):
+    old = engine.drafter_name
+    engine.set_drafter(drafter)
+    try:
+        eos = engine.model.eos
+        r = engine.generate(PROMPT, max_tokens=8, sampling=SamplingParams.greedy(logit_bias={eos: 1e30}))
+        assert r.token_ids == [] and r.finish_reason == "stop"
+        assert r.stats.n_steps == 1 and r.stats.mean_acceptance_length == 1.0
+        r = engine.generate(PROMPT, max_tokens=6, sampling=SamplingParams.greedy())
+        assert r.stats.n_step_tokens == r.stats.n_generated_tokens == 6
+        assert r.stats.mean_acceptance_length >= 1.0
+    finally:
+        engine.set_drafter(old)
+
+
+# -- --compare alternates the runs ---------------------------------------------------------------
+
+
+def test_compare_alternates_and_takes_medians(capsys):
+    assert main(["generate", PROMPT, "-n", "8", "--temperature", "0", "--compare", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    c = d["compare"]
+    assert c["order"] == ["speculative", "plain", "plain", "speculative"]
+    assert len(c["speculative_tokens_per_s"]) == len(c["plain_tokens_per_s"]) == 2
+    assert c["speculative_tokens_per_s"][0] == d["stats"]["tokens_per_s"]
+    want = statistics.median(c["speculative_tokens_per_s"]) / statistics.median(c["plain_tokens_per_s"])
+    assert d["speed_ratio"] == pytest.approx(want, rel=1e-12)
+    assert d["identical_to_plain"] is True
+    assert main(["generate", PROMPT, "-n", "4", "--temperature", "0", "--compare"]) == 0
+    err = capsys.readouterr().err
+    assert "compared 4 runs in the order speculative, plain, plain, speculative" in err
+
+
+# -- Ctrl-C at any moment -------------------------------------------------------------------------
+
+
+class Proc:
+    """A ``localspec`` subprocess whose stdout and stderr lines are collected by threads."""
+
+    def __init__(self, args, env=None):
+        self.p = subprocess.Popen(
+            [sys.executable, "-m", "localspec", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+        self.lines: queue.Queue = queue.Queue()
+        self.err: list[str] = []
+        self.out: list[str] = []
+        self.threads = [
+            threading.Thread(target=self._pump, args=(stream, sink, name), daemon=True)
+            for stream, sink, name in ((self.p.stdout, self.out, "out"), (self.p.stderr, self.err, "err"))
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _pump(self, stream, sink, name):
+        for line in iter(stream.readline, ""):
+            sink.append(line)
+            self.lines.put((name, line))
+        self.lines.put((name, None))
+
+    def wait_for(self, pred, timeout=900):
+        """Block until a line satisfies ``pred(name, line)``; fail if both streams end first."""
+        deadline = time.monotonic() + timeout
+        ended = 0
+        while True:
+            name, line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            if line is None:
+                ended += 1
+                assert ended < 2, "the process ended first:\n" + "".join(self.err)
+            elif pred(name, line):
+                return line
+
+    def interrupt(self):
+        self.p.send_signal(signal.SIGINT)
+        rc = self.p.wait(120)
+        for t in self.threads:  # the pipes are closed: the pumps finish
+            t.join(30)
+        return rc, "".join(self.err)
+
+    def kill(self):
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+
+
+def assert_clean_interrupt(rc, err):
+    assert rc == 130, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert err.rstrip().endswith("localspec: interrupted"), err
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, model_path):
+    """A cache directory without a cost table (the decode cost is measured at start-up)
+    and the default model given by path."""
+    env = dict(os.environ, LOCALSPEC_CACHE_DIR=str(tmp_path / "cache"))
+    return env, str(model_path)
+
+
+def test_ctrl_c_while_the_model_loads(fresh_cache):
+    env, m = fresh_cache
+    p = Proc(["-v", "generate", PROMPT, "-m", m, "-n", "64"], env=env)
+    try:
+        p.wait_for(lambda name, line: "loading model" in line)
+        assert_clean_interrupt(*p.interrupt())
+    finally:
+        p.kill()
+
+
+def test_ctrl_c_while_llama_cpp_logs_through_a_callback(fresh_cache):
+    """With -v every llama.cpp log line goes through a ctypes callback into Python: the
+    moment where a KeyboardInterrupt used to be swallowed ("Exception ignored ...")."""
+    env, m = fresh_cache
+    p = Proc(["-v", "generate", PROMPT, "-m", m, "-n", "64"], env=env)
+    try:
+        p.wait_for(lambda name, line: name == "err" and "llama_context" in line)
+        assert_clean_interrupt(*p.interrupt())
+    finally:
+        p.kill()
+
+
+def test_ctrl_c_while_generating():
+    p = Proc(["generate", "Once upon a time", "-n", "100000", "--n-ctx", "4096", "--temperature", "0.8"])
+    try:
+        p.wait_for(lambda name, line: name == "out" and line.strip())
+        rc, err = p.interrupt()
+        assert_clean_interrupt(rc, err)
+        assert len("".join(p.out)) > 0
+    finally:
+        p.kill()
+
+
+def test_ctrl_c_while_complete_serve_starts(fresh_cache):
+    env, m = fresh_cache
+    p = Proc(["-v", "complete", "--serve", "--port", "0", "-m", m], env=env)
+    try:
+        p.wait_for(lambda name, line: "loading model" in line)
+        assert_clean_interrupt(*p.interrupt())
+    finally:
+        p.kill()
+
+
+def test_ctrl_c_during_decode_cost_measurement(fresh_cache):
+    """The cost table is measured after the context exists: wait for the last context line
+    llama.cpp logs, then interrupt (a new cache directory: nothing is cached)."""
+    env, m = fresh_cache
+    p = Proc(["-v", "generate", PROMPT, "-m", m, "-n", "8"], env=env)
+    try:
+        p.wait_for(lambda name, line: name == "err" and "reserve took" in line)
+        assert_clean_interrupt(*p.interrupt())
+        assert not any("listening" in line for line in p.out)
+    finally:
+        p.kill()
+    shutil.rmtree(env["LOCALSPEC_CACHE_DIR"], ignore_errors=True)
