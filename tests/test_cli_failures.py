@@ -152,7 +152,10 @@ def test_mean_acceptance_length_counts_the_eog_step(engine, drafter):
         assert r.stats.n_steps == 1 and r.stats.mean_acceptance_length == 1.0
         r = engine.generate(PROMPT, max_tokens=6, sampling=SamplingParams.greedy())
         assert r.stats.n_step_tokens == r.stats.n_generated_tokens == 6
-        assert r.stats.mean_acceptance_length >= 1.0
+        if drafter == "none":
+            assert r.stats.n_steps == 6 and r.stats.mean_acceptance_length == 1.0
+        else:
+            assert r.stats.mean_acceptance_length == 6 / r.stats.n_steps
     finally:
         engine.set_drafter(old)
 
@@ -296,7 +299,7 @@ def test_ctrl_c_during_decode_cost_measurement(fresh_cache):
     try:
         p.wait_for(lambda name, line: name == "err" and "reserve took" in line)
         assert_clean_interrupt(*p.interrupt())
-        assert not any("listening" in line for line in p.out)
+        assert p.out == []  # stopped before generating anything
     finally:
         p.kill()
     shutil.rmtree(env["LOCALSPEC_CACHE_DIR"], ignore_errors=True)
