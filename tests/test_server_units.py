@@ -53,7 +53,7 @@ def test_unknown_fields_are_ignored_and_unimplemented_ones_listed():
         ({**LLAMA_VIM, "stop": [1]}, '"stop" must be a list of strings'),
         ({**LLAMA_VIM, "top_k": "40"}, '"top_k" must be an integer'),
         ({**LLAMA_VIM, "top_p": 1.5}, '"top_p" must be in'),
-        ({**LLAMA_VIM, "temperature": -1}, '"temperature" must be in'),
+        ({**LLAMA_VIM, "temperature": -1}, '"temperature" must be >= 0.0, got -1.0'),  # no None bound
         ({**LLAMA_VIM, "samplers": 3}, '"samplers" must be'),
         ({**LLAMA_VIM, "logit_bias": 3}, '"logit_bias" must be'),
         ({**LLAMA_VIM, "logit_bias": [[1, "x"]]}, "biases must be numbers"),
