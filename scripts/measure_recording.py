@@ -69,6 +69,8 @@ def main() -> None:
                 rates["text_full_rows"].append(len(chunk) / t_full)
                 rates["text_teacher_forced"].append(len(chunk) / t_tf)
                 rates["self_distill"].append(sum(x.tokens.size for x in recs) / t_gen)
+                print(json.dumps(dict(round=r, **{k: round(v[-1], 1) for k, v in rates.items()},
+                                      loadavg=os.getloadavg())), flush=True)  # fmt: skip
     finally:
         full.close()
         tf.close()
