@@ -53,8 +53,6 @@ def _sources(corpus: Path) -> list[Path]:
 
 
 def _count(shards) -> int:
-    from localspec.models.eagle3_data import load_shard
-
     n = 0
     for p in shards:
         with np.load(p) as z:
