@@ -28,6 +28,7 @@ import gzip
 import json
 import os
 import sysconfig
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,8 +117,9 @@ def _scale_rows(feats: np.ndarray, n_blocks: int) -> tuple[np.ndarray, np.ndarra
     return half, scale.astype(np.float32)
 
 
-def write_shard(path: Path, records: Sequence[SequenceRecord], n_blocks: int = 3) -> None:
-    """Save ``records`` as one ``.npz`` (written to a temporary name, then renamed)."""
+def write_shard(path: Path, records: Sequence[SequenceRecord], n_blocks: int = 3, restricted: bool = False) -> None:
+    """Save ``records`` as one ``.npz`` (written to a temporary name, then renamed).
+    ``restricted``: the top-k is over the draft vocabulary only (``TeacherForcedRecorder``)."""
     lengths = np.array([r.tokens.size for r in records], dtype=np.int64)
     feats = np.concatenate([r.feats for r in records])
     half, scale = _scale_rows(feats, n_blocks)
@@ -131,6 +133,7 @@ def write_shard(path: Path, records: Sequence[SequenceRecord], n_blocks: int = 3
         feats_scale=scale,
         topk_ids=np.concatenate([r.topk_ids for r in records]).astype(np.int32),
         topk_logits=np.concatenate([r.topk_logits for r in records]).astype(np.float16),
+        restricted=np.array(bool(restricted)),
     )
     os.replace(tmp, path)
 
@@ -151,6 +154,7 @@ class Shard:
     feats_scale: np.ndarray
     topk_ids: np.ndarray
     topk_logits: np.ndarray
+    restricted: bool = False  # top-k over the draft vocabulary only (teacher-forced text)
 
     @property
     def n_tokens(self) -> int:
@@ -170,6 +174,7 @@ def load_shard(path: str | os.PathLike) -> Shard:
             starts=np.concatenate([[0], np.cumsum(lengths)]),
             tokens=z["tokens"], feats=z["feats"], feats_scale=z["feats_scale"],
             topk_ids=z["topk_ids"], topk_logits=z["topk_logits"],
+            restricted=bool(z["restricted"]) if "restricted" in z.files else False,
         )  # fmt: skip
 
 
@@ -287,6 +292,195 @@ class FeatureRecorder:
             f, i, v = (np.concatenate([blk[c] for blk in parts[s]]) for c in range(3))
             out.append(SequenceRecord(np.asarray(toks[s], dtype=np.int32), f, i, v, n_prompt=len(p)))
         return out
+
+
+class _FinalNormTap:
+    """A ``FeatureTap`` that also captures the target's final-norm output (``result_norm``, the
+    lm_head's input) and then ends the graph: ``cb_eval`` returning False makes the scheduler
+    skip the remaining nodes, which after ``result_norm`` are only the lm_head (``result_output``).
+    Every KV write and every layer has run by then; llama.cpp still reports success and copies
+    an output buffer whose contents are stale (never read)."""
+
+    NAME = b"result_norm"
+
+    def __init__(self, layers: Sequence[int], n_layer: int, n_embd: int) -> None:
+        from localspec.backend import _llama
+        from localspec.backend.features import _NAME_OFFSET, FeatureTap
+        from localspec.backend.tensor import GgmlTensor
+
+        self.tap = FeatureTap(layers, n_layer, n_embd)
+        self._inner = self.tap._on_eval
+        self._name_offset, self._tensor, self._get = _NAME_OFFSET, GgmlTensor, _llama.ggml_tensor_get
+        self.n_embd = int(n_embd)
+        self.norm: list[np.ndarray] = []
+        self.callback = _llama.lib.ggml_backend_sched_eval_callback(self._on_eval)
+
+    def _on_eval(self, t_ptr: int, ask: bool, user_data) -> bool:
+        import ctypes
+
+        try:
+            if ctypes.string_at(t_ptr + self._name_offset) != self.NAME:
+                return self._inner(t_ptr, ask, user_data)
+            if ask:
+                return True
+            t = self._tensor.from_address(t_ptr)
+            out = np.empty((int(t.ne[1]), self.n_embd), dtype=np.float32)
+            self._get(t_ptr, out.ctypes.data, 0, out.nbytes)
+            self.norm.append(out)
+            return False  # stop: the lm_head is not computed
+        except Exception:  # never raise into C
+            return not ask
+
+    def take(self) -> tuple[np.ndarray, np.ndarray]:
+        """(features [n, width], final-norm rows [n, n_embd]) since the last take."""
+        f = self.tap.take()
+        h = np.concatenate(self.norm) if self.norm else np.zeros((0, self.n_embd), np.float32)
+        self.norm = []
+        if h.shape[0] != f.shape[0]:
+            raise RuntimeError(f"captured {f.shape[0]} feature rows but {h.shape[0]} final-norm rows")
+        return f, h
+
+    def clear(self) -> None:
+        self.tap.clear()
+        self.norm = []
+
+
+class TeacherForcedRecorder:
+    """Records given text fast: one prefill per chunk, the target's distribution computed only
+    over the draft vocabulary.
+
+    For a sequence of tokens (teacher forcing: the text's own tokens, not the target's choices)
+    one ``llama_decode`` with every row an output runs the target's layers; the tap captures the
+    head's three feature layers and the final-norm rows and stops the graph before the 262k-row
+    lm_head (~64% of the target's multiply-adds on Gemma 3 270M). The logits of the draft
+    vocabulary are then ``result_norm @ W[d2t].T`` in float32 (``W`` the target's lm_head,
+    dequantised from the GGUF; the target's final logit soft-capping applied when it has one),
+    ranked in torch. Compared with ``FeatureRecorder.record_text`` on the same text the features
+    are identical and the logits agree up to llama.cpp's quantised matrix product (its
+    activations are rounded to 8 bits; ``tests/test_eagle3_train.py`` bounds the difference);
+    the top-k is the top-k *of the draft vocabulary*, not of the whole vocabulary, so a position
+    whose full-vocabulary top-1 lies outside ``d2t`` is recorded with the best in-vocabulary
+    token as its top-1 (shards say so: ``restricted``).
+
+    Args:
+        target: the target GGUF path.
+        layers: the head's target layer ids.
+        d2t: [n_draft] int64 target ids of the draft vocabulary.
+        topk: candidates kept per position.
+        n_batch: tokens per decode (the longest chunk).
+        n_threads: llama.cpp threads (default: all).
+    """
+
+    def __init__(self, target, layers: Sequence[int], d2t: np.ndarray, *, topk: int = 8, n_batch: int = 512,
+                 n_threads: int | None = None) -> None:  # fmt: skip
+        import torch
+
+        from localspec.backend import Batch, Context, Model
+
+        from .gguf_index import GGUFIndex
+
+        self.model = Model(target)
+        self.tap = _FinalNormTap(layers, self.model.n_layer, self.model.n_embd)
+        self.ctx = Context(self.model, n_ctx=max(n_batch, 256), n_batch=n_batch, n_seq_max=1, n_threads=n_threads,
+                           cb_eval=self.tap.callback)  # fmt: skip
+        self.batch = Batch(n_batch, 1)
+        self.topk = int(topk)
+        self.d2t = np.asarray(d2t, dtype=np.int64)
+        idx = GGUFIndex(target)
+        name = "output.weight" if "output.weight" in idx.tensors else "token_embd.weight"
+        self.w = torch.from_numpy(np.ascontiguousarray(idx.rows(name, self.d2t), dtype=np.float32))  # [V_d, E]
+        arch = idx.values["general.architecture"]
+        self.softcap = float(idx.values.get(f"{arch}.final_logit_softcapping", 0.0) or 0.0)
+
+    def close(self) -> None:
+        self.ctx.close()
+        self.model.close()
+
+    def draft_logits(self, h: np.ndarray):
+        """[n, n_embd] final-norm rows -> [n, n_draft] float32 torch logits."""
+        import torch
+
+        z = torch.from_numpy(h) @ self.w.T
+        if self.softcap:
+            z = torch.tanh(z / self.softcap) * self.softcap
+        return z
+
+    def record_text(self, tokens: Sequence[int]) -> SequenceRecord:
+        """Features and draft-vocabulary top-k of ``tokens`` (at most ``n_batch`` of them),
+        ``topk_ids`` as target ids."""
+        import torch
+
+        tokens = list(tokens)
+        if len(tokens) > self.batch.capacity:
+            raise ValueError(f"{len(tokens)} tokens exceed the batch capacity {self.batch.capacity}")
+        self.ctx.clear()
+        self.tap.clear()
+        self.batch.set_sequence(tokens, 0, seq_id=0, output="all")
+        self.ctx.decode(self.batch)
+        f, h = self.tap.take()
+        v, i = torch.topk(self.draft_logits(h), self.topk, dim=1)
+        ids = self.d2t[i.numpy()].astype(np.int32)
+        return SequenceRecord(np.asarray(tokens, dtype=np.int32), f, ids, v.numpy(), n_prompt=len(tokens))
+
+
+def text_token_counts(plan: "DataPlan", n_vocab: int) -> np.ndarray:
+    """[n_vocab] int64 occurrences of each token in the plan's text chunks (BOS excluded)."""
+    toks = [np.asarray(t[1:], dtype=np.int64) for jobs in plan.shards for k, t in jobs if k == "text"]
+    return np.bincount(np.concatenate(toks) if toks else np.zeros(0, np.int64), minlength=n_vocab)
+
+
+def record_text_plan(
+    target,
+    data_dir: str | os.PathLike,
+    plan: "DataPlan",
+    layers: Sequence[int],
+    d2t: np.ndarray,
+    *,
+    topk: int = 8,
+    n_threads: int | None = None,
+    progress: bool = True,
+    deadline: float | None = None,
+) -> list[Path]:
+    """Record the text chunks of ``plan`` with ``TeacherForcedRecorder`` into shards (resumable
+    and bounded by ``deadline`` like ``extract``). ``d2t`` is stored in ``data_dir/d2t.npy`` on
+    the first run and must match on later ones.
+
+    Raises:
+        ValueError: the plan holds self-distillation jobs (use ``extract``), or ``d2t`` differs
+            from the one the folder was recorded with.
+    """
+    from tqdm.auto import tqdm
+
+    out = Path(data_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(k != "text" for jobs in plan.shards for k, _ in jobs):
+        raise ValueError("record_text_plan records text chunks only")
+    d2t = np.asarray(d2t, dtype=np.int64)
+    d2t_path = out / "d2t.npy"
+    if d2t_path.exists():
+        if not np.array_equal(np.load(d2t_path), d2t):
+            raise ValueError(f"{out} was recorded with another draft vocabulary")
+    else:
+        np.save(d2t_path, d2t)
+    todo = [i for i in range(len(plan.shards)) if not (out / f"shard-{i:05d}.npz").exists()]
+    if todo and (deadline is None or time.time() < deadline):
+        n_batch = max(len(t) for jobs in plan.shards for _, t in jobs)
+        rec = TeacherForcedRecorder(target, layers, d2t, topk=topk, n_batch=n_batch, n_threads=n_threads)
+        bar = tqdm(total=sum(len(t) for i in todo for _, t in plan.shards[i]), unit="tok", desc="text features",
+                   disable=not progress)  # fmt: skip
+        try:
+            for i in todo:
+                if deadline is not None and time.time() >= deadline:
+                    break
+                records = []
+                for _, toks in plan.shards[i]:
+                    records.append(rec.record_text(toks))
+                    bar.update(len(toks))
+                write_shard(out / f"shard-{i:05d}.npz", records, restricted=True)
+        finally:
+            bar.close()
+            rec.close()
+    return [out / f"shard-{i:05d}.npz" for i in range(len(plan.shards)) if (out / f"shard-{i:05d}.npz").exists()]
 
 
 # -- the work plan -------------------------------------------------------------------------
@@ -417,12 +611,14 @@ def extract(
     n_threads: int | None = None,
     progress: bool = True,
     max_shards: int | None = None,
+    deadline: float | None = None,
 ) -> list[Path]:
     """Record every shard of ``plan`` (the first ``max_shards``) that ``data_dir`` does not
-    hold yet.
+    hold yet, stopping before a shard when ``time.time()`` has passed ``deadline`` (seconds
+    since the epoch): a run is bounded by time, and a rerun continues where it stopped.
 
     Returns:
-        The paths of those shards (old and new).
+        The paths of the finished shards (old and new), in plan order.
     """
     from tqdm.auto import tqdm
 
@@ -430,7 +626,7 @@ def extract(
     out.mkdir(parents=True, exist_ok=True)
     n_shards = len(plan.shards) if max_shards is None else min(max_shards, len(plan.shards))
     todo = [i for i in range(n_shards) if not (out / f"shard-{i:05d}.npz").exists()]
-    if todo:
+    if todo and (deadline is None or time.time() < deadline):
         max_seq = max(len(t) + (plan.gen_tokens if k == "gen" else 0) for s in plan.shards for k, t in s)
         rec = FeatureRecorder(target, layers, topk=topk, n_seq=n_seq, n_ctx=max(4096, n_seq * (max_seq + 64)),
                               n_threads=n_threads)  # fmt: skip
@@ -438,6 +634,8 @@ def extract(
         bar = tqdm(total=total, unit="tok", desc="target features", disable=not progress)
         try:
             for i in todo:
+                if deadline is not None and time.time() >= deadline:
+                    break
                 records = []
                 jobs = plan.shards[i]
                 for kind, toks in jobs:
@@ -455,7 +653,7 @@ def extract(
         finally:
             bar.close()
             rec.close()
-    return [out / f"shard-{i:05d}.npz" for i in range(n_shards)]
+    return [out / f"shard-{i:05d}.npz" for i in range(n_shards) if (out / f"shard-{i:05d}.npz").exists()]
 
 
 def prepare_data(
@@ -468,11 +666,12 @@ def prepare_data(
     """Plan (once: ``plan.npz`` in ``data_dir``) and record the shards; resumable.
 
     ``plan_args`` go to ``make_plan`` (and ``topk``, ``n_seq``, ``n_threads``, ``progress``,
-    ``max_shards`` to ``extract``). A plan already in ``data_dir`` is reused, whatever the arguments.
+    ``max_shards``, ``deadline`` to ``extract``). A plan already in ``data_dir`` is reused, whatever the arguments.
     """
     from localspec.backend import Model
 
-    ex_args = {k: plan_args.pop(k) for k in ("topk", "n_seq", "n_threads", "progress", "max_shards") if k in plan_args}
+    ex_args = {k: plan_args.pop(k) for k in ("topk", "n_seq", "n_threads", "progress", "max_shards", "deadline")
+               if k in plan_args}  # fmt: skip
     d = Path(data_dir)
     d.mkdir(parents=True, exist_ok=True)
     plan_path = d / "plan.npz"

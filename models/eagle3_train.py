@@ -342,6 +342,7 @@ class TrainResult:
     n_train_tokens: int
     wall_s: float
     steps: int
+    val_by_source: dict = field(default_factory=dict)
 
 
 def evaluate(model: Eagle3Head, sampler: WindowSampler, seqs: list[tuple[int, int]], cfg: TrainConfig, device) -> list[float]:
@@ -371,6 +372,8 @@ def train_eagle3(
     target_layers: tuple[int, int, int] | None = None,
     matrix_dtype: str = "q8_0",
     progress: bool = True,
+    d2t: np.ndarray | None = None,
+    deadline: float | None = None,
 ) -> TrainResult:
     """Train (or resume) a head on ``shard_files`` and write it to ``out``.
 
@@ -381,6 +384,12 @@ def train_eagle3(
         out: head GGUF to write.
         target_layers: the layers the data holds (default: the EAGLE-3 convention).
         matrix_dtype: storage of the decoder and output matrices: ``q8_0``, ``f16`` or ``f32``.
+        d2t: the draft vocabulary (sorted target ids) instead of ``choose_draft_vocab``'s; data
+            recorded over a draft vocabulary (``restricted`` shards) must be trained with it.
+        deadline: ``time.time()`` after which training stops early (checkpointed, exported).
+    Validation accuracies are reported over all held-out sequences and per source
+    (``val_by_source``: ``generated`` = shards with full-vocabulary targets, ``text`` =
+    teacher-forced text whose top-1 is the draft vocabulary's best).
     Raises:
         ValueError: no data, or a checkpoint made for other data/settings.
     """
@@ -407,7 +416,12 @@ def train_eagle3(
         if ckpt["head_cfg"] != asdict(head_cfg):
             raise ValueError(f"{ckpt_path} was made with other head settings; use another work dir")
     else:
-        vocab = choose_draft_vocab(shards, cfg.vocab_size, tt.eog, prior=tokenizer_prior(tt.index))
+        if d2t is not None:
+            d2t = np.unique(np.asarray(d2t, dtype=np.int64))
+            top1 = np.concatenate([s.topk_ids[:, 0] for s in shards if not s.restricted] or [np.zeros(0, np.int32)])
+            vocab = VocabChoice(d2t, float(np.isin(top1, d2t).mean()) if top1.size else 1.0)
+        else:
+            vocab = choose_draft_vocab(shards, cfg.vocab_size, tt.eog, prior=tokenizer_prior(tt.index))
         scale = feature_scale(shards, seed=cfg.seed)
     used = np.concatenate([np.unique(s.tokens) for s in shards])
     model = Eagle3Head(head_cfg, tt.embedding_table(used), vocab.d2t, scale)
@@ -447,6 +461,9 @@ def train_eagle3(
     t_log = time.perf_counter()
     try:
         while step < cfg.steps:
+            if deadline is not None and time.time() >= deadline:
+                log_f.write(json.dumps(dict(step=step, stopped="deadline")) + "\n")
+                break
             for gr in opt.param_groups:
                 gr["lr"] = _lr(cfg, step)
             loss, m = ttt_loss(model, sampler.sample(cfg.batch, device), cfg.unroll, bf16, cfg.loss_frac)
@@ -478,9 +495,15 @@ def train_eagle3(
         bar.close()
     save()
     val_acc = evaluate(model, sampler, val, cfg, device)
-    log_f.write(json.dumps(dict(step=step, val_acc=np.round(val_acc, 4).tolist(), coverage=vocab.coverage)) + "\n")
+    by_source = {}
+    for name, flag in (("generated", False), ("text", True)):
+        part = [(s, i) for s, i in val if shards[s].restricted == flag]
+        if part and len(part) < len(val):
+            by_source[name] = dict(n_seq=len(part), acc=np.round(evaluate(model, sampler, part, cfg, device), 4).tolist())
+    log_f.write(json.dumps(dict(step=step, val_acc=np.round(val_acc, 4).tolist(), coverage=vocab.coverage,
+                                val_by_source=by_source)) + "\n")  # fmt: skip
     log_f.close()
     gguf = write_eagle3_gguf(out, target, head_cfg, model.to_weights(), matrix_dtype=matrix_dtype,
                              name=f"EAGLE-3 head ({step} steps, {vocab.d2t.size} draft tokens)")  # fmt: skip
     return TrainResult(gguf, head_cfg, val_acc, train_acc, vocab.coverage, n_train_tokens,
-                       time.perf_counter() - t_start, step)  # fmt: skip
+                       time.perf_counter() - t_start, step, by_source)  # fmt: skip

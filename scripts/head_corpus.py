@@ -1,12 +1,17 @@
-"""Build a local text corpus for `localspec train-eagle3` from what a Linux machine already has:
-manual pages rendered to plain text with man(1) and README-like files from /usr/share/doc.
+"""Build a local text corpus for `localspec train-eagle3` from documentation packages:
+manual pages rendered to plain text with man(1), README-like files from /usr/share/doc, and
+the sources of whole manuals that Debian packages ship as text.
 
-    python scripts/head_corpus.py OUT_DIR [--man 400] [--doc 400] [--seed 0]
+    python scripts/head_corpus.py OUT_DIR [--man 400] [--doc 400] [--seed 0] [--install]
 
 Writes OUT_DIR/man/NAME.SECTION.txt and OUT_DIR/doc/PACKAGE__FILE.txt (seeded random samples,
-sorted by path before sampling). The shipped head for the default model was trained on a
-sample of this kind plus the Python standard library (docs/eagle3-training.md); nothing here
-comes from the Spec-Bench questions.
+sorted by path before sampling) and OUT_DIR/manuals/NAME/... (every file of the manuals in
+``MANUALS`` that is installed: Python's documentation as reStructuredText from python3.11-doc,
+git's manual pages and guides as AsciiDoc from git-doc, Perl's POD documentation from
+perl-doc). ``--install`` first installs ``APT_PACKAGES`` with apt-get (needs root and the
+Debian registry; nothing else is downloaded). The shipped head for the default model was
+trained on this corpus plus the Python standard library (docs/eagle3-training.md); nothing
+here comes from the Spec-Bench questions or HumanEval.
 """
 
 from __future__ import annotations
@@ -20,6 +25,40 @@ import subprocess
 from pathlib import Path
 
 DOC_SUFFIXES = (".md", ".txt", ".rst", "")
+APT_PACKAGES = ("python3.11-doc", "git-doc", "perl-doc", "manpages", "manpages-dev", "bash-doc")
+# name -> (folder, file name suffixes): manuals copied whole, as text
+MANUALS = {
+    "python": (Path("/usr/share/doc/python3.11/html/_sources"), (".rst.txt",)),
+    "git": (Path("/usr/share/doc/git-doc"), (".txt",)),
+    "perl": (Path("/usr/share/perl"), (".pod",)),
+}
+
+
+def install_packages(packages=APT_PACKAGES) -> None:
+    """``apt-get update`` and ``apt-get install`` the documentation packages (root only)."""
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    subprocess.run(["apt-get", "update"], check=True, env=env, stdout=subprocess.DEVNULL)
+    subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", *packages], check=True, env=env,
+                   stdout=subprocess.DEVNULL)  # fmt: skip
+
+
+def copy_manuals(out: Path) -> int:
+    """Copy every installed file of ``MANUALS`` into ``out/NAME/`` (flattened names); returns
+    the number of files."""
+    n = 0
+    for name, (root, suffixes) in MANUALS.items():
+        if not root.exists():
+            continue
+        folder = out / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for p in sorted(root.rglob("*")):
+            if p.is_file() and p.name.endswith(suffixes):
+                text = read_doc(p)
+                if text.strip():
+                    flat = "__".join(p.relative_to(root).parts)
+                    (folder / (flat if flat.endswith(".txt") else flat + ".txt")).write_text(text)
+                    n += 1
+    return n
 MAX_BYTES = 200_000
 
 
@@ -76,15 +115,24 @@ def main() -> None:
     ap.add_argument("--man", type=int, default=400)
     ap.add_argument("--doc", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--install", action="store_true", help=f"apt-get install {' '.join(APT_PACKAGES)} first")
     a = ap.parse_args()
-    rng = random.Random(a.seed)
-    out = Path(a.out)
-    _sample_into(out / "man", man_pages(), a.man, rng, render_man, lambda p: f"{_plain_name(p)}.txt")
+    build_corpus(Path(a.out), man=a.man, doc=a.doc, seed=a.seed, install=a.install)
+
+
+def build_corpus(out: Path, *, man: int = 400, doc: int = 400, seed: int = 0, install: bool = False) -> None:
+    """Write the corpus into ``out`` (see the module doc)."""
+    if install:
+        install_packages()
+    rng = random.Random(seed)
+    _sample_into(out / "man", man_pages(), man, rng, render_man, lambda p: f"{_plain_name(p)}.txt")
     _sample_into(
-        out / "doc", doc_files(), a.doc, rng, read_doc,
+        out / "doc", doc_files(), doc, rng, read_doc,
         lambda p: f"{p.relative_to('/usr/share/doc').parts[0]}__{_plain_name(p)}.txt",
     )  # fmt: skip
-    print(f"{len(list((out / 'man').iterdir()))} man pages, {len(list((out / 'doc').iterdir()))} doc files in {out}")
+    n_manual = copy_manuals(out / "manuals")
+    print(f"{len(list((out / 'man').iterdir()))} man pages, {len(list((out / 'doc').iterdir()))} doc files, "
+          f"{n_manual} manual files in {out}")  # fmt: skip
 
 
 if __name__ == "__main__":

