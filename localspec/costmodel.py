@@ -45,7 +45,8 @@ class CostModel:
       the prior of the observed ones: a table
       calibrated while a burst slowed the single-token decodes makes every batch look cheap,
       and the first verified trees show it.
-    * Sanity: a batch never costs less than one token (``r(b) >= 1``) nor less than a smaller
+    * Sanity: entries a burst of load spoiled grossly are replaced by a robust fit of the
+      table (``sanitize_table``; ``outliers`` lists them); a batch never costs less than one token (``r(b) >= 1``) nor less than a smaller
       batch (the ratios are made monotone by a running maximum: conservative where a
       kernel's tiling makes a larger batch genuinely cheaper).
 
@@ -55,6 +56,7 @@ class CostModel:
         online_n: b -> number of decodes observed.
         alpha: weight of a new observation in the moving averages.
         prior_n: pseudo-observations behind the table's ratios.
+        outliers: (set at creation) sizes whose table entry ``sanitize_table`` replaced.
     """
 
     table_us: dict[int, float]
@@ -66,6 +68,7 @@ class CostModel:
     def __post_init__(self) -> None:
         if not self.table_us:
             raise ValueError("empty cost table")
+        self._clean, self.outliers = sanitize_table(self.table_us)
         self._ratio: dict[int, float] = {}  # b -> online ratio t(b) / t1 (b > 1)
         self._curve: dict[int, float] | None = None  # b -> sane ratio, cached
 
@@ -76,14 +79,16 @@ class CostModel:
     # -- the model ----------------------------------------------------------------------------
 
     def _table_at(self, b: int) -> float:
-        """Table time of ``b`` (µs); unmeasured sizes take the next measured size up."""
-        if b in self.table_us:
-            return self.table_us[b]
-        bigger = [s for s in self.table_us if s >= b]
+        """Table time of ``b`` (µs), after ``sanitize_table``; unmeasured sizes take the next
+        measured size up."""
+        t = self._clean
+        if b in t:
+            return t[b]
+        bigger = [s for s in t if s >= b]
         if bigger:
-            return self.table_us[min(bigger)]
-        top = max(self.table_us)
-        return self.table_us[top] * b / top
+            return t[min(bigger)]
+        top = max(t)
+        return t[top] * b / top
 
     def _table_ratio(self, b: int) -> float:
         return self._table_at(b) / self._table_at(1)
@@ -176,6 +181,37 @@ class CostModel:
         return {"version": _CACHE_VERSION, "table_us": {str(k): v for k, v in self.table_us.items()}}
 
 
+def sanitize_table(table_us: dict[int, float], *, tolerance: float = 2.0) -> tuple[dict[int, float], list[int]]:
+    """Replace the timings of a calibration that a burst of load spoiled.
+
+    Fits ``log t(b) = log a + k log b`` robustly (Theil-Sen: the median of the pairwise
+    slopes, then the median intercept; Sen 1968) and replaces every entry more than
+    ``tolerance`` times off the fit, either way, by the fit. The power law is rough (a CPU's
+    curve bends where decoding turns compute-bound), so only gross errors are replaced: a
+    quiet machine's table is within 1.25x of its fit. Tables of fewer than 4 sizes are
+    returned as they are.
+
+    Returns:
+        (the cleaned table, the sizes replaced).
+    """
+    sizes = sorted(table_us)
+    if len(sizes) < 4 or min(table_us.values()) <= 0:
+        return dict(table_us), []
+    y = np.log(np.array([table_us[b] for b in sizes], dtype=np.float64))
+    x = np.log(np.array(sizes, dtype=np.float64))
+    i, j = np.triu_indices(len(sizes), 1)
+    slope = float(np.median((y[j] - y[i]) / (x[j] - x[i])))
+    icpt = float(np.median(y - slope * x))
+    fit = icpt + slope * x
+    lim = np.log(tolerance)
+    out, bad = dict(table_us), []
+    for b, yi, fi in zip(sizes, y, fit):
+        if abs(yi - fi) > lim:
+            out[b] = float(np.exp(fi))
+            bad.append(b)
+    return out, bad
+
+
 def _cache_key(ctx: Context) -> str:
     m = ctx.model
     st = m.path.stat()
@@ -207,7 +243,9 @@ def calibrate(
 
     The measurement decodes ``n_prefix`` tokens, then ``reps`` batches of each size on top of
     them (median kept), and empties the KV cache afterwards: call it before the context
-    holds anything you need.
+    holds anything you need. A table with gross outliers (``sanitize_table``: a burst of load
+    from another process) is used cleaned but not cached, and such a cached table is measured
+    again.
 
     Args:
         progress: optional callback ``(done, total)``.
@@ -222,7 +260,9 @@ def calibrate(
             if entry and entry.get("version") == _CACHE_VERSION:
                 table = {int(k): float(v) for k, v in entry["table_us"].items()}
                 if all(b in table for b in sizes):
-                    return CostModel({b: table[b] for b in sizes})
+                    cached = CostModel({b: table[b] for b in sizes})
+                    if not cached.outliers:  # else measured under a burst of load: measure again
+                        return cached
         except (OSError, ValueError, KeyError):
             pass
     n_prefix = min(n_prefix, ctx.n_ctx - max(sizes) - 1)
@@ -253,7 +293,8 @@ def calibrate(
     table = {b: float(np.median(ts)) for b, ts in times.items()}
     ctx.clear()
     model = CostModel(table)
-    if use_cache:
+    # a table with gross outliers was measured under load: use it (cleaned) but do not keep it
+    if use_cache and not model.outliers:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             try:

@@ -220,3 +220,31 @@ def test_policy_still_speculates_when_the_text_is_copied():
     ratio, drafted, accepted = _simulate(NgramDrafter(), SpeculationPolicy(fixed_cost_model()), prompt, text, 200)
     assert ratio > 1.5, (ratio, drafted, accepted)
     assert accepted > 0.5 * drafted
+
+
+# A table calibrated in this session at load ~20 (another process's burst hit b = 1, 8, 9)
+BURST_TABLE = {
+    1: 4812485.0, 2: 459912.0, 3: 439786.0, 4: 380455.0, 5: 754520.0, 6: 612791.0, 7: 764581.0,
+    8: 2100045.0, 9: 2500310.0, 10: 944673.0, 11: 1169592.0, 12: 2171893.0,
+}  # fmt: skip
+
+
+def test_sanitize_keeps_a_quiet_table_and_replaces_bursts():
+    from localspec.costmodel import sanitize_table
+
+    clean, bad = sanitize_table(quiet_table())
+    assert bad == [] and clean == quiet_table()
+    clean, bad = sanitize_table(BURST_TABLE)
+    assert 1 in bad and 2 not in bad
+    assert clean[1] < BURST_TABLE[2]  # one token no longer costs 10 batches of 2
+    assert CostModel(BURST_TABLE).outliers == bad
+
+
+def test_a_burst_table_does_not_make_speculation_look_free():
+    """With the raw burst table (t(1) = 10 x t(2)) the old model verified trees whose
+    expected gain was ~0 (E = 1.01 at b = 2). Now a near-hopeless tree is not verified, even
+    before any online observation."""
+    pol = SpeculationPolicy(CostModel(BURST_TABLE), max_nodes=12)
+    assert pol.choose(chain_with(0.05, 6)).n_nodes == 1
+    assert pol.choose(chain_with(0.3, 6)).n_nodes == 1
+    assert pol.choose(chain_with(0.999, 11)).n_nodes > 1
