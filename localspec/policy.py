@@ -76,7 +76,7 @@ class AcceptanceTracker:
         local_weight: float = 3.0,
         decay: float = 0.95,
         factor_weight: float = 2.0,
-        factor_decay: float = 0.98,
+        factor_decay: float = 0.995,
     ) -> None:
         self.prior = np.asarray(prior, dtype=np.float64)
         self.prior_weight = prior_weight
