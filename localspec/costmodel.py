@@ -28,55 +28,188 @@ _CACHE_VERSION = 2
 
 @dataclass
 class CostModel:
-    """Decode time of a batch of b tokens, ``t_decode_us(b)``.
+    """Decode time of a batch of b tokens, ``t_decode_us(b)``, from a calibration table that
+    may have been measured on a busy machine, corrected online.
+
+    The model is ``t(b) = t1 * r(b)``: the current single-token time ``t1`` (an online average
+    of the plain steps, else the table's) times the batch's cost ratio ``r(b)``. Ratios rather
+    than times are learned because load moves every size together: a stale observation of
+    ``t(8)`` made while the machine was quiet must not look cheap once ``t1`` has doubled.
+
+    * ``r(b)`` starts from the table's ratio ``table(b) / table(1)`` with ``prior_n``
+      pseudo-observations and moves to the ratios observed online (each observed time over
+      the ``t1`` of that moment, clipped to [1/2, 2] times the current estimate so that one
+      burst of load moves it by at most a step).
+    * Sizes not observed yet have their table ratio corrected by the geometric mean of
+      (observed ratio / table ratio) over the sizes observed (``table_correction``), as is
+      the prior of the observed ones: a table
+      calibrated while a burst slowed the single-token decodes makes every batch look cheap,
+      and the first verified trees show it.
+    * Sanity: entries a burst of load spoiled grossly are replaced by a robust fit of the
+      table (``sanitize_table``; ``outliers`` lists them); a batch never costs less than one token (``r(b) >= 1``) nor less than a smaller
+      batch (the ratios are made monotone by a running maximum: conservative where a
+      kernel's tiling makes a larger batch genuinely cheaper).
 
     Attributes:
         table_us: b -> measured microseconds (calibration).
-        online_us: b -> exponential moving average of the decodes the engine ran.
+        online_us: b -> exponential moving average of the decodes the engine ran (µs).
+        online_n: b -> number of decodes observed.
+        alpha: weight of a new observation in the moving averages.
+        prior_n: pseudo-observations behind the table's ratios.
+        outliers: (set at creation) sizes whose table entry ``sanitize_table`` replaced.
     """
 
     table_us: dict[int, float]
     online_us: dict[int, float] = field(default_factory=dict)
     online_n: dict[int, int] = field(default_factory=dict)
     alpha: float = 0.2
+    prior_n: float = 3.0
+
+    def __post_init__(self) -> None:
+        if not self.table_us:
+            raise ValueError("empty cost table")
+        self._clean, self.outliers = sanitize_table(self.table_us)
+        self._ratio: dict[int, float] = {}  # b -> online ratio t(b) / t1 (b > 1)
+        self._curve: dict[int, float] | None = None  # b -> sane ratio, cached
 
     @property
     def sizes(self) -> list[int]:
         return sorted(self.table_us)
 
+    # -- the model ----------------------------------------------------------------------------
+
+    def _table_at(self, b: int) -> float:
+        """Table time of ``b`` (µs), after ``sanitize_table``; unmeasured sizes take the next
+        measured size up."""
+        t = self._clean
+        if b in t:
+            return t[b]
+        bigger = [s for s in t if s >= b]
+        if bigger:
+            return t[min(bigger)]
+        top = max(t)
+        return t[top] * b / top
+
+    def _table_ratio(self, b: int) -> float:
+        return self._table_at(b) / self._table_at(1)
+
+    def t1_us(self) -> float:
+        """Current single-token decode time (µs): online once observed twice, else the table's."""
+        if self.online_n.get(1, 0) >= 2:
+            return self.online_us[1]
+        return self._table_at(1)
+
+    def table_correction(self) -> float:
+        """Geometric mean of (observed ratio / table ratio) over the batch sizes observed,
+        shrunk towards 1 by one pseudo-observation; applied to the table's ratios."""
+        num, den = 0.0, 1.0
+        for b, r in self._ratio.items():
+            n = min(self.online_n.get(b, 0), 20)
+            num += n * np.log(r / self._table_ratio(b))
+            den += n
+        return float(np.exp(num / den))
+
+    def ratio(self, b: int) -> float:
+        """``r(b) = t(b) / t1`` after the sanity checks (>= 1, monotone in b)."""
+        if b <= 1:
+            return 1.0
+        if self._curve is None:
+            self._curve = self._build_curve()
+        r = self._curve.get(b)
+        if r is None:  # a size outside the table's: next size up, else linear beyond the top
+            bigger = [s for s in self._curve if s >= b]
+            top = max(self._curve)
+            r = self._curve[min(bigger)] if bigger else self._curve[top] * b / top
+        return r
+
+    def _build_curve(self) -> dict[int, float]:
+        g = self.table_correction()
+        sizes = sorted(set(self.table_us) | set(self._ratio) | {1})
+        out: dict[int, float] = {}
+        run = 1.0
+        for b in sizes:
+            if b == 1:
+                out[b] = 1.0
+                continue
+            prior = self._table_ratio(b) * g
+            n = min(self.online_n.get(b, 0), 20)
+            r = (self.prior_n * prior + n * self._ratio[b]) / (self.prior_n + n) if b in self._ratio else prior
+            run = max(run, r)
+            out[b] = run
+        return out
+
     def t_decode_us(self, b: int) -> float:
-        """Expected decode time of a batch of ``b`` tokens (µs); unmeasured sizes take the
-        next measured size up (a batch never costs less than a smaller one's worst case)."""
-        if self.online_n.get(b, 0) >= 3:
-            return self.online_us[b]
-        if b in self.table_us:
-            base = self.table_us[b]
-        else:
-            bigger = [s for s in self.table_us if s >= b]
-            base = self.table_us[min(bigger)] if bigger else self.table_us[max(self.table_us)] * b / max(self.table_us)
-        return base * self.drift()
+        """Expected decode time of a batch of ``b`` tokens (µs): ``t1_us() * ratio(b)``."""
+        return self.t1_us() * self.ratio(b)
 
     def drift(self) -> float:
         """Ratio of recent single-token decodes to the table (context growth, machine load)."""
-        n1 = self.online_n.get(1, 0)
-        if n1 >= 3 and 1 in self.table_us:
-            return self.online_us[1] / self.table_us[1]
-        return 1.0
+        return self.t1_us() / self._table_at(1)
 
     def observe(self, b: int, t_us: float) -> None:
+        """Feed back one measured decode of ``b`` tokens (µs). The averages are running means
+        for the first ``1 / alpha`` observations, then exponential moving averages; each
+        observation is clipped to [1/2, 2] times the current average (one burst of load moves
+        an average by a bounded step)."""
+        if not (t_us > 0 and np.isfinite(t_us)):
+            return
         n = self.online_n.get(b, 0)
+        a = max(self.alpha, 1.0 / (n + 1))
+        if b > 1:
+            r_obs = t_us / self.t1_us()
+            cur = self._ratio.get(b)
+            if cur is None:
+                self._ratio[b] = max(1.0, r_obs)
+            else:
+                r_obs = min(max(r_obs, 0.5 * cur), 2.0 * cur)
+                self._ratio[b] = max(1.0, cur + a * (r_obs - cur))
+            self._curve = None
         if n == 0:
             self.online_us[b] = t_us
         else:
-            self.online_us[b] += self.alpha * (t_us - self.online_us[b])
+            cur = self.online_us[b]
+            self.online_us[b] = cur + a * (min(max(t_us, 0.5 * cur), 2.0 * cur) - cur)
         self.online_n[b] = n + 1
 
     def reset_online(self) -> None:
         self.online_us.clear()
         self.online_n.clear()
+        self._ratio.clear()
+        self._curve = None
 
     def to_json(self) -> dict:
         return {"version": _CACHE_VERSION, "table_us": {str(k): v for k, v in self.table_us.items()}}
+
+
+def sanitize_table(table_us: dict[int, float], *, tolerance: float = 2.0) -> tuple[dict[int, float], list[int]]:
+    """Replace the timings of a calibration that a burst of load spoiled.
+
+    Fits ``log t(b) = log a + k log b`` robustly (Theil-Sen: the median of the pairwise
+    slopes, then the median intercept; Sen 1968) and replaces every entry more than
+    ``tolerance`` times off the fit, either way, by the fit. The power law is rough (a CPU's
+    curve bends where decoding turns compute-bound), so only gross errors are replaced: a
+    quiet machine's table is within 1.25x of its fit. Tables of fewer than 4 sizes are
+    returned as they are.
+
+    Returns:
+        (the cleaned table, the sizes replaced).
+    """
+    sizes = sorted(table_us)
+    if len(sizes) < 4 or min(table_us.values()) <= 0:
+        return dict(table_us), []
+    y = np.log(np.array([table_us[b] for b in sizes], dtype=np.float64))
+    x = np.log(np.array(sizes, dtype=np.float64))
+    i, j = np.triu_indices(len(sizes), 1)
+    slope = float(np.median((y[j] - y[i]) / (x[j] - x[i])))
+    icpt = float(np.median(y - slope * x))
+    fit = icpt + slope * x
+    lim = np.log(tolerance)
+    out, bad = dict(table_us), []
+    for b, yi, fi in zip(sizes, y, fit):
+        if abs(yi - fi) > lim:
+            out[b] = float(np.exp(fi))
+            bad.append(b)
+    return out, bad
 
 
 def _cache_key(ctx: Context) -> str:
@@ -110,7 +243,9 @@ def calibrate(
 
     The measurement decodes ``n_prefix`` tokens, then ``reps`` batches of each size on top of
     them (median kept), and empties the KV cache afterwards: call it before the context
-    holds anything you need.
+    holds anything you need. A table with gross outliers (``sanitize_table``: a burst of load
+    from another process) is used cleaned but not cached, and such a cached table is measured
+    again.
 
     Args:
         progress: optional callback ``(done, total)``.
@@ -125,7 +260,9 @@ def calibrate(
             if entry and entry.get("version") == _CACHE_VERSION:
                 table = {int(k): float(v) for k, v in entry["table_us"].items()}
                 if all(b in table for b in sizes):
-                    return CostModel({b: table[b] for b in sizes})
+                    cached = CostModel({b: table[b] for b in sizes})
+                    if not cached.outliers:  # else measured under a burst of load: measure again
+                        return cached
         except (OSError, ValueError, KeyError):
             pass
     n_prefix = min(n_prefix, ctx.n_ctx - max(sizes) - 1)
@@ -156,7 +293,8 @@ def calibrate(
     table = {b: float(np.median(ts)) for b, ts in times.items()}
     ctx.clear()
     model = CostModel(table)
-    if use_cache:
+    # a table with gross outliers was measured under load: use it (cleaned) but do not keep it
+    if use_cache and not model.outliers:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             try:

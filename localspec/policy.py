@@ -38,54 +38,103 @@ from .tree import TokenTree
 class AcceptanceTracker:
     """Online estimate of P(a draft node is accepted | its parent was), per feature bucket.
 
-    Two levels: long-run per-bucket rates (kept for the life of the drafter, starting from
-    ``prior``), and per-request per-bucket counts with exponential forgetting, which dominate
-    once a bucket has a few observations in the current request, so that a request in "copy
-    mode" (summaries, repeated code, loops) or in free generation is recognised quickly.
+    Three levels of evidence, each shrunk towards the one above by pseudo-observations:
+
+    * long-run per-bucket rates (kept for the life of the drafter, starting from ``prior``
+      with ``prior_weight``);
+    * a per-request calibration factor: accepted nodes over the nodes the long-run rates
+      expected to be accepted, over the whole request (``request_factor``, an odds ratio
+      with ``factor_weight`` pseudo-observations at 1). A request whose drafts keep failing
+      (free generation where the history offers only coincidental matches) lowers every
+      bucket at once, also the buckets it has not tried yet; a request that copies raises
+      them. Without it each of the ~32 buckets has to fail a few times on its own before
+      the policy stops verifying it (issue 15: 0 of 50 drafted tokens accepted over 96 steps);
+    * per-request per-bucket counts with exponential forgetting (``decay`` per step), which
+      dominate once a bucket has a few observations in the current request, so that a
+      request in "copy mode" (summaries, repeated code, loops) or in free generation is
+      recognised quickly.
+
     Drafters feed it every node whose parent the target reached, including nodes the policy
     did not verify (their outcome is known from the tokens the target emitted).
 
     Args:
         prior: [n_buckets] float prior acceptance rates.
         prior_weight: pseudo-observations behind the prior.
-        local_weight: pseudo-observations of the long-run rate behind a request estimate.
+        local_weight: pseudo-observations of the request-calibrated long-run rate behind a
+            request's per-bucket estimate.
         decay: forgetting of request counts per step.
+        factor_weight: pseudo-observations (expected acceptances) behind a request factor of 1.
+        factor_decay: forgetting of the request factor's counts per step (slower than
+            ``decay``: it pools all buckets).
     """
 
-    def __init__(self, prior, *, prior_weight: float = 8.0, local_weight: float = 3.0, decay: float = 0.95) -> None:
+    def __init__(
+        self,
+        prior,
+        *,
+        prior_weight: float = 8.0,
+        local_weight: float = 3.0,
+        decay: float = 0.95,
+        factor_weight: float = 2.0,
+        factor_decay: float = 0.995,
+    ) -> None:
         self.prior = np.asarray(prior, dtype=np.float64)
         self.prior_weight = prior_weight
         self.local_weight = local_weight
         self.decay = decay
+        self.factor_weight = factor_weight
+        self.factor_decay = factor_decay
         self.acc = np.zeros_like(self.prior)
         self.n = np.zeros_like(self.prior)
+        self._base = self._base_rates()
         self.reset_request()
 
     def reset_request(self) -> None:
         self.local_acc = np.zeros_like(self.prior)
         self.local_n = np.zeros_like(self.prior)
+        self.req_accepted = 0.0  # accepted nodes this request
+        self.req_expected = 0.0  # sum of the long-run rates of the nodes tried this request
+
+    def _base_rates(self) -> np.ndarray:
+        return (self.acc + self.prior_weight * self.prior) / (self.n + self.prior_weight)
 
     def base_rate(self, bucket: int) -> float:
-        return float((self.acc[bucket] + self.prior_weight * self.prior[bucket]) / (self.n[bucket] + self.prior_weight))
+        """Long-run rate of ``bucket`` (all requests so far, with the prior)."""
+        return float(self._base[bucket])
 
-    def estimate(self, bucket: int) -> float:
-        w = self.local_weight
-        p = (self.local_acc[bucket] + w * self.base_rate(bucket)) / (self.local_n[bucket] + w)
-        return float(min(0.995, p))
+    def request_factor(self) -> float:
+        """Odds ratio applied to the long-run rates in this request:
+        ``(accepted + w) / (expected + w)`` with ``w = factor_weight``."""
+        w = self.factor_weight
+        return (self.req_accepted + w) / (self.req_expected + w)
+
+    def _request_base(self) -> np.ndarray:
+        """The long-run rates with this request's odds ratio applied. [n_buckets] float64."""
+        f = self.request_factor()
+        base = np.clip(self._base, 1e-6, 1.0 - 1e-6)
+        odds = f * base / (1.0 - base)
+        return odds / (1.0 + odds)
 
     def estimates(self) -> list[float]:
         """``estimate(b)`` of every bucket (one vectorised computation per step)."""
-        base = (self.acc + self.prior_weight * self.prior) / (self.n + self.prior_weight)
         w = self.local_weight
-        p = (self.local_acc + w * base) / (self.local_n + w)
+        p = (self.local_acc + w * self._request_base()) / (self.local_n + w)
         return np.minimum(p, 0.995).tolist()
+
+    def estimate(self, bucket: int) -> float:
+        return self.estimates()[bucket]
 
     def end_step(self) -> None:
         self.local_acc *= self.decay
         self.local_n *= self.decay
+        self.req_accepted *= self.factor_decay
+        self.req_expected *= self.factor_decay
+        self._base = self._base_rates()
 
     def record(self, bucket: int, accepted: bool) -> None:
         a = 1.0 if accepted else 0.0
+        self.req_expected += self._base[bucket]
+        self.req_accepted += a
         self.local_acc[bucket] += a
         self.local_n[bucket] += 1.0
         self.acc[bucket] += a

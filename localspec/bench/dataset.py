@@ -6,6 +6,10 @@ coding, extraction, stem, humanities), which are reported together as ``mt_bench
 first turn of each question is the prompt. For ``mt_bench`` the N questions are taken
 round-robin over the eight labels (the first of each label, then the second, ...), so that
 the category is not only "writing".
+
+Datasets shipped in the package (``--dataset NAME``): ``code``, Python code-completion prompts
+cut from permissively licensed third-party sources (``bench/data/README.md`` gives their
+provenance; ``scripts/collect_code_prompts.py`` rebuilds them).
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+_DATA = Path(__file__).parent / "data"
+BUILTIN_DATASETS = {"code": _DATA / "code.jsonl"}
 
 MT_BENCH_LABELS = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
@@ -26,8 +33,21 @@ class BenchPrompt:
     text: str
 
 
+def resolve_dataset(name: str | Path) -> Path:
+    """The path of a dataset: a shipped one by name (``BUILTIN_DATASETS``), else ``name`` as a
+    path. Raises ``FileNotFoundError`` (one line, naming the shipped ones) when neither exists."""
+    if str(name) in BUILTIN_DATASETS:
+        return BUILTIN_DATASETS[str(name)]
+    path = Path(name)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset {str(name)!r} is not a file nor a shipped dataset ({', '.join(BUILTIN_DATASETS)})")
+    return path
+
+
 def load_questions(path: str | Path) -> list[dict]:
-    """Read a Spec-Bench JSONL file. Raises ``ValueError`` naming a malformed line."""
+    """Read a Spec-Bench JSONL file (or a shipped dataset by name, see ``resolve_dataset``).
+    Raises ``ValueError`` naming a malformed line, ``FileNotFoundError`` for a missing file."""
+    path = resolve_dataset(path)
     out = []
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f, 1):

@@ -38,6 +38,7 @@ def markdown_table(config: dict, categories: dict) -> str:
         "plain tok/s",
         "spec tok/s",
         "decode ratio",
+        "min prompt ratio",
         "end-to-end ratio",
         "mean accept len",
         "identical",
@@ -45,7 +46,7 @@ def markdown_table(config: dict, categories: dict) -> str:
         "decode µs/step",
     ]
     if has_peer:
-        head += ["llama.cpp best n-gram ratio (mode)"]
+        head += ["llama.cpp best n-gram ratio (mode)", "its min prompt ratio"]
     lines = [
         f"localspec bench: drafter `{config.get('drafter')}`, {config.get('max_tokens')} new tokens, "
         f"temperature {config.get('temperature')}, model `{Path(str(config.get('model', ''))).name}`, "
@@ -61,6 +62,7 @@ def markdown_table(config: dict, categories: dict) -> str:
             f"{c['plain_tokens_per_s']:.1f}",
             f"{c['spec_tokens_per_s']:.1f}",
             f"{c['speedup']:.2f}x",
+            f"{c['min_prompt_speedup']:.2f}x ({c['min_prompt_id']})" if "min_prompt_speedup" in c else "-",
             f"{c['speedup_end_to_end']:.2f}x",
             f"{c['mean_acceptance_length']:.2f}",
             f"{100 * c['identical_fraction']:.0f}%",
@@ -70,9 +72,15 @@ def markdown_table(config: dict, categories: dict) -> str:
         if has_peer:
             if "best_peer_mode" in c:
                 row.append(f"{c['best_peer_speedup']:.2f}x ({c['best_peer_mode']})")
+                row.append(f"{c['best_peer_min_prompt_speedup']:.2f}x" if "best_peer_min_prompt_speedup" in c else "-")
             else:
-                row.append("-")
+                row += ["-", "-"]
         lines.append("| " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "min prompt ratio: the lowest per-prompt decode ratio (speculative over plain tokens/s of the "
+        "same prompt) in the category, with its question id.",
+    ]
     gaps = [g for c in categories.values() for g in c.get("divergence_gaps", [])]
     if gaps:
         lines += ["", f"Divergences from plain decoding: {len(gaps)}; top-2 logit gaps there: " + ", ".join(f"{g:.3f}" for g in gaps)]

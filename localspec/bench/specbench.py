@@ -135,8 +135,27 @@ def _rate(n_tokens: float, t_us: float) -> float:
     return n_tokens / (t_us * 1e-6) if t_us > 0 else 0.0
 
 
+def prompt_speedup(rec: PromptRecord) -> float | None:
+    """Decode ratio of one prompt: speculative over plain tokens per second (None when
+    either run generated nothing)."""
+    p = _rate(rec.plain.n_tokens, rec.plain.t_decode_us)
+    s = _rate(rec.spec.n_tokens, rec.spec.t_decode_us)
+    return s / p if p > 0 and s > 0 else None
+
+
+def peer_prompt_speedup(rec: PromptRecord, mode: str) -> float | None:
+    """Decode ratio of one prompt for llama-server's ``mode`` over its own plain decoding."""
+    if mode not in rec.peers or "none" not in rec.peers:
+        return None
+    base, m = rec.peers["none"], rec.peers[mode]
+    p = _rate(base["n_tokens"], base["t_decode_ms"] * 1e3)
+    s = _rate(m["n_tokens"], m["t_decode_ms"] * 1e3)
+    return s / p if p > 0 and s > 0 else None
+
+
 def summarize(records: list[PromptRecord]) -> dict:
-    """Per-category aggregates (ratios of totals)."""
+    """Per-category aggregates (ratios of totals), and the per-prompt minimum decode ratio
+    (``min_prompt_speedup``, with its ``min_prompt_id``; also for each peer mode)."""
     cats: dict[str, list[PromptRecord]] = {}
     for r in records:
         cats.setdefault(r.category, []).append(r)
@@ -163,6 +182,11 @@ def summarize(records: list[PromptRecord]) -> dict:
             "t_decode_us_per_step": sum(r.spec.t_target_us for r in rs) / steps if steps else 0.0,
             "divergence_gaps": [r.divergence_gap for r in rs if r.divergence_gap is not None],
         }
+        per_prompt = [(x, r.question_id) for r in rs if (x := prompt_speedup(r)) is not None]
+        if per_prompt:
+            lo = min(per_prompt, key=lambda t: t[0])
+            d["min_prompt_speedup"], d["min_prompt_id"] = lo
+            d["n_prompts_below_0_97"] = sum(1 for x, _ in per_prompt if x < 0.97)
         peer_modes = sorted({m for r in rs for m in r.peers})
         if peer_modes and "none" in peer_modes:
             base = _rate(sum(r.peers["none"]["n_tokens"] for r in rs), sum(r.peers["none"]["t_decode_ms"] * 1e3 for r in rs))
@@ -174,11 +198,16 @@ def summarize(records: list[PromptRecord]) -> dict:
                 dn = sum(r.peers[m]["draft_n"] for r in rs)
                 da = sum(r.peers[m]["draft_n_accepted"] for r in rs)
                 d["peers"][m] = {"speedup": rate / base if base else 0.0, "tokens_per_s": rate, "draft_n": dn, "draft_n_accepted": da}
+                mins = [x for r in rs if (x := peer_prompt_speedup(r, m)) is not None]
+                if mins:
+                    d["peers"][m]["min_prompt_speedup"] = min(mins)
             d["peer_plain_tokens_per_s"] = base
             best = max(d["peers"].items(), key=lambda kv: kv[1]["speedup"], default=None)
             if best:
                 d["best_peer_mode"] = best[0]
                 d["best_peer_speedup"] = best[1]["speedup"]
+                if "min_prompt_speedup" in best[1]:
+                    d["best_peer_min_prompt_speedup"] = best[1]["min_prompt_speedup"]
         out[cat] = d
     return out
 

@@ -20,7 +20,12 @@ def register(sub) -> None:
         "sampling, empty KV cache each time) and reports per-category speed ratios, mean acceptance "
         "length and whether outputs are identical. Writes DIR/bench.json, DIR/bench.md, DIR/bench.png.",
     )
-    p.add_argument("--dataset", default=None, help="Spec-Bench question.jsonl (question_id, category, turns)")
+    p.add_argument(
+        "--dataset",
+        default=None,
+        help="Spec-Bench question.jsonl (question_id, category, turns), or a shipped dataset: "
+        "'code' (Python code-completion prompts, see localspec/bench/data/README.md)",
+    )
     p.add_argument("--categories", default=None, help="comma-separated categories (default: all)")
     p.add_argument("--per-category", type=int, default=10, help="prompts per category (default 10)")
     p.add_argument("-n", "--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
@@ -200,17 +205,17 @@ def run(a: argparse.Namespace) -> int:
     from ..bench.specbench import machine_info, run_bench, summarize
 
     if not a.dataset:
-        raise SystemExit("localspec: error: --dataset FILE is required (a Spec-Bench question.jsonl)")
+        raise SystemExit("localspec: error: --dataset FILE is required (a Spec-Bench question.jsonl, or 'code')")
     if a.drafter == "none":
         raise SystemExit("localspec: error: bench compares a drafter against plain decoding; choose --drafter other than none")
+    cats = [c.strip() for c in a.categories.split(",")] if a.categories else None
     try:
         questions = load_questions(a.dataset)
+        prompts = select_prompts(questions, cats, a.per_category)
     except OSError as e:
         raise SystemExit(f"localspec: error: cannot read --dataset {a.dataset!r}: {e.strerror or e}") from None
     except (ValueError, UnicodeDecodeError) as e:  # a malformed line names itself
-        raise SystemExit(f"localspec: error: --dataset: {e}") from None
-    cats = [c.strip() for c in a.categories.split(",")] if a.categories else None
-    prompts = select_prompts(questions, cats, a.per_category)
+        raise SystemExit(f"localspec: error: {e}") from None
     sampling = sampling_from_args(a)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

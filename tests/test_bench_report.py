@@ -1,0 +1,77 @@
+"""Bench bookkeeping without a model: per-prompt minimum ratios, the shipped code dataset."""
+
+import json
+
+import pytest
+
+from localspec.bench.dataset import BUILTIN_DATASETS, load_questions, resolve_dataset, select_prompts
+from localspec.bench.report import markdown_table
+from localspec.bench.specbench import PromptRecord, RunRecord, summarize
+
+
+def rec(cat, qid, plain_us, spec_us, n=100, peers=None):
+    return PromptRecord(cat, cat, qid, 10, RunRecord(n, plain_us, plain_us, n), RunRecord(n, spec_us, spec_us, n // 2), True, peers=peers or {})
+
+
+def peer(n, ms):
+    return {"n_tokens": n, "t_decode_ms": ms, "t_prompt_ms": 1.0, "draft_n": 0, "draft_n_accepted": 0}
+
+
+def test_min_prompt_ratio_is_the_worst_prompt_not_the_total():
+    # totals: plain 3 s, spec 2.5 s (1.2x); prompt 2 alone is slower than plain (1/1.25 = 0.8x)
+    rs = [
+        rec("code", "a", 1e6, 0.5e6, peers={"none": peer(100, 1000.0), "ngram-mod": peer(100, 1000.0)}),
+        rec("code", "b", 1e6, 1.25e6, peers={"none": peer(100, 1000.0), "ngram-mod": peer(100, 900.0)}),
+        rec("code", "c", 1e6, 0.75e6, peers={"none": peer(100, 1000.0), "ngram-mod": peer(100, 1100.0)}),
+        rec("qa", "d", 1e6, 0.9e6),
+    ]
+    s = summarize(rs)
+    c = s["code"]
+    assert c["speedup"] == pytest.approx(3.0 / 2.5)
+    assert c["min_prompt_speedup"] == pytest.approx(0.8)
+    assert c["min_prompt_id"] == "b"
+    assert c["n_prompts_below_0_97"] == 1
+    assert c["peers"]["ngram-mod"]["min_prompt_speedup"] == pytest.approx(1000.0 / 1100.0)
+    assert c["best_peer_min_prompt_speedup"] == pytest.approx(1000.0 / 1100.0)
+    assert s["qa"]["min_prompt_speedup"] == pytest.approx(1 / 0.9)
+    table = markdown_table({"drafter": "ngram"}, s)
+    assert "min prompt ratio" in table
+    assert "| 0.80x (b) |" in table
+    assert "| 0.91x |" in table  # the peer's worst prompt
+
+
+def test_prompts_that_generated_nothing_do_not_count():
+    rs = [rec("qa", "a", 1e6, 0.5e6), PromptRecord("qa", "qa", "z", 10, RunRecord(0, 1.0, 1.0, 1), RunRecord(0, 1.0, 1.0, 1), True)]
+    assert summarize(rs)["qa"]["min_prompt_speedup"] == pytest.approx(2.0)
+
+
+def test_shipped_code_dataset():
+    path = resolve_dataset("code")
+    assert path == BUILTIN_DATASETS["code"] and path.is_file()
+    qs = load_questions("code")
+    assert 30 <= len(qs) <= 50
+    assert len({q["question_id"] for q in qs}) == len(qs)
+    for q in qs:
+        assert q["category"] == "code" and q["turns"][0].strip()
+        src = q["source"]
+        assert src["package"] and src["version"] and src["license"] and src["path"].endswith(".py")
+    ps = select_prompts(qs, ["code"], 5)
+    assert [p.question_id for p in ps] == [q["question_id"] for q in qs[:5]]
+
+
+def test_a_missing_dataset_is_a_one_line_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a file nor a shipped dataset"):
+        load_questions(tmp_path / "nope.jsonl")
+    from localspec.cli.main import main
+
+    with pytest.raises(SystemExit, match="localspec: error: dataset"):
+        main(["bench", "--dataset", str(tmp_path / "nope.jsonl")])
+
+
+def test_code_dataset_is_package_data():
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert "data/*.jsonl" in pyproject["tool"]["setuptools"]["package-data"]["localspec.bench"]
+    json.loads(resolve_dataset("code").read_text().splitlines()[0])
