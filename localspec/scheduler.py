@@ -139,7 +139,8 @@ class BatchJob:
     _ids = itertools.count(1)
 
     def __init__(self, prompt: list[int], *, max_tokens: int, sampling: SamplingParams, stop: Sequence[str],
-                 speculative: bool, on_chunk: Callable[[StreamChunk], None] | None, tag=None) -> None:  # fmt: skip
+                 speculative: bool, on_chunk: Callable[[StreamChunk], None] | None, tag=None,
+                 on_done: Callable[["BatchJob"], None] | None = None) -> None:  # fmt: skip
         self.id = next(BatchJob._ids)
         self.prompt = prompt
         self.max_tokens = max_tokens
@@ -147,6 +148,7 @@ class BatchJob:
         self.stop = list(stop)
         self.speculative = speculative
         self.on_chunk = on_chunk
+        self.on_done = on_done
         self.tag = tag
         self.result: GenerationResult | None = None
         self.error: BaseException | None = None
@@ -156,6 +158,14 @@ class BatchJob:
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def _set_done(self) -> None:
+        self.done.set()
+        if self.on_done is not None:
+            try:
+                self.on_done(self)
+            except Exception:  # a client that went away must not stop the scheduler
+                log.debug("job %d: on_done failed", self.id, exc_info=True)
 
     def wait(self, timeout: float | None = None) -> GenerationResult:
         """Block until the job ends; returns its result or raises its error."""
@@ -248,7 +258,10 @@ class BatchScheduler:
                            flash_attn=flash_attn)  # fmt: skip
         self.kv_size = self.ctx.n_ctx
         self._batch = Batch(self.ctx.n_batch, max(self.seqs_per_slot, 1))
-        self.cost_model = cost_model or calibrate(self.ctx, max_size=64)
+        if cost_model is None:
+            cost_model = calibrate(self.ctx, max_size=64)
+            self.ctx.clear()
+        self.cost_model = cost_model
         self.policy = SpeculationPolicy(self.cost_model, max_nodes=self.max_tree_nodes)
         self.n_used = 0  # KV cells occupied (append-only between compactions)
         self.n_compactions = 0
@@ -264,7 +277,8 @@ class BatchScheduler:
 
     def submit(self, prompt: Sequence[int], *, max_tokens: int = 256, sampling: SamplingParams | None = None,
                stop: Sequence[str] = (), speculative: bool = True,
-               on_chunk: Callable[[StreamChunk], None] | None = None, tag=None) -> BatchJob:  # fmt: skip
+               on_chunk: Callable[[StreamChunk], None] | None = None, tag=None,
+               on_done: Callable[[BatchJob], None] | None = None) -> BatchJob:  # fmt: skip
         """Queue a request (token ids; see ``Engine.tokenize``).
 
         Raises:
@@ -287,7 +301,7 @@ class BatchScheduler:
             )
         sampling = sampling or SamplingParams()
         job = BatchJob(tokens, max_tokens=max_tokens, sampling=sampling, stop=stop, speculative=speculative,
-                       on_chunk=on_chunk, tag=tag)  # fmt: skip
+                       on_chunk=on_chunk, tag=tag, on_done=on_done)  # fmt: skip
         # build the sampler now, so a bad grammar is the caller's error, not the worker's
         job._sampler = RequestSampler(sampling, self.model, tokens)  # type: ignore[attr-defined]
         with self._cv:
@@ -386,7 +400,7 @@ class BatchScheduler:
             sampler.close()
         job.result = GenerationResult("", [], reason, None, [], [] if job.sampling.logprobs is not None else None,
                                       GenerationStats(n_prompt_tokens=len(job.prompt)))  # fmt: skip
-        job.done.set()
+        job._set_done()
 
     def _admit(self) -> None:
         while True:
@@ -691,4 +705,67 @@ class BatchScheduler:
         )
         if tail and job.on_chunk is not None:
             self._call_sink(s, StreamChunk(tail, -1, TokenSource.DECODE, st.n_steps))
-        job.done.set()
+        job._set_done()
+
+
+def generate_batch(engine: Engine, prompts: Sequence[str | Sequence[int]], *, parallel: int = 4,
+                   max_tokens: int | Sequence[int] = 256, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                   stop: Sequence[str] = (), speculative: bool = True, n_ctx: int | None = None,
+                   return_exceptions: bool = False,
+                   on_result: Callable[[int, "GenerationResult | BaseException"], None] | None = None,
+                   ) -> list:  # fmt: skip
+    """``Engine.generate_batch``: generate every prompt, ``parallel`` at a time in one batch.
+
+    Args:
+        engine: supplies the model, the drafter choice (``ngram`` or none) and the cost model.
+        prompts: texts (tokenised like ``Engine.generate``) or token-id lists.
+        max_tokens / sampling: one value for all prompts, or one per prompt.
+        n_ctx: tokens one request may hold (default: the engine's context, at most 4096).
+        return_exceptions: put a prompt's exception in its place in the result list instead of
+            raising it (after every other prompt has finished).
+        on_result: called ``(index, result or exception)`` as each prompt ends (any order).
+
+    Returns:
+        ``GenerationResult`` per prompt, in order (or exceptions, see ``return_exceptions``).
+        At temperature 0, and for a seed above it, each text is the one ``Engine.generate``
+        gives for that prompt alone.
+    """
+    n = len(prompts)
+    mt = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
+    sp = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
+    if len(mt) != n or len(sp) != n:
+        raise InvalidRequestError("max_tokens / sampling lists must have one entry per prompt")
+    name = engine.drafter_name if speculative else "none"
+    if name not in BATCH_DRAFTERS:
+        raise InvalidRequestError(
+            f"generate_batch runs the n-gram drafter or none, not {name!r}; set_drafter('ngram') or speculative=False"
+        )
+    sched = BatchScheduler(engine.model, parallel=parallel, n_ctx=n_ctx or min(engine.n_ctx, 4096), drafter=name,
+                           max_tree_nodes=min(engine.max_tree_nodes, 32), cost_model=engine.cost_model,
+                           n_threads=engine.ctx.n_threads, adaptive=engine.adaptive)  # fmt: skip
+    out: list = [None] * n
+    jobs: dict[int, BatchJob] = {}
+    try:
+        for i, p in enumerate(prompts):
+            try:
+                toks = engine.tokenize(p) if isinstance(p, str) else list(p)
+                jobs[i] = sched.submit(toks, max_tokens=mt[i], sampling=sp[i], stop=stop, speculative=speculative)
+            except Exception as e:  # noqa: BLE001 - reported per prompt
+                out[i] = e
+                if on_result is not None:
+                    on_result(i, e)
+        pending = dict(jobs)
+        while pending:
+            sched.step()
+            for i in [i for i, j in pending.items() if j.done.is_set()]:
+                j = pending.pop(i)
+                out[i] = j.error if j.error is not None else j.result
+                if on_result is not None:
+                    on_result(i, out[i])
+    finally:
+        sched.close()
+    if not return_exceptions:
+        for r in out:
+            if isinstance(r, BaseException):
+                raise r
+    return out
