@@ -375,7 +375,8 @@ class BatchScheduler:
             if s is not None:
                 s.job.error = e
                 self._finish(s, "error")
-        self._reset_kv()
+        self.ctx.clear()
+        self.n_used = 0
 
     def step(self) -> None:
         """Admit waiting requests into free slots, then decode one step of every active one."""
@@ -655,6 +656,8 @@ class BatchScheduler:
                 s.stop_name, done = s.assembler.stop_hit.stop, "stop"
                 break
         s.root = int(res.tokens[-1])
+        if done is None and len(s.out_tokens) >= s.job.max_tokens:
+            done = "length"
         if s.job.on_chunk is not None:
             for c in chunks:
                 self._call_sink(s, c)
