@@ -93,7 +93,7 @@ def test_batched_equals_alone_seeded(model, alone):
 def test_compaction_keeps_outputs(model, alone):
     sched = BatchScheduler(model, parallel=2, n_ctx=64, cost_model=fixed_cost_model(), adaptive=False, max_tree_nodes=8)
     try:
-        sched.kv_size = 2 * 64 + 40  # fill up fast: junk cells force compactions
+        sched.kv_size = 64  # a software limit far below the real cache: compactions at most steps
         jobs = [sched.submit(model.tokenize(p), max_tokens=N, sampling=SamplingParams.greedy()) for p in PROMPTS]
         sched.run_until_idle()
         assert [j.wait().token_ids for j in jobs] == alone["greedy"]
