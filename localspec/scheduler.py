@@ -379,15 +379,15 @@ class BatchScheduler:
         self.n_used = 0
 
     def step(self) -> None:
-        """Admit waiting requests into free slots, then decode one step of every active one."""
-        self._admit()
-        active = [s for s in self.slots if s is not None]
-        for s in active:  # requests that end before decoding more
+        """End cancelled / finished requests, admit waiting ones into the free slots, then decode
+        one step of every active request."""
+        for s in [s for s in self.slots if s is not None]:  # requests that end before decoding more
             j = s.job
             if j.cancelled.is_set():
                 self._finish(s, "cancelled")
             elif len(s.out_tokens) >= j.max_tokens or self.n_ctx_slot - s.root_pos < 1:
                 self._finish(s, "length")
+        self._admit()  # a freed slot takes the next waiting request in this very step
         active = [s for s in self.slots if s is not None]
         if not active:
             if not self._queue:

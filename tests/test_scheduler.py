@@ -1,7 +1,8 @@
 """The batched scheduler: node budget across requests, and outputs that do not depend on the
 neighbours (the same text alone or batched, at T=0 and with a seed), with the real model."""
 
-import numpy as np
+import dataclasses
+
 import pytest
 
 from conftest import fixed_cost_model
@@ -55,13 +56,16 @@ def test_no_draft_below_min_gain_and_node_limits():
 @pytest.fixture(scope="module")
 def alone(engine):
     """Each prompt decoded alone by the engine (greedy, and seeded at T=0.8)."""
-    g = SamplingParams.greedy()
+    g = dataclasses.replace(SamplingParams.greedy(), logprobs=0)
     s = SamplingParams(temperature=0.8, seed=1234)
-    engine.reset()
-    out = {
-        "greedy": [engine.generate(p, max_tokens=N, sampling=g).token_ids for p in PROMPTS],
-        "seeded": [engine.generate(p, max_tokens=N, sampling=s).token_ids for p in PROMPTS],
-    }
+    out = {"greedy": [], "logprobs": [], "seeded": []}
+    for p in PROMPTS:
+        engine.reset()
+        r = engine.generate(p, max_tokens=N, sampling=g)
+        out["greedy"].append(r.token_ids)
+        out["logprobs"].append([lp.logprob for lp in r.logprobs])
+        engine.reset()
+        out["seeded"].append(engine.generate(p, max_tokens=N, sampling=s).token_ids)
     engine.reset()
     return out
 
@@ -78,8 +82,11 @@ def _run(model, sampling, **kw):
 
 def test_batched_equals_alone_greedy_with_full_trees(model, alone):
     # adaptive=False verifies every drafted tree: many rows of several requests per decode
-    res, sched = _run(model, SamplingParams.greedy(), n_ctx=256, adaptive=False)
+    res, sched = _run(model, dataclasses.replace(SamplingParams.greedy(), logprobs=0), n_ctx=256, adaptive=False)
     assert [r.token_ids for r in res] == alone["greedy"]
+    # bit-identical logits rows: the emitted tokens' log-probabilities are equal as floats
+    # (a cell of a request placed before its earlier cells would change them in the last bits)
+    assert [[lp.logprob for lp in r.logprobs] for r in res] == alone["logprobs"]
     multi = [(r, n) for r, n in sched.step_log if r > 1 and n > r]
     assert multi, "no step decoded drafts of several requests together"
     assert sum(r.stats.num_draft_tokens for r in res) > 0
