@@ -426,6 +426,17 @@ class Engine:
         stream._gen = self._run(stream, request)
         return stream
 
+    def generate_batch(self, prompts, **kwargs) -> list:
+        """Generate every prompt, several at a time in one batched decode (``--parallel``).
+
+        Keyword arguments and result: ``localspec.scheduler.generate_batch``. The batch runs
+        on its own context over this engine's model; outputs equal ``generate`` one prompt at
+        a time at temperature 0 and for a seed above it.
+        """
+        from .scheduler import generate_batch
+
+        return generate_batch(self, prompts, **kwargs)
+
     def plain_tokens_per_s(self) -> float:
         """Estimated plain-decoding speed on this machine now (from the measured cost model)."""
         return 1e6 / self.cost_model.t_decode_us(1)

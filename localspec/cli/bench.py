@@ -86,9 +86,10 @@ def register(sub) -> None:
     ft.add_argument("--json", action="store_true")
     ft.set_defaults(func=run_features)
 
-    from . import bench_complete
+    from . import bench_complete, bench_serve
 
     bench_complete.register(bsub)
+    bench_serve.register(bsub)
 
 
 def _native_line() -> str:

@@ -1,0 +1,82 @@
+"""``localspec bench serve``: aggregate throughput of ``localspec serve`` with 1, 2, 4, 8
+concurrent clients, speculative vs plain batched decoding, in one run.
+
+One in-process server (``--parallel`` = the largest concurrency) on 127.0.0.1; for each
+concurrency ``c`` the two modes run back to back (order alternating), each with ``c`` client
+threads that send the same Spec-Bench first-turn prompts (``/v1/completions``, T=0) through the
+official ``openai`` client. Aggregate tokens/s = completion tokens of all requests / wall time
+from the first request to the last answer. Also reports whether the speculative and plain
+texts are identical (they must be at T=0).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+from ..sampling import SamplingParams
+
+
+def run_clients(client, prompts: list[str], n_clients: int, max_tokens: int) -> tuple[float, int, list[str]]:
+    """Send ``prompts`` from ``n_clients`` threads; returns (seconds, completion tokens, texts)."""
+
+    def one(p: str):
+        r = client.completions.create(model="bench", prompt=p, max_tokens=max_tokens, temperature=0)
+        return r.usage.completion_tokens, r.choices[0].text
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(n_clients) as ex:
+        res = list(ex.map(one, prompts))
+    dt = time.perf_counter() - t0
+    return dt, sum(n for n, _ in res), [t for _, t in res]
+
+
+def bench_serve(engine, prompts: list[str], *, clients=(1, 2, 4, 8), per_client: int = 2, max_tokens: int = 64,
+                n_ctx: int = 2048, log=print) -> list[dict]:  # fmt: skip
+    """Rows ``{clients, mode, seconds, tokens, tokens_per_s, identical}``."""
+    import openai
+
+    from ..scheduler import BatchScheduler
+    from ..server.openai import AppThread, OpenAIService, create_serve_app
+
+    sched = BatchScheduler(engine.model, parallel=max(clients), n_ctx=n_ctx, drafter="ngram",
+                           cost_model=engine.cost_model, n_threads=engine.ctx.n_threads).start()  # fmt: skip
+    oai = OpenAIService(sched, model_name="bench", sampling=SamplingParams.greedy())
+    rows = []
+    try:
+        with AppThread(create_serve_app(oai, max_body_bytes=1 << 20)) as srv:
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=3600)
+            for i, c in enumerate(clients):
+                ps = [prompts[(j) % len(prompts)] for j in range(c * per_client)]
+                texts = {}
+                for mode in (("spec", "plain") if i % 2 == 0 else ("plain", "spec")):
+                    oai.speculative = mode == "spec"
+                    dt, n, texts[mode] = run_clients(client, ps, c, max_tokens)
+                    rows.append({"clients": c, "mode": mode, "seconds": dt, "tokens": n, "tokens_per_s": n / dt})
+                    log(f"clients {c} {mode}: {n} tokens in {dt:.1f} s = {n / dt:.2f} tokens/s")
+                same = texts["spec"] == texts["plain"]
+                for r in rows[-2:]:
+                    r["identical"] = same
+    finally:
+        sched.close()
+    return rows
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, style in (("plain", "o--"), ("spec", "o-")):
+        pts = [(r["clients"], r["tokens_per_s"]) for r in rows if r["mode"] == mode]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label="speculative (n-gram)" if mode == "spec" else "plain batched")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.set_title("localspec serve throughput")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

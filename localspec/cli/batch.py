@@ -1,0 +1,156 @@
+"""``localspec batch IN.jsonl --out OUT.jsonl``: many prompts through the batched engine.
+
+Each input line is a JSON object with ``"prompt"`` (text) and optionally ``"id"`` (default:
+the line number), ``"max_tokens"``, ``"temperature"`` and ``"seed"`` (overriding the command
+line; greedy by default). Each output line is ``{"id", "text", "finish_reason", "usage",
+"speculation"}`` or ``{"id", "error"}``, written as soon as that prompt ends (any order).
+Ids already in OUT are skipped, so a killed run continues where it stopped; a half-written
+last line (the kill) is cut off first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from .common import add_model_args, add_sampling_args, make_engine, sampling_from_args
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "batch",
+        help="run a JSONL file of prompts, several at a time in one batched decode",
+        description="Generate a completion for every line of IN.jsonl into OUT.jsonl (resumable by id; "
+        "per-prompt errors are recorded in OUT and do not stop the run).",
+    )
+    p.add_argument("input", help="JSONL file, one {\"id\", \"prompt\", ...} per line")
+    p.add_argument("--out", required=True, help="JSONL output (appended; ids already there are skipped)")
+    p.add_argument("--parallel", type=int, default=4, help="prompts decoded together (default 4)")
+    p.add_argument("-n", "--max-tokens", type=int, default=256, help="most tokens per prompt (default 256)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--no-spec", action="store_true", help="plain batched decoding (no drafter)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_sampling_args(p, greedy_default=True)
+    add_model_args(p)
+    p.set_defaults(func=run, n_ctx=None)
+
+
+def read_jobs(path: str) -> list[dict]:
+    """The input lines as dicts with an ``id``; a bad line becomes ``{"id", "error"}``."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise SystemExit(f"localspec: error: cannot read {path}: {e.strerror or e}") from None
+    out = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            if not isinstance(obj, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            out.append({"id": str(n), "_error": f"line {n} is not a JSON object: {e}"})
+            continue
+        obj["id"] = str(obj.get("id", n))
+        if not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
+            obj["_error"] = f'line {n}: "prompt" must be a non-empty string'
+        out.append(obj)
+    return out
+
+
+def done_ids(path: Path) -> set[str]:
+    """Ids already in OUT; cuts a half-written last line (a killed run) off the file."""
+    if not path.exists():
+        return set()
+    raw = path.read_bytes()
+    if raw and not raw.endswith(b"\n"):
+        raw = raw[: raw.rfind(b"\n") + 1]
+        path.write_bytes(raw)
+    ids = set()
+    for line in raw.decode("utf-8", errors="replace").splitlines():
+        try:
+            ids.add(str(json.loads(line)["id"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return ids
+
+
+def result_record(job_id: str, r) -> dict:
+    if isinstance(r, BaseException):
+        return {"id": job_id, "error": f"{type(r).__name__}: {r}"}
+    s = r.stats
+    return {
+        "id": job_id,
+        "text": r.text,
+        "finish_reason": r.finish_reason,
+        "usage": {"prompt_tokens": s.n_prompt_tokens, "completion_tokens": s.n_generated_tokens,
+                  "total_tokens": s.n_prompt_tokens + s.n_generated_tokens},  # fmt: skip
+        "speculation": {"drafter": s.drafter, "draft_n": s.num_draft_tokens, "draft_n_accepted": s.num_accepted_tokens},
+    }
+
+
+def run(a) -> int:
+    from tqdm import tqdm
+
+    items = read_jobs(a.input)
+    out_path = Path(a.out)
+    seen = done_ids(out_path)
+    todo = [x for x in items if x["id"] not in seen]
+    dup = len(items) - len({x["id"] for x in items})
+    if dup:
+        print(f"localspec: warning: {dup} duplicate ids in {a.input}; each id is generated once", file=sys.stderr)
+    print(f"localspec: {len(items)} prompts, {len(items) - len(todo)} already in {out_path}, {len(todo)} to do",
+          file=sys.stderr)  # fmt: skip
+    if not todo:
+        return 0
+    base = sampling_from_args(a)
+    engine = make_engine(a, None if a.no_spec else "ngram")
+    try:
+        f = out_path.open("a", encoding="utf-8")
+    except OSError as e:
+        raise SystemExit(f"localspec: error: cannot write {out_path}: {e.strerror or e}") from None
+    bar = tqdm(total=len(todo), unit="prompt", disable=a.no_progress, file=sys.stderr)
+    written: set[str] = set()
+
+    def write(rec: dict) -> None:
+        if rec["id"] in written:
+            return
+        written.add(rec["id"])
+        f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        f.flush()
+        bar.update(1)
+
+    uniq: dict[str, dict] = {}
+    for x in todo:
+        if "_error" in x:
+            write({"id": x["id"], "error": x["_error"]})
+        else:
+            uniq.setdefault(x["id"], x)
+    good = [x for x in uniq.values() if x["id"] not in written]
+    prompts, max_tokens, samplings = [], [], []
+    for x in good:
+        prompts.append(x["prompt"])
+        max_tokens.append(int(x.get("max_tokens", a.max_tokens)))
+        kw = {k: x[k] for k in ("temperature", "seed") if k in x}
+        samplings.append(dataclasses.replace(base, **kw) if kw else base)
+    try:
+        engine.generate_batch(
+            prompts,
+            parallel=a.parallel,
+            max_tokens=max_tokens,
+            sampling=samplings,
+            stop=a.stop,
+            speculative=not a.no_spec,
+            return_exceptions=True,
+            on_result=lambda i, r: write(result_record(good[i]["id"], r)),
+        )
+    finally:
+        bar.close()
+        f.close()
+        engine.close()
+    n_err = sum(1 for x in todo if "_error" in x)
+    print(f"localspec: wrote {len(written)} results to {out_path} ({n_err} input errors)", file=sys.stderr)
+    return 0

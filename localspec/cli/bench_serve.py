@@ -1,0 +1,63 @@
+"""``localspec bench serve``: aggregate throughput of the OpenAI server with 1/2/4/8 clients,
+speculative vs plain batched decoding (``localspec.bench.serve``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .common import add_model_args, make_engine
+
+
+def register(bsub) -> None:
+    p = bsub.add_parser(
+        "serve",
+        help="OpenAI server throughput: 1/2/4/8 concurrent clients, speculative vs plain batched",
+        description="Starts `localspec serve` in process on a free loopback port and sends Spec-Bench "
+        "first-turn prompts from N client threads (openai client, /v1/completions, T=0), speculative "
+        "and plain batched decoding at each concurrency, in one run. Writes OUT/serve.json and OUT/serve.png.",
+    )
+    p.add_argument("--dataset", required=True, help="Spec-Bench question.jsonl")
+    p.add_argument("--clients", default="1,2,4,8", help="concurrencies (default 1,2,4,8)")
+    p.add_argument("--per-client", type=int, default=2, help="requests per client (default 2)")
+    p.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    p.add_argument("--out", default="bench-out", help="output directory (default ./bench-out)")
+    add_model_args(p)
+    p.set_defaults(func=run)
+
+
+def run(a: argparse.Namespace) -> int:
+    import os
+
+    from ..bench.dataset import interleave, load_questions, select_prompts
+    from ..bench.serve import bench_serve, plot
+
+    clients = tuple(int(x) for x in a.clients.split(","))
+    qs = select_prompts(load_questions(a.dataset), None, max(clients) * a.per_client)
+    prompts = [p.text for p in interleave(qs)]
+    engine = make_engine(a, "ngram")
+    try:
+        load = os.getloadavg()
+        rows = bench_serve(engine, prompts, clients=clients, per_client=a.per_client, max_tokens=a.max_tokens,
+                           log=lambda s: print(s, file=sys.stderr))  # fmt: skip
+    finally:
+        engine.close()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"loadavg_start": load, "loadavg_end": os.getloadavg(), "cpus": os.cpu_count(), "max_tokens": a.max_tokens,
+            "per_client": a.per_client}  # fmt: skip
+    (out / "serve.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    try:
+        plot(rows, str(out / "serve.png"))
+    except ImportError:
+        print("localspec: matplotlib missing: no plot", file=sys.stderr)
+    print("| clients | plain tok/s | speculative tok/s | ratio | identical |\n|---|---|---|---|---|")
+    for c in clients:
+        pl = next(r for r in rows if r["clients"] == c and r["mode"] == "plain")
+        sp = next(r for r in rows if r["clients"] == c and r["mode"] == "spec")
+        print(f"| {c} | {pl['tokens_per_s']:.2f} | {sp['tokens_per_s']:.2f} | {sp['tokens_per_s'] / pl['tokens_per_s']:.2f}x "
+              f"| {'yes' if sp['identical'] else 'NO'} |")
+    print(f"machine load (1-min loadavg) {meta['loadavg_start'][0]:.1f} -> {meta['loadavg_end'][0]:.1f} on {meta['cpus']} CPUs")
+    return 0

@@ -1,0 +1,102 @@
+"""``localspec serve``: the OpenAI-compatible server (and the editor endpoints), with
+concurrent requests decoded together (``--parallel``)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import signal
+import sys
+
+from .common import add_model_args, add_sampling_args, make_engine, sampling_from_args
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) and the editor endpoints",
+        description="Serve an OpenAI-compatible API with lossless speculative decoding; up to --parallel "
+        "requests are decoded together in one batch. The editor endpoints (/infill, /completion, /health) "
+        "are served by the same process. Listens on 127.0.0.1 unless --host is given, which needs --api-key.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; others need --api-key)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = any free port)")
+    p.add_argument("--parallel", type=int, default=4, help="requests decoded together (default 4)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (needed off loopback)")
+    p.add_argument("--ctx-per-request", type=int, default=4096, help="tokens one request may hold (default 4096)")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body (default 8 MiB)")
+    p.add_argument("--max-queue", type=int, default=64, help="most requests waiting for a slot (default 64; more get 503)")
+    p.add_argument("--model-name", default=None, help="the model id /v1/models lists (default: the GGUF file name)")
+    p.add_argument("--drafter", choices=("ngram", "none"), default="ngram", help="drafter (default ngram)")
+    p.add_argument("--no-editor", action="store_true", help="do not serve /infill and /completion")
+    add_sampling_args(p)
+    add_model_args(p)
+    p.set_defaults(func=run)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _raise_interrupt(_signum, _frame) -> None:
+    raise KeyboardInterrupt
+
+
+def run(a: argparse.Namespace) -> int:
+    from ..scheduler import BatchScheduler
+    from ..server import CompletionService, ServiceConfig
+    from ..server.http import _uvicorn_server, address_of, bind_socket
+    from ..server.openai import OpenAIService, create_serve_app
+
+    if not 0 <= a.port <= 65535:
+        raise SystemExit(f"localspec: error: --port must be in 0..65535, got {a.port}")
+    if not is_loopback(a.host) and not a.api_key:
+        raise SystemExit(f"localspec: error: listening on {a.host} (not this machine only) needs --api-key KEY")
+    if a.parallel < 1:
+        raise SystemExit(f"localspec: error: --parallel must be >= 1, got {a.parallel}")
+    sampling = sampling_from_args(a)
+    try:
+        sock = bind_socket(a.host, a.port)  # fail before loading the model when the port is taken
+    except OSError as e:
+        print(f"localspec: error: {e}", file=sys.stderr)
+        return 1
+    engine = make_engine(a, None if a.drafter == "none" else a.drafter)
+    sched = None
+    editor = None
+    try:
+        sched = BatchScheduler(engine.model, parallel=a.parallel, n_ctx=a.ctx_per_request, drafter=a.drafter,
+                               max_tree_nodes=min(a.max_tree_nodes, 32), cost_model=engine.cost_model,
+                               n_threads=a.threads, adaptive=not a.no_adaptive).start()  # fmt: skip
+        name = a.model_name or engine.model.path.name
+        oai = OpenAIService(sched, model_name=name, sampling=sampling, max_queue=a.max_queue)
+        if not a.no_editor:
+            editor = CompletionService(engine, ServiceConfig(sampling=sampling, max_queue=a.max_queue))
+        app = create_serve_app(oai, editor, max_body_bytes=a.max_body_bytes, api_key=a.api_key)
+        if not oai.chat_format().uses_template:
+            print(f"localspec: {name} has no chat template: /v1/chat/completions uses the plain "
+                  "'User:/Assistant:' transcript (docs/serve.md)", file=sys.stderr)  # fmt: skip
+        addr = address_of(sock)
+        server = _uvicorn_server(app, log_level="info" if a.verbose else "warning",
+                                 on_ready=lambda: print(f"localspec serve: listening on {addr} "
+                                                        f"(OpenAI base URL {addr}/v1, --parallel {a.parallel})", flush=True))  # fmt: skip
+        old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:
+            pass
+        finally:
+            signal.signal(signal.SIGTERM, old_term)
+        print("localspec serve: stopped", file=sys.stderr)
+        return 0
+    finally:
+        if editor is not None:
+            editor.close()
+        if sched is not None:
+            sched.close()
+        engine.close()
+        sock.close()

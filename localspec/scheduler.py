@@ -1,0 +1,774 @@
+"""``BatchScheduler``: several requests, one context, one ``llama_decode`` per step.
+
+Each active request owns a *slot*: a block of ``S`` sequence ids of one shared target
+context (its committed tokens in the block's first id, its token tree's leaves in the
+others). Every step proposes a tree per request, splits one node budget across the requests
+(``allocate_nodes``), decodes every request's pending tokens and tree in **one**
+``llama_decode``, then verifies and commits each request with the engine's own pieces
+(``verify.verify``, ``Engine._logprobs``, ``TextAssembler``, ``RequestSampler``)::
+
+    step:  propose (per request) -> allocate_nodes -> ONE decode -> verify + commit (per request)
+
+Output does not depend on the neighbours. Each row of a batch is computed bit for bit like a
+single-token decode (the exact kernels, docs/architecture.md), attention skips the cells of
+other sequences, and llama.cpp's CPU attention accumulates a request's own cells in *cell
+order* - so every request's cells must stay in position order. llama.cpp reuses freed cells
+(the lowest free cell first), which would put a request's new token in a hole left by a
+neighbour's rejected draft, before its own earlier cells. The scheduler therefore never
+frees a cell while requests run: rejected tree nodes and finished requests are re-tagged to
+one *junk* sequence (``llama_memory_seq_cp`` then ``seq_rm``: the cell stays occupied and is
+attended by nobody), so new cells always go after every used cell. When the cache is full,
+``compact()`` clears it and re-prefills every active request's committed tokens (a prefill
+computes each token's KV exactly like the step that first decoded it); when the scheduler is
+idle the cache is simply cleared.
+
+Node budget (``allocate_nodes``): one pool of every candidate node's acceptance estimate
+(the drafters' node scores); the step takes the ``k`` best nodes that maximise expected
+emitted tokens per µs, ``(n_requests + sum of the k scores) / (t(b) + host(b))``, where ``t(b)``
+is the measured decode cost (``CostModel``) of the whole batch of ``b`` tokens. With one
+request this is the engine's policy; as the batch fills, ``t(b)`` grows and drafts stop
+paying, so speculation fades, and it returns when the batch empties (the design notes:
+speculation is a low-concurrency optimisation).
+
+Drafters: one fresh drafter per request (``"ngram"`` or ``"none"``). Model drafters and
+EAGLE-3 heads keep per-request draft contexts / target features and are not supported here
+(a clear ``InvalidRequestError``).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .backend import Batch, Context, Model
+from .costmodel import CostModel, calibrate
+from .drafters import make_drafter
+from .engine import GenerationResult, StreamChunk, TokenLogprob, Engine
+from .errors import ContextOverflowError, InvalidRequestError, KVCacheError
+from .policy import SpeculationPolicy
+from .sampler import RequestSampler
+from .sampling import SamplingParams
+from .stats import GenerationStats, count_sources
+from .text import TextAssembler
+from .tree import TokenSource, TokenTree, layout_tree
+from .verify import verify
+
+log = logging.getLogger("localspec.scheduler")
+
+BATCH_DRAFTERS = ("ngram", "none")
+"""Drafters the batched scheduler runs (one fresh instance per request)."""
+
+MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ
+
+
+def _now_us() -> float:
+    return time.perf_counter() * 1e6
+
+
+def allocate_nodes(
+    candidates: Sequence[TokenTree | None],
+    cost: Callable[[int], float],
+    *,
+    n_fixed: int = 0,
+    max_nodes: Sequence[int] | int = 64,
+    t_extra_us: float = 0.0,
+    min_gain: float = 0.05,
+) -> list[int]:
+    """Split one step's node budget across requests.
+
+    Args:
+        candidates: per request, the drafter's candidate tree (node ``score`` = estimated
+            probability that the target accepts the path to the node) or None (no draft).
+        cost: ``b -> µs`` of one step whose batch holds ``b`` tokens (decode + host).
+        n_fixed: tokens the batch holds besides the trees (pending re-decodes).
+        max_nodes: per request (or for all) the largest tree, root included.
+        t_extra_us: time already spent this step whatever is verified (drafting).
+        min_gain: draft only for an expected rate this fraction above no drafts at all.
+
+    Returns:
+        per request the tree size ``n >= 1`` to verify (1 = root only, a plain decode).
+
+    The expected emitted tokens of a step are ``R + sum of the chosen scores`` (every request
+    emits at least one token); the rate is that over ``cost(n_fixed + R + k)``. Scores along a
+    path never increase, so the best ``k`` pooled nodes of each request are its best subtree.
+    """
+    R = len(candidates)
+    if isinstance(max_nodes, int):
+        max_nodes = [max_nodes] * R
+    pool: list[tuple[float, int]] = []
+    for r, c in enumerate(candidates):
+        if c is None or c.n_nodes <= 1 or max_nodes[r] <= 1:
+            continue
+        s = np.sort(np.asarray(c.score[1:], dtype=np.float64))[::-1][: max_nodes[r] - 1]
+        pool.extend((float(x), r) for x in s if x > 0)
+    out = [1] * R
+    if not pool or R == 0:
+        return out
+    pool.sort(key=lambda t: -t[0])
+    base = n_fixed + R
+    plain_rate = R / (t_extra_us + cost(base))
+    best_k, best_rate = 0, plain_rate
+    e = float(R)
+    for k, (s, _r) in enumerate(pool, start=1):
+        e += s
+        rate = e / (t_extra_us + cost(base + k))
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    if best_rate < plain_rate * (1.0 + min_gain):
+        return out
+    for _s, r in pool[:best_k]:
+        out[r] += 1
+    return out
+
+
+class BatchJob:
+    """One request submitted to a ``BatchScheduler``.
+
+    ``result`` (a ``GenerationResult``) is set and ``done`` is set when it ends; ``cancel()``
+    (thread-safe) ends it after the current step with ``finish_reason == "cancelled"`` and
+    frees its slot. ``on_chunk`` (called on the scheduler's thread) receives ``StreamChunk``s.
+    """
+
+    _ids = itertools.count(1)
+
+    def __init__(self, prompt: list[int], *, max_tokens: int, sampling: SamplingParams, stop: Sequence[str],
+                 speculative: bool, on_chunk: Callable[[StreamChunk], None] | None, tag=None,
+                 on_done: Callable[["BatchJob"], None] | None = None) -> None:  # fmt: skip
+        self.id = next(BatchJob._ids)
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.sampling = sampling
+        self.stop = list(stop)
+        self.speculative = speculative
+        self.on_chunk = on_chunk
+        self.on_done = on_done
+        self.tag = tag
+        self.result: GenerationResult | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.cancelled = threading.Event()
+        self.t_submit_us = _now_us()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def _set_done(self) -> None:
+        self.done.set()
+        if self.on_done is not None:
+            try:
+                self.on_done(self)
+            except Exception:  # a client that went away must not stop the scheduler
+                log.debug("job %d: on_done failed", self.id, exc_info=True)
+
+    def wait(self, timeout: float | None = None) -> GenerationResult:
+        """Block until the job ends; returns its result or raises its error."""
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"job {self.id} did not finish in {timeout} s")
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+@dataclass
+class _Slot:
+    """The state of one active request."""
+
+    job: BatchJob
+    index: int
+    base: int  # first sequence id of the slot (the committed tokens)
+    sampler: RequestSampler
+    drafter: object | None
+    assembler: TextAssembler
+    stats: GenerationStats
+    tokens: list[int] = field(default_factory=list)  # committed, in KV (positions 0..n-1)
+    pending: list[int] = field(default_factory=list)  # accepted, decoded again next step
+    root: int = 0
+    out_tokens: list[int] = field(default_factory=list)
+    out_sources: list[TokenSource] = field(default_factory=list)
+    out_depths: list[int] = field(default_factory=list)
+    out_logprobs: list[TokenLogprob] = field(default_factory=list)
+    step_drafted: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_name: str | None = None
+    t_gen0_us: float = 0.0
+
+    @property
+    def root_pos(self) -> int:
+        return len(self.tokens) + len(self.pending)
+
+
+class BatchScheduler:
+    """Runs many generation requests together on one target context.
+
+    Args:
+        model: a loaded ``Model`` (shared, not closed here).
+        parallel: most requests decoded together (slots).
+        n_ctx: tokens one request may hold (prompt + generated).
+        drafter: ``"ngram"`` or ``"none"`` (one fresh drafter per request).
+        max_tree_nodes: largest tree of one request (root included).
+        cost_model: the target's decode cost; default: the engine's calibration (cached).
+        n_threads: CPU threads (default: all available, at most 16).
+        adaptive: False verifies every proposed tree (``max_tree_nodes``), for tests.
+
+    Use ``submit`` (thread-safe) and either ``start()`` a worker thread (the server) or
+    drive it with ``run_until_idle()`` (offline batches). ``close()`` ends it.
+
+    Raises:
+        InvalidRequestError: a drafter the scheduler does not run, or bad sizes.
+    """
+
+    def __init__(self, model: Model, *, parallel: int = 4, n_ctx: int = 4096, drafter: str | None = "ngram",
+                 max_tree_nodes: int = 32, cost_model: CostModel | None = None, n_threads: int | None = None,
+                 adaptive: bool = True, flash_attn: bool | None = None) -> None:  # fmt: skip
+        drafter = drafter or "none"
+        if drafter not in BATCH_DRAFTERS:
+            raise InvalidRequestError(
+                f"drafter {drafter!r} cannot serve batched requests (it keeps per-request draft contexts); "
+                f"use one of {', '.join(BATCH_DRAFTERS)}, or --parallel 1 with `localspec generate`"
+            )
+        if parallel < 1:
+            raise InvalidRequestError(f"parallel must be >= 1, got {parallel}")
+        if n_ctx < 16:
+            raise InvalidRequestError(f"n_ctx must be at least 16 tokens (got {n_ctx})")
+        # sequence ids: `parallel` blocks of S ids, plus one junk id
+        self.seqs_per_slot = max(1, min((MAX_SEQ - 1) // parallel, max_tree_nodes))
+        if self.seqs_per_slot < 1:
+            raise InvalidRequestError(f"parallel={parallel} needs more than {MAX_SEQ} sequence ids")
+        self.model = model
+        self.parallel = int(parallel)
+        self.n_ctx_slot = int(n_ctx)
+        self.max_tree_nodes = int(min(max_tree_nodes, n_ctx // 2 - 1, 255))
+        self.drafter_name = drafter
+        self.adaptive = adaptive
+        self.junk_seq = self.parallel * self.seqs_per_slot
+        n_seq_max = self.junk_seq + 1
+        step_tokens = self.parallel * 2 * self.max_tree_nodes
+        # headroom for junk cells before a compaction; at least one full step after one
+        kv = self.parallel * self.n_ctx_slot + max(2 * step_tokens, 1024)
+        n_batch = max(512, step_tokens, n_seq_max)
+        self.ctx = Context(model, n_ctx=kv, n_batch=n_batch, n_seq_max=n_seq_max, n_threads=n_threads,
+                           flash_attn=flash_attn)  # fmt: skip
+        self.kv_size = self.ctx.n_ctx
+        self._batch = Batch(self.ctx.n_batch, max(self.seqs_per_slot, 1))
+        if cost_model is None:
+            cost_model = calibrate(self.ctx, max_size=64)
+            self.ctx.clear()
+        self.cost_model = cost_model
+        self.policy = SpeculationPolicy(self.cost_model, max_nodes=self.max_tree_nodes)
+        self.n_used = 0  # KV cells occupied (append-only between compactions)
+        self.n_compactions = 0
+        self.slots: list[_Slot | None] = [None] * self.parallel
+        self._queue: collections.deque[BatchJob] = collections.deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.n_steps = 0
+        self.step_log: collections.deque = collections.deque(maxlen=4096)  # (n_requests, n_tokens)
+
+    # -- public -------------------------------------------------------------------------------
+
+    def submit(self, prompt: Sequence[int], *, max_tokens: int = 256, sampling: SamplingParams | None = None,
+               stop: Sequence[str] = (), speculative: bool = True,
+               on_chunk: Callable[[StreamChunk], None] | None = None, tag=None,
+               on_done: Callable[[BatchJob], None] | None = None) -> BatchJob:  # fmt: skip
+        """Queue a request (token ids; see ``Engine.tokenize``).
+
+        Raises:
+            InvalidRequestError: empty prompt, bad token ids, negative ``max_tokens``, closed.
+            ContextOverflowError: the prompt leaves no room in a request's context.
+            GrammarError: the sampling grammar does not parse.
+        """
+        tokens = [int(t) for t in prompt]
+        if not tokens:
+            raise InvalidRequestError("the prompt is empty (and the model adds no BOS token)")
+        bad = [t for t in tokens if not 0 <= t < self.model.n_vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.model.n_vocab - 1})")
+        if max_tokens < 0:
+            raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
+        if len(tokens) >= self.n_ctx_slot:
+            raise ContextOverflowError(
+                f"the prompt has {len(tokens)} tokens but a request's context holds {self.n_ctx_slot}; "
+                f"shorten it or use a larger context (--n-ctx >= {len(tokens) + max_tokens})"
+            )
+        sampling = sampling or SamplingParams()
+        job = BatchJob(tokens, max_tokens=max_tokens, sampling=sampling, stop=stop, speculative=speculative,
+                       on_chunk=on_chunk, tag=tag, on_done=on_done)  # fmt: skip
+        # build the sampler now, so a bad grammar is the caller's error, not the worker's
+        job._sampler = RequestSampler(sampling, self.model, tokens)  # type: ignore[attr-defined]
+        with self._cv:
+            if self._closed:
+                job._sampler.close()  # type: ignore[attr-defined]
+                raise InvalidRequestError("the scheduler is closed")
+            self._queue.append(job)
+            self._cv.notify_all()
+        return job
+
+    @property
+    def n_active(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self._queue)
+
+    def start(self) -> "BatchScheduler":
+        """Run the scheduler on a background thread until ``close()``."""
+        self._thread = threading.Thread(target=self._serve, name="localspec-batch", daemon=True)
+        self._thread.start()
+        return self
+
+    def run_until_idle(self) -> None:
+        """Run steps on this thread until no request is active or waiting."""
+        while self._queue or self.n_active:
+            self.step()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            jobs = list(self._queue)
+            self._queue.clear()
+            self._cv.notify_all()
+        for s in self.slots:
+            if s is not None:
+                s.job.cancel()
+        if self._thread is not None:
+            self._thread.join(30)
+        for j in jobs:
+            self._end_unstarted(j, "cancelled")
+        for s in list(self.slots):
+            if s is not None:
+                self._finish(s, "cancelled")
+        self.ctx.close()
+
+    def __enter__(self) -> "BatchScheduler":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- worker -------------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and not self._queue and not self.n_active:
+                    self._cv.wait()
+                if self._closed:
+                    return
+            try:
+                self.step()
+            except Exception as e:  # never let one bad step stop the server
+                log.exception("batch step failed")
+                self._fail_all(e)
+
+    def _fail_all(self, e: BaseException) -> None:
+        for s in list(self.slots):
+            if s is not None:
+                s.job.error = e
+                self._finish(s, "error")
+        self.ctx.clear()
+        self.n_used = 0
+
+    def step(self) -> None:
+        """End cancelled / finished requests, admit waiting ones into the free slots, then decode
+        one step of every active request."""
+        for s in [s for s in self.slots if s is not None]:  # requests that end before decoding more
+            j = s.job
+            if j.cancelled.is_set():
+                self._finish(s, "cancelled")
+            elif len(s.out_tokens) >= j.max_tokens or self.n_ctx_slot - s.root_pos < 1:
+                self._finish(s, "length")
+        self._admit()  # a freed slot takes the next waiting request in this very step
+        active = [s for s in self.slots if s is not None]
+        if not active:
+            if not self._queue:
+                self._reset_kv()
+            return
+        self._decode_step(active)
+
+    def _end_unstarted(self, job: BatchJob, reason: str) -> None:
+        sampler = getattr(job, "_sampler", None)
+        if sampler is not None:
+            sampler.close()
+        job.result = GenerationResult("", [], reason, None, [], [] if job.sampling.logprobs is not None else None,
+                                      GenerationStats(n_prompt_tokens=len(job.prompt)))  # fmt: skip
+        job._set_done()
+
+    def _admit(self) -> None:
+        while True:
+            with self._cv:
+                if not self._queue:
+                    return
+                free = [i for i, s in enumerate(self.slots) if s is None]
+                if not free:
+                    return
+                job = self._queue[0]
+                need = len(job.prompt) + 2 * self.max_tree_nodes
+                if self.n_used + need > self.kv_size:
+                    if self.n_active == 0:
+                        self._reset_kv()
+                    else:
+                        self.compact()
+                        if self.n_used + need > self.kv_size:
+                            return  # waits for a request to end
+                self._queue.popleft()
+            if job.cancelled.is_set():
+                self._end_unstarted(job, "cancelled")
+                continue
+            self._start(job, free[0])
+
+    def _start(self, job: BatchJob, index: int) -> None:
+        t0 = _now_us()
+        base = index * self.seqs_per_slot
+        drafter = make_drafter(self.drafter_name) if job.speculative and self.drafter_name != "none" else None
+        sampler: RequestSampler = job._sampler  # type: ignore[attr-defined]
+        stats = GenerationStats(drafter=drafter.name if drafter else "none", seed=sampler.seed)
+        stats.n_prompt_tokens = len(job.prompt)
+        s = _Slot(job=job, index=index, base=base, sampler=sampler, drafter=drafter,
+                  assembler=TextAssembler(self.model.token_bytes, job.stop), stats=stats)  # fmt: skip
+        if drafter is not None:
+            if hasattr(drafter, "set_sampling"):
+                drafter.set_sampling(sampler)
+            drafter.begin(job.prompt)
+        self.slots[index] = s
+        self._prefill(s, job.prompt[:-1])
+        s.root = job.prompt[-1]
+        stats.t_prefill_us = _now_us() - job.t_submit_us
+        s.t_gen0_us = _now_us()
+        log.debug("job %d: slot %d, prompt %d tokens, prefill %.1f ms", job.id, index, len(job.prompt), (s.t_gen0_us - t0) / 1e3)
+
+    def _prefill(self, s: _Slot, tokens: Sequence[int]) -> None:
+        step = self._batch.capacity
+        tokens = list(tokens)
+        for i in range(0, len(tokens), step):
+            chunk = tokens[i : i + step]
+            self._batch.set_sequence(chunk, len(s.tokens), seq_id=s.base, output="none")
+            self.ctx.decode(self._batch)
+            self.n_used += len(chunk)
+            s.tokens.extend(chunk)
+        self._check(s)
+
+    def compact(self) -> None:
+        """Clear the KV cache and re-prefill every active request's committed tokens (drops
+        the junk cells; each token's KV is computed exactly as before)."""
+        self.n_compactions += 1
+        self.ctx.clear()
+        self.n_used = 0
+        for s in self.slots:
+            if s is not None:
+                toks, s.tokens = s.tokens, []
+                self._prefill(s, toks)
+
+    def _reset_kv(self) -> None:
+        if self.n_used:
+            self.ctx.clear()
+            self.n_used = 0
+
+    def _check(self, s: _Slot) -> None:
+        n = len(s.tokens)
+        lo, hi = self.ctx.pos_min(s.base), self.ctx.pos_max(s.base)
+        want = (0, n - 1) if n else (-1, -1)
+        if (lo, hi) != want:
+            raise KVCacheError(f"slot {s.index}: sequence {s.base} holds positions [{lo}, {hi}], expected {list(want)}")
+        for k in range(1, self.seqs_per_slot):
+            if self.ctx.pos_max(s.base + k) != -1:
+                raise KVCacheError(f"slot {s.index}: scratch sequence {s.base + k} still holds cells")
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def _propose(self, s: _Slot) -> tuple[TokenTree | None, float, int]:
+        """The candidate tree (or None), drafting µs and the request's node limit."""
+        remaining = s.job.max_tokens - len(s.out_tokens)
+        n_free = self.n_ctx_slot - s.root_pos
+        max_depth = min(remaining - 1, n_free - 1)
+        max_nodes = min(self.max_tree_nodes, n_free)
+        if s.drafter is None or max_depth <= 0 or max_nodes <= 1:
+            return None, 0.0, 1
+        t0 = _now_us()
+        cand = s.drafter.propose(max_depth, max_nodes)
+        dt = _now_us() - t0
+        if cand.n_nodes > 1 and int(cand.token_ids[0]) != s.root:
+            raise RuntimeError(f"drafter proposed a tree rooted at {cand.token_ids[0]}, not {s.root}")
+        if cand.max_depth() > max_depth:
+            cand = cand.subtree(cand.depth <= max_depth)
+        return cand, dt, max_nodes
+
+    def _fit_leaves(self, tree: TokenTree) -> TokenTree:
+        """``tree`` cut until its leaves fit in the slot's scratch sequences."""
+        n = tree.n_nodes
+        while n > 1 and not tree.is_chain() and tree.leaves().size > self.seqs_per_slot - 1:
+            n -= 1
+            tree = tree.best_subtree(n)
+        return tree
+
+    def _decode_step(self, active: list[_Slot]) -> None:
+        t0 = _now_us()
+        props = [self._propose(s) for s in active]
+        t_draft = sum(p[1] for p in props)
+        n_pending = sum(len(s.pending) for s in active)
+        if self.adaptive:
+            policy = self.policy
+            sizes = allocate_nodes(
+                [p[0] for p in props],
+                lambda b: self.cost_model.t_decode_us(b) + policy.host_us(b),
+                n_fixed=n_pending,
+                max_nodes=[p[2] for p in props],
+                t_extra_us=t_draft,
+                min_gain=policy.min_gain,
+            )
+        else:
+            sizes = [p[2] if p[0] is not None else 1 for p in props]
+        trees: list[TokenTree] = []
+        for s, (cand, _dt, _mx), n in zip(active, props, sizes):
+            if cand is None or n <= 1:
+                trees.append(TokenTree.root_only(s.root))
+                continue
+            tree = cand.best_subtree(n) if n < cand.n_nodes else cand
+            trees.append(self._fit_leaves(tree).best_first_dfs())
+        need = sum(len(s.pending) + t.n_nodes for s, t in zip(active, trees))
+        if self.n_used + need > self.kv_size:
+            self.compact()
+        # -- one batch: per request its pending tokens (no logits) then its tree -------------
+        lays = []
+        parts_tok, parts_pos, parts_seq, parts_nseq, parts_out = [], [], [], [], []
+        k = 1
+        for s, tree in zip(active, trees):
+            lay = layout_tree(tree, s.root_pos)
+            lays.append(lay)
+            k = max(k, lay.seq_sets.shape[1])
+        row_off = []
+        n_rows = 0
+        for s, tree, lay in zip(active, trees, lays):
+            if not lay.uses_seq0:
+                for j in lay.leaf_seq:
+                    self.ctx.seq_cp(s.base, s.base + int(j), -1, -1)
+            m = len(s.pending)
+            seq = np.zeros((m + tree.n_nodes, k), dtype=np.int32)
+            seq[:m, : lay.seq_sets.shape[1]] = lay.seq_sets[:1] + s.base
+            seq[m:, : lay.seq_sets.shape[1]] = lay.seq_sets + s.base
+            parts_tok.append(np.concatenate([np.asarray(s.pending, dtype=np.int32), tree.token_ids.astype(np.int32)]))
+            parts_pos.append(np.concatenate([np.arange(len(s.tokens), len(s.tokens) + m, dtype=np.int32), lay.pos]))
+            parts_seq.append(seq)
+            parts_nseq.append(np.concatenate([np.repeat(lay.n_seq[:1], m), lay.n_seq]).astype(np.int32))
+            parts_out.append(np.concatenate([np.zeros(m, dtype=np.int8), np.ones(tree.n_nodes, dtype=np.int8)]))
+            row_off.append(n_rows)
+            n_rows += tree.n_nodes
+        tokens = np.concatenate(parts_tok)
+        self._batch.set_tree(tokens, np.concatenate(parts_pos), np.concatenate(parts_seq), np.concatenate(parts_nseq),
+                             np.concatenate(parts_out))  # fmt: skip
+        t1 = _now_us()
+        self.ctx.decode(self._batch)
+        self.n_used += int(tokens.size)
+        logits = self.ctx.logits()
+        t2 = _now_us()
+        self.n_steps += 1
+        self.step_log.append((len(active), int(tokens.size)))
+        # -- per request: verify, commit, emit ----------------------------------------------
+        for s, tree, lay, off, (cand, dt, _mx) in zip(active, trees, lays, row_off, props):
+            rows = logits[off : off + tree.n_nodes]
+            cursor = s.sampler.cursor(s.root_pos + 1)
+            try:
+                res = verify(tree, rows, cursor)
+            except Exception as e:  # e.g. a grammar with no way on: this request ends, the others go on
+                cursor.close()
+                self._commit(s, tree, lay, [])
+                s.job.error = e
+                self._finish(s, "error")
+                continue
+            cursor.close()
+            want = s.sampler.params.logprobs
+            lps = Engine._logprobs(rows, res, want) if want is not None else None
+            self._commit(s, tree, lay, res.path)
+            if s.drafter is not None and cand is not None:
+                s.drafter.observe(cand, res.tokens)
+                s.drafter.accept(res.tokens)
+            s.sampler.commit(res.tokens)
+            self._emit(s, tree, res, lps)
+            s.stats.t_draft_us += dt
+            s.stats.t_decode_us += t2 - t1
+        t3 = _now_us()
+        self.policy.observe_step(int(tokens.size), t2 - t1, max(0.0, (t3 - t0) - (t2 - t1) - t_draft))
+
+    def _commit(self, s: _Slot, tree: TokenTree, lay, path: Sequence[int]) -> None:
+        """Keep the pending tokens, the root and the accepted nodes' leading run in the slot's
+        sequence; re-tag every other cell of the step to the junk sequence (never freed, so
+        no later token lands before a request's own cells). Checked afterwards."""
+        path = [int(x) for x in path]
+        n_contig = 0
+        while n_contig < len(path) and path[n_contig] == n_contig + 1:
+            n_contig += 1
+        n_past = len(s.tokens)
+        keep_len = n_past + len(s.pending) + 1 + n_contig
+        ctx, junk = self.ctx, self.junk_seq
+        if lay.uses_seq0:
+            ctx.seq_cp(s.base, junk, keep_len, -1)
+            ctx.seq_rm(s.base, keep_len, -1)
+        else:
+            last = path[-1] if path else 0
+            seq = s.base + int(lay.node_leaf_seq[last])
+            ctx.seq_cp(seq, s.base, n_past, keep_len)
+            for j in lay.leaf_seq:
+                sj = s.base + int(j)
+                ctx.seq_cp(sj, junk, n_past, -1)
+                ctx.seq_rm(sj, -1, -1)
+        s.tokens.extend(s.pending)
+        s.tokens.append(int(tree.token_ids[0]))
+        s.tokens.extend(int(tree.token_ids[i]) for i in path[:n_contig])
+        s.pending = [int(tree.token_ids[i]) for i in path[n_contig:]]
+        s.stats.n_redecoded_tokens += len(s.pending)
+        self._check(s)
+
+    def _emit(self, s: _Slot, tree: TokenTree, res, lps) -> None:
+        st = s.stats
+        st.n_steps += 1
+        n_draft = tree.n_nodes - 1
+        if n_draft:
+            st.n_spec_steps += 1
+            st.num_draft_tokens += n_draft
+        s.step_drafted.append(tree.max_depth())
+        done = None
+        chunks: list[StreamChunk] = []
+        for i, tok in enumerate(res.tokens):
+            if self.model.is_eog(tok):
+                s.stop_name, done = "<eog>", "stop"
+                break
+            if len(s.out_tokens) >= s.job.max_tokens:
+                done = "length"
+                break
+            text = s.assembler.push(tok)
+            s.out_tokens.append(tok)
+            s.out_sources.append(res.sources[i])
+            s.out_depths.append(res.depths[i] if i < len(res.depths) else 0)
+            lp = lps[i] if lps is not None else None
+            if lp is not None:
+                s.out_logprobs.append(lp)
+            chunks.append(StreamChunk(text, tok, res.sources[i], st.n_steps - 1, lp))
+            if s.assembler.stop_hit is not None:
+                s.stop_name, done = s.assembler.stop_hit.stop, "stop"
+                break
+        s.root = int(res.tokens[-1])
+        if done is None and len(s.out_tokens) >= s.job.max_tokens:
+            done = "length"
+        if s.job.on_chunk is not None:
+            for c in chunks:
+                self._call_sink(s, c)
+        if done is not None:
+            self._finish(s, done)
+
+    def _call_sink(self, s: _Slot, chunk: StreamChunk) -> None:
+        try:
+            s.job.on_chunk(chunk)
+        except Exception:  # a client that went away must not stop the others
+            log.debug("job %d: on_chunk failed", s.job.id, exc_info=True)
+            s.job.cancel()
+
+    def _finish(self, s: _Slot, reason: str) -> None:
+        """End a request: free its slot at once (its cells go to the junk sequence)."""
+        job = s.job
+        if self.slots[s.index] is s:
+            self.slots[s.index] = None
+            if self.ctx._ctx is not None:
+                for k in range(self.seqs_per_slot):
+                    self.ctx.seq_cp(s.base + k, self.junk_seq, -1, -1)
+                    self.ctx.seq_rm(s.base + k, -1, -1)
+        st = s.stats
+        if s.assembler.stop_hit is not None:
+            n_keep = s.assembler.stop_hit.n_tokens
+            del s.out_tokens[n_keep:], s.out_sources[n_keep:], s.out_depths[n_keep:], s.out_logprobs[n_keep:]
+        tail = s.assembler.finish()
+        t_end = _now_us()
+        st.n_generated_tokens = len(s.out_tokens)
+        st.token_sources = count_sources(s.out_sources)
+        st.num_accepted_tokens = sum(1 for x in s.out_sources if TokenSource(x).is_draft)
+        max_d = max(s.step_drafted, default=0)
+        st.drafted_per_depth = [sum(1 for m in s.step_drafted if m >= d) for d in range(1, max_d + 1)]
+        st.accepted_per_depth = [sum(1 for d2 in s.out_depths if d2 == d) for d in range(1, max_d + 1)]
+        st.t_generate_us = t_end - s.t_gen0_us if s.t_gen0_us else 0.0
+        st.t_total_us = t_end - job.t_submit_us
+        if s.drafter is not None:
+            s.drafter.close()
+        s.sampler.close()
+        job.result = GenerationResult(
+            text=s.assembler.text,
+            token_ids=list(s.out_tokens),
+            finish_reason=reason,
+            stop=s.stop_name,
+            sources=list(s.out_sources),
+            logprobs=list(s.out_logprobs) if s.sampler.params.logprobs is not None else None,
+            stats=st,
+        )
+        if tail and job.on_chunk is not None:
+            self._call_sink(s, StreamChunk(tail, -1, TokenSource.DECODE, st.n_steps))
+        job._set_done()
+
+
+def generate_batch(engine: Engine, prompts: Sequence[str | Sequence[int]], *, parallel: int = 4,
+                   max_tokens: int | Sequence[int] = 256, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                   stop: Sequence[str] = (), speculative: bool = True, n_ctx: int | None = None,
+                   return_exceptions: bool = False,
+                   on_result: Callable[[int, "GenerationResult | BaseException"], None] | None = None,
+                   ) -> list:  # fmt: skip
+    """``Engine.generate_batch``: generate every prompt, ``parallel`` at a time in one batch.
+
+    Args:
+        engine: supplies the model, the drafter choice (``ngram`` or none) and the cost model.
+        prompts: texts (tokenised like ``Engine.generate``) or token-id lists.
+        max_tokens / sampling: one value for all prompts, or one per prompt.
+        n_ctx: tokens one request may hold (default: the engine's context, at most 4096).
+        return_exceptions: put a prompt's exception in its place in the result list instead of
+            raising it (after every other prompt has finished).
+        on_result: called ``(index, result or exception)`` as each prompt ends (any order).
+
+    Returns:
+        ``GenerationResult`` per prompt, in order (or exceptions, see ``return_exceptions``).
+        At temperature 0, and for a seed above it, each text is the one ``Engine.generate``
+        gives for that prompt alone.
+    """
+    n = len(prompts)
+    mt = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
+    sp = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
+    if len(mt) != n or len(sp) != n:
+        raise InvalidRequestError("max_tokens / sampling lists must have one entry per prompt")
+    name = engine.drafter_name if speculative else "none"
+    if name not in BATCH_DRAFTERS:
+        raise InvalidRequestError(
+            f"generate_batch runs the n-gram drafter or none, not {name!r}; set_drafter('ngram') or speculative=False"
+        )
+    sched = BatchScheduler(engine.model, parallel=parallel, n_ctx=n_ctx or min(engine.n_ctx, 4096), drafter=name,
+                           max_tree_nodes=min(engine.max_tree_nodes, 32), cost_model=engine.cost_model,
+                           n_threads=engine.ctx.n_threads, adaptive=engine.adaptive)  # fmt: skip
+    out: list = [None] * n
+    jobs: dict[int, BatchJob] = {}
+    try:
+        for i, p in enumerate(prompts):
+            try:
+                toks = engine.tokenize(p) if isinstance(p, str) else list(p)
+                jobs[i] = sched.submit(toks, max_tokens=mt[i], sampling=sp[i], stop=stop, speculative=speculative)
+            except Exception as e:  # noqa: BLE001 - reported per prompt
+                out[i] = e
+                if on_result is not None:
+                    on_result(i, e)
+        pending = dict(jobs)
+        while pending:
+            sched.step()
+            for i in [i for i, j in pending.items() if j.done.is_set()]:
+                j = pending.pop(i)
+                out[i] = j.error if j.error is not None else j.result
+                if on_result is not None:
+                    on_result(i, out[i])
+    finally:
+        sched.close()
+    if not return_exceptions:
+        for r in out:
+            if isinstance(r, BaseException):
+                raise r
+    return out

@@ -1,0 +1,180 @@
+"""`localspec serve`'s OpenAI API, driven by the official `openai` client against a real server
+on 127.0.0.1 (the default model), and by raw HTTP for malformed / oversized bodies and
+disconnects. The server keeps serving after each."""
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from conftest import fixed_cost_model  # noqa: E402
+from localspec import SamplingParams  # noqa: E402
+from localspec.scheduler import BatchScheduler  # noqa: E402
+from localspec.server import CompletionService, ServiceConfig  # noqa: E402
+from localspec.server.openai import AppThread, OpenAIService, create_serve_app  # noqa: E402
+
+PROMPT = "The capital of France is"
+MAX_BODY = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def server(model, engine):
+    sched = BatchScheduler(model, parallel=2, n_ctx=512, cost_model=fixed_cost_model()).start()
+    oai = OpenAIService(sched, model_name="gemma-test", sampling=SamplingParams.greedy())
+    editor = CompletionService(engine, ServiceConfig(sampling=SamplingParams.greedy()))
+    app = create_serve_app(oai, editor, max_body_bytes=MAX_BODY)
+    with AppThread(app) as srv:
+        srv.sched = sched
+        yield srv
+    editor.close()
+    sched.close()
+    engine.reset()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+def wait_until(cond, timeout=300.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def test_models(client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["gemma-test"]
+
+
+def test_completion_equals_the_engine_and_reports_speculation(client, engine):
+    r = client.completions.create(model="gemma-test", prompt=PROMPT, max_tokens=12, temperature=0)
+    engine.reset()
+    ref = engine.generate(PROMPT, max_tokens=12, sampling=SamplingParams.greedy())
+    assert r.choices[0].text == ref.text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == len(engine.tokenize(PROMPT))
+    t = r.model_extra["timings"]
+    assert t["predicted_n"] == 12 and {"draft_n", "draft_n_accepted"} <= set(t)
+
+
+def test_chat_and_streamed_chat_agree(client, server):
+    msgs = [{"role": "user", "content": "Name three colours."}]
+    r = client.chat.completions.create(model="x", messages=msgs, max_tokens=16, temperature=0)
+    text = r.choices[0].message.content
+    assert r.choices[0].message.role == "assistant" and text and not text.startswith(" ")
+    pieces, finish, n_chunks = [], None, 0
+    with client.chat.completions.create(model="x", messages=msgs, max_tokens=16, temperature=0, stream=True,
+                                        stream_options={"include_usage": True}) as stream:
+        for ch in stream:
+            n_chunks += 1
+            if ch.choices:
+                pieces.append(ch.choices[0].delta.content or "")
+                finish = ch.choices[0].finish_reason or finish
+            else:
+                usage = ch.usage
+    assert "".join(pieces) == text and n_chunks > 3
+    assert finish == r.choices[0].finish_reason and usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_stop_and_logprobs(client):
+    r = client.completions.create(model="x", prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[" 7"], logprobs=2)
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and " 7" not in c.text and "6" in c.text
+    assert len(c.logprobs.tokens) == r.usage.completion_tokens
+    assert all(len(t) == 2 for t in c.logprobs.top_logprobs) and all(lp <= 0 for lp in c.logprobs.token_logprobs)
+    ch = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                        temperature=0, logprobs=True, top_logprobs=3)
+    content = ch.choices[0].logprobs.content
+    assert len(content) == ch.usage.completion_tokens and all(len(x.top_logprobs) == 3 for x in content)
+
+
+def test_json_schema_response_parses(client):
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model="x", messages=[{"role": "user", "content": "Is Paris in France? Answer in JSON."}], max_tokens=40,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    assert json.loads(r.choices[0].message.content)["answer"] in ("yes", "no")
+    # json_object: llama.cpp's JSON grammar, whose root is an object: the first character is "{"
+    # (without the grammar this base model continues with a space or a newline)
+    r = client.completions.create(model="x", prompt="A JSON object:", max_tokens=8, temperature=0,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    assert r.choices[0].text.startswith("{")
+    plain = client.completions.create(model="x", prompt="A JSON object:", max_tokens=8, temperature=0)
+    assert not plain.choices[0].text.startswith("{")
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"temperature": 5}, "temperature"),
+    ({"n": 2}, "n"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+])
+def test_error_objects(client, kw, param):
+    args = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kw}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**args)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == param and e.value.body["type"] == "invalid_request_error"
+
+
+def test_context_overflow_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="x", prompt="word " * 700, max_tokens=2)
+    assert e.value.body["code"] == "context_length_exceeded"
+
+
+def test_raw_http_malformed_and_oversized(server, client):
+    with httpx.Client(base_url=server.url, timeout=60) as h:
+        r = h.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+        r = h.post("/v1/completions", content=b"[1, 2]")
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        r = h.post("/v1/completions", content=b'{"prompt": "' + b"a" * (MAX_BODY + 10) + b'"}')
+        assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+        r = h.get("/v1/nothing")
+        assert r.status_code == 404 and "error" in r.json()
+        assert h.get("/health").json()["status"] == "ok"
+    assert client.models.list().data  # still serving
+
+
+def test_disconnect_frees_the_slot(server, client):
+    body = json.dumps({"model": "x", "prompt": "Once upon a time", "max_tokens": 400, "stream": True,
+                       "temperature": 0}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    got = b""
+    while b"data: {" not in got:  # wait for the first streamed event
+        got += s.recv(65536)
+    assert server.sched.n_active == 1
+    s.close()
+    wait_until(lambda: server.sched.n_active == 0)
+    r = client.completions.create(model="x", prompt=PROMPT, max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
+
+
+def test_editor_endpoints_in_the_same_process(server):
+    with httpx.Client(base_url=server.url, timeout=600) as h:
+        r = h.post("/completion", json={"prompt": PROMPT, "n_predict": 4})
+        assert r.status_code == 200 and r.json()["tokens_predicted"] == 4
+
+
+def test_api_key_required(server):
+    app = create_serve_app(OpenAIService(server.sched, model_name="k"), max_body_bytes=MAX_BODY, api_key="sekrit")
+    with AppThread(app) as srv:
+        bad = openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekrit", max_retries=0)
+        assert [m.id for m in good.models.list().data] == ["k"]
+        assert httpx.get(srv.url + "/health").status_code == 200
