@@ -64,6 +64,10 @@ def get_bool(d: Mapping[str, Any], key: str, default: bool) -> bool:
 
 def _in_range(key: str, v, lo, hi):
     if (lo is not None and v < lo) or (hi is not None and v > hi):
+        if hi is None:
+            raise RequestError(f'"{key}" must be >= {lo}, got {v}')
+        if lo is None:
+            raise RequestError(f'"{key}" must be <= {hi}, got {v}')
         raise RequestError(f'"{key}" must be in [{lo}, {hi}], got {v}')
     return v
 

@@ -174,7 +174,10 @@ def create_app(service: CompletionService, *, max_body_bytes: int = DEFAULT_MAX_
                 "total_slots": 1,
                 "model_path": str(service.model.path),
                 "fim": {"supported": bool(service.model.fim_tokens()), "tokens": service.model.fim_tokens()},
-                "speculative": {"drafter": e.drafter_name, "enabled": service.config.speculative},
+                "speculative": {
+                    "drafter": e.drafter_name,
+                    "enabled": bool(service.config.speculative and e.drafter is not None),
+                },
                 "build_info": "localspec",
                 "localspec": {"requests": dict(service.counters)},
             }
