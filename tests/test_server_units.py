@@ -274,6 +274,30 @@ def test_truncation_keeps_the_cut_point_stable_across_keystrokes():
     assert sum(len(c) for c in b.draft_context) == b.n_prefix_dropped + b.n_suffix_dropped
 
 
+@pytest.mark.parametrize("fim", [("pre", "suf", "mid"), ()], ids=["fim", "prefix-completion"])
+def test_an_edit_above_the_cut_keeps_the_kept_part_and_later_growth_cuts_in_blocks(fim):
+    v = FimVocab(fim)
+    text = "".join(f"line {i}\n" for i in range(60))  # 480 tokens; window 256 keeps <= 256 (192 with FIM)
+    kw = dict(n_ctx=2048, n_predict=16, window=256)
+    first = build_infill_prompt(v, text, "s", "", [], **kw)
+    assert first.n_prefix_dropped > 0 and first.anchor is not None
+    edited = build_infill_prompt(v, "# a new first line\n" + text, "s", "", [], anchor=first.anchor, **kw)
+    assert edited.tokens == first.tokens  # the same prompt: the whole KV cache is reused
+    assert edited.n_prefix_dropped == first.n_prefix_dropped + len("# a new first line\n")
+    # without the anchor the cut moves with the edit and the prompt starts elsewhere
+    assert build_infill_prompt(v, "# a new first line\n" + text, "s", "", [], **kw).tokens != first.tokens
+    # typing at the cursor moves the cut by whole blocks (16 tokens) from the anchored point
+    anchor, cuts = edited.anchor, set()
+    for n in range(1, 40):
+        b = build_infill_prompt(v, "# a new first line\n" + text + "x" * n, "s", "", [], anchor=anchor, **kw)
+        assert (b.n_prefix_dropped - edited.n_prefix_dropped) % 16 == 0
+        cuts.add(b.n_prefix_dropped)
+    assert len(cuts) == 3
+    # an anchor that no longer occurs falls back to blocks counted from the start
+    other = build_infill_prompt(v, "z" * 480, "s", "", [], anchor=first.anchor, **kw)
+    assert other.n_prefix_dropped % 16 == 0
+
+
 def test_extra_context_takes_what_the_context_leaves():
     extra = [ExtraChunk("e" * 3000)]
     b = build_infill_prompt(FimVocab(), "p", "s", "", extra, n_ctx=2048, n_predict=100, window=512)
