@@ -50,11 +50,12 @@ NO_FIM_NOTE = (
 
 @dataclass
 class Event:
-    """What a job reports: ``partial`` (streamed piece), ``final`` (the response) or ``error``
-    (``data`` is an error body, ``status`` its HTTP status)."""
+    """What a job reports: ``partial`` (streamed piece), ``final`` (the response: an object, or
+    a list of ``n_cmpl`` objects) or ``error`` (``data`` is an error body, ``status`` its HTTP
+    status)."""
 
     kind: Literal["partial", "final", "error"]
-    data: dict
+    data: Any
     status: int = 200
 
 
