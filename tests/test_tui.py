@@ -150,9 +150,7 @@ async def test_errors_are_shown_and_keep_the_conversation(model, long_sampling, 
     grammar: each is a message in the app; nothing typed or said is lost."""
     app = ChatApp(model=str(tmp_path / "missing.gguf"))
     async with app.run_test(size=SIZE) as pilot:
-        await wait_until(pilot, lambda: app.state == "idle")
-        await pilot.pause()
-        assert any("not found" in t for t in notices(app, "error"))
+        await wait_until(pilot, lambda: app.state == "idle" and any("not found" in t for t in notices(app, "error")))
         await send(pilot, "hello")
         assert any("no model is loaded" in t for t in notices(app, "error"))
         assert app.query_one("#prompt", PromptInput).value == "hello"
@@ -177,9 +175,8 @@ async def test_errors_are_shown_and_keep_the_conversation(model, long_sampling, 
             await wait_until(pilot, lambda: isinstance(app.screen, SamplingScreen))
             app.screen.query_one("#grammar", Input).value = "root ::= ("
             await pilot.press("enter")
-            await pilot.pause()
+            await wait_until(pilot, lambda: "grammar" in str(app.screen.query_one("#error").render()).lower())
             assert isinstance(app.screen, SamplingScreen)  # the dialog stays open with the error
-            assert "grammar" in str(app.screen.query_one("#error").render()).lower()
             app.screen.query_one("#grammar", Input).value = 'root ::= "yes" | "no"'
             app.screen.query_one("#max_tokens", Input).value = "4"
             await pilot.press("enter")
@@ -267,8 +264,8 @@ async def test_multiline_message_and_theme_switch():
         await wait_until(pilot, lambda: app.state == "idle" and app.session.turns)
         assert app.session.turns[-1].user == "a\nb" and app.query_one("#prompt", PromptInput).value == ""
         app.theme = "textual-light"
-        await pilot.pause()
-        assert not app.dark and not list(app.query(AnswerView))[-1].dark
+        await wait_until(pilot, lambda: not list(app.query(AnswerView))[-1].dark)
+        assert not app.dark
 
 
 def test_native_stderr_is_kept_off_the_screen(capfd):
@@ -314,9 +311,8 @@ async def test_load_a_model_by_path_keeps_the_conversation(chat_engine, chat_tem
         assert isinstance(app.screen, PathScreen)
         app.screen.query_one(Input).value = str(chat_template_model_path)
         await pilot.press("enter")
-        await wait_until(pilot, lambda: app.state == "idle" and app.session.engine is not chat_engine)
-        await pilot.pause()
-        assert app.session.format.uses_template and any("own chat template" in t for t in notices(app))
+        await wait_until(pilot, lambda: app.state == "idle" and any("own chat template" in t for t in notices(app)))
+        assert app.session.engine is not chat_engine and app.session.format.uses_template
         assert [m.role for m in app.session.messages] == ["user", "assistant"]
         await send(pilot, "And now?")
         assert len(app.session.turns) == 2 and app.session.turns[-1].finish_reason in ("stop", "length")
