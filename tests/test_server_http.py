@@ -105,14 +105,30 @@ def test_llama_vim_ring_update_fills_the_cache(client):
 def test_llama_vscode_requests(client):
     chunks = [{"text": "x = 1\n", "filename": "a.py"}]
     assert client.post("/infill", json=llama_vscode_prepare(chunks)).status_code == 200
-    d = client.post("/infill", json=llama_vscode_fim(CODE_PREFIX, "    return ", CODE_SUFFIX, chunks)).json()
-    # llama.vscode reads `content` from one object (or from each of a list)
-    assert isinstance(d["content"], str) and d["stop"] is True
-    for k in ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "predicted_per_second"):
-        assert k in d["timings"]
-    notes = d["localspec"]["notes"]
-    assert any("fill-in-the-middle" in n for n in notes) and any("n_cmpl 3" in n for n in notes)
-    assert d["localspec"]["fim"] is False and d["localspec"]["samplers"]["applied"] == ["top_k", "top_p", "infill"]
+    answers = client.post("/infill", json=llama_vscode_fim(CODE_PREFIX, "    return ", CODE_SUFFIX, chunks)).json()
+    # n_cmpl 3: a list of three completions, as llama.cpp answers and llama.vscode reads
+    # (getComplFromContent: `content` of one object, or of each element of a list)
+    assert isinstance(answers, list) and [d["index"] for d in answers] == [0, 1, 2]
+    for d in answers:
+        assert isinstance(d["content"], str) and d["stop"] is True and "cancelled" not in d
+        for k in ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "predicted_per_second"):
+            assert k in d["timings"]
+        notes = d["localspec"]["notes"]
+        assert any("fill-in-the-middle" in n for n in notes) and not any("n_cmpl" in n for n in notes)
+        assert d["localspec"]["fim"] is False and d["localspec"]["samplers"]["applied"] == ["top_k", "top_p", "infill"]
+    # the later ones reuse the prompt's cache
+    assert all(d["timings"]["cache_n"] >= d["tokens_evaluated"] - 1 for d in answers[1:])
+
+
+def test_n_cmpl_alternatives_are_independent_samples_with_consecutive_seeds(client):
+    body = {**llama_vscode_fim(CODE_PREFIX, "    return ", CODE_SUFFIX), "seed": 7, "temperature": 1.0,
+            "samplers": ["top_k", "temperature"], "return_tokens": True, "t_max_predict_ms": 0, "n_predict": 8}  # fmt: skip
+    answers = client.post("/infill", json=body).json()
+    assert [d["generation_settings"]["seed"] for d in answers] == [7, 8, 9]
+    # each is the completion that seed gives alone
+    for d in answers:
+        alone = client.post("/infill", json={**body, "n_cmpl": 1, "seed": d["generation_settings"]["seed"]}).json()
+        assert alone["tokens"] == d["tokens"] and alone["content"] == d["content"]
 
 
 def test_streaming_infill(client):
@@ -222,7 +238,9 @@ def test_a_newer_request_from_the_same_client_cancels_the_older(server, client):
     assert d["tokens_predicted"] == 4
 
 
-def test_a_cache_warmup_waits_and_cancels_nothing(service):
+def test_a_cache_warmup_is_not_cancelled_and_fills_the_cache_for_the_next_completion(service):
+    # llama.vim sends a ring update (n_predict 0) and, while it runs or waits, a completion on
+    # the same slot; llama.cpp queues both, so the warm-up's prefill serves the completion
     from localspec.server import parse_request
 
     finals = {}
@@ -230,14 +248,50 @@ def test_a_cache_warmup_waits_and_cancels_nothing(service):
     def sink(name):
         return lambda ev: finals.setdefault(name, ev) if ev.kind != "partial" else None
 
-    long = service.submit(parse_request("completion", {**LONG, "stream": False, "id_slot": 3}), sink("long"))
-    warm = service.submit(parse_request("completion", {"prompt": "x", "n_predict": 0, "id_slot": 3}), sink("warm"))
+    extra = [{"text": "def warm_helper(y):\n    return y * 3\n" * 12, "filename": "warm.py"}]
+    warm_req = {**llama_vim_ring_update(extra), "response_fields": None}
+    fim = {**vim_request(extra=extra, n_predict=2), "response_fields": None}
+    long = service.submit(parse_request("completion", {**LONG, "stream": False, "id_slot": 0}), sink("long"))
+    warm = service.submit(parse_request("infill", warm_req), sink("warm"))
     assert not long.cancelled
-    new = service.submit(parse_request("completion", {"prompt": "y", "n_predict": 2, "id_slot": 3}), sink("new"))
-    assert long.cancelled and warm.cancelled and not new.cancelled
+    new = service.submit(parse_request("infill", fim), sink("new"))
+    assert long.cancelled and not warm.cancelled and not new.cancelled
     for j in (long, warm, new):
         assert j.done.wait(300)
-    assert finals["warm"].data["localspec"]["cancelled"] and finals["new"].data["tokens_predicted"] == 2
+    w, n = finals["warm"].data, finals["new"].data
+    assert "cancelled" not in w and "cancelled" not in w["localspec"] and w["tokens_evaluated"] > 150
+    assert n["timings"]["cache_n"] >= w["tokens_evaluated"] - 1 and n["tokens_predicted"] > 0
+    assert "content" not in finals["long"].data
+
+
+def test_an_older_request_on_the_same_slot_is_answered_in_a_way_plugins_do_not_cache(server, service, client):
+    # llama.vim caches any response matching "content"\s*:" (s:fim_on_response); llama.vscode
+    # caches the `content` it reads: the superseded request must have no `content` at all
+    old = {**vim_request(n_predict=2000), "ignore_eos": True, "n_indent": 0, "t_max_predict_ms": 0}
+    answer = {}
+
+    def send_old():
+        with httpx.Client(base_url=server.url, timeout=300) as c:
+            answer["r"] = c.post("/infill", json=old)
+
+    t = threading.Thread(target=send_old)
+    t.start()
+    wait_for(lambda: service._live and service._n_waiting == 0)  # the old one is running
+    new = client.post("/infill", json=vim_request(n_predict=4))
+    t.join(300)
+    r = answer["r"]
+    assert r.status_code == 200 and not re.search(r'"content"\s*:"', r.text)
+    d = r.json()
+    assert "superseded" in d["cancelled"] and set(d) - {"cancelled"} <= set(VIM_RESPONSE_FIELDS)
+    assert re.search(r'"content"\s*:"', new.text) and "cancelled" not in new.json()
+
+
+def test_props_counts_finished_requests_as_finished(client):
+    before = client.get("/props").json()["localspec"]["requests"]
+    for _ in range(3):
+        assert client.post("/completion", json={"prompt": "One, two,", "n_predict": 2}).status_code == 200
+    after = client.get("/props").json()["localspec"]["requests"]
+    assert after["requests"] - before["requests"] == 3 and after["cancelled"] == before["cancelled"]
 
 
 def test_client_disconnect_mid_stream_cancels_generation(server, service, client):
@@ -294,6 +348,45 @@ def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(client, conte
     err = r.json()["error"]
     assert err["code"] == status and message in err["message"] and err["type"] == "invalid_request_error"
     assert client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "field, value, named",
+    [
+        ("input_prefix", CODE_PREFIX + "\ud800", '"input_prefix"'),
+        ("input_suffix", "\udc00", '"input_suffix"'),
+        ("prompt", "    return \ud800", '"prompt"'),
+        ("input_extra", [{"text": "x\ud800", "filename": "a.py"}], '"input_extra"[0].text'),
+        ("stop", ["\ud800"], '"stop"[0]'),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_naming_the_field_and_the_cache_is_kept(client, field, value, named):
+    req = {**vim_request(n_predict=2), **GREEDY, "response_fields": None}
+    first = client.post("/infill", json=req).json()
+    # "\ud800" is valid JSON (json.dumps writes it as an escape): a lone surrogate
+    raw = json.dumps({**req, field: value}).encode()
+    r = client.post("/infill", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(named + " ")
+    again = client.post("/infill", json=req).json()
+    assert again["timings"]["cache_n"] >= first["tokens_evaluated"] - 1 and again["timings"]["prompt_n"] <= 1
+
+
+def test_an_edit_above_the_fim_window_cut_keeps_the_cache(client, service):
+    lines = [f"def f{i}(x):\n    return x + {i}\n" for i in range(40)]
+    req = {**vim_request(prefix="".join(lines), n_predict=1), **GREEDY, "response_fields": None}
+    old = service.config.window
+    service.config.window = 128  # the prefix (~600 tokens) is cut
+    try:
+        first = client.post("/infill", json={**req, "cache_prompt": False}).json()
+        edited = client.post("/infill", json={**req, "input_prefix": "import os\n" + "".join(lines)}).json()
+        lines[1] = "def g1(y):\n    return y - 1\n"  # another edit above the cut
+        edited2 = client.post("/infill", json={**req, "input_prefix": "import os\n" + "".join(lines)}).json()
+    finally:
+        service.config.window = old
+    assert first["localspec"]["prompt_tokens_dropped"]["prefix"] > 300
+    for d in (edited, edited2):
+        assert d["tokens_evaluated"] == first["tokens_evaluated"]
+        assert d["timings"]["cache_n"] >= d["tokens_evaluated"] - 1 and d["timings"]["prompt_n"] <= 1
 
 
 def test_unknown_fields_are_ignored(client):

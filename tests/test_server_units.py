@@ -1,6 +1,7 @@
 """Unit tests of the completion server's pure parts: request parsing and validation, sampler
 mapping, FIM prompt layout and truncation, editor stopping rules, response shaping."""
 
+import json
 import math
 
 import numpy as np
@@ -53,7 +54,8 @@ def test_unknown_fields_are_ignored_and_unimplemented_ones_listed():
         ({**LLAMA_VIM, "stop": [1]}, '"stop" must be a list of strings'),
         ({**LLAMA_VIM, "top_k": "40"}, '"top_k" must be an integer'),
         ({**LLAMA_VIM, "top_p": 1.5}, '"top_p" must be in'),
-        ({**LLAMA_VIM, "temperature": -1}, '"temperature" must be >= 0.0, got -1.0'),  # no None bound
+        ({**LLAMA_VIM, "temperature": -1}, '"temperature" must be >= 0.0, got -1.0'),
+        ({**LLAMA_VIM, "n_indent": -1}, '"n_indent" must be >= 0, got -1'),
         ({**LLAMA_VIM, "samplers": 3}, '"samplers" must be'),
         ({**LLAMA_VIM, "logit_bias": 3}, '"logit_bias" must be'),
         ({**LLAMA_VIM, "logit_bias": [[1, "x"]]}, "biases must be numbers"),
@@ -65,6 +67,31 @@ def test_bad_infill_requests_name_the_field(body, message):
     with pytest.raises(RequestError) as e:
         parse_request("infill", body)
     assert e.value.status == 400 and message in e.value.message
+    assert "None" not in e.value.message  # a range with one bound names only that bound
+
+
+@pytest.mark.parametrize(
+    "kind, body, field",
+    [
+        ("infill", {**LLAMA_VIM, "input_prefix": "def f(\ud800"}, '"input_prefix"'),
+        ("infill", {**LLAMA_VIM, "input_suffix": "\udfff"}, '"input_suffix"'),
+        ("infill", {**LLAMA_VIM, "prompt": "x\ud83d"}, '"prompt"'),
+        ("infill", {**LLAMA_VIM, "input_extra": [{"text": "a\ud800", "filename": "a.py"}]}, '"input_extra"[0].text'),
+        ("infill", {**LLAMA_VIM, "input_extra": [{"text": "a", "filename": "\ud800"}]}, '"input_extra"[0].filename'),
+        ("infill", {**LLAMA_VIM, "stop": ["ok", "\ud800"]}, '"stop"[1]'),
+        ("completion", {"prompt": "\ud800"}, '"prompt"'),
+        ("completion", {"prompt": "a", "grammar": 'root ::= "\ud800"'}, '"grammar"'),
+        ("completion", {"prompt": "a", "client_id": "\udc00"}, '"client_id"'),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_naming_the_field(kind, body, field):
+    # "\ud800" is valid JSON but not Unicode text: it cannot be tokenised or echoed as UTF-8
+    with pytest.raises(RequestError) as e:
+        parse_request(kind, body)
+    assert e.value.status == 400 and e.value.message.startswith(field + " ") and "surrogate" in e.value.message
+    # a surrogate pair is a real character and is accepted
+    pair = json.loads('{"prompt": "smile \\ud83d\\ude00"}')
+    assert parse_request("completion", pair).prompt == "smile \N{GRINNING FACE}"
 
 
 @pytest.mark.parametrize("prompt", [None, 3, [], [1, "a"], [True]])
@@ -245,6 +272,30 @@ def test_truncation_keeps_the_cut_point_stable_across_keystrokes():
     assert len(firsts) <= 2  # 16 growing prefixes share at most two cut points
     # dropped parts still feed the drafter
     assert sum(len(c) for c in b.draft_context) == b.n_prefix_dropped + b.n_suffix_dropped
+
+
+@pytest.mark.parametrize("fim", [("pre", "suf", "mid"), ()], ids=["fim", "prefix-completion"])
+def test_an_edit_above_the_cut_keeps_the_kept_part_and_later_growth_cuts_in_blocks(fim):
+    v = FimVocab(fim)
+    text = "".join(f"line {i}\n" for i in range(60))  # 480 tokens; window 256 keeps <= 256 (192 with FIM)
+    kw = dict(n_ctx=2048, n_predict=16, window=256)
+    first = build_infill_prompt(v, text, "s", "", [], **kw)
+    assert first.n_prefix_dropped > 0 and first.anchor is not None
+    edited = build_infill_prompt(v, "# a new first line\n" + text, "s", "", [], anchor=first.anchor, **kw)
+    assert edited.tokens == first.tokens  # the same prompt: the whole KV cache is reused
+    assert edited.n_prefix_dropped == first.n_prefix_dropped + len("# a new first line\n")
+    # without the anchor the cut moves with the edit and the prompt starts elsewhere
+    assert build_infill_prompt(v, "# a new first line\n" + text, "s", "", [], **kw).tokens != first.tokens
+    # typing at the cursor moves the cut by whole blocks (16 tokens) from the anchored point
+    anchor, cuts = edited.anchor, set()
+    for n in range(1, 40):
+        b = build_infill_prompt(v, "# a new first line\n" + text + "x" * n, "s", "", [], anchor=anchor, **kw)
+        assert (b.n_prefix_dropped - edited.n_prefix_dropped) % 16 == 0
+        cuts.add(b.n_prefix_dropped)
+    assert len(cuts) == 3
+    # an anchor that no longer occurs falls back to blocks counted from the start
+    other = build_infill_prompt(v, "z" * 480, "s", "", [], anchor=first.anchor, **kw)
+    assert other.n_prefix_dropped % 16 == 0
 
 
 def test_extra_context_takes_what_the_context_leaves():

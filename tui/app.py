@@ -73,9 +73,12 @@ class EngineLoaded(Message):
 
 
 class DrafterSwitched(Message):
-    def __init__(self, name: str, error: BaseException | None) -> None:
+    """``cache_rebuilt``: the switch replaced the target's context (a feature tap for EAGLE-3
+    was added or removed), so its KV cache is gone and the next answer prefills again."""
+
+    def __init__(self, name: str, error: BaseException | None, cache_rebuilt: bool = False) -> None:
         super().__init__()
-        self.name, self.error = name, error
+        self.name, self.error, self.cache_rebuilt = name, error, cache_rebuilt
 
 
 class ChatApp(App):
@@ -312,22 +315,33 @@ class ChatApp(App):
             return
 
         def job() -> None:
+            ctx = engine.ctx
             try:
                 engine.set_drafter(name, **self._options_for(name))
             except Exception as e:  # noqa: BLE001 - shown in the app
                 self.post_message(DrafterSwitched(name, e))
             else:
-                self.post_message(DrafterSwitched(name, None))
+                self.post_message(DrafterSwitched(name, None, cache_rebuilt=engine.ctx is not ctx))
 
         self._start_job(job, "switching")
 
     def on_drafter_switched(self, msg: DrafterSwitched) -> None:
         self.state = "idle"
         if msg.error is not None:
-            self.notice(f"Could not switch to drafter {msg.name}: {msg.error}", "error")
+            forgotten = ""
+            if msg.name in PATH_OPTION:  # ask again next time instead of retrying a bad file
+                path = self.drafter_options.get(msg.name, {}).pop(PATH_OPTION[msg.name][0], None)
+                forgotten = f" ({path} is forgotten: choosing {msg.name} again asks for a file)" if path else ""
+            self.notice(f"Could not switch to drafter {msg.name}: {msg.error}{forgotten}", "error")
         else:
             self.drafter_choice = msg.name
-            self.notice(f"Drafter: {msg.name} (the conversation and its KV cache are kept).")
+            if msg.cache_rebuilt:
+                self.notice(
+                    f"Drafter: {msg.name}. The conversation is kept, but not its KV cache: the EAGLE-3 "
+                    "feature tap needs a new target context, so the next answer prefills the conversation again."
+                )
+            else:
+                self.notice(f"Drafter: {msg.name} (the conversation and its KV cache are kept).")
         self._refresh_stats()
 
     # -- turns ----------------------------------------------------------------------------------
@@ -466,8 +480,9 @@ class ChatApp(App):
                 mal = s.mean_acceptance_length if s is not None else live.mean_acceptance_length
                 parts.append(f"{tps:.1f} tok/s")
                 parts.append(f"{mal:.2f} tok/step")
-                if st.plain_tokens_per_s > 0 and tps > 0:
-                    parts.append(f"≈{tps / st.plain_tokens_per_s:.2f}× plain")
+                ratio = st.vs_plain(tps)
+                if ratio is not None:
+                    parts.append(f"≈{ratio:.2f}× plain")
             t = self.session.sampling.temperature
             parts.append("greedy" if t <= 0 else f"temp {t:g}")
             parts.append(f"ctx {st.n_context}/{st.n_ctx}")

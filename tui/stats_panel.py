@@ -41,6 +41,22 @@ class PanelState:
     dark: bool = True
     no_color: bool = False
 
+    @property
+    def speculative(self) -> bool:
+        """Whether the turn shown was drafted for (the last turn's drafter, else the current one)."""
+        return (self.stats.drafter if self.stats is not None else self.drafter) != "none"
+
+    def vs_plain(self, tokens_per_s: float) -> float | None:
+        """``tokens_per_s`` over the engine's plain-decoding estimate, for a speculative turn.
+
+        None with the drafter off: that turn *is* plain decoding, and dividing its end-to-end
+        rate by an estimate measured at another moment (and load) would only show the
+        difference between the two moments (it read "≈0.38× plain").
+        """
+        if not self.speculative or self.plain_tokens_per_s <= 0 or tokens_per_s <= 0:
+            return None
+        return tokens_per_s / self.plain_tokens_per_s
+
 
 def _bar(frac: float, width: int = BAR_WIDTH) -> str:
     frac = min(max(frac, 0.0), 1.0)
@@ -85,9 +101,9 @@ def render_panel(st: PanelState) -> RenderableType:
         sources = dict(live.sources)
         label = " (live)"
     g.add_row("tokens/s", f"{_num(tps)}{label}")
-    if st.plain_tokens_per_s > 0:
-        if tps > 0:
-            g.add_row("vs plain", f"≈{tps / st.plain_tokens_per_s:.2f}× (estimate)")
+    ratio = st.vs_plain(tps)
+    if ratio is not None:
+        g.add_row("vs plain", f"≈{ratio:.2f}× (estimate)")
         g.add_row("plain", f"≈{_num(st.plain_tokens_per_s)} tokens/s")
     g.add_row("accept len", f"{mal:.2f} tokens/step")
     g.add_row("accepted", f"{acc}/{drafted} drafted" if drafted is not None else f"{acc}")

@@ -174,7 +174,10 @@ def create_app(service: CompletionService, *, max_body_bytes: int = DEFAULT_MAX_
                 "total_slots": 1,
                 "model_path": str(service.model.path),
                 "fim": {"supported": bool(service.model.fim_tokens()), "tokens": service.model.fim_tokens()},
-                "speculative": {"drafter": e.drafter_name, "enabled": service.config.speculative},
+                "speculative": {
+                    "drafter": e.drafter_name,
+                    "enabled": bool(service.config.speculative and e.drafter is not None),
+                },
                 "build_info": "localspec",
                 "localspec": {"requests": dict(service.counters)},
             }
@@ -228,7 +231,9 @@ def address_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _uvicorn_server(app, *, log_level: str, on_ready=None):
+def _uvicorn_server(app, *, log_level: str, on_ready=None, on_shutdown=None):
+    """A uvicorn server; ``on_ready()`` once listening, ``on_shutdown()`` when a shutdown
+    begins (SIGINT / SIGTERM), before uvicorn waits for open connections."""
     import uvicorn
 
     class _Server(uvicorn.Server):
@@ -236,6 +241,11 @@ def _uvicorn_server(app, *, log_level: str, on_ready=None):
             await super().startup(sockets=sockets)
             if self.started and on_ready is not None:
                 on_ready()
+
+        async def shutdown(self, sockets=None) -> None:
+            if on_shutdown is not None:
+                on_shutdown()
+            await super().shutdown(sockets=sockets)
 
     config = uvicorn.Config(
         app, log_level=log_level, access_log=log_level in ("info", "debug"), lifespan="off", timeout_graceful_shutdown=3
@@ -246,12 +256,18 @@ def _uvicorn_server(app, *, log_level: str, on_ready=None):
 def serve(service: CompletionService, sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           log_level: str = "warning", on_ready=None) -> None:  # fmt: skip
     """Serve on ``sock`` (see ``bind_socket``) until interrupted (SIGINT / SIGTERM);
-    ``on_ready(address)`` once listening. Closes the socket."""
+    ``on_ready(address)`` once listening. Closes the socket.
+
+    On SIGINT / SIGTERM the service stops accepting (503) and cancels the requests queued or
+    running; each client still gets its answer (a cancelled response, or the end of its
+    stream) before the connections close, so the process exits without cutting a response.
+    """
     addr = address_of(sock)
     server = _uvicorn_server(
         create_app(service, max_body_bytes=max_body_bytes),
         log_level=log_level,
         on_ready=(lambda: on_ready(addr)) if on_ready else None,
+        on_shutdown=service.stop_accepting,
     )
     try:
         server.run(sockets=[sock])

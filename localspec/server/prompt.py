@@ -24,7 +24,12 @@ code after the cursor often repeats what is being typed.
 **Stable truncation.** The prefix is cut from the front in blocks of ``window / 16``
 tokens, so successive keystrokes keep the same first token and the engine reuses the KV
 cache of the common prefix (cutting at exactly ``3/4 window`` would shift the start by a
-token at a time and invalidate the whole cache on every keystroke).
+token at a time and invalidate the whole cache on every keystroke). The blocks are anchored
+to the text, not to its start: the caller passes the previous prompt's ``CutAnchor`` (the
+tokens the kept part began with, and where), and when those tokens still occur the cut
+points are that place plus or minus whole blocks. An edit above the cut then moves nothing
+(counting blocks from the start of the text would shift every later cut point by the
+tokens the edit added, and lose the whole cache on every request after it).
 """
 
 from __future__ import annotations
@@ -46,6 +51,18 @@ class ExtraChunk:
     filename: str = "tmp"
 
 
+ANCHOR_TOKENS = 16  # tokens at a cut point that identify it in the next request's text
+
+
+@dataclass(frozen=True)
+class CutAnchor:
+    """Where the last truncated prefix was cut: ``tokens`` (the first ``ANCHOR_TOKENS`` kept)
+    at index ``at`` of the text's tokens."""
+
+    tokens: tuple[int, ...]
+    at: int
+
+
 @dataclass
 class BuiltPrompt:
     """A prompt ready for the engine.
@@ -56,6 +73,7 @@ class BuiltPrompt:
         draft_context: token sequences the drafter may draft from that the prompt lacks
             (the suffix without FIM; the parts cut off by the window).
         n_prefix_dropped / n_suffix_dropped / n_extra_dropped: tokens left out to fit.
+        anchor: where the prefix was cut (None: not cut), for the next request's cut.
     """
 
     tokens: list[int]
@@ -64,6 +82,7 @@ class BuiltPrompt:
     n_prefix_dropped: int = 0
     n_suffix_dropped: int = 0
     n_extra_dropped: int = 0
+    anchor: CutAnchor | None = None
 
 
 def has_fim(model) -> bool:
@@ -71,13 +90,31 @@ def has_fim(model) -> bool:
     return {"pre", "suf", "mid"} <= set(model.fim_tokens())
 
 
-def _block_cut(tokens: list[int], keep: int, block: int) -> int:
-    """How many tokens to drop from the front so at most ``keep`` remain, rounded up to a
-    multiple of ``block`` (a cut point that moves rarely as the text grows)."""
+def _occurrences(tokens: list[int], pattern: tuple[int, ...]) -> list[int]:
+    """Indices where ``pattern`` (non-empty) starts in ``tokens``."""
+    first, n = pattern[0], len(pattern)
+    return [i for i, t in enumerate(tokens) if t == first and tuple(tokens[i : i + n]) == pattern]
+
+
+def _block_cut(tokens: list[int], keep: int, block: int, anchor: CutAnchor | None = None) -> int:
+    """How many tokens to drop from the front so at most ``keep`` remain: the smallest cut
+    point that leaves at most ``keep``, where cut points are ``anchor.at`` in this text (where
+    its tokens occur, nearest to where they were) plus or minus whole ``block``s, or multiples
+    of ``block`` without an anchor; 0 when everything fits."""
     over = len(tokens) - keep
     if over <= 0:
         return 0
-    return min(len(tokens), -(-over // block) * block)
+    base = 0
+    if anchor is not None and anchor.tokens:
+        found = _occurrences(tokens, anchor.tokens)
+        if found:
+            base = min(found, key=lambda i: (abs(i - anchor.at), i))
+    cut = base + -(-(over - base) // block) * block  # smallest base + m*block >= over
+    return min(len(tokens), cut)
+
+
+def _anchor(tokens: list[int], cut: int) -> CutAnchor | None:
+    return CutAnchor(tuple(tokens[cut : cut + ANCHOR_TOKENS]), cut) if 0 < cut < len(tokens) else None
 
 
 def build_infill_prompt(
@@ -91,6 +128,7 @@ def build_infill_prompt(
     n_predict: int,
     window: int = 4096,
     spm: bool = False,
+    anchor: CutAnchor | None = None,
 ) -> BuiltPrompt:
     """The prompt of an ``/infill`` request (see the module docstring for the layout).
 
@@ -104,6 +142,7 @@ def build_infill_prompt(
         n_predict: tokens to generate (-1: unknown; counted as 0 for the extra budget).
         window: tokens for prefix + suffix (llama.cpp's ``n_batch``), at most ``n_ctx / 2``.
         spm: suffix-prefix-middle order (llama.cpp's ``--spm-infill``).
+        anchor: the previous prompt's ``BuiltPrompt.anchor`` (see "Stable truncation").
     """
     window = max(64, min(window, n_ctx // 2))
     block = max(1, window // 16)
@@ -135,15 +174,16 @@ def build_infill_prompt(
 
     if not use_fim:
         body = model.tokenize(prefix + prompt, add_special=False, parse_special=True) if prefix + prompt else []
-        cut = _block_cut(body, window, block)
+        cut = _block_cut(body, window, block, anchor)
         suffix_toks = tok(suffix)
         ctx = [t for t in (body[:cut], suffix_toks, extra_toks[:n_extra_dropped]) if t]
         tokens = bos + extra_kept + body[cut:]
-        return BuiltPrompt(tokens, False, ctx, n_prefix_dropped=cut, n_extra_dropped=n_extra_dropped)
+        return BuiltPrompt(tokens, False, ctx, n_prefix_dropped=cut, n_extra_dropped=n_extra_dropped,
+                           anchor=_anchor(body, cut))  # fmt: skip
 
     prefix_toks = tok(prefix)
     suffix_toks = tok(suffix)
-    cut = _block_cut(prefix_toks, 3 * (window // 4), block)
+    cut = _block_cut(prefix_toks, 3 * (window // 4), block, anchor)
     n_suffix_take = min(len(suffix_toks), max(0, window // 4 - (2 + len(prompt_toks))))
     pre_part = [fim["pre"], *prefix_toks[cut:], *prompt_toks]
     suf_part = [fim["suf"], *suffix_toks[:n_suffix_take]]
@@ -157,6 +197,7 @@ def build_infill_prompt(
         n_prefix_dropped=cut,
         n_suffix_dropped=len(suffix_toks) - n_suffix_take,
         n_extra_dropped=n_extra_dropped,
+        anchor=_anchor(prefix_toks, cut),
     )
 
 

@@ -96,6 +96,7 @@ def parse_request(kind: str, body: Any, *, default_n_predict: int = -1) -> Compl
     """
     if not isinstance(body, Mapping):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    _refuse_lone_surrogates(body)
     r = CompletionRequest(kind="infill" if kind == "infill" else "completion")
     if r.kind == "infill":
         r.input_prefix = _text(body, "input_prefix")
@@ -125,6 +126,39 @@ def parse_request(kind: str, body: Any, *, default_n_predict: int = -1) -> Compl
     r.sampler_fields = parse_sampler_fields(body)
     r.not_implemented = [k for k in _NOT_IMPLEMENTED if body.get(k) not in (None, 0, False, [], {})]
     return r
+
+
+def _lone_surrogate_at(v: Any, path: str) -> str | None:
+    """The JSON path of the first string (value or key) under ``v`` that holds a lone UTF-16
+    surrogate (``"\\ud800"`` is valid JSON but no Unicode text), else None."""
+    if isinstance(v, str):
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(v, Mapping):
+        for k, x in v.items():
+            sub = f'{path}.{k}' if path else f'"{k}"'
+            if _lone_surrogate_at(k, sub) is not None:
+                return sub.encode("utf-8", "backslashreplace").decode("ascii")
+            found = _lone_surrogate_at(x, sub)
+            if found is not None:
+                return found
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            found = _lone_surrogate_at(x, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _refuse_lone_surrogates(body: Mapping[str, Any]) -> None:
+    """Raises ``RequestError`` (400) naming the field when any string in the request holds a
+    lone surrogate: such text cannot be tokenised or echoed back as UTF-8."""
+    path = _lone_surrogate_at(body, "")
+    if path is not None:
+        raise RequestError(f"{path} holds a lone UTF-16 surrogate (not valid Unicode text); send UTF-8 text")
 
 
 def _text(body: Mapping[str, Any], key: str) -> str:

@@ -8,8 +8,14 @@ keeps its KV cache, so the next request prefills only what differs from the last
 Cancellation: ``Job.cancel()`` is thread-safe. A queued job is answered at once without
 touching the engine; a running one stops after the current step (or aborts a running
 prefill) and the engine stays consistent. A newer request with the same client key (see
-``CompletionRequest.client_key``) cancels the older ones, except a cache warm-up
-(``n_predict`` 0), which waits its turn and cancels nothing.
+``CompletionRequest.client_key``) cancels the older ones, except cache warm-ups
+(``n_predict`` 0): a warm-up cancels nothing and is cancelled by nothing but its client
+leaving (as llama.cpp queues them), so the cache it fills is there for the next completion.
+
+A cancelled request is answered (HTTP 200, ``"stop": true``) with ``"cancelled"`` (the reason)
+and *no* ``content`` field: llama.vim caches any response that has ``"content":"``, and
+llama.vscode caches each ``content`` it reads, so an empty answer would be remembered as the
+completion of that context. Both plugins ignore a response without ``content``.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from ..errors import ContextOverflowError, InvalidRequestError, LocalSpecError
@@ -44,11 +50,12 @@ NO_FIM_NOTE = (
 
 @dataclass
 class Event:
-    """What a job reports: ``partial`` (streamed piece), ``final`` (the response) or ``error``
-    (``data`` is an error body, ``status`` its HTTP status)."""
+    """What a job reports: ``partial`` (streamed piece), ``final`` (the response: an object, or
+    a list of ``n_cmpl`` objects) or ``error`` (``data`` is an error body, ``status`` its HTTP
+    status)."""
 
     kind: Literal["partial", "final", "error"]
-    data: dict
+    data: Any
     status: int = 200
 
 
@@ -85,7 +92,8 @@ class Job:
         self._lock = threading.Lock()
         self._stream = None
         self.cancel_reason: str | None = None
-        self.outcome: str | None = None  # "final" or "error" once answered
+        self.outcome: str | None = None  # "final", "cancelled" or "error" once answered
+        self._answered = False  # the final event is being delivered: cancel() is a no-op
         self.done = threading.Event()
         self.t_submit = time.perf_counter()
 
@@ -96,7 +104,7 @@ class Job:
     def cancel(self, reason: str = "cancelled") -> None:
         """Stop this job (a no-op once it has finished)."""
         with self._lock:
-            if self.cancel_reason is not None or self.done.is_set():
+            if self.cancel_reason is not None or self._answered:
                 return
             self.cancel_reason = reason
             stream = self._stream
@@ -111,15 +119,19 @@ class Job:
             return True
 
     def emit(self, event: Event) -> None:
+        final = event.kind != "partial"
+        if final:  # before the sink: a cancel() racing the delivery must not relabel the job
+            with self._lock:
+                self._answered = True
+                self._stream = None
+                cancelled = event.kind == "final" and isinstance(event.data, dict) and "cancelled" in event.data
+                self.outcome = "cancelled" if cancelled else event.kind
         try:
             self._sink(event)
         except Exception:  # a client that went away must not stop the worker
             log.debug("job %d: the event sink failed", self.id, exc_info=True)
-        if event.kind != "partial":
-            with self._lock:
-                self._stream = None
-                self.outcome = event.kind
-                self.done.set()
+        if final:
+            self.done.set()
 
 
 class _Call:
@@ -150,6 +162,7 @@ class CompletionService:
         self._n_waiting = 0
         self._closed = False
         self.counters = {"requests": 0, "cancelled": 0, "errors": 0}
+        self._cut_anchor = None  # where the last truncated infill prefix was cut (worker thread)
         self._thread = threading.Thread(target=self._worker, name="localspec-engine", daemon=True)
         self._thread.start()
 
@@ -174,7 +187,11 @@ class CompletionService:
                 raise RequestError(
                     f"too many requests waiting ({self._n_waiting}); try again later", 503, UNAVAILABLE
                 )
-            older = list(self._by_client.get(key, ())) if key is not None and not request.is_warmup else []
+            older = (
+                [j for j in self._by_client.get(key, ()) if not j.request.is_warmup]
+                if key is not None and not request.is_warmup
+                else []
+            )
             if key is not None:
                 self._by_client.setdefault(key, set()).add(job)
             self._live.add(job)
@@ -193,17 +210,24 @@ class CompletionService:
     def health(self) -> dict:
         return {"status": "ok"}
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Cancel every job and stop the worker (the engine is left to its owner)."""
+    def stop_accepting(self, reason: str = "the server is shutting down") -> None:
+        """Refuse new requests (503) and cancel every queued or running one; each is still
+        answered (a cancelled response). Thread-safe; ``close()`` then stops the worker."""
         with self._lock:
-            if self._closed:
-                return
             self._closed = True
             jobs = list(self._live)
         for j in jobs:
-            j.cancel("the server is shutting down")
+            j.cancel(reason)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Cancel every job and stop the worker (the engine is left to its owner)."""
+        with self._lock:
+            if self._thread is None:
+                return
+            thread, self._thread = self._thread, None
+        self.stop_accepting()
         self._queue.put(None)
-        self._thread.join(timeout)
+        thread.join(timeout)
 
     # -- worker -------------------------------------------------------------------------------
 
@@ -234,7 +258,7 @@ class CompletionService:
     def _forget(self, job: Job) -> None:
         with self._lock:
             self.counters["requests"] += 1
-            self.counters["cancelled"] += job.cancelled
+            self.counters["cancelled"] += job.outcome == "cancelled"
             self.counters["errors"] += job.outcome == "error"
             self._live.discard(job)
             key = job.request.client_key
@@ -262,7 +286,24 @@ class CompletionService:
         try:
             plan = resolve_sampling(req.sampler_fields, self.config.sampling, self.model)
             built = self._build(req)
-            self._generate(job, plan, built, queue_ms)
+            # n_cmpl > 1 (llama.vscode asks for 3): independent completions of the same prompt,
+            # decoded one after another (each after the first reuses the prompt's KV cache),
+            # answered as a list as llama.cpp's server does; a fixed seed s gives s, s+1, ...
+            n = 1 if req.stream else req.n_cmpl
+            answers: list[dict] = []
+            for i in range(n):
+                params = plan.params
+                if i and params.seed is not None:
+                    params = replace(params, seed=(params.seed + i) % 2**64)
+                answers.append(self._generate(job, plan, built, queue_ms, params))
+                if "cancelled" in answers[-1]:
+                    break
+            if n == 1 or "cancelled" in answers[-1]:
+                job.emit(Event("final", answers[-1]))
+            else:
+                for i, d in enumerate(answers):
+                    d["index"] = i
+                job.emit(Event("final", answers))  # type: ignore[arg-type]
         except RequestError as e:
             job.emit(Event("error", e.body(), e.status))
         except ContextOverflowError as e:
@@ -279,7 +320,7 @@ class CompletionService:
 
     def _build(self, req: CompletionRequest) -> BuiltPrompt:
         if req.kind == "infill":
-            return build_infill_prompt(
+            built = build_infill_prompt(
                 self.model,
                 req.input_prefix,
                 req.input_suffix,
@@ -289,13 +330,18 @@ class CompletionService:
                 n_predict=min(req.n_predict, 1024),
                 window=self.config.window,
                 spm=self.config.spm,
+                anchor=self._cut_anchor,
             )
+            if built.anchor is not None:  # kept across uncut prompts (warm-ups, other files)
+                self._cut_anchor = built.anchor
+            return built
         built = build_completion_prompt(self.model, req.prompt)
         if not built.tokens:
             raise RequestError('"prompt" is empty (and the model adds no BOS token)')
         return built
 
-    def _generate(self, job: Job, plan: SamplingPlan, built: BuiltPrompt, queue_ms: float) -> None:
+    def _generate(self, job: Job, plan: SamplingPlan, built: BuiltPrompt, queue_ms: float, params) -> dict:
+        """Run one completion; returns its final response (``Event.data``); streams partials."""
         req, engine = job.request, self.engine
         spec = self.config.speculative and engine.drafter is not None and req.speculative is not False
         max_tokens = req.n_predict if req.n_predict >= 0 else max(0, engine.n_ctx - len(built.tokens))
@@ -304,16 +350,15 @@ class CompletionService:
         stream = engine.stream(
             built.tokens,
             max_tokens=max_tokens,
-            sampling=plan.params,
+            sampling=params,
             stop=req.stop,
             speculative=spec,
             draft_context=built.draft_context,
         )
         if not job._attach(stream):
             stream.close()
-            job.emit(self._final(job, plan=plan, built=built, result=None, content="", tokens=[], reason=None,
-                                 queue_ms=queue_ms))  # fmt: skip
-            return
+            return self._final(job, plan=plan, built=built, result=None, content="", tokens=[], reason=None,
+                               queue_ms=queue_ms).data  # fmt: skip
         stops = EditorStops(req.n_indent, req.t_max_predict_ms)
         parts: list[str] = []
         tokens: list[int] = []
@@ -348,17 +393,21 @@ class CompletionService:
                     break
         finally:
             stream.close()
-        job.emit(self._final(job, plan=plan, built=built, result=stream.result, content="".join(parts),
-                             tokens=tokens, reason=reason, queue_ms=queue_ms))  # fmt: skip
+        return self._final(job, plan=plan, built=built, result=stream.result, content="".join(parts),
+                           tokens=tokens, reason=reason, queue_ms=queue_ms, params=params).data  # fmt: skip
 
     def _final(self, job: Job, *, plan: SamplingPlan | None, built: BuiltPrompt | None, result, content: str,
-               tokens: list[int], reason: str | None, queue_ms: float) -> Event:  # fmt: skip
+               tokens: list[int], reason: str | None, queue_ms: float, params=None) -> Event:  # fmt: skip
         """The final event of a job.
 
         Args:
             result: the engine's ``GenerationResult`` (None: cancelled before it started).
             content / tokens: the completion as the client gets it (after editor stops).
             reason: ``"indent"`` / ``"time"`` when an editor stop ended it.
+            params: the ``SamplingParams`` it ran with (default: the plan's).
+
+        A job cancelled before it finished gets ``"cancelled"`` (the reason) and no
+        ``content`` / ``tokens`` (see the module docstring: plugins must not cache it).
         """
         req = job.request
         stats = result.stats if result is not None else GenerationStats()
@@ -377,7 +426,8 @@ class CompletionService:
         )
         want_prompt = req.response_fields is None or any(f.split("/")[0] == "prompt" for f in req.response_fields)
         prompt_text = self.model.detokenize(built.tokens, special=True) if built is not None and want_prompt else ""
-        params = plan.params if plan is not None else self.config.sampling
+        if params is None:
+            params = plan.params if plan is not None else self.config.sampling
         data = final_response(
             outcome,
             id_slot=req.id_slot,
@@ -389,6 +439,10 @@ class CompletionService:
             return_tokens=req.return_tokens,
             response_fields=req.response_fields,
         )
+        if job.cancel_reason is not None and (result is None or result.finish_reason == "cancelled"):
+            for k in ("content", "tokens", "has_new_line"):
+                data.pop(k, None)
+            data["cancelled"] = job.cancel_reason
         return Event("final", data)
 
     @staticmethod
@@ -398,8 +452,8 @@ class CompletionService:
         notes = list(plan.notes) if plan is not None else []
         if built is not None and req.kind == "infill" and not built.fim:
             notes.insert(0, NO_FIM_NOTE)
-        if req.n_cmpl > 1:
-            notes.append(f"n_cmpl {req.n_cmpl} asked: localspec answers one completion per request")
+        if req.n_cmpl > 1 and req.stream:
+            notes.append(f"n_cmpl {req.n_cmpl} asked with streaming: localspec streams one completion")
         if req.not_implemented:
             notes.append(f"ignored (not implemented): {', '.join(req.not_implemented)}")
         info: dict[str, Any] = {
