@@ -1,4 +1,4 @@
-"""``localspec`` command line: generate, chat, complete, bench, models, train-eagle3."""
+"""``localspec`` command line: generate, chat, complete, bench, models, train-eagle3, rpc-worker."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from ..errors import LocalSpecError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench, chat, complete, generate, models, train
+    from . import bench, chat, complete, generate, models, rpc, train
 
     p = argparse.ArgumentParser(
         prog="localspec",
@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    for mod in (generate, chat, complete, bench, models, train):
+    for mod in (generate, chat, complete, bench, models, train, rpc):
         mod.register(sub)
     return p
 
