@@ -210,7 +210,7 @@ def test_a_worker_killed_mid_generation_is_a_clear_error_then_usable_again(engin
     message naming the worker; a new run once the worker is back, and a local run, both work."""
     w = Worker()
     cmd = [sys.executable, "-m", "localspec", "generate", PROMPT, "-n", "4000", "--temperature", "0",
-           "--n-ctx", "4096", "--drafter", "none", "--rpc", w.endpoint]  # fmt: skip
+           "--n-ctx", "4096", "--max-tree-nodes", "4", "--drafter", "none", "--rpc", w.endpoint]  # fmt: skip
     host = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         assert host.stdout is not None

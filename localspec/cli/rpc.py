@@ -82,6 +82,14 @@ def check_banner(line: str) -> tuple[int, int, int] | None:
     return version  # type: ignore[return-value]
 
 
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: the worker gets SIGKILL when this wrapper dies, however it dies (no orphans)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def run_worker(a: argparse.Namespace) -> int:
     if a.host not in ("127.0.0.1", "localhost", "::1"):
         print(
@@ -90,7 +98,9 @@ def run_worker(a: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     cmd = worker_command(a.host, a.port, a.threads, a.device, a.cache)
-    proc = subprocess.Popen(cmd, env=worker_env(), stdout=subprocess.PIPE, text=True, bufsize=1)
+    proc = subprocess.Popen(
+        cmd, env=worker_env(), stdout=subprocess.PIPE, text=True, bufsize=1, preexec_fn=_die_with_parent
+    )
     # forward SIGTERM to the worker; Ctrl-C reaches it directly (same process group)
     signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
     try:
