@@ -204,14 +204,15 @@ def test_cost_calibration_is_keyed_by_the_device_set(model_path, worker):
 
 
 @needs_worker
-def test_a_worker_killed_mid_generation_is_a_clear_error_then_usable_again(engine):
+def test_a_worker_killed_mid_generation_is_a_clear_error_then_usable_again(engine, tmp_path):
     """llama.cpp's RPC client aborts its process when a worker drops (ggml-rpc's
     RPC_STATUS_ASSERT), so the host is a separate process: it must end promptly (no hang) with a
     message naming the worker; a new run once the worker is back, and a local run, both work."""
     w = Worker()
     cmd = [sys.executable, "-m", "localspec", "generate", PROMPT, "-n", "4000", "--temperature", "0",
            "--n-ctx", "4096", "--max-tree-nodes", "4", "--drafter", "none", "--rpc", w.endpoint]  # fmt: skip
-    host = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOCALSPEC_CACHE_DIR": str(tmp_path)}  # cost tables of random ports
+    host = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:
         assert host.stdout is not None
         first = host.stdout.read(1)  # blocks until the host streams its first generated text
@@ -227,7 +228,7 @@ def test_a_worker_killed_mid_generation_is_a_clear_error_then_usable_again(engin
     # the worker back on the same port: a new host process runs
     w2 = Worker(w.port)
     try:
-        r = subprocess.run(cmd[:5] + ["-n", "8"] + cmd[7:], capture_output=True, text=True, timeout=600)
+        r = subprocess.run(cmd[:5] + ["-n", "8"] + cmd[7:], capture_output=True, text=True, timeout=600, env=env)
         assert r.returncode == 0, r.stderr
     finally:
         w2.kill()
