@@ -221,6 +221,8 @@ def _cache_key(ctx: Context) -> str:
         str(int(st.st_mtime)),
         f"threads={ctx.n_threads}/{ctx.n_threads_batch}",
         f"ngl={m.n_gpu_layers}",
+        # the device set (RPC workers, their link's round trip): each gets its own table
+        *([f"devices={m.device_key}"] if getattr(m, "device_key", "local") != "local" else []),
         f"repack={getattr(m, 'repack', True)}",
         f"kernels={os.environ.get('GGML_CPU_TILED_MM', '1')}",
         f"llama-cpp-python={lib.__version__}",

@@ -184,7 +184,12 @@ class Engine:
             ``TreeShape(6, 1, 7)``: chains of 6); default: the policy chooses.
         n_ctx: context size in tokens (default: 8192, at most the model's training context).
         n_threads: CPU threads (default: all CPUs this process may use, at most 16).
-        n_gpu_layers: layers offloaded to the GPU on CUDA / Metal builds (-1 = all).
+        n_gpu_layers: layers offloaded to the GPU on CUDA / Metal builds (-1 = all); with
+            ``rpc``, layers on the workers (0 = all).
+        rpc: llama.cpp RPC workers (``["HOST:PORT", ...]`` or ``"H1:P1,H2:P2"``) holding the
+            target's layers; drafters stay on this machine (docs/rpc.md).
+        rpc_local_gpu: with ``rpc``, split the layers over this machine's GPUs too.
+        tensor_split: with ``rpc``, the share of the layers per device (workers, then GPUs).
         max_tree_nodes: largest verified tree (root included), at most 255.
         cost_model: a ``CostModel``; by default measured (and cached) at start-up.
         adaptive: False verifies every proposed tree up to ``max_tree_nodes`` without asking
@@ -212,6 +217,9 @@ class Engine:
         cost_model: CostModel | None = None,
         adaptive: bool = True,
         flash_attn: bool | None = None,
+        rpc: str | list[str] | None = None,
+        rpc_local_gpu: bool = False,
+        tensor_split: list[float] | None = None,
     ) -> None:
         if not 1 <= max_tree_nodes <= 255:
             raise InvalidRequestError("max_tree_nodes must be in [1, 255]")
@@ -222,7 +230,13 @@ class Engine:
 
             model = default_model_path()
         self._owns_model = not isinstance(model, Model)
-        self.model = model if isinstance(model, Model) else Model(model, n_gpu_layers=n_gpu_layers)
+        if isinstance(model, Model):
+            if rpc:
+                raise InvalidRequestError("rpc= applies when the engine loads the model (give a path, not a Model)")
+            self.model = model
+        else:
+            rpc_args = dict(rpc=rpc, rpc_local_gpu=rpc_local_gpu, tensor_split=tensor_split) if rpc else {}
+            self.model = Model(model, n_gpu_layers=n_gpu_layers, **rpc_args)
         if n_ctx is None:
             n_ctx = min(DEFAULT_N_CTX, self.model.n_ctx_train or DEFAULT_N_CTX)
         # llama.cpp needs n_seq_max <= n_ctx (one sequence per tree leaf): a small context

@@ -59,10 +59,19 @@ class Model:
         repack: let llama.cpp repack weights for its CPU GEMM kernels (``use_extra_bufts``).
             Default: off with exact kernels (the repacked 4-row GEMM rounds differently from
             the single-row kernel), on otherwise. See ``backend.exact_kernels()``.
+        rpc: llama.cpp RPC workers ``"HOST:PORT"`` (``localspec rpc-worker``) that hold the
+            offloaded layers (docs/rpc.md). With ``rpc``, ``n_gpu_layers=0`` means all layers on
+            the workers; a positive count keeps the first ``n_layer - n_gpu_layers`` layers on
+            the local CPU.
+        rpc_local_gpu: with ``rpc``, also split the layers over this machine's GPUs (after the
+            workers' devices).
+        tensor_split: proportions of the offloaded layers per device (RPC devices in
+            ``rpc`` order, then local GPUs); default: by device memory (llama.cpp's rule).
 
     Raises:
         ModelLoadError: the file is missing, not GGUF, truncated/corrupt, or of an architecture
             this llama.cpp does not know. The message includes llama.cpp's own error lines.
+        RPCError: a worker in ``rpc`` is unreachable or speaks another protocol version.
     """
 
     def __init__(
@@ -73,11 +82,37 @@ class Model:
         use_mmap: bool = True,
         vocab_only: bool = False,
         repack: bool | None = None,
+        rpc: str | list[str] | None = None,
+        rpc_local_gpu: bool = False,
+        tensor_split: list[float] | None = None,
     ) -> None:
         self._model = None
         self.path = check_gguf_file(path)
         ensure_backend()
         params = lib.llama_model_default_params()
+        self.rpc_workers: list = []  # backend.rpc.WorkerInfo per worker
+        self.device_key = "local"  # the device set, for cost-model calibration keys
+        if rpc:
+            from . import rpc as _rpc
+
+            devs, self.rpc_workers = _rpc.connect(_rpc.parse_endpoints(rpc))
+            handles = [d.handle for d in devs]
+            names = [f"{d.name}@{d.endpoint}" for d in devs]
+            if rpc_local_gpu:
+                for name, h in _rpc.local_gpu_devices():
+                    handles.append(h)
+                    names.append(name)
+            self._devices = _rpc.device_array(handles)  # keep alive: llama.cpp reads it at load
+            self._split = _rpc.split_array(tensor_split, len(handles))
+            params.devices = ctypes.cast(self._devices, ctypes.c_void_p).value
+            if self._split is not None:
+                params.tensor_split = ctypes.cast(self._split, ctypes.POINTER(ctypes.c_float))
+            if n_gpu_layers == 0:
+                n_gpu_layers = -1
+            rtts = ",".join(str(_rpc.rtt_bucket(w.rtt_us)) for w in self.rpc_workers)
+            self.device_key = f"{'+'.join(names)}|split={tensor_split}|rtt2^={rtts}"
+        elif tensor_split is not None:
+            raise ModelLoadError("tensor_split applies to models split over RPC workers (rpc=...)")
         params.n_gpu_layers = int(n_gpu_layers) if n_gpu_layers >= 0 else 0x7FFFFFFF
         params.use_mmap = bool(use_mmap)
         params.vocab_only = bool(vocab_only)

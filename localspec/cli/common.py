@@ -22,6 +22,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload on CUDA/Metal builds (-1 = all)"
     )
+    g.add_argument(
+        "--rpc", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+        help="put the target's layers on llama.cpp RPC workers (`localspec rpc-worker`); drafters stay local. "
+        "Workers have no authentication: trusted networks only (docs/rpc.md)",
+    )  # fmt: skip
+    g.add_argument("--tensor-split", default=None, metavar="F,F,...",
+                   help="with --rpc: share of the layers per device (workers in order, then local GPUs)")  # fmt: skip
+    g.add_argument("--rpc-local-gpu", action="store_true", help="with --rpc: split the layers over local GPUs too")
     g.add_argument("--max-tree-nodes", type=int, default=64, help="largest verified token tree (root included)")
     g.add_argument("--no-adaptive", action="store_true", help="verify whole drafted trees (no speculation policy)")
 
@@ -137,6 +145,25 @@ def _draft_shape(text: str | None):
         raise SystemExit(f"localspec: error: --draft-shape takes DEPTH,WIDTH,NODES (e.g. 6,1,7), not {text!r}") from None
 
 
+def _tensor_split(text: str | None) -> list[float] | None:
+    if not text:
+        return None
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"localspec: error: --tensor-split takes comma-separated numbers (e.g. 3,1), not {text!r}") from None
+
+
+def rpc_args(a: argparse.Namespace) -> dict:
+    """The ``Engine`` keyword arguments of ``--rpc`` / ``--tensor-split`` / ``--rpc-local-gpu``."""
+    rpc = getattr(a, "rpc", None)
+    if not rpc:
+        if getattr(a, "tensor_split", None) or getattr(a, "rpc_local_gpu", False):
+            raise SystemExit("localspec: error: --tensor-split and --rpc-local-gpu apply with --rpc")
+        return {}
+    return dict(rpc=rpc, tensor_split=_tensor_split(a.tensor_split), rpc_local_gpu=a.rpc_local_gpu)
+
+
 def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = True):
     """Build an ``Engine`` from parsed arguments, saying what it does on stderr."""
     from ..engine import Engine
@@ -155,4 +182,5 @@ def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = 
         n_gpu_layers=a.n_gpu_layers,
         max_tree_nodes=a.max_tree_nodes,
         adaptive=not a.no_adaptive,
+        **rpc_args(a),
     )
