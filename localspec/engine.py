@@ -179,7 +179,8 @@ class Engine:
         draft_n_ctx: the draft model's context (default: the target's); a smaller one sees
             only the recent history.
         eagle: the GGUF of an EAGLE-3 head for the target (drafters ``"eagle3"`` and ``"auto"``);
-            with ``"eagle3"`` and no path, the head shipped for the target (default model).
+            with no path (and, for ``"auto"``, no draft model), the head shipped for the target
+            (default model), if any.
         draft_shape: a fixed ``TreeShape`` for every step of the ``"eagle3"`` drafter (e.g.
             ``TreeShape(6, 1, 7)``: chains of 6); default: the policy chooses.
         n_ctx: context size in tokens (default: 8192, at most the model's training context).
@@ -277,7 +278,9 @@ class Engine:
 
     def _new_drafter(self, drafter: str | Drafter | None, **options) -> Drafter | None:
         options = {k: v for k, v in options.items() if v is not None}
-        if drafter == "eagle3" and "eagle" not in options:  # the head shipped for this target, if any
+        # eagle3 and auto without a head (nor, for auto, a draft model): the head shipped for
+        # this target, if any (auto without one drafts n-grams only)
+        if (drafter == "eagle3" and "eagle" not in options) or (drafter == "auto" and not {"eagle", "draft_model"} & set(options)):
             from .models.eagle3_heads import shipped_head
 
             head = shipped_head(self.model.path)

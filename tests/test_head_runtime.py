@@ -39,7 +39,7 @@ def test_top_k_kernel_matches_the_reference(rng):
             with native.use(False):
                 b = _top_k_children(row, k)
             assert a.tokens.tolist() == b.tokens.tolist()
-            np.testing.assert_allclose(a.confidence, b.confidence, rtol=1e-12, atol=0)
+            np.testing.assert_allclose(a.confidence, b.confidence, rtol=1e-6, atol=0)  # the reference exps in float32
             assert np.all(np.isfinite(row[a.tokens]))
 
 

@@ -207,8 +207,10 @@ def _top_k_children(z: np.ndarray, k: int) -> Children:
         top = np.array([int(np.argmax(z))])
     else:
         k = min(k, z.size)
-        part = np.argpartition(-z, k - 1)[:k]
-        top = part[np.lexsort((part, -z[part]))]
+        thr = z[np.argpartition(-z, k - 1)[k - 1]]  # the k-th largest value
+        above = np.flatnonzero(z > thr)
+        top = np.concatenate([above, np.flatnonzero(z == thr)[: k - above.size]])  # ties: lower ids
+        top = top[np.lexsort((top, -z[top]))]
     top = top[np.isfinite(z[top])]
     if top.size == 0:
         return Children(np.zeros(0, dtype=np.int64), np.zeros(0))
