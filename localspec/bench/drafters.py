@@ -165,3 +165,76 @@ def bench_drafters(model, head_path, *, shapes=(TreeShape(6, 1, 7, 0.0), TreeSha
     finally:
         plain.close()
     return out
+
+
+def compare_drafters(model, prompts, drafters=("ngram", "auto"), *, max_tokens: int = 128, n_threads=None, progress=None) -> list[dict]:
+    """Spec-Bench-style prompts decoded plainly and with each drafter, in one run: per prompt
+    the runs alternate (the order rotates prompt by prompt) so load bursts spread over all of
+    them, each from an empty KV cache, greedy.
+
+    Args:
+        prompts: ``bench.dataset.BenchPrompt`` list.
+        drafters: drafter names (engine options default: ``auto`` takes the shipped head).
+    Returns:
+        one dict per prompt: ``category``, ``question_id``, and per drafter name (and
+        ``"plain"``) ``t_decode_us``, ``n_generated_tokens``, ``mean_acceptance_length``,
+        ``identical`` (token ids equal to the plain run's).
+    """
+    from ..costmodel import calibrate
+    from ..engine import Engine
+
+    greedy = SamplingParams.greedy()
+    engines = {}
+    try:
+        base = Engine(model, drafter="none", n_ctx=4096, n_threads=n_threads)
+        engines["plain"] = base
+        for name in drafters:
+            engines[name] = Engine(model, drafter=name, n_ctx=4096, n_threads=n_threads, cost_model=calibrate(base.ctx))
+        names = list(engines)
+        rows = []
+        for i, bp in enumerate(prompts):
+            order = names[i % len(names):] + names[: i % len(names)]
+            res = {}
+            for name in order:
+                e = engines[name]
+                e.reset()
+                res[name] = e.generate(bp.text, max_tokens=max_tokens, sampling=greedy, speculative=name != "plain")
+            row = {"category": bp.category, "question_id": bp.question_id}
+            for name, r in res.items():
+                row[name] = {
+                    "t_decode_us": r.stats.t_generate_us,
+                    "n_generated_tokens": r.stats.n_generated_tokens,
+                    "mean_acceptance_length": r.stats.mean_acceptance_length,
+                    "identical": r.token_ids == res["plain"].token_ids,
+                }
+            rows.append(row)
+            if progress is not None:
+                progress(i + 1, len(prompts), row)
+        return rows
+    finally:
+        for e in engines.values():
+            e.close()
+
+
+def summarize_versus(rows: list[dict], drafters) -> list[dict]:
+    """Per category: each drafter's decode speed ratio over plain (tokens/s ratio of the
+    summed times), its MAL, identical outputs, and the ratio of the last drafter over the first."""
+    out = []
+    cats = sorted({r["category"] for r in rows})
+    for cat in cats + ["all"]:
+        rs = [r for r in rows if cat == "all" or r["category"] == cat]
+        tps = {}
+        entry = {"category": cat, "prompts": len(rs)}
+        for name in ["plain", *drafters]:
+            n = sum(r[name]["n_generated_tokens"] for r in rs)
+            t = sum(r[name]["t_decode_us"] for r in rs)
+            tps[name] = n / t * 1e6 if t else 0.0
+        for name in drafters:
+            entry[name] = {
+                "speed_vs_plain": tps[name] / tps["plain"] if tps["plain"] else 0.0,
+                "mal": float(np.mean([r[name]["mean_acceptance_length"] for r in rs])),
+                "identical": sum(r[name]["identical"] for r in rs),
+            }
+        entry["last_over_first"] = tps[drafters[-1]] / tps[drafters[0]] if tps[drafters[0]] else 0.0
+        out.append(entry)
+    return out

@@ -95,6 +95,11 @@ def register(sub) -> None:
     dr.add_argument("--rounds", type=int, default=2, help="passes over the built-in prompts (default 2)")
     dr.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all this process may use)")
     dr.add_argument("-m", "--model", default=None, help="target GGUF (default: the embedded model)")
+    dr.add_argument("--versus", default=None, metavar="A,B",
+                    help="instead: Spec-Bench prompts (--dataset) decoded plainly and with drafters A and B in one "
+                    "run (e.g. ngram,auto); per category speed over plain, MAL, identical outputs, and B over A")  # fmt: skip
+    dr.add_argument("--dataset", default=None, help="Spec-Bench question.jsonl (with --versus)")
+    dr.add_argument("--per-category", type=int, default=3, help="prompts per category (with --versus; default 3)")
     dr.add_argument("--json", action="store_true")
     dr.set_defaults(func=run_drafters)
 
@@ -219,6 +224,8 @@ def run_drafters(a: argparse.Namespace) -> int:
     from ..models.eagle3_heads import shipped_head
     from ..policy import TreeShape
 
+    if a.versus:
+        return _run_versus(a)
     model = Model(resolve_model(a.model))
     try:
         head = a.eagle or shipped_head(model.path)
@@ -247,6 +254,41 @@ def run_drafters(a: argparse.Namespace) -> int:
                 f"| {lv.level} | {lv.steps} | {lv.t_median_us:.0f} | {lv.t_p90_us:.0f} | {100 * lv.fraction_of_decode:.1f}% "
                 f"| {lv.calls_per_step:.2f} | {lv.mean_catch_up:.1f} |"
             )
+    return 0
+
+
+def _run_versus(a: argparse.Namespace) -> int:
+    import os
+
+    from ..backend import Model
+    from ..bench.dataset import load_questions, select_prompts
+    from ..bench.drafters import compare_drafters, summarize_versus
+    from ..models import resolve_model
+
+    if not a.dataset:
+        raise SystemExit("localspec: error: --versus needs --dataset FILE (a Spec-Bench question.jsonl)")
+    names = [n.strip() for n in a.versus.split(",") if n.strip()]
+    if len(names) < 2 or "none" in names:
+        raise SystemExit("localspec: error: --versus takes two or more drafter names, e.g. ngram,auto")
+    prompts = select_prompts(load_questions(a.dataset), None, a.per_category)
+    model = Model(resolve_model(a.model))
+    load0 = os.getloadavg()[0]
+    try:
+        rows = compare_drafters(model, prompts, names, max_tokens=a.max_tokens, n_threads=a.threads,
+                                progress=lambda i, n, _r: print(f"  {i}/{n}", file=sys.stderr))  # fmt: skip
+    finally:
+        model.close()
+    summary = summarize_versus(rows, names)
+    load1 = os.getloadavg()[0]
+    if a.json:
+        print(json.dumps({"prompts": rows, "summary": summary, "load_avg_1min": [load0, load1]}))
+        return 0
+    print(f"load average (1 min): {load0:.1f} at the start, {load1:.1f} at the end, on {os.cpu_count()} CPUs; greedy, {a.max_tokens} tokens")
+    head = " | ".join(f"{n} vs plain / MAL / identical" for n in names)
+    print(f"| category | prompts | {head} | {names[-1]} over {names[0]} |\n|---|---|" + "---|" * (len(names) + 1))
+    for e in summary:
+        cells = " | ".join(f"{e[n]['speed_vs_plain']:.2f}x / {e[n]['mal']:.2f} / {e[n]['identical']}/{e['prompts']}" for n in names)
+        print(f"| {e['category']} | {e['prompts']} | {cells} | {e['last_over_first']:.2f}x |")
     return 0
 
 
