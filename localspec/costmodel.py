@@ -64,6 +64,8 @@ class CostModel:
     online_n: dict[int, int] = field(default_factory=dict)
     alpha: float = 0.2
     prior_n: float = 3.0
+    draft_level_us: dict[int, float] = field(default_factory=dict)
+    draft_level_n: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.table_us:
@@ -71,6 +73,40 @@ class CostModel:
         self._clean, self.outliers = sanitize_table(self.table_us)
         self._ratio: dict[int, float] = {}  # b -> online ratio t(b) / t1 (b > 1)
         self._curve: dict[int, float] | None = None  # b -> sane ratio, cached
+
+    # -- the model drafter's cost (an EAGLE-3 head, a draft model) --------------------------
+    # Measured online from the drafter's own calls: level 0 (with the catch-up of the steps
+    # since it last ran) and each deeper level, one model call each. Reset when the drafter
+    # changes (``reset_draft``).
+
+    def observe_draft_levels(self, level_us) -> None:
+        """Feed back the time of each level of one drafted step (µs, level 0 first)."""
+        for level, t in enumerate(level_us):
+            n = self.draft_level_n.get(level, 0)
+            old = self.draft_level_us.get(level, t)
+            self.draft_level_us[level] = t if n == 0 else old + self.alpha * (t - old)
+            self.draft_level_n[level] = n + 1
+
+    def t_draft_level_us(self, level: int) -> float | None:
+        """Expected time of draft level ``level`` (µs); an unmeasured level takes the deepest
+        measured one below it (levels below the first have the same frontier width); None
+        when nothing is measured yet."""
+        if not self.draft_level_us:
+            return None
+        if level in self.draft_level_us:
+            return self.draft_level_us[level]
+        below = [k for k in self.draft_level_us if k <= level and k > 0] or list(self.draft_level_us)
+        return self.draft_level_us[max(below)]
+
+    def t_draft_us(self, depth: int) -> float | None:
+        """Expected model time of a drafted tree of ``depth`` levels (µs), or None (unmeasured)."""
+        if not self.draft_level_us:
+            return None
+        return float(sum(self.t_draft_level_us(k) for k in range(max(1, depth))))
+
+    def reset_draft(self) -> None:
+        self.draft_level_us.clear()
+        self.draft_level_n.clear()
 
     @property
     def sizes(self) -> list[int]:

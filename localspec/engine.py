@@ -4,7 +4,7 @@ One loop serves plain and speculative decoding: a step verifies a token tree who
 the last emitted token; with no drafter (or when the policy decides drafting does not pay)
 the tree is just the root, and the step is an ordinary decode::
 
-    tree   = policy.best(drafter.propose(...))        # root + draft tokens
+    tree   = policy.plan(drafter.propose(...))          # decided once: root + draft tokens
     logits = cache.decode_tree(tree)                    # one llama_decode
     result = verify(tree, logits, sampler.cursor(pos))  # accepted path + recovered/bonus token
     cache.commit(tree, result.path)                     # keep the accepted KV, checked
@@ -179,7 +179,8 @@ class Engine:
         draft_n_ctx: the draft model's context (default: the target's); a smaller one sees
             only the recent history.
         eagle: the GGUF of an EAGLE-3 head for the target (drafters ``"eagle3"`` and ``"auto"``);
-            with ``"eagle3"`` and no path, the head shipped for the target (default model).
+            with no path (and, for ``"auto"``, no draft model), the head shipped for the target
+            (default model), if any.
         draft_shape: a fixed ``TreeShape`` for every step of the ``"eagle3"`` drafter (e.g.
             ``TreeShape(6, 1, 7)``: chains of 6); default: the policy chooses.
         n_ctx: context size in tokens (default: 8192, at most the model's training context).
@@ -291,7 +292,9 @@ class Engine:
 
     def _new_drafter(self, drafter: str | Drafter | None, **options) -> Drafter | None:
         options = {k: v for k, v in options.items() if v is not None}
-        if drafter == "eagle3" and "eagle" not in options:  # the head shipped for this target, if any
+        # eagle3 and auto without a head (nor, for auto, a draft model): the head shipped for
+        # this target, if any (auto without one drafts n-grams only)
+        if (drafter == "eagle3" and "eagle" not in options) or (drafter == "auto" and not {"eagle", "draft_model"} & set(options)):
             from .models.eagle3_heads import shipped_head
 
             head = shipped_head(self.model.path)
@@ -317,11 +320,20 @@ class Engine:
         attach = getattr(drafter, "attach", None)
         if attach is not None:
             try:
-                attach(TargetHandle(self.model, self.ctx, self.policy, self._tap))
+                attach(
+                    TargetHandle(
+                        self.model,
+                        n_ctx=self.ctx.n_ctx,
+                        n_threads=self.ctx.n_threads,
+                        tensor_source=self.ctx,
+                        features=self._tap,
+                    )
+                )
             except BaseException:
                 drafter.close()
                 raise
         self.drafter = drafter
+        self.cost_model.reset_draft()  # the draft levels measured were the old drafter's
 
     @property
     def drafter_name(self) -> str:
@@ -639,26 +651,42 @@ class Engine:
                 yield StreamChunk(tail, -1, TokenSource.DECODE, stats.n_steps)
 
     def _propose(self, drafter: Drafter | None, root: int, remaining: int, n_free: int) -> "_Proposal":
-        """The drafter's proposal and the tree to verify this step: the proposal cut to what
-        the policy, the remaining token budget and the free context allow."""
+        """The step's drafting, decided once: the cheap drafts (``propose``), the policy's
+        plan (``SpeculationPolicy.plan``: whether a model drafts, in which shape, how much to
+        verify), the model's drafts only if planned (``extend``), then the best nodes to
+        verify, cut to what the remaining token budget and the free context allow."""
         max_depth = min(remaining - 1, n_free - 1)
         max_nodes = min(self.max_tree_nodes, n_free)
         if drafter is None or max_depth <= 0 or max_nodes <= 1:
             t = TokenTree.root_only(root)
             return _Proposal(t, t, 0.0)
         t0 = _now_us()
-        cand = drafter.propose(max_depth, max_nodes)
+        cand = self._clip(drafter, drafter.propose(max_depth, max_nodes), root, max_depth)
+        model = getattr(drafter, "model_stats", None)
+        plan = self.policy.plan(
+            cand,
+            model,
+            max_nodes=max_nodes,
+            max_depth=max_depth,
+            t_draft_us=_now_us() - t0,
+            fixed_shape=getattr(drafter, "fixed_shape", None),
+            adaptive=self.adaptive,
+        )
+        if plan.shape is not None:
+            cand = self._clip(drafter, drafter.extend(plan.shape), root, max_depth)
+            self.cost_model.observe_draft_levels(model.last_level_us)
         t_draft_us = _now_us() - t0
+        n = min(plan.n_nodes, max_nodes)
+        tree = cand.best_subtree(n) if n < cand.n_nodes else cand
+        return _Proposal(cand, tree.best_first_dfs(), t_draft_us)
+
+    @staticmethod
+    def _clip(drafter: Drafter, cand: TokenTree, root: int, max_depth: int) -> TokenTree:
         if cand.n_nodes > 1 and int(cand.token_ids[0]) != root:
             raise RuntimeError(f"drafter {drafter.name} proposed a tree rooted at {cand.token_ids[0]}, not {root}")
         if cand.max_depth() > max_depth:
             cand = cand.subtree(cand.depth <= max_depth)
-        if self.adaptive:
-            n = self.policy.choose(cand, max_nodes=max_nodes, t_draft_us=t_draft_us).n_nodes
-        else:
-            n = max_nodes
-        tree = cand.best_subtree(n) if n < cand.n_nodes else cand
-        return _Proposal(cand, tree.best_first_dfs(), t_draft_us)
+        return cand
 
     @staticmethod
     def _logprobs(logits: np.ndarray, res, top_n: int) -> list[TokenLogprob]:

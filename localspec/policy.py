@@ -17,17 +17,21 @@ speculation is only used when it is expected to be faster. Acceptance estimates 
 calibrated online by ``AcceptanceTracker`` so that optimistic drafters are corrected within a
 few steps.
 
-For model drafters (a draft model, an EAGLE-3 head) the policy also decides *before*
-drafting: the shape of the tree to grow (``tree_shape``: depth, top-k width, node budget),
-and, with ``--drafter auto``, whether running the model this step is expected to beat the
-n-gram drafter's tree once its drafting time is paid (``prefer_model``).
+For model drafters (a draft model, an EAGLE-3 head) the policy decides the step *once,
+before* any model call (``plan``): from the cheap drafts already made (the n-gram tree with
+``--drafter auto``, nothing for a model drafter alone) and what it knows of the model
+drafter, whether running the model this step is expected to beat the cheap tree (or plain
+decoding) once its drafting time is paid (``prefer_model``), with the shape of the tree to
+grow (``tree_shape``: depth, top-k width, node budget) and the size to verify. The model's
+drafting time is the cost model's measured time per draft level (``CostModel.t_draft_us``),
+weighed like the target's ``t(b)``. A plan without the model makes no model call.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -200,7 +204,11 @@ class ModelDraftStats:
             (counted along its own tree, so also when the policy verified less of it).
         n_nodes: moving average of the verified tree size of its steps.
         n_steps: steps it drafted.
-        steps_since_run: steps since it last drafted (the auto drafter may skip it).
+        steps_since_run: steps since it last drafted (the plan may skip it).
+        max_depth / max_width: the largest shape the drafter can grow.
+        last_level_us: time of each level's model call in its last drafted step (µs).
+        t_host_us: moving average of the drafting time outside model calls (ranking rows,
+            building the tree), µs per drafted step.
     """
 
     t_draft_us: float = 0.0
@@ -209,15 +217,23 @@ class ModelDraftStats:
     n_steps: int = 0
     steps_since_run: int = 0
     alpha: float = 0.2
+    max_depth: int = 8
+    max_width: int = 8
+    last_level_us: list[float] = field(default_factory=list)
+    t_host_us: float = 0.0
 
     def _ema(self, old: float, new: float) -> float:
         return new if self.n_steps <= 1 else old + self.alpha * (new - old)
 
-    def observe_draft(self, t_draft_us: float, n_nodes: int) -> None:
+    def observe_draft(self, t_draft_us: float, n_nodes: int, level_us: Sequence[float] = ()) -> None:
+        """One drafted step: its total time (µs), tree size and the time of each level's
+        model call (µs, level 0 first: the cost model's ``observe_draft_levels`` input)."""
         self.n_steps += 1
         self.steps_since_run = 0
         self.t_draft_us = self._ema(self.t_draft_us, t_draft_us)
         self.n_nodes = self._ema(self.n_nodes, float(n_nodes))
+        self.last_level_us = [float(t) for t in level_us]
+        self.t_host_us = self._ema(self.t_host_us, max(0.0, t_draft_us - sum(self.last_level_us)))
 
     def observe_accept(self, n_accepted: int) -> None:
         self.accept_length = self._ema(self.accept_length, float(n_accepted))
@@ -244,6 +260,20 @@ class Choice:
     n_nodes: int  # batch size b (root included); 1 = plain decode
     expected_tokens: float
     expected_rate: float  # tokens per µs
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What a step verifies, decided once before any model call (``SpeculationPolicy.plan``).
+
+    Attributes:
+        n_nodes: nodes to verify (root included; 1 = plain decode): the best ``n_nodes`` of
+            the step's candidate tree by score.
+        shape: the tree the model drafter grows this step, or None: no model call.
+    """
+
+    n_nodes: int
+    shape: TreeShape | None
 
 
 class SpeculationPolicy:
@@ -316,16 +346,62 @@ class SpeculationPolicy:
         width = int(min(max_width, max(1, math.ceil((budget - 1) / depth))))
         return TreeShape(depth=depth, width=width, max_nodes=budget)
 
-    def prefer_model(self, ngram: Choice, stats: ModelDraftStats) -> bool:
-        """Run the model drafter this step (besides the n-gram drafter, whose best choice is
-        ``ngram``)? Compares the expected tokens per µs of a model step, including its
-        drafting time, with the n-gram step; every ``explore_every`` steps without the model
-        it runs anyway so that its estimates stay current."""
+    def model_step_us(self, stats: ModelDraftStats, shape: TreeShape) -> float:
+        """Expected drafting time of a model step of ``shape`` (µs): the cost model's measured
+        time of ``shape.depth`` draft levels plus the drafter's host time; the drafter's
+        own average before any level is measured."""
+        t = self.cost.t_draft_us(shape.depth)
+        return stats.t_draft_us if t is None else t + stats.t_host_us
+
+    def prefer_model(self, cheap: Choice, stats: ModelDraftStats, shape: TreeShape | None = None) -> bool:
+        """Run the model drafter this step, rather than verify only the cheap drafts (the
+        n-gram tree, or nothing), whose best choice is ``cheap``? Compares the expected
+        tokens per µs of a model step of ``shape``, including its drafting time, with the
+        cheap step; every ``explore_every`` steps without the model it runs anyway so that
+        its estimates stay current."""
         if stats.n_steps == 0 or stats.steps_since_run >= self.explore_every:
             return True
-        b = max(2, int(round(stats.n_nodes)))
-        rate = (1.0 + stats.accept_length) / (stats.t_draft_us + self.cost.t_decode_us(b) + self.host_us(b))
-        return rate > ngram.expected_rate
+        b = shape.max_nodes if shape is not None else max(2, int(round(stats.n_nodes)))
+        t_draft = self.model_step_us(stats, shape) if shape is not None else stats.t_draft_us
+        rate = (1.0 + stats.accept_length) / (t_draft + self.cost.t_decode_us(b) + self.host_us(b))
+        return rate > cheap.expected_rate
+
+    def plan(
+        self,
+        cheap: TokenTree,
+        model: ModelDraftStats | None,
+        *,
+        max_nodes: int,
+        max_depth: int,
+        t_draft_us: float = 0.0,
+        fixed_shape: TreeShape | None = None,
+        adaptive: bool = True,
+    ) -> "StepPlan":
+        """The step's one decision, made before any model call.
+
+        Args:
+            cheap: the drafts already made this step (n-gram tree; the root alone when the
+                drafter has only a model).
+            model: the model drafter's ``ModelDraftStats`` when it can draft this step, else None.
+            max_nodes / max_depth: what the step may verify (context, token budget).
+            t_draft_us: what the cheap drafts cost (already spent).
+            fixed_shape: always draft with this shape (a drafter made with one).
+            adaptive: False verifies everything drafted (tests, experiments).
+        """
+        if adaptive:
+            c = self.choose(cheap, max_nodes=max_nodes, t_draft_us=t_draft_us)
+        else:
+            n = min(max_nodes, self.max_nodes)
+            c = Choice(n, float("nan"), float("nan"))
+        if model is None:
+            return StepPlan(c.n_nodes, None)
+        if fixed_shape is not None:
+            shape = fixed_shape
+        else:
+            shape = self.tree_shape(model, max_depth=min(max_depth, model.max_depth), max_nodes=max_nodes, max_width=model.max_width)
+        if adaptive and fixed_shape is None and not self.prefer_model(c, model, shape):
+            return StepPlan(c.n_nodes, None)
+        return StepPlan(c.n_nodes if not adaptive else min(shape.max_nodes, max_nodes), shape)
 
     def observe_step(self, b: int, t_decode_us: float, t_host_us: float) -> None:
         """Feed back the measured decode and host time of a step of ``b`` nodes."""

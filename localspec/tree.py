@@ -14,7 +14,8 @@ topological order), so a chain is the special case ``parents = [-1, 0, 1, 2, ...
 Each node carries where it came from (``source``), the drafter's estimate of the chance
 that the target accepts the whole path down to it (``score``), and, for nodes sampled
 i.i.d. from a draft distribution, that distribution (``draft_dists`` keyed by the parent) and
-the node's own probability under it (``draft_probs``). Nodes without a draft distribution are
+the node's own probability under it (``draft_probs``); a distribution is a dense
+[n_vocab] array or a ``SparseDist`` over the draft's support. Nodes without a draft distribution are
 **deterministic** (n-gram continuations, top-k expansions) and are verified with the
 point-mass rule (see ``verify.py``).
 """
@@ -25,6 +26,55 @@ import enum
 from dataclasses import dataclass, field
 
 import numpy as np
+
+
+@dataclass(frozen=True)
+class SparseDist:
+    """A draft distribution over its support only (every other token has probability 0).
+
+    A model drafter's distribution lives on its draft vocabulary (an EAGLE-3 head's ``d2t``,
+    a few thousand ids) or on the candidates left by top-k / top-p, so storing it dense
+    ([n_vocab] float64, 2 MiB on a 262k vocabulary) per sampled node costs for nothing:
+    rejection sampling reads ``draft_probs`` only at the sampled tokens and over the
+    target's residual support, where absent ids count as 0.
+
+    Attributes:
+        ids: [m] int64 token ids, strictly ascending.
+        probs: [m] float64 their probabilities (sum to 1 up to rounding).
+    Raises:
+        ValueError: ids not strictly ascending, or shapes that differ.
+    """
+
+    ids: np.ndarray
+    probs: np.ndarray
+
+    def __post_init__(self) -> None:
+        ids = np.ascontiguousarray(self.ids, dtype=np.int64)
+        probs = np.ascontiguousarray(self.probs, dtype=np.float64)
+        if ids.shape != probs.shape or ids.ndim != 1:
+            raise ValueError(f"SparseDist: ids {ids.shape} and probs {probs.shape} must be equal 1-d shapes")
+        if ids.size > 1 and not np.all(ids[1:] > ids[:-1]):
+            raise ValueError("SparseDist: ids must be strictly ascending")
+        object.__setattr__(self, "ids", ids)
+        object.__setattr__(self, "probs", probs)
+
+    @classmethod
+    def from_unsorted(cls, ids, probs) -> "SparseDist":
+        """From distinct ``ids`` in any order (sorted here)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        order = np.argsort(ids, kind="stable")
+        return cls(ids[order], np.asarray(probs, dtype=np.float64)[order])
+
+    def prob(self, token: int) -> float:
+        """Probability of ``token`` (0 outside the support)."""
+        i = int(np.searchsorted(self.ids, token))
+        return float(self.probs[i]) if i < self.ids.size and self.ids[i] == token else 0.0
+
+    def dense(self, n_vocab: int) -> np.ndarray:
+        """[n_vocab] float64."""
+        out = np.zeros(n_vocab, dtype=np.float64)
+        out[self.ids] = self.probs
+        return out
 
 
 class TokenSource(enum.IntEnum):
@@ -300,7 +350,8 @@ class TreeBuilder:
         return idx
 
     def set_draft_dist(self, parent: int, dist: np.ndarray) -> None:
-        """Record the draft distribution ([n_vocab] float32) the children of ``parent`` came from."""
+        """Record the draft distribution (dense [n_vocab] or ``SparseDist``) the children of
+        ``parent`` came from."""
         self.draft_dists[int(parent)] = dist
 
     def build(self) -> TokenTree:

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .native import verify as native_verify
-from .tree import TokenSource, TokenTree
+from .tree import SparseDist, TokenSource, TokenTree
 
 
 @dataclass
@@ -156,6 +156,8 @@ def verify_rejection(tree: TokenTree, logits: np.ndarray, cursor) -> VerifyResul
             u = cursor.accept_uniform(k)
             if tree.is_stochastic(c):
                 draft_probs = tree.draft_dists[node]
+                if isinstance(draft_probs, SparseDist):
+                    draft_probs = draft_probs.dense(residual.size)
                 qx = float(draft_probs[x])
                 if qx <= 0.0:
                     raise ValueError(f"draft node {c} has zero probability under its draft distribution")

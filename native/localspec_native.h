@@ -37,7 +37,7 @@
 extern "C" {
 #endif
 
-#define LS_ABI_VERSION 2
+#define LS_ABI_VERSION 3
 
 /* error codes (negative returns) */
 #define LS_ERR_BANNED (-1)         /* every token is banned (-inf) by logit bias */
@@ -125,6 +125,12 @@ LS_API void ls_rows_logsumexp(const float *logits, int64_t stride, int64_t n_voc
 LS_API void ls_rows_argmax(const float *logits, int64_t stride, int64_t n_vocab,
                            const int32_t *rows, int64_t n_rows, int64_t *out, int32_t n_threads);
 
+/* The top-k of a row: the k largest finite values of x (fewer when fewer are finite),
+ * sorted by (x desc, id asc) -- drafters.tree_expand._top_k_children without the softmax.
+ * requires: ids_out [min(k, n)] int64.
+ * returns: the number of ids written (0 when no value is finite), or LS_ERR_ARG. */
+LS_API int64_t ls_top_k(const float *x, int64_t n, int64_t k, ls_workspace *ws, int64_t *ids_out);
+
 /* The processed distribution of one row: logit bias, penalties (pen_ids/pen_counts: the
  * penalty window's distinct tokens and counts), then top-k -> top-p -> min-p ->
  * temperature, exactly as LogitsProcessor.candidates without a grammar.
@@ -158,6 +164,11 @@ typedef struct ls_tree {
                                        stochastic children were drawn from, or NULL (the
                                        whole table may be NULL: no distributions) */
     const int8_t *dist_is_f64;  /* [n_nodes]: 1 = that distribution is float64, 0 = float32 */
+    const int64_t *const *dist_ids; /* [n_nodes] or NULL: node -> ascending token ids of a
+                                       *sparse* distribution (then draft_dists[node] holds
+                                       dist_len[node] float64 probabilities of those ids and
+                                       every other token has probability 0), or NULL (dense) */
+    const int64_t *dist_len;    /* [n_nodes]: entries of each sparse distribution */
 } ls_tree;
 
 /* Walk `tree` as localspec.verify does (mode LS_VERIFY_GREEDY: verify_greedy, the argmax /

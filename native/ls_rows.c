@@ -330,6 +330,24 @@ LS_HOT static int64_t top_k_sorted(const float *x, int64_t n, int64_t k, ls_work
     return k < cnt ? k : cnt;
 }
 
+int64_t ls_top_k(const float *x, int64_t n, int64_t k, ls_workspace *ws, int64_t *ids_out) {
+    if (!ws || ws->n_vocab < n || n < 0 || k < 0) return LS_ERR_ARG;
+    if (k == 0 || n == 0) return 0;
+    float M;
+    int64_t n_fin;
+    ls__row_max(x, n, ws->n_threads, &M, &n_fin);
+    if (n_fin == 0) return 0;
+    int64_t m;
+    if (k < n_fin) {
+        m = top_k_sorted(x, n, k, ws);
+    } else {
+        m = collect_ge(x, n, -FLT_MAX, ws->ids);
+        ls__sort_desc(x, ws->ids, m, ws->keys, ws->keys2);
+    }
+    memcpy(ids_out, ws->ids, (size_t)m * sizeof(int64_t));
+    return m;
+}
+
 /* ---- the top-p cut ------------------------------------------------------------------------------- */
 
 /* Mass histogram of x by distance below its maximum (bins of 1/LS_HIST_SCALE logits; the

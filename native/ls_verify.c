@@ -125,8 +125,17 @@ static void children_free(children *ch) {
 
 static inline int is_stochastic(const ls_tree *t, int32_t node) { return !isnan(t->draft_probs[node]); }
 
+static inline int is_sparse(const ls_tree *t, int32_t node) { return t->dist_ids && t->dist_ids[node]; }
+
+static int64_t find_id(const int64_t *ids, int64_t m, int64_t token);
+
+/* draft probability of token i under the distribution at node (dense or sparse) */
 static inline double dist_at(const ls_tree *t, int32_t node, int64_t i) {
     const void *d = t->draft_dists[node];
+    if (is_sparse(t, node)) {
+        int64_t at = find_id(t->dist_ids[node], t->dist_len[node], i);
+        return at >= 0 ? ((const double *)d)[at] : 0.0;
+    }
     return t->dist_is_f64[node] ? ((const double *)d)[i] : (double)((const float *)d)[i];
 }
 
@@ -218,9 +227,21 @@ int32_t ls_verify(const ls_tree *tree, const float *logits, int64_t stride, int6
                         accepted = c;
                         break;
                     }
-                    for (int64_t j = 0; j < m; j++) {
-                        double v = res[j] - dist_at(tree, node, ids[j]);
-                        tmp[j] = v > 0.0 ? v : (v == v ? 0.0 : v);
+                    if (is_sparse(tree, node)) { /* both supports ascending: one merge pass */
+                        const int64_t *qi = tree->dist_ids[node];
+                        const double *qv = (const double *)tree->draft_dists[node];
+                        int64_t nq = tree->dist_len[node], a = 0;
+                        for (int64_t j = 0; j < m; j++) {
+                            while (a < nq && qi[a] < ids[j]) a++;
+                            double q = (a < nq && qi[a] == ids[j]) ? qv[a] : 0.0;
+                            double v = res[j] - q;
+                            tmp[j] = v > 0.0 ? v : (v == v ? 0.0 : v);
+                        }
+                    } else {
+                        for (int64_t j = 0; j < m; j++) {
+                            double v = res[j] - dist_at(tree, node, ids[j]);
+                            tmp[j] = v > 0.0 ? v : (v == v ? 0.0 : v);
+                        }
                     }
                     double z = ls__sum(tmp, m);
                     if (z > 0.0) { /* all-zero residual: draft == target, keep it */

@@ -158,10 +158,10 @@ def test_random_head_rejection_sampling_is_exact(eng, model, random_head_path, s
         eng.cache.prefill(prompt[:-1])
         d.add_target_features(0, eng._tap.take())
         b = TreeBuilder(prompt[-1])
-        root_row = d.decode_level(b, [0])[0].copy()
+        root_row = d.target_rows(d.decode_level(b, [0]))[0]  # draft-vocabulary rows, as target-wide rows
         support = RequestSampler(REJECTION_SAMPLING.with_seed(0), model, prompt).processor.candidates(root_row).ids
         kids = [b.add(0, int(t), source=TokenSource.EAGLE3) for t in support]
-        after = d.decode_level(b, kids)
+        after = d.target_rows(d.decode_level(b, kids))
         draft_after = {int(t): after[i].copy() for i, t in enumerate(support)}
         d.slots.release()
         assert set(support) <= set(np.flatnonzero(np.isfinite(root_row)))  # inside the draft vocabulary

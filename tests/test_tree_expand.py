@@ -10,7 +10,7 @@ from localspec.drafters.tree_expand import DraftCalibration, DraftMode, DraftSam
 from localspec.policy import SpeculationPolicy, TreeShape, accepted_length
 from localspec.sampler import RequestSampler
 from localspec.sampling import SamplingParams
-from localspec.tree import TokenSource, TokenTree, TreeBuilder
+from localspec.tree import SparseDist, TokenSource, TokenTree, TreeBuilder
 from localspec.verify import sample_from, verify_greedy, verify_rejection
 
 V = 8  # vocabulary of the synthetic models
@@ -100,7 +100,8 @@ def test_sampled_children_carry_their_distribution():
     row = logits_after((), 9)
     ch = ds.children(row, 3, 4)
     q = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
-    assert np.allclose(ch.dist, q) and np.allclose(ch.draft_probs, q[ch.tokens])
+    assert isinstance(ch.dist, SparseDist)  # over its support only, never [n_vocab] per node
+    assert np.allclose(ch.dist.dense(V), q) and np.allclose(ch.draft_probs, q[ch.tokens])
 
 
 def test_merge_trees_unions_and_dedupes():

@@ -136,6 +136,7 @@ class Context:
         self.n_vocab: int = model.n_vocab
         self.swa_full = bool(swa_full)
         self.n_outputs = 0  # rows of logits produced by the last decode
+        self.n_calls = 0  # llama_decode / llama_process calls made on this context
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -174,6 +175,7 @@ class Context:
                 roll back to their own committed length (the engine does).
         """
         n_out = int(batch.output[: batch.n_tokens].sum())
+        self.n_calls += 1
         rc = lib.llama_decode(self.handle, batch.struct)
         if rc != 0:
             self.n_outputs = 0
@@ -196,6 +198,7 @@ class Context:
         encode produces no logits (read its output embeddings instead).
         """
         kind = lib.LLAMA_PROCESS_TYPE_ENCODE if encode else lib.LLAMA_PROCESS_TYPE_DECODE
+        self.n_calls += 1
         rc = lib.llama_process(self.handle, kind, batch.handle)
         if rc != 0:
             self.n_outputs = 0

@@ -285,3 +285,26 @@ class Model:
 
     def __repr__(self) -> str:
         return f"Model({str(self.path)!r}, {self.describe() if self._model else 'closed'})"
+
+
+def gguf_tensor(path: str | os.PathLike, name: str, *, float_only: bool = False) -> np.ndarray | None:
+    """One tensor of a GGUF file, read with the ``gguf`` library, in numpy order (ggml's
+    ``ne`` reversed: a ``[n_in, n_out]`` ggml matrix comes back as ``[n_out, n_in]``).
+
+    Args:
+        float_only: return only F32 / F16 tensors (as float32); None for anything else.
+    Returns:
+        a copy of the tensor's data, or None when the file has no tensor ``name`` (or, with
+        ``float_only``, when it is quantised).
+    """
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    r = GGUFReader(str(path))
+    t = next((t for t in r.tensors if t.name == name), None)
+    if t is None:
+        return None
+    if float_only:
+        if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            return None
+        return np.array(t.data, dtype=np.float32)
+    return np.array(t.data)

@@ -1,6 +1,6 @@
 """``localspec bench``: speed of speculative vs plain decoding on Spec-Bench-format prompts,
 and micro-benchmarks (``bench ngram``, ``bench kernels``, ``bench host``, ``bench features``,
-``bench complete``)."""
+``bench drafters``, ``bench complete``)."""
 
 from __future__ import annotations
 
@@ -85,6 +85,28 @@ def register(sub) -> None:
     ft.add_argument("-m", "--model", default=None, help="target GGUF (default: the embedded model)")
     ft.add_argument("--json", action="store_true")
     ft.set_defaults(func=run_features)
+
+    dr = bsub.add_parser(
+        "drafters",
+        help="EAGLE-3 head cost per tree level vs a target single-token decode",
+        description="Drafts with the head in fixed tree shapes on every step and, alternating prompt "
+        "by prompt in the same run, decodes plainly: reports per level the head's median time, its "
+        "fraction of a plain single-token target decode (goal: <= 10%%; level 0 with its catch-up "
+        "<= 15%%), the head's llama.cpp calls per level, and the host time per drafted node.",
+    )
+    dr.add_argument("--eagle", default=None, metavar="PATH", help="EAGLE-3 head GGUF (default: the head shipped for the model)")
+    dr.add_argument("--shapes", default="6x1x7,4x3x16", help="tree shapes depth x width x nodes (default 6x1x7,4x3x16)")
+    dr.add_argument("-n", "--max-tokens", type=int, default=48, help="tokens per prompt (default 48)")
+    dr.add_argument("--rounds", type=int, default=2, help="passes over the built-in prompts (default 2)")
+    dr.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all this process may use)")
+    dr.add_argument("-m", "--model", default=None, help="target GGUF (default: the embedded model)")
+    dr.add_argument("--versus", default=None, metavar="A,B",
+                    help="instead: Spec-Bench prompts (--dataset) decoded plainly and with drafters A and B in one "
+                    "run (e.g. ngram,auto); per category speed over plain, MAL, identical outputs, and B over A")  # fmt: skip
+    dr.add_argument("--dataset", default=None, help="Spec-Bench question.jsonl (with --versus)")
+    dr.add_argument("--per-category", type=int, default=3, help="prompts per category (with --versus; default 3)")
+    dr.add_argument("--json", action="store_true")
+    dr.set_defaults(func=run_drafters)
 
     from . import bench_complete, bench_serve
 
@@ -196,6 +218,83 @@ def run_features(a: argparse.Namespace) -> int:
         print("| batch | decode µs | with tap µs | overhead µs | in callback µs |\n|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['batch']} | {r['t_plain_us']:.0f} | {r['t_tap_us']:.0f} | {r['t_overhead_us']:.0f} | {r['t_callback_us']:.0f} |")
+    return 0
+
+
+def run_drafters(a: argparse.Namespace) -> int:
+    import os
+
+    from ..backend import Model
+    from ..bench.drafters import bench_drafters
+    from ..models import resolve_model
+    from ..models.eagle3_heads import shipped_head
+    from ..policy import TreeShape
+
+    if a.versus:
+        return _run_versus(a)
+    model = Model(resolve_model(a.model))
+    try:
+        head = a.eagle or shipped_head(model.path)
+        if head is None:
+            raise SystemExit("localspec: error: no EAGLE-3 head ships for this model: give one with --eagle PATH")
+        try:
+            shapes = [TreeShape(*(int(x) for x in s.split("x")), 0.0) for s in a.shapes.split(",")]
+        except (TypeError, ValueError):
+            raise SystemExit(f"localspec: error: --shapes {a.shapes!r}: expected DEPTHxWIDTHxNODES[,...]") from None
+        rows = bench_drafters(model, head, shapes=shapes, max_tokens=a.max_tokens, rounds=a.rounds, n_threads=a.threads)
+    finally:
+        model.close()
+    if a.json:
+        print(json.dumps({"drafters": [r.to_dict() for r in rows], "load_avg_1min": os.getloadavg()[0]}))
+        return 0
+    print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    for r in rows:
+        print(
+            f"\n{r.shape}: plain single-token target decode {r.t_decode_1_us / 1e3:.2f} ms; {r.drafted_steps} drafted steps, "
+            f"{r.nodes_per_step:.1f} nodes/step, MAL {r.mean_acceptance_length:.2f}; host {r.host_us_per_node:.0f} µs per "
+            f"drafted node; head calls outside drafted steps: {r.head_calls_outside_drafting}"
+        )
+        print("| level | steps | head µs (median) | p90 µs | of a target decode | llama.cpp calls | catch-up entries |\n|---|---|---|---|---|---|---|")
+        for lv in r.levels:
+            print(
+                f"| {lv.level} | {lv.steps} | {lv.t_median_us:.0f} | {lv.t_p90_us:.0f} | {100 * lv.fraction_of_decode:.1f}% "
+                f"| {lv.calls_per_step:.2f} | {lv.mean_catch_up:.1f} |"
+            )
+    return 0
+
+
+def _run_versus(a: argparse.Namespace) -> int:
+    import os
+
+    from ..backend import Model
+    from ..bench.dataset import load_questions, select_prompts
+    from ..bench.drafters import compare_drafters, summarize_versus
+    from ..models import resolve_model
+
+    if not a.dataset:
+        raise SystemExit("localspec: error: --versus needs --dataset FILE (a Spec-Bench question.jsonl)")
+    names = [n.strip() for n in a.versus.split(",") if n.strip()]
+    if len(names) < 2 or "none" in names:
+        raise SystemExit("localspec: error: --versus takes two or more drafter names, e.g. ngram,auto")
+    prompts = select_prompts(load_questions(a.dataset), None, a.per_category)
+    model = Model(resolve_model(a.model))
+    load0 = os.getloadavg()[0]
+    try:
+        rows = compare_drafters(model, prompts, names, max_tokens=a.max_tokens, n_threads=a.threads,
+                                progress=lambda i, n, _r: print(f"  {i}/{n}", file=sys.stderr))  # fmt: skip
+    finally:
+        model.close()
+    summary = summarize_versus(rows, names)
+    load1 = os.getloadavg()[0]
+    if a.json:
+        print(json.dumps({"prompts": rows, "summary": summary, "load_avg_1min": [load0, load1]}))
+        return 0
+    print(f"load average (1 min): {load0:.1f} at the start, {load1:.1f} at the end, on {os.cpu_count()} CPUs; greedy, {a.max_tokens} tokens")
+    head = " | ".join(f"{n} vs plain / MAL / identical" for n in names)
+    print(f"| category | prompts | {head} | {names[-1]} over {names[0]} |\n|---|---|" + "---|" * (len(names) + 1))
+    for e in summary:
+        cells = " | ".join(f"{e[n]['speed_vs_plain']:.2f}x / {e[n]['mal']:.2f} / {e[n]['identical']}/{e['prompts']}" for n in names)
+        print(f"| {e['category']} | {e['prompts']} | {cells} | {e['last_over_first']:.2f}x |")
     return 0
 
 

@@ -44,8 +44,8 @@ def add_drafter_args(p: argparse.ArgumentParser, default: str = "ngram") -> None
     )
     g.add_argument("--draft-n-ctx", type=int, default=None, help="draft model context (default: the target's)")
     g.add_argument("--eagle", default=None, metavar="PATH",
-                   help="EAGLE-3 head GGUF for the target (--drafter eagle3|auto; default for eagle3: the head shipped "
-                   "for the default model)")  # fmt: skip
+                   help="EAGLE-3 head GGUF for the target (--drafter eagle3|auto; default for both: the head shipped "
+                   "for the default model; auto without one, elsewhere, drafts n-grams only)")  # fmt: skip
     g.add_argument("--draft-shape", default=None, metavar="D,W,N",
                    help="fixed EAGLE-3 tree shape: depth, width, node budget (e.g. 6,1,7 = chains of 6)")  # fmt: skip
 

@@ -1,12 +1,17 @@
 """``--drafter auto``: the n-gram drafter every step, a model drafter when the policy expects it
 to pay, both merged into one tree.
 
-Each step the n-gram drafter proposes first (it costs ~0.1 ms). The policy then compares
-the best expected rate of that tree with the expected rate of a model-drafted step, whose
-drafting time is paid whatever is accepted (``SpeculationPolicy.prefer_model``). When the
-model runs, its tree and the n-gram tree are merged (``merge_trees``): a continuation found
-by both appears once, with the larger acceptance estimate, and the policy verifies the best
-nodes of the union. Each drafter learns from its own tree (``observe``).
+Each step the n-gram drafter proposes first (it costs ~0.1 ms): that is ``propose``, the
+cheap phase. The engine's policy then plans the step once, comparing the best expected rate
+of that tree with the expected rate of a model-drafted step, whose drafting time (the cost
+model's measured time per draft level) is paid whatever is accepted
+(``SpeculationPolicy.plan`` / ``prefer_model``). When the plan runs the model (``extend``),
+its tree and the n-gram tree are merged (``merge_trees``): a continuation found by both
+appears once, with the larger acceptance estimate, and the step verifies the best nodes of
+the union. Both drafters' node scores are on one scale: each is the calibrated probability
+that the target accepts the path (``AcceptanceTracker``, learned online from what the target
+emitted), so the union's best nodes by score are the best of both. Each drafter learns from
+its own tree (``observe``).
 """
 
 from __future__ import annotations
@@ -69,7 +74,6 @@ class AutoDrafter:
         self.ngram = ngram or NgramDrafter()
         self.model = model
         self.target_feature_layers = getattr(model, "target_feature_layers", None)
-        self.policy = None
         self._ngram_tree: TokenTree | None = None
         self._model_tree: TokenTree | None = None
 
@@ -78,11 +82,15 @@ class AutoDrafter:
         """(EAGLE-3 heads) positions whose target features the model drafter has."""
         return self.model.n_target_features
 
+    @property
+    def model_stats(self):
+        """The model drafter's ``ModelDraftStats`` when it can draft this step, else None."""
+        return None if self.model is None else self.model.model_stats
+
     def add_target_features(self, first_pos: int, rows) -> None:
         self.model.add_target_features(first_pos, rows)
 
     def attach(self, target: TargetHandle) -> None:
-        self.policy = target.policy
         if self.model is not None and hasattr(self.model, "attach"):
             self.model.attach(target)
 
@@ -101,22 +109,23 @@ class AutoDrafter:
             self.model.accept(tokens)
 
     def propose(self, max_depth: int, max_nodes: int) -> TokenTree:
-        ngram_tree = self.ngram.propose(max_depth, max_nodes)
-        self._ngram_tree, self._model_tree = ngram_tree, None
-        if self.model is None or self.policy is None:
-            return ngram_tree
-        best_ngram = self.policy.choose(ngram_tree, max_nodes=max_nodes)
-        if not self.policy.prefer_model(best_ngram, self.model.stats):
-            self.model.stats.skipped()
-            return ngram_tree
-        self._model_tree = self.model.propose(max_depth, max_nodes)
-        return merge_trees(self._model_tree, ngram_tree)
+        """The cheap phase: the n-gram tree (no model call)."""
+        self._ngram_tree = self.ngram.propose(max_depth, max_nodes)
+        self._model_tree = None
+        if self.model is not None:
+            self.model.propose(max_depth, max_nodes)  # the model's (empty) cheap phase
+        return self._ngram_tree
+
+    def extend(self, shape) -> TokenTree:
+        """The model's tree of ``shape`` merged with this step's n-gram tree."""
+        self._model_tree = self.model.extend(shape)
+        return merge_trees(self._model_tree, self._ngram_tree)
 
     def observe(self, tree: TokenTree, emitted: Sequence[int]) -> None:
         if self._ngram_tree is not None:
             self.ngram.observe(self._ngram_tree, emitted)
-        if self._model_tree is not None:
-            self.model.observe(self._model_tree, emitted)
+        if self.model is not None:
+            self.model.observe(self._model_tree if self._model_tree is not None else tree, emitted)
 
     def close(self) -> None:
         self.ngram.close()

@@ -21,11 +21,22 @@ Contract:
       and the tokens the step emitted, so the drafter can calibrate its estimates, also on
       the nodes that were not verified.
 
+Drafters that run a model (``ModelDrafter``, ``AutoDrafter`` with a model) draft in two
+phases so that the engine's policy decides each step once, before any model call; they
+never ask the policy themselves:
+    * ``propose`` returns only the cheap drafts (the n-gram tree; the root alone for a model
+      drafter) and makes no model call;
+    * ``model_stats``: the model's ``ModelDraftStats`` when it can draft this step, else None;
+    * ``extend(shape)``, called at most once per step and only when the plan says so: draft
+      with the model in that ``TreeShape`` and return this step's whole candidate tree (the
+      model's tree merged with the cheap drafts).
+    A step without ``extend`` costs the model nothing; it catches up on the next one.
+
 Optional hooks, called by the engine when a drafter defines them:
     * ``attach(target: TargetHandle)`` once, when the drafter is set on an engine: drafters
-      that run a model get the target model (vocabulary check), context (EAGLE-3 heads share
-      its tensors), policy (tree shapes) and, when they list ``target_feature_layers``,
-      the ``FeatureTap`` that captures those target layers.
+      that run a model get what they need of the target (see ``TargetHandle``) and, when
+      they list ``target_feature_layers``, the ``FeatureTap`` that captures those layers.
+    * ``fixed_shape``: a ``TreeShape`` the plan always drafts with (tests, experiments).
     * ``set_sampling(sampler: RequestSampler)`` before ``begin`` of every request: model
       drafters draft with the request's sampling (greedy, seeded Gumbel, or their own
       distribution for classic rejection sampling).
@@ -44,7 +55,6 @@ from ..tree import TokenSource, TokenTree
 if TYPE_CHECKING:  # pragma: no cover
     from ..backend import Context, Model
     from ..backend.features import FeatureTap
-    from ..policy import SpeculationPolicy
 
 
 @runtime_checkable
@@ -63,19 +73,25 @@ class Drafter(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass
+@dataclass(frozen=True)
 class TargetHandle:
-    """What the engine lends a drafter that needs the target (``attach``).
+    """What the engine lends a drafter that needs the target (``attach``): facts about the
+    target, not the engine's own objects (its policy decides steps and passes the decision
+    in; the drafter never drives the target's context).
 
     Attributes:
-        model: the target ``Model``.
-        ctx: the target ``Context`` (valid until the drafter is replaced or the engine closed).
-        policy: the engine's ``SpeculationPolicy`` (tree shapes, drafter choice).
+        model: the target ``Model`` (vocabulary, embeddings size, suppressed tokens).
+        n_ctx: the target's context size (tokens).
+        n_threads: the CPU threads the target decodes with.
+        tensor_source: the target ``Context`` whose tensors an EAGLE-3 head borrows
+            (llama.cpp's ``ctx_other``: token embeddings, lm_head); only for creating the
+            draft context, never for decoding. Valid until the drafter is replaced.
         features: the ``FeatureTap`` on the target context, when the drafter asked for
             ``target_feature_layers``; else None.
     """
 
     model: "Model"
-    ctx: "Context"
-    policy: "SpeculationPolicy"
+    n_ctx: int
+    n_threads: int
+    tensor_source: "Context | None" = None
     features: "FeatureTap | None" = None

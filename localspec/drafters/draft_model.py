@@ -80,7 +80,7 @@ class DraftModelDrafter(ModelDrafter):
     def attach(self, target: TargetHandle) -> None:
         """Check the vocabulary against the target and create the draft context."""
         self.vocab = check_vocab(target.model, self.model)
-        n_ctx = self.n_ctx_request or min(target.ctx.n_ctx, self.model.n_ctx_train or target.ctx.n_ctx)
+        n_ctx = self.n_ctx_request or min(target.n_ctx, self.model.n_ctx_train or target.n_ctx)
         if n_ctx < 2 * self.n_slots + 64:
             raise InvalidRequestError(
                 f"a draft context of {n_ctx} tokens is too small for trees of depth {self.max_depth} and "

@@ -13,18 +13,31 @@ How the engine and the head work together::
     target decode (prefill chunk or verified tree)
        └─ FeatureTap (cb_eval) captures l_out-(k-1) rows for the 3 layers
     engine: add_target_features(first_pos, rows of the committed tokens only)
-    propose:
-       level 0: encode the new feature rows -> g; decode entries (t[P+1], g_P) for every
-                position not yet in the head's KV seq 0; the last one (P = root_pos - 1,
-                token = the root) with output -> children of the root, and its pre-norm
-                state h (read with llama_get_embeddings_nextn_ith)
-       level d: decode frontier nodes in scratch sequences: entry (node token, h of its
-                parent) at position root_pos + depth - 1 -> children, and the node's h
+    the policy plans the step (before any drafting): a tree shape, or no head call at all
+    level 0 (one llama.cpp call): the encoder ``fc`` over the new feature rows -> g (numpy:
+                one small matmul, no llama.cpp call), then ONE decode of the entries
+                (t[P+1], g_P) of every position not yet in the head's KV seq 0 (the
+                catch-up, all steps since the head last ran), the last one (P = root_pos - 1,
+                token = the root) -> children of the root and its pre-norm state h
+                (llama_get_embeddings_nextn_ith)
+    level d (one llama.cpp call): the frontier nodes in scratch sequences: entry (node
+                token, h of its parent) at position root_pos + depth - 1 -> children, and h
+
+A step whose plan drafts nothing touches the head not at all: its feature rows wait, and
+their entries join the next level-0 call.
 
 Like llama.cpp's own driver (``common/speculative.cpp``) the head's KV holds entries for all
 committed positions; rejected draft entries live only in scratch sequences and are dropped.
 Entries are decoded with logits for all rows or none, because the ``eagle3`` graph does not
-select output rows (a mixed batch would return the wrong rows).
+select output rows (a mixed batch would return the wrong rows) and positions in a batch may
+not decrease: a catch-up of at most ``CATCH_UP_OUTPUTS`` entries is one call with every row
+out (the rows are cheap at the draft-vocabulary width); a longer one (the first step after
+a prompt) decodes its head without outputs first.
+
+**Draft-vocabulary rows.** A head with a reduced vocabulary (``d2t``) makes llama.cpp scatter
+its rows into target-wide rows (``-inf`` elsewhere). ``decode_level`` gathers them back to
+the draft width ([n, len(d2t)], a few thousand columns), ``DraftSampler`` ranks them there
+(top-k in C) and maps only the chosen ids to target ids.
 """
 
 from __future__ import annotations
@@ -35,6 +48,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..backend import Model
+from ..backend.model import gguf_tensor
 from ..backend._llama import ext, model_target_layer_ids, model_target_layer_ids_n
 from ..backend.batch_ext import ExtBatch
 from ..errors import KVCacheError, ModelLoadError
@@ -53,6 +67,10 @@ def head_target_layers(model: Model) -> tuple[int, ...]:
     n = int(model_target_layer_ids_n(model.handle))
     ptr = model_target_layer_ids(model.handle)
     return tuple(int(ptr[i]) for i in range(n))
+
+
+CATCH_UP_OUTPUTS = 16
+"""Longest catch-up decoded in the same call as the root's entry (every row an output)."""
 
 
 class Eagle3Drafter(ModelDrafter):
@@ -87,7 +105,22 @@ class Eagle3Drafter(ModelDrafter):
         self.target_feature_layers = head_target_layers(self.model)
         self.n_embd_target = int(self.model.meta("eagle3.target_hidden_size") or self.model.n_embd)
         self.n_embd = self.model.n_embd
+        d2t = gguf_tensor(self.model.path, "d2t")
+        self.d2t = None if d2t is None else np.ascontiguousarray(d2t, dtype=np.int64)
+        self.fc = self._numpy_fc()
         self._reset_state()
+
+    def _numpy_fc(self) -> np.ndarray | None:
+        """The encoder's ``fc`` as [n_embd, 3 * n_embd_target] float32 when numpy can apply it
+        exactly as the graph does (an unquantised matrix and no norm before it); else None
+        (the encoder then runs in llama.cpp: one more call per level 0)."""
+        norm = (self.model.meta("eagle3.norm_before_fc") or "false").lower()
+        if norm not in ("false", "0"):
+            return None
+        w = gguf_tensor(self.model.path, "fc.weight", float_only=True)
+        if w is None or w.shape != (self.n_embd, 3 * self.n_embd_target):
+            return None
+        return np.ascontiguousarray(w, dtype=np.float32)
 
     def _reset_state(self) -> None:
         self.kv_len = 0  # head KV seq 0 holds entries for positions 0 .. kv_len - 1
@@ -110,7 +143,7 @@ class Eagle3Drafter(ModelDrafter):
             )
         if target.features is None or tuple(target.features.layers) != self.target_feature_layers:
             raise RuntimeError("the engine must capture the head's target layers (target_feature_layers)")
-        self.bind(target, n_ctx=target.ctx.n_ctx, ctx_other=target.ctx)
+        self.bind(target, n_ctx=target.n_ctx, ctx_other=target.tensor_source)
         ext.llama_set_embeddings_nextn(self.ctx.handle, True, True)  # pre-norm rows of the outputs
         self.batch = ExtBatch(self.ctx.handle)
         self._reset_state()
@@ -161,8 +194,10 @@ class Eagle3Drafter(ModelDrafter):
     # -- LevelDecoder -------------------------------------------------------------------------
 
     def decode_level(self, tree: TreeBuilder, nodes: list[int]) -> np.ndarray:
+        """Draft logits after ``nodes``: [len(nodes), width] float32, ``width = len(d2t)``
+        (draft ids; ``DraftSampler`` maps them back) or ``n_vocab`` without a ``d2t``."""
         if nodes == [0]:
-            return self._catch_up(tree.tokens[0])
+            return self._draft_rows(self._catch_up(tree.tokens[0]))
         root_pos = len(self.history) - 1
         b = self.batch
         b.clear()
@@ -172,11 +207,28 @@ class Eagle3Drafter(ModelDrafter):
         self.ctx.process(b)
         for i, n in enumerate(nodes):
             self._state[n] = self._prenorm(i)
-        return self.ctx.logits()
+        return self._draft_rows(self.ctx.logits())
+
+    def _draft_rows(self, logits: np.ndarray) -> np.ndarray:
+        """[n, n_vocab] target-wide rows of the last decode -> [n, width] draft-vocabulary rows."""
+        if self.d2t is None:
+            return logits
+        return np.take(logits, self.d2t, axis=1)
+
+    def target_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Draft-vocabulary rows ([n, width]) as target-wide rows ([n, n_vocab], ``-inf``
+        outside the draft vocabulary): what llama.cpp returned (tests, inspection)."""
+        if self.d2t is None:
+            return rows
+        out = np.full((rows.shape[0], self.n_vocab), -np.inf, dtype=np.float32)
+        out[:, self.d2t] = rows
+        return out
 
     def _catch_up(self, root: int) -> np.ndarray:
-        """Write the entries of every position up to the root's predecessor; the last one
-        (token = the root) with output: the root's children and pre-norm state."""
+        """Write the entries of every position up to the root's predecessor, the last one
+        (token = the root) with output; returns the root's row ([1, n_vocab]) and keeps its
+        pre-norm state. One llama.cpp call for a catch-up of up to ``CATCH_UP_OUTPUTS``
+        entries (every row out, the last one used)."""
         root_pos = len(self.history) - 1
         if self.kv_len >= root_pos:  # asked twice for the same root: redo its entry
             assert self.kv_len == root_pos and self.g_last is not None
@@ -187,24 +239,31 @@ class Eagle3Drafter(ModelDrafter):
             g_new = self._encode(self.feat[: root_pos - self.kv_len])
             self.feat = self.feat[root_pos - self.kv_len :]
         first = self.kv_len
+        n = g_new.shape[0]
         b = self.batch
         n_batch = self.ctx.n_batch
-        for i0 in range(0, g_new.shape[0] - 1, n_batch):  # entries before the last: no output
+        tail = min(n, CATCH_UP_OUTPUTS, n_batch)
+        for i0 in range(0, n - tail, n_batch):  # a long catch-up: its head without outputs
             b.clear()
-            for i in range(i0, min(i0 + n_batch, g_new.shape[0] - 1)):
+            for i in range(i0, min(i0 + n_batch, n - tail)):
                 p = first + i
                 b.add(token=self.history[p + 1], pos=p, seq_id=0, output=False, embd=g_new[i])
             self.ctx.process(b)
         b.clear()
-        b.add(token=root, pos=root_pos - 1, seq_id=0, output=True, embd=g_new[-1])
+        for i in range(n - tail, n):  # the rest and the root's entry: one call, every row out
+            p = first + i
+            b.add(token=self.history[p + 1] if p + 1 < root_pos else root, pos=p, seq_id=0, output=True, embd=g_new[i])
         self.ctx.process(b)
         self.kv_len = root_pos
         self.g_last = g_new[-1].copy()
-        self._state = {0: self._prenorm(0)}
-        return self.ctx.logits()
+        self._state = {0: self._prenorm(tail - 1)}
+        return self.ctx.logits()[tail - 1 : tail]
 
     def _encode(self, feats: np.ndarray) -> np.ndarray:
-        """The encoder (``fc``) over target feature rows: [n, 3 * n_embd_target] -> [n, n_embd]."""
+        """The encoder (``fc``) over target feature rows: [n, 3 * n_embd_target] -> [n, n_embd]
+        float32; in numpy when it is a plain matrix product (``_numpy_fc``)."""
+        if self.fc is not None:
+            return np.ascontiguousarray(feats @ self.fc.T, dtype=np.float32)
         out = np.empty((feats.shape[0], self.n_embd), dtype=np.float32)
         b = self.batch
         n_batch = self.ctx.n_batch

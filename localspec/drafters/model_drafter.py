@@ -1,9 +1,18 @@
 """``ModelDrafter``: what every drafter that runs a model (draft model, EAGLE-3 head) shares.
 
 The history, the request's ``DraftSampler``, the acceptance calibration and statistics, and
-the step itself: ask the policy for a tree shape, grow the tree level by level
-(``tree_expand.expand_tree``, which calls the subclass's ``decode_level``), then drop the
-scratch sequences and check the draft's KV cache whatever happened (``finally``).
+the step itself, in two phases so that the engine's policy decides the step once, before
+any model call (the drafter never asks the policy itself):
+
+* ``propose(max_depth, max_nodes)``: the cheap drafts of the step. A model drafter has none
+  and returns the root alone, without touching its model;
+* ``extend(shape)``: only when the policy's plan says so, grow the tree level by level with
+  that shape (``tree_expand.expand_tree``, one ``decode_level`` call per level), then drop the
+  scratch sequences and check the draft's KV cache whatever happened (``finally``). The time
+  of each level is recorded (``stats.last_level_us``) for the engine's cost model.
+
+A step that does not extend makes no model call; the drafter catches up on its next
+``extend``.
 
 Subclasses provide ``attach`` (checks, then
 ``bind`` to create the draft context), ``decode_level`` and ``check_cache``, and may override
@@ -22,7 +31,22 @@ from ..backend.slots import SeqSlots
 from ..policy import ModelDraftStats, TreeShape, accepted_length
 from ..sampling import SamplingParams
 from ..tree import TokenSource, TokenTree
+from .base import TargetHandle
 from .tree_expand import DraftCalibration, DraftSampler, expand_tree
+
+
+class _TimedLevels:
+    """A ``LevelDecoder`` that times each ``decode_level`` call of another (µs, in order)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.t_us: list[float] = []
+
+    def decode_level(self, tree, nodes):
+        t0 = time.perf_counter()
+        rows = self.inner.decode_level(tree, nodes)
+        self.t_us.append((time.perf_counter() - t0) * 1e6)
+        return rows
 
 
 class ModelDrafter(abc.ABC):
@@ -33,8 +57,8 @@ class ModelDrafter(abc.ABC):
         n_gpu_layers: layers to offload on CUDA / Metal builds (when loading from a path).
         max_depth / max_width: largest tree shape the policy may ask for (they size the
             draft context's scratch sequences).
-        shape: a fixed ``TreeShape`` for every step (tests, experiments); default: the
-            engine policy's ``tree_shape``.
+        shape: a fixed ``TreeShape`` for every step (tests, experiments; the engine's plan
+            then always drafts with it); default: the shape the engine's policy plans.
     """
 
     name = "model"
@@ -55,11 +79,12 @@ class ModelDrafter(abc.ABC):
         self.max_width = max_width
         self.fixed_shape = shape
         self.calib = DraftCalibration()
-        self.stats = ModelDraftStats()
+        self.stats = ModelDraftStats(max_depth=max_depth, max_width=max_width)
         self.history: list[int] = []
         self.sampler: DraftSampler | None = None
-        self.target = None
         self.ctx: Context | None = None
+        self._limits = (0, 0)
+        self._ran = False
         self._slot_of: dict[int, int] = {}
 
     @property
@@ -67,10 +92,14 @@ class ModelDrafter(abc.ABC):
         """Scratch sequences one tree may use (nodes decoded below the root)."""
         return (self.max_depth - 1) * self.max_width
 
+    d2t = None
+    """[n_draft] int64 target id of each draft id when ``decode_level`` returns draft-vocabulary
+    rows (EAGLE-3 heads with a reduced vocabulary), else None (rows in target ids)."""
+
     def set_sampling(self, sampler) -> None:
         """Draft for this request's sampling (a ``RequestSampler``; None = greedy)."""
         params = sampler.params if sampler is not None else SamplingParams.greedy(seed=0)
-        self.sampler = DraftSampler(params, self.n_vocab, self.suppress_ids)
+        self.sampler = DraftSampler(params, self.n_vocab, self.suppress_ids, d2t=self.d2t)
 
     def begin(self, history: Sequence[int], context: Sequence[Sequence[int]] = ()) -> None:
         self.history = [int(t) for t in history]
@@ -82,24 +111,41 @@ class ModelDrafter(abc.ABC):
     def ready(self) -> bool:
         return self.ctx is not None
 
+    @property
+    def model_stats(self) -> ModelDraftStats | None:
+        """What the policy plans with; None when the model cannot draft this step."""
+        return self.stats if self.ready() else None
+
     def propose(self, max_depth: int, max_nodes: int) -> TokenTree:
+        """The cheap phase: no drafts (the root alone) and no model call; ``extend`` drafts."""
+        self._limits = (max_depth, max_nodes)
+        self._ran = False
+        return TokenTree.root_only(self.history[-1])
+
+    def extend(self, shape: TreeShape) -> TokenTree:
+        """Draft this step's tree with ``shape`` (clipped to the limits given to ``propose``
+        and to the drafter's own); a root-only tree when the model cannot draft now.
+
+        Requires: ``propose`` was called for this step.
+        """
         root = self.history[-1]
+        max_depth, max_nodes = self._limits
+        self._ran = True
         if max_depth <= 0 or max_nodes <= 1 or not self.ready():
             return TokenTree.root_only(root)
         if self.sampler is None:
             self.set_sampling(None)
-        shape = self.fixed_shape or self.target.policy.tree_shape(
-            self.stats, max_depth=self.max_depth, max_nodes=max_nodes, max_width=self.max_width
-        )
         shape = shape.clipped(max_depth=min(max_depth, self.max_depth), max_width=self.max_width, max_nodes=max_nodes)
+        timed = _TimedLevels(self)
         t0 = time.perf_counter()
         try:
-            tree = expand_tree(root, len(self.history) - 1, shape, self, self.sampler, self.calib, self.source)
+            tree = expand_tree(root, len(self.history) - 1, shape, timed, self.sampler, self.calib, self.source)
         finally:
             self.slots.release()
             self._slot_of = {}
             self.check_cache()
-        self.stats.observe_draft((time.perf_counter() - t0) * 1e6, tree.n_nodes)
+        t_us = (time.perf_counter() - t0) * 1e6
+        self.stats.observe_draft(t_us, tree.n_nodes, timed.t_us)
         return tree
 
     def fork(self, parent: int, node: int) -> int:
@@ -108,13 +154,12 @@ class ModelDrafter(abc.ABC):
         self._slot_of[node] = seq
         return seq
 
-    def bind(self, target, *, n_ctx: int, ctx_other=None) -> None:
+    def bind(self, target: TargetHandle, *, n_ctx: int, ctx_other=None) -> None:
         """Attach to ``target``: (re)create the draft context with a scratch sequence per
         decoded tree node (``ctx_other``: a context whose tensors the draft borrows)."""
         if self.ctx is not None:
             self.ctx.close()
             self.ctx = None
-        self.target = target
         self.n_vocab = target.model.n_vocab
         self.suppress_ids = target.model.suppress_tokens
         self.ctx = Context(
@@ -122,13 +167,17 @@ class ModelDrafter(abc.ABC):
             n_ctx=n_ctx,
             n_batch=512,
             n_seq_max=min(256, self.n_slots + 1),
-            n_threads=target.ctx.n_threads,
+            n_threads=target.n_threads,
             ctx_other=ctx_other,
         )
         self.slots = SeqSlots(self.ctx)
         self.sampler = None
 
     def observe(self, tree: TokenTree, emitted: Sequence[int]) -> None:
+        if not getattr(self, "_ran", False):  # the plan did not run the model this step
+            self.stats.skipped()
+            return
+        self._ran = False
         if tree.n_nodes > 1:
             self.stats.observe_accept(accepted_length(tree, emitted))
         self.calib.observe(tree, emitted)

@@ -26,13 +26,14 @@ lossless and drafts match what the target will pick (``DraftSampler``):
   pick whenever the two distributions are close (deterministic children).
 * classic rejection sampling (``verify="rejection"``): k tokens drawn i.i.d. from the
   draft's processed distribution (stochastic children, with ``draft_probs`` and the
-  distribution in ``draft_dists``). Their scores, and therefore every pruning decision,
+  distribution, sparse over its support, in ``draft_dists``). Their scores, and therefore every pruning decision,
   depend only on the tree's *shape* (depth bucket) and never on the sampled tokens:
   keeping or dropping a sampled child because of its value would bias the output.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Protocol
@@ -41,7 +42,9 @@ import numpy as np
 
 from ..policy import AcceptanceTracker, TreeShape
 from ..sampling import STREAM_DRAFT, LogitsProcessor, SamplingParams, gumbel_noise, stream_key, uniforms
-from ..tree import TokenSource, TokenTree, TreeBuilder
+from .. import native
+from ..native import rows as native_rows
+from ..tree import SparseDist, TokenSource, TokenTree, TreeBuilder
 
 
 class DraftMode(enum.IntEnum):
@@ -58,7 +61,8 @@ class Children:
         tokens: [k] int64 target token ids, in the order they are tried.
         confidence: [k] float64 draft confidence of each (its bucket key).
         draft_probs: [k] float64 probability of each under ``dist`` (stochastic children), or None.
-        dist: [n_vocab] float64 draft distribution the children were drawn from, or None.
+        dist: the draft distribution the children were drawn from (a ``SparseDist`` over its
+            support, in target ids), or None.
     """
 
     tokens: np.ndarray
@@ -118,17 +122,36 @@ class DraftSampler:
     penalties and grammars are not applied to drafts (any draft is verified losslessly; they
     only change how often drafts are accepted).
 
+    **Draft-vocabulary rows.** With ``d2t`` (an EAGLE-3 head's reduced vocabulary: draft id
+    -> target id) the rows given to ``children`` are ``[n_draft]`` wide, the logit bias and
+    suppressed tokens are mapped into draft ids (target ids outside the draft vocabulary
+    cannot be drafted anyway), everything is ranked at that width (top-k in C), and only the
+    chosen ids are mapped back to target ids. Same children as ranking the ``[n_vocab]`` row
+    with ``-inf`` outside the draft vocabulary, at a fraction of the work.
+
     Args:
         params: the request's sampling parameters (seed set).
-        n_vocab: the target's vocabulary size (width of the rows given to ``children``).
+        n_vocab: the target's vocabulary size.
         suppress_ids: the target's suppressed tokens.
+        d2t: [n_draft] int64 target id of each draft id (distinct), or None: rows are
+            ``[n_vocab]`` wide in target ids.
     """
 
-    def __init__(self, params: SamplingParams, n_vocab: int, suppress_ids=()) -> None:
+    def __init__(self, params: SamplingParams, n_vocab: int, suppress_ids=(), d2t: np.ndarray | None = None) -> None:
         self.params = params
         self.seed = int(params.seed or 0)
         self.n_vocab = n_vocab
-        self.processor = LogitsProcessor(params, n_vocab, suppress_ids)
+        self.d2t = None if d2t is None else np.ascontiguousarray(d2t, dtype=np.int64)
+        if self.d2t is not None:
+            t2d = {int(t): i for i, t in enumerate(self.d2t)}
+            bias = {t2d[int(t)]: v for t, v in params.logit_bias.items() if int(t) in t2d}
+            suppress_ids = [t2d[int(t)] for t in suppress_ids if int(t) in t2d]
+            params = dataclasses.replace(params, logit_bias=bias)
+            width = int(self.d2t.size)
+        else:
+            width = n_vocab
+        self.width = width
+        self.processor = LogitsProcessor(params, width, suppress_ids)
         if params.is_greedy:
             self.mode = DraftMode.GREEDY
         elif params.verify == "gumbel":
@@ -136,42 +159,58 @@ class DraftSampler:
         else:
             self.mode = DraftMode.SAMPLE
 
+    def _target_ids(self, ids: np.ndarray) -> np.ndarray:
+        return ids if self.d2t is None else self.d2t[ids]
+
     def children(self, row: np.ndarray, pos: int, k: int, counter: int = 0) -> Children:
         """The ``k`` children of a node whose draft logits are ``row``.
 
         Args:
-            row: [n_vocab] float32 draft logits after the node (``-inf`` = not proposable).
+            row: [width] float32 draft logits after the node (``-inf`` = not proposable);
+                ``width`` is ``len(d2t)`` with a draft vocabulary, else ``n_vocab``.
             pos: absolute position of the children (the target's position, for the noise).
             k: children wanted (fewer when fewer tokens are possible).
             counter: distinguishes nodes at the same position (stochastic draws).
+        Returns:
+            ``Children`` in target ids; stochastic children carry a ``SparseDist``.
         """
         x = self.processor.adjusted(row, None)
         if self.mode == DraftMode.GREEDY:
-            return _top_k_children(x, k)
+            ch = _top_k_children(x, k)
+            ch.tokens = self._target_ids(ch.tokens)
+            return ch
         cand = self.processor.candidates(row)
+        tids = self._target_ids(cand.ids)
         if self.mode == DraftMode.GUMBEL:
-            z = cand.logits.astype(np.float64) + gumbel_noise(self.seed, pos, cand.ids)
+            z = cand.logits.astype(np.float64) + gumbel_noise(self.seed, pos, tids)
             ch = _top_k_children(z, k)
-            ch.tokens = cand.ids[ch.tokens]
+            ch.tokens = tids[ch.tokens]
             return ch
         q = cand.probs()  # [m] float64
         u = uniforms(stream_key(self.seed, pos, STREAM_DRAFT), np.arange(counter * 256, counter * 256 + k))
         cdf = np.cumsum(q)
         picks = np.minimum(np.searchsorted(cdf, u * cdf[-1], side="right"), q.size - 1)
-        dist = np.zeros(self.n_vocab, dtype=np.float64)
-        dist[cand.ids] = q
-        return Children(cand.ids[picks], q[picks], q[picks], dist)
+        return Children(tids[picks], q[picks], q[picks], SparseDist.from_unsorted(tids, q))
 
 
 def _top_k_children(z: np.ndarray, k: int) -> Children:
     """Top-k of ``z`` ([m] float, ``-inf`` = impossible; ties: lower index) with softmax(z) as
-    confidence."""
+    confidence. float32 rows go through the C kernels (``native.rows.top_k`` and
+    ``logsumexp``) when they are on; the numpy code below is their reference."""
+    if native.enabled() and z.dtype == np.float32:
+        top = native_rows.top_k(z, k)
+        if top.size == 0:
+            return Children(np.zeros(0, dtype=np.int64), np.zeros(0))
+        lse = native_rows.logsumexp(z)
+        return Children(top, np.exp(z[top].astype(np.float64) - lse))
     if k == 1:
         top = np.array([int(np.argmax(z))])
     else:
         k = min(k, z.size)
-        part = np.argpartition(-z, k - 1)[:k]
-        top = part[np.lexsort((part, -z[part]))]
+        thr = z[np.argpartition(-z, k - 1)[k - 1]]  # the k-th largest value
+        above = np.flatnonzero(z > thr)
+        top = np.concatenate([above, np.flatnonzero(z == thr)[: k - above.size]])  # ties: lower ids
+        top = top[np.lexsort((top, -z[top]))]
     top = top[np.isfinite(z[top])]
     if top.size == 0:
         return Children(np.zeros(0, dtype=np.int64), np.zeros(0))

@@ -9,7 +9,7 @@ import os
 from ctypes import POINTER, c_double, c_float, c_int8, c_int32, c_int64, c_uint64, c_void_p
 from pathlib import Path
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 # error codes (LS_ERR_*)
 ERR_BANNED = -1
@@ -59,6 +59,8 @@ class Tree(ctypes.Structure):
         ("draft_probs", c_void_p),
         ("draft_dists", c_void_p),
         ("dist_is_f64", c_void_p),
+        ("dist_ids", c_void_p),
+        ("dist_len", c_void_p),
     ]
 
 
@@ -102,6 +104,7 @@ _SIGNATURES = {
     "ls_softmax": (None, [_P, c_int64, _P]),
     "ls_rows_logsumexp": (None, [_P, c_int64, c_int64, _P, c_int64, _P, c_int32]),
     "ls_rows_argmax": (None, [_P, c_int64, c_int64, _P, c_int64, _P, c_int32]),
+    "ls_top_k": (c_int64, [_P, c_int64, c_int64, c_void_p, _P]),
     "ls_candidates": (c_int64, [POINTER(Sampling), _P, c_int64, _P, _P, c_int64, c_void_p, _P, _P]),
     "ls_choose": (c_int64, [POINTER(Sampling), _P, c_int64, _P, _P, c_int64, c_int64, c_void_p]),
     "ls_sample_from": (c_int64, [_P, c_int64, c_double]),

@@ -121,6 +121,18 @@ def argmax(row: np.ndarray) -> int:
     return int(lib.ls_argmax(row.ctypes.data, row.shape[0]))
 
 
+def top_k(row: np.ndarray, k: int) -> np.ndarray:
+    """[<= k] int64 ids of the ``k`` largest finite values of ``row`` ([n] float32), sorted by
+    (value desc, id asc); fewer when fewer values are finite (``ls_top_k``)."""
+    row = _f32(row)
+    n = row.shape[0]
+    out = np.empty(min(max(int(k), 0), n), dtype=np.int64)
+    m = lib.ls_top_k(row.ctypes.data, n, int(k), workspace(n), out.ctypes.data)
+    if m < 0:
+        raise_for(m)
+    return out[:m]
+
+
 def logsumexp(row: np.ndarray) -> float:
     """log(sum(exp(row))) in float64 over the finite entries of ``row`` ([n] float32)."""
     row = _f32(row)

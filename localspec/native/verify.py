@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _lib, lib, workspace
+from ..tree import SparseDist
 from .rows import raise_for
 
 
@@ -60,7 +61,23 @@ def walk(tree, logits: np.ndarray, state, *, seed: int, pos: int, window, reject
     if rejection and tree.draft_dists:
         ptrs = (ctypes.c_void_p * n)()
         f64 = (ctypes.c_int8 * n)()
+        sparse_ids = None
         for node, dist in tree.draft_dists.items():
+            if isinstance(dist, SparseDist):  # ascending int64 ids + float64 probs (checked there)
+                if sparse_ids is None:
+                    sparse_ids = (ctypes.c_void_p * n)()
+                    sparse_len = np.zeros(n, dtype=np.int64)
+                    keep.append(sparse_len)
+                    t.dist_ids = ctypes.addressof(sparse_ids)
+                    t.dist_len = sparse_len.ctypes.data
+                if dist.ids.size and (dist.ids[0] < 0 or dist.ids[-1] >= n_vocab):
+                    raise ValueError(f"draft distribution of node {node} has token ids outside the vocabulary")
+                keep.append(dist)
+                sparse_ids[int(node)] = dist.ids.ctypes.data
+                sparse_len[int(node)] = dist.ids.size
+                ptrs[int(node)] = dist.probs.ctypes.data
+                f64[int(node)] = 1
+                continue
             d = np.asarray(dist)
             if d.dtype not in (np.float32, np.float64) or not d.flags.c_contiguous:
                 d = np.ascontiguousarray(d, dtype=np.float64)

@@ -1,0 +1,240 @@
+"""Micro-benchmark: what a model drafter (an EAGLE-3 head) costs per tree level, against the
+target's own single-token decode, measured in one run.
+
+Two engines share one loaded target: one drafts with the head in a fixed tree shape every
+step (so every level runs), one decodes plainly without the feature tap (the target decode a
+head must be cheap next to). Prompts alternate between them. For every drafted step the head
+drafter records the time of each level's llama.cpp call (level 0 includes the catch-up of
+the tokens emitted since the head last ran); the report gives per level the median time, the
+median's ratio to the plain single-token decode, the head's llama.cpp calls per level, and
+the host time per drafted node (drafting time outside the head's calls: ranking rows,
+building the tree).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ..policy import TreeShape
+from ..sampling import SamplingParams
+
+DEFAULT_PROMPTS = [
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based inks and a wooden press. Within fifty years",
+    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n    out = []\n",
+    "Question: Why is the sky blue during the day but red at sunset?\nAnswer:",
+    "Summary of the meeting: the team agreed to move the release to March, because the new storage layer",
+]
+
+
+@dataclass
+class LevelCost:
+    """One tree level of the head, over all drafted steps.
+
+    Attributes:
+        level: 0 = the root's level (with the catch-up), 1.. = deeper levels.
+        steps: drafted steps that reached this level.
+        t_median_us / t_p90_us: the head's time for this level (µs).
+        fraction_of_decode: ``t_median_us`` over the plain single-token target decode.
+        calls_per_step: the head's llama.cpp calls at this level per step (1 = folded).
+        mean_catch_up: (level 0) mean entries written besides the root's.
+    """
+
+    level: int
+    steps: int
+    t_median_us: float
+    t_p90_us: float
+    fraction_of_decode: float
+    calls_per_step: float
+    mean_catch_up: float = 0.0
+
+
+@dataclass
+class DrafterBench:
+    shape: str
+    t_decode_1_us: float
+    levels: list[LevelCost]
+    host_us_per_node: float
+    drafted_steps: int
+    nodes_per_step: float
+    mean_acceptance_length: float
+    head_calls_outside_drafting: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def bench_drafters(model, head_path, *, shapes=(TreeShape(6, 1, 7, 0.0), TreeShape(4, 3, 16, 0.0)), prompts=None, max_tokens: int = 48, rounds: int = 2, n_threads=None) -> list[DrafterBench]:
+    """Measure the head (see the module docstring) for each tree shape.
+
+    Args:
+        model: the loaded target ``Model``.
+        head_path: the EAGLE-3 head GGUF.
+        shapes: fixed tree shapes to draft with (every step drafts).
+        prompts: prompts (text); default: four short built-in ones (prose, code, Q&A, summary).
+        max_tokens: tokens generated per prompt.
+        rounds: passes over the prompts.
+    """
+    from ..drafters.eagle3 import Eagle3Drafter
+    from ..engine import Engine
+
+    prompts = prompts or DEFAULT_PROMPTS
+    greedy = SamplingParams.greedy()
+    plain = Engine(model, drafter="none", n_ctx=4096, n_threads=n_threads)
+    out = []
+    try:
+        for shape in shapes:
+            d = Eagle3Drafter(head_path, shape=shape)
+            eng = Engine(model, drafter=d, n_ctx=4096, n_threads=n_threads, cost_model=plain.cost_model, adaptive=False)
+            level_t: dict[int, list[float]] = {}
+            level_calls: dict[int, list[int]] = {}
+            catch_up: list[int] = []
+            host_per_node: list[float] = []
+            n_nodes: list[int] = []
+            t1: list[float] = []
+            outside = 0
+            inner = d.extend
+            record = {"calls": 0}
+
+            def extend(s, _inner=inner, _d=d):
+                c0, k0 = _d.ctx.n_calls, _d.kv_len
+                t0 = time.perf_counter()
+                tree = _inner(s)
+                t_us = (time.perf_counter() - t0) * 1e6
+                record["calls"] += _d.ctx.n_calls - c0
+                levels = _d.stats.last_level_us
+                if levels:
+                    catch_up.append(_d.kv_len - k0 - 1)
+                    for lv, t in enumerate(levels):
+                        level_t.setdefault(lv, []).append(t)
+                    host = max(0.0, t_us - sum(levels))
+                    host_per_node.append(host / max(1, tree.n_nodes - 1))
+                    n_nodes.append(tree.n_nodes)
+                return tree
+
+            d.extend = extend
+            accept = []
+            try:
+                for _ in range(rounds):
+                    for p in prompts:
+                        plain.reset()
+                        r0 = plain.generate(p, max_tokens=max_tokens, sampling=greedy)
+                        t1.append(r0.stats.t_decode_us / max(1, r0.stats.n_steps))
+                        eng.reset()
+                        calls0, steps_calls0 = d.ctx.n_calls, record["calls"]
+                        r = eng.generate(p, max_tokens=max_tokens, sampling=greedy)
+                        outside += (d.ctx.n_calls - calls0) - (record["calls"] - steps_calls0)
+                        accept.append(r.stats.mean_acceptance_length)
+            finally:
+                eng.close()
+            t_dec = float(np.median(t1))
+            n_steps = len(n_nodes)
+            # calls per level: every call of a step is one level, plus extra catch-up calls at level 0
+            total_calls = record["calls"]
+            total_levels = sum(len(v) for v in level_t.values())
+            levels = []
+            for lv in sorted(level_t):
+                ts = np.asarray(level_t[lv])
+                calls = 1.0 + ((total_calls - total_levels) / max(1, len(ts)) if lv == 0 else 0.0)
+                levels.append(
+                    LevelCost(
+                        level=lv,
+                        steps=int(ts.size),
+                        t_median_us=float(np.median(ts)),
+                        t_p90_us=float(np.percentile(ts, 90)),
+                        fraction_of_decode=float(np.median(ts)) / t_dec,
+                        calls_per_step=calls,
+                        mean_catch_up=float(np.mean(catch_up)) if lv == 0 and catch_up else 0.0,
+                    )
+                )
+            out.append(
+                DrafterBench(
+                    shape=f"depth {shape.depth}, width {shape.width}, {shape.max_nodes} nodes",
+                    t_decode_1_us=t_dec,
+                    levels=levels,
+                    host_us_per_node=float(np.median(host_per_node)) if host_per_node else 0.0,
+                    drafted_steps=n_steps,
+                    nodes_per_step=float(np.mean(n_nodes)) if n_nodes else 0.0,
+                    mean_acceptance_length=float(np.mean(accept)) if accept else 0.0,
+                    head_calls_outside_drafting=int(outside),
+                )
+            )
+    finally:
+        plain.close()
+    return out
+
+
+def compare_drafters(model, prompts, drafters=("ngram", "auto"), *, max_tokens: int = 128, n_threads=None, progress=None) -> list[dict]:
+    """Spec-Bench-style prompts decoded plainly and with each drafter, in one run: per prompt
+    the runs alternate (the order rotates prompt by prompt) so load bursts spread over all of
+    them, each from an empty KV cache, greedy.
+
+    Args:
+        prompts: ``bench.dataset.BenchPrompt`` list.
+        drafters: drafter names (engine options default: ``auto`` takes the shipped head).
+    Returns:
+        one dict per prompt: ``category``, ``question_id``, and per drafter name (and
+        ``"plain"``) ``t_decode_us``, ``n_generated_tokens``, ``mean_acceptance_length``,
+        ``identical`` (token ids equal to the plain run's).
+    """
+    from ..costmodel import calibrate
+    from ..engine import Engine
+
+    greedy = SamplingParams.greedy()
+    engines = {}
+    try:
+        base = Engine(model, drafter="none", n_ctx=4096, n_threads=n_threads)
+        engines["plain"] = base
+        for name in drafters:
+            engines[name] = Engine(model, drafter=name, n_ctx=4096, n_threads=n_threads, cost_model=calibrate(base.ctx))
+        names = list(engines)
+        rows = []
+        for i, bp in enumerate(prompts):
+            order = names[i % len(names):] + names[: i % len(names)]
+            res = {}
+            for name in order:
+                e = engines[name]
+                e.reset()
+                res[name] = e.generate(bp.text, max_tokens=max_tokens, sampling=greedy, speculative=name != "plain")
+            row = {"category": bp.category, "question_id": bp.question_id}
+            for name, r in res.items():
+                row[name] = {
+                    "t_decode_us": r.stats.t_generate_us,
+                    "n_generated_tokens": r.stats.n_generated_tokens,
+                    "mean_acceptance_length": r.stats.mean_acceptance_length,
+                    "identical": r.token_ids == res["plain"].token_ids,
+                }
+            rows.append(row)
+            if progress is not None:
+                progress(i + 1, len(prompts), row)
+        return rows
+    finally:
+        for e in engines.values():
+            e.close()
+
+
+def summarize_versus(rows: list[dict], drafters) -> list[dict]:
+    """Per category: each drafter's decode speed ratio over plain (tokens/s ratio of the
+    summed times), its MAL, identical outputs, and the ratio of the last drafter over the first."""
+    out = []
+    cats = sorted({r["category"] for r in rows})
+    for cat in cats + ["all"]:
+        rs = [r for r in rows if cat == "all" or r["category"] == cat]
+        tps = {}
+        entry = {"category": cat, "prompts": len(rs)}
+        for name in ["plain", *drafters]:
+            n = sum(r[name]["n_generated_tokens"] for r in rs)
+            t = sum(r[name]["t_decode_us"] for r in rs)
+            tps[name] = n / t * 1e6 if t else 0.0
+        for name in drafters:
+            entry[name] = {
+                "speed_vs_plain": tps[name] / tps["plain"] if tps["plain"] else 0.0,
+                "mal": float(np.mean([r[name]["mean_acceptance_length"] for r in rs])),
+                "identical": sum(r[name]["identical"] for r in rs),
+            }
+        entry["last_over_first"] = tps[drafters[-1]] / tps[drafters[0]] if tps[drafters[0]] else 0.0
+        out.append(entry)
+    return out

@@ -1,0 +1,248 @@
+"""The cheap EAGLE-3 head runtime: draft-vocabulary rows ranked in C, sparse draft
+distributions verified exactly like dense ones, one llama.cpp call per tree level, no head
+call on a step whose plan drafts nothing, and output identical to plain decoding."""
+
+import math
+
+import numpy as np
+import pytest
+
+from conftest import FakeModel, fixed_cost_model
+from helpers import assert_same_up_to_near_ties
+from localspec import Engine, SamplingParams, native
+from localspec.costmodel import CostModel
+from localspec.drafters.tree_expand import DraftSampler, _top_k_children
+from localspec.sampler import RequestSampler
+from localspec.tree import SparseDist, TokenSource, TreeBuilder
+from localspec.verify import verify
+
+needs_native = pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels not built: {native.LOAD_ERROR}")
+GREEDY = SamplingParams.greedy()
+
+
+# -- ranking at the draft-vocabulary width -----------------------------------------------------
+
+
+@needs_native
+def test_top_k_kernel_matches_the_reference(rng):
+    """``native.rows.top_k`` (+ logsumexp) gives ``_top_k_children``'s numpy answer: same ids
+    in the same order (ties: lower id), same confidences; -inf never chosen."""
+    for trial in range(60):
+        n = int(rng.integers(1, 9000))
+        row = (rng.standard_normal(n) * 3).astype(np.float32)
+        row[rng.random(n) < rng.uniform(0, 0.9)] = -np.inf
+        if n > 10:
+            row[rng.integers(0, n, 5)] = np.float32(row[np.isfinite(row)].max(initial=0.0))  # ties
+        for k in (1, 2, 4, 8, n + 3):
+            with native.use(True):
+                a = _top_k_children(row, k)
+            with native.use(False):
+                b = _top_k_children(row, k)
+            assert a.tokens.tolist() == b.tokens.tolist()
+            np.testing.assert_allclose(a.confidence, b.confidence, rtol=1e-6, atol=0)  # the reference exps in float32
+            assert np.all(np.isfinite(row[a.tokens]))
+
+
+SAMPLER_CASES = [
+    SamplingParams.greedy(seed=3),
+    SamplingParams.greedy(seed=3, logit_bias={11: 4.0, 12: -math.inf}),
+    SamplingParams(temperature=0.8, top_k=0, top_p=0.95, min_p=0.0, seed=4),  # seeded Gumbel
+    SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=5, verify="rejection"),
+    SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.02, seed=6, verify="rejection", logit_bias={11: 2.0}),
+]
+
+
+@pytest.mark.parametrize("params", SAMPLER_CASES, ids=lambda p: repr(p)[15:80])
+def test_draft_vocabulary_rows_give_the_children_of_target_wide_rows(params, rng):
+    """Ranking [n_draft] rows and mapping the ids back through ``d2t`` chooses exactly the
+    children (tokens, confidences, draft probabilities, distribution) that ranking the
+    target-wide row with -inf outside the draft vocabulary chooses - for greedy, seeded
+    Gumbel and sampled children, with logit bias on ids inside and outside the draft vocab."""
+    V, D = 3000, 400
+    d2t = np.sort(rng.choice(np.arange(V), D, replace=False)).astype(np.int64)
+    d2t[0], d2t[1] = 11, 12  # biased ids inside the draft vocabulary
+    d2t = np.unique(d2t)
+    suppress = [int(d2t[5]), 2999 if 2999 not in d2t else 2998]
+    narrow = DraftSampler(params, V, suppress, d2t=d2t)
+    wide = DraftSampler(params, V, suppress)
+    for trial in range(20):
+        rows = (rng.standard_normal(d2t.size) * 2.5).astype(np.float32)
+        full = np.full(V, -np.inf, dtype=np.float32)
+        full[d2t] = rows
+        for k in (1, 3, 6):
+            a = narrow.children(rows, pos=40 + trial, k=k, counter=trial)
+            b = wide.children(full, pos=40 + trial, k=k, counter=trial)
+            assert a.tokens.tolist() == b.tokens.tolist()
+            np.testing.assert_allclose(a.confidence, b.confidence, rtol=1e-6)
+            if b.draft_probs is not None:
+                np.testing.assert_allclose(a.draft_probs, b.draft_probs, rtol=1e-6)
+                np.testing.assert_allclose(a.dist.dense(V), b.dist.dense(V), rtol=1e-6, atol=1e-12)
+                assert set(a.dist.ids.tolist()) <= set(d2t.tolist())
+
+
+# -- sparse draft distributions ------------------------------------------------------------------
+
+
+def random_sparse_tree(rng, V, n_nodes):
+    """A random tree whose stochastic children come from sparse distributions (a random
+    support, as a draft vocabulary or a top-k cut gives), plus deterministic children."""
+    b = TreeBuilder(int(rng.integers(V)))
+    while len(b) < n_nodes:
+        p = int(rng.integers(0, len(b)))
+        if p not in b.draft_dists and rng.random() < 0.5:
+            support = np.sort(rng.choice(V, int(rng.integers(1, V + 1)), replace=False))
+            q = rng.dirichlet(np.full(support.size, 0.4))
+            b.set_draft_dist(p, SparseDist(support, q))
+            for _ in range(int(rng.integers(1, 4))):
+                j = int(rng.choice(support.size, p=q))
+                b.add(p, int(support[j]), source=TokenSource.EAGLE3, draft_prob=float(q[j]))
+        else:
+            b.add(p, int(rng.integers(V)), source=TokenSource.NGRAM)
+    return b.build()
+
+
+def densified(tree, V):
+    t = tree._take(np.arange(tree.n_nodes))
+    t.draft_dists = {p: d.dense(V) for p, d in tree.draft_dists.items()}
+    return t
+
+
+@pytest.mark.parametrize("use_native", [False, True], ids=["numpy", "C"])
+def test_sparse_draft_distributions_verify_exactly_like_dense_ones(rng, use_native):
+    """Rejection sampling with ``SparseDist`` (numpy reference and C walk) takes the same
+    path and emits the same tokens as with the same distributions stored dense, over many
+    random trees where every branch is taken (ratio tests, residual updates, point masses)."""
+    if use_native and not native.AVAILABLE:
+        pytest.skip("native kernels not built")
+    V = 10
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, verify="rejection")
+    model = FakeModel(V, eog=())
+    n_deep = 0
+    for trial in range(300):
+        tree = random_sparse_tree(rng, V, int(rng.integers(2, 14)))
+        logits = (rng.standard_normal((tree.n_nodes, V)) * 2.0).astype(np.float32)
+        for i in range(1, tree.n_nodes):
+            logits[int(tree.parents[i]), int(tree.token_ids[i])] += rng.uniform(0, 3)
+        out = []
+        for t in (tree, densified(tree, V)):
+            with native.use(use_native):
+                res = verify(t, logits, RequestSampler(params.with_seed(trial), model, [1, 2]).cursor(7))
+            out.append((res.path, res.tokens))
+        assert out[0] == out[1]
+        n_deep += len(out[0][0]) >= 2
+    assert n_deep > 20  # the walks went deep enough to exercise residual updates
+
+
+def test_sparse_dist_rejects_bad_input():
+    with pytest.raises(ValueError, match="ascending"):
+        SparseDist(np.array([3, 1]), np.array([0.5, 0.5]))
+    d = SparseDist.from_unsorted([9, 2, 5], [0.2, 0.5, 0.3])
+    assert d.ids.tolist() == [2, 5, 9] and d.prob(9) == pytest.approx(0.2) and d.prob(4) == 0.0
+
+
+# -- one llama.cpp call per level, none when the plan drafts nothing -----------------------------
+
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg combined movable metal type, oil-based inks and a wooden press. "
+)
+
+
+def count_head_calls(d):
+    """Wrap ``d.extend``: per drafted step, (head calls made, levels grown)."""
+    log = []
+    inner = d.extend
+
+    def extend(shape):
+        c0 = d.ctx.n_calls
+        tree = inner(shape)
+        log.append((d.ctx.n_calls - c0, len(d.stats.last_level_us)))
+        return tree
+
+    d.extend = extend
+    return log
+
+
+def test_steps_that_draft_nothing_make_no_head_call(model, random_head_path):
+    """With a cost table on which verifying drafts never pays, the plan skips the head on
+    most steps: those steps make no llama.cpp call on the head's context at all (its entries
+    are caught up in the next drafted step's level-0 call), every drafted step makes exactly
+    one call per level (the catch-up folded into level 0), and the output stays the target's."""
+    from localspec.drafters.eagle3 import Eagle3Drafter
+
+    t1 = 12000.0
+    steep = CostModel({b: t1 * b * 1.5 if b > 1 else t1 for b in (1, 2, 3, 4, 8, 16)})
+    e = Engine(model, drafter="none", n_ctx=2048, cost_model=steep)
+    try:
+        prompt = e.tokenize(TEXT * 2)
+        ref = e.generate(prompt, max_tokens=40, sampling=GREEDY, speculative=False)
+        d = Eagle3Drafter(random_head_path)
+        e.set_drafter(d)
+        e.policy.explore_every = 4  # retry the head every 4 skipped steps
+        log = count_head_calls(d)
+        e.reset()
+        calls0 = d.ctx.n_calls
+        res = e.generate(prompt, max_tokens=40, sampling=GREEDY)
+        assert_same_up_to_near_ties(e, prompt, ref.token_ids, res.token_ids)
+        n_steps = res.stats.n_steps
+        assert 2 <= len(log) < n_steps // 2  # the head ran on a few steps only
+        assert d.ctx.n_calls - calls0 == sum(c for c, _ in log)  # no head call outside a drafted step
+        first, rest = log[0], log[1:]
+        assert first[0] == first[1] + 1  # after the prompt: its long catch-up, then the levels
+        assert all(c == levels for c, levels in rest)  # one call per level, catch-up in level 0
+        assert d.kv_len == len(d.history) - 1 or d.n_target_features >= len(d.history) - 1
+        d.check_cache()
+    finally:
+        e.close()
+
+
+def test_head_cost_per_level_enters_the_cost_model(model, random_head_path):
+    e = Engine(model, drafter="none", n_ctx=2048, cost_model=fixed_cost_model())
+    try:
+        from localspec.drafters.eagle3 import Eagle3Drafter
+        from localspec.policy import TreeShape
+
+        e.set_drafter(Eagle3Drafter(random_head_path, shape=TreeShape(3, 2, 7, 0.0)))
+        assert e.cost_model.t_draft_us(3) is None  # nothing measured for this drafter yet
+        e.generate(e.tokenize(TEXT), max_tokens=12, sampling=GREEDY)
+        levels = e.cost_model.draft_level_us
+        assert set(levels) == {0, 1, 2} and all(t > 0 for t in levels.values())
+        assert e.cost_model.t_draft_us(3) == pytest.approx(sum(levels.values()))
+        e.set_drafter(None)
+        assert e.cost_model.t_draft_us(3) is None  # reset with the drafter
+    finally:
+        e.close()
+
+
+# -- lossless over long generations ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("drafter", ["eagle3", "auto"])
+def test_shipped_head_greedy_equals_plain_over_500_tokens_of_long_context(model, drafter):
+    """Temperature 0, a prompt of 620 tokens (past Gemma 3's 512-token window), 500 generated
+    tokens: the eagle3 and auto drafters with the shipped head emit exactly plain decoding's
+    tokens where llama.cpp's kernels are bit-exact (checked as tests/test_exact.py does), else
+    the same up to near-ties."""
+    from test_exact import kernels_are_exact
+
+    exact, _why = kernels_are_exact(model)
+    e = Engine(model, drafter="none", n_ctx=2048, cost_model=fixed_cost_model())
+    try:
+        prompt = e.tokenize(TEXT * 30)[:620]
+        ref = e.generate(prompt, max_tokens=500, sampling=GREEDY, speculative=False)
+        e.set_drafter(drafter, eagle=None) if drafter == "eagle3" else e.set_drafter(drafter, eagle=_shipped(model))
+        e.reset()
+        res = e.generate(prompt, max_tokens=500, sampling=GREEDY)
+        assert res.stats.n_generated_tokens == 500 and res.stats.token_sources.get("eagle3", 0) > 0
+        if exact:
+            assert res.token_ids == ref.token_ids
+        else:
+            assert_same_up_to_near_ties(e, prompt, ref.token_ids, res.token_ids)
+    finally:
+        e.close()
+
+
+def _shipped(model):
+    from localspec.models.eagle3_heads import shipped_head
+
+    return shipped_head(model.path)
