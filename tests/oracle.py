@@ -166,3 +166,28 @@ MUTATION_NO_RENORM_STOCHASTIC = (
     "nxt = _normalise(np.maximum(residual - draft_probs, 0.0))",
     "nxt = np.maximum(residual - draft_probs, 0.0)",
 )
+
+
+def enumerate_trees(build: Callable[[Chooser], object], key: Callable[[object], object] = None) -> list[tuple[float, object]]:
+    """Every outcome of a randomised tree construction ``build(chooser)`` with its
+    probability: ``[(p, tree), ...]`` (outcomes with the same ``key`` pooled)."""
+    trees: dict = {}
+    law = enumerate_law(lambda ch: _keep(trees, build(ch), key))
+    return [(p, trees[k]) for k, p in law.items()]
+
+
+def _keep(store: dict, tree, key):
+    k = key(tree) if key is not None else len(store)
+    store.setdefault(k, tree)
+    return k
+
+
+def step_law(trees: list[tuple[float, object]], walk: Callable[[object, Chooser], tuple]) -> dict:
+    """Law of a step's emitted tokens: the trees' law (``enumerate_trees``) times the exact
+    law of ``walk(tree, chooser)`` (the verification, run with enumerated uniforms) on each."""
+    out: dict = defaultdict(float)
+    with enumerated_draws():
+        for p, tree in trees:
+            for toks, q in enumerate_law(lambda ch: walk(tree, ch)).items():
+                out[toks] += p * q
+    return dict(out)
