@@ -32,7 +32,7 @@ from localspec.sampler import RequestSampler
 from localspec.sampling import SamplingParams
 from localspec.tree import TokenSource, TokenTree, TreeBuilder
 from localspec.verify import verify_rejection
-from test_verify import VS, softmax, target_cond, target_logits
+from test_verify import VS, target_cond, target_logits
 
 
 class EnumeratedDraftSampler(DraftSampler):
