@@ -18,6 +18,13 @@ the node's own probability under it (``draft_probs``); a distribution is a dense
 [n_vocab] array or a ``SparseDist`` over the draft's support. Nodes without a draft distribution are
 **deterministic** (n-gram continuations, top-k expansions) and are verified with the
 point-mass rule (see ``verify.py``).
+
+**The sibling-order invariant.** Rejection sampling over i.i.d. siblings (Leviathan et al.
+2023; SpecInfer, Miao et al. 2024) is lossless only if the order in which the sampled siblings
+are tried, and which of them are kept, do not depend on the sampled tokens: the j-th sibling
+tried must be the j-th draw. Every edit here (``best_first_dfs``, ``best_subtree``) keeps the
+sampled children of a node in draw order (``draw_index``) and keeps a prefix of the draws;
+``verify.check_sampled_siblings`` refuses a tree that breaks it.
 """
 
 from __future__ import annotations
@@ -109,6 +116,9 @@ class TokenTree:
         feature: [n] int32 drafter-defined feature of each node (e.g. the bucket of its
             acceptance estimate), carried through ``subtree`` so the drafter can learn from
             the verification of a pruned tree.
+        draw_index: [n] int32 for a stochastic node, which i.i.d. draw of its parent's draft
+            distribution it is (0 = the first); -1 for deterministic nodes. None: the
+            stochastic children of each node were drawn in index order.
     """
 
     token_ids: np.ndarray
@@ -119,6 +129,7 @@ class TokenTree:
     draft_probs: np.ndarray
     draft_dists: dict[int, np.ndarray] = field(default_factory=dict)
     feature: np.ndarray | None = None
+    draw_index: np.ndarray | None = None
 
     # -- construction -------------------------------------------------------------------------
 
@@ -167,6 +178,18 @@ class TokenTree:
 
     def is_stochastic(self, node: int) -> bool:
         return not np.isnan(self.draft_probs[node])
+
+    def draws(self) -> np.ndarray:
+        """[n] int32 ``draw_index``, computed from index order when the tree has none."""
+        if self.draw_index is not None:
+            return self.draw_index
+        out = np.full(self.n_nodes, -1, dtype=np.int32)
+        count: dict[int, int] = {}
+        for i in np.flatnonzero(~np.isnan(self.draft_probs)):
+            p = int(self.parents[i])
+            out[i] = count.get(p, 0)
+            count[p] = out[i] + 1
+        return out
 
     def leaves(self) -> np.ndarray:
         """[n_leaves] int node indices with no children, in index order."""
@@ -221,6 +244,7 @@ class TokenTree:
             draft_probs=self.draft_probs[idx].copy(),
             draft_dists={int(remap[p]): d for p, d in self.draft_dists.items() if remap[p] >= 0},
             feature=None if self.feature is None else self.feature[idx].copy(),
+            draw_index=self.draws()[idx].copy() if self.draft_dists else None,
         )
 
     def subtree(self, keep: np.ndarray) -> "TokenTree":
@@ -251,17 +275,25 @@ class TokenTree:
 
         The most likely path then occupies nodes 1, 2, ..., d: when the target accepts it,
         its KV cells directly follow the committed prefix, in position order (see
-        ``backend.kv.SequenceCache.commit``).
+        ``backend.kv.SequenceCache.commit``). Sampled (i.i.d.) siblings stay in draw order
+        (the sibling-order invariant, module docstring): the places the sort gives to a
+        node's sampled children are filled with them in draw order.
         """
         if self.n_nodes <= 2 or self.is_chain():
             return self
         kids = self._children
+        draws = self.draws() if self.draft_dists else None
         order: list[int] = []
         stack = [0]
         while stack:
             node = stack.pop()
             order.append(node)
             ks = sorted(kids[node], key=lambda c: (-self.score[c], c))
+            if draws is not None and node in self.draft_dists:
+                sampled = sorted((c for c in ks if draws[c] >= 0), key=lambda c: draws[c])
+                if len(sampled) > 1:
+                    it = iter(sampled)
+                    ks = [next(it) if draws[c] >= 0 else c for c in ks]
             stack.extend(reversed(ks))
         if order == list(range(self.n_nodes)):
             return self
@@ -270,23 +302,47 @@ class TokenTree:
     def best_subtree(self, n_nodes: int) -> "TokenTree":
         """The ``n_nodes`` nodes (root included) with the highest scores, parents first.
 
-        Because a node's score never exceeds its parent's (it is a path probability), taking
-        nodes in score order keeps the set closed under parents; ties are broken by index.
+        Nodes are taken best first (ties: lower index) among the *eligible* ones: children of
+        kept nodes, and for sampled (i.i.d.) children only the next draw of their parent, so
+        that the kept draws of a node are always its first ones (the sibling-order
+        invariant, module docstring). A node's score never exceeds its parent's (it is a
+        path probability); with the equal scores drafters give sampled siblings this is
+        the top ``n_nodes`` by score.
         """
         if n_nodes >= self.n_nodes:
             return self
-        order = np.lexsort((np.arange(self.n_nodes), -self.score))
+        import heapq
+
+        kids = self._children
+        draws = self.draws() if self.draft_dists else None
         keep = np.zeros(self.n_nodes, dtype=bool)
         keep[0] = True
+        heap: list[tuple[float, int]] = []
+        pending: dict[int, list[int]] = {}  # node -> its sampled children not yet eligible, by draw
+
+        def open_node(node: int) -> None:
+            sampled = []
+            for c in kids[node]:
+                if draws is not None and draws[c] >= 0:
+                    sampled.append(c)
+                else:
+                    heapq.heappush(heap, (-float(self.score[c]), c))
+            if sampled:
+                sampled.sort(key=lambda c: draws[c])
+                heapq.heappush(heap, (-float(self.score[sampled[0]]), sampled[0]))
+                pending[node] = sampled[1:]
+
+        open_node(0)
         count = 1
-        for i in order:
-            if count >= n_nodes:
-                break
-            if i == 0 or keep[i]:
-                continue
-            if keep[self.parents[i]]:
-                keep[i] = True
-                count += 1
+        while count < n_nodes and heap:
+            _, i = heapq.heappop(heap)
+            keep[i] = True
+            count += 1
+            open_node(i)
+            rest = pending.get(int(self.parents[i])) if draws is not None and draws[i] >= 0 else None
+            if rest:
+                nxt = rest.pop(0)
+                heapq.heappush(heap, (-float(self.score[nxt]), nxt))
         return self.subtree(keep)
 
 
@@ -306,7 +362,9 @@ class TreeBuilder:
         self.draft_probs = [np.nan]
         self.draft_dists: dict[int, np.ndarray] = {}
         self.feature: list[int] | None = None
+        self.draw_index = [-1]
         self._child_of: dict[tuple[int, int], int] = {}
+        self._n_draws: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -323,6 +381,7 @@ class TreeBuilder:
         source: TokenSource,
         score: float = 1.0,
         draft_prob: float | None = None,
+        draw_index: int | None = None,
     ) -> int:
         """Add a child of ``parent``; returns its node index.
 
@@ -330,6 +389,8 @@ class TreeBuilder:
             draft_prob: the child's probability under the draft distribution it was sampled
                 from (stochastic child). ``None`` makes a deterministic child, merged with an
                 existing deterministic sibling of the same token.
+            draw_index: (stochastic child) which draw of the parent's distribution it is;
+                default: the parent's draws in the order they are added.
         """
         token = int(token)
         if draft_prob is None:
@@ -347,6 +408,11 @@ class TreeBuilder:
         self.draft_probs.append(np.nan if draft_prob is None else float(draft_prob))
         if draft_prob is None:
             self._child_of[(parent, token)] = idx
+            self.draw_index.append(-1)
+        else:
+            k = self._n_draws.get(parent, 0) if draw_index is None else int(draw_index)
+            self.draw_index.append(k)
+            self._n_draws[parent] = max(self._n_draws.get(parent, 0), k + 1)
         return idx
 
     def set_draft_dist(self, parent: int, dist: np.ndarray) -> None:
@@ -364,6 +430,7 @@ class TreeBuilder:
             draft_probs=np.asarray(self.draft_probs, dtype=np.float32),
             draft_dists=dict(self.draft_dists),
             feature=None if self.feature is None else np.asarray(self.feature, dtype=np.int32),
+            draw_index=np.asarray(self.draw_index, dtype=np.int32) if self.draft_dists else None,
         )
 
 

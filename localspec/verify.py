@@ -35,6 +35,10 @@ Two walks, both exactly the target's distribution:
     If no child is accepted, the recovered token is drawn from the residual; a node without
     children yields a bonus token drawn from ``target_probs``.
 
+    The rule assumes the j-th stochastic child tried is the j-th i.i.d. draw, whatever the
+    sampled tokens (the sibling-order invariant, ``tree`` module docstring):
+    ``check_sampled_siblings`` refuses trees that break it, before either walk.
+
 ``verify`` runs both walks in C (``localspec.native``) for requests without a grammar when
 the library is available; ``verify_greedy`` and ``verify_rejection`` are the reference the
 tests compare it with (same accepted path and tokens for the same seed).
@@ -137,12 +141,41 @@ def sample_from(probs: np.ndarray, u: float) -> int:
     return i
 
 
+def check_sampled_siblings(tree: TokenTree) -> None:
+    """Refuse a tree whose sampled (i.i.d.) siblings are not tried in draw order.
+
+    Under every node with a draft distribution, the stochastic children, in the order the
+    walk tries them (index order), must be draws 0, 1, ..., m - 1 of that distribution: an
+    order or a choice of kept draws that depends on the sampled tokens (e.g. sorting them by
+    draft probability) would bias rejection sampling.
+
+    Raises:
+        ValueError: the sampled children of some node are out of draw order or not a prefix
+            of its draws.
+    """
+    if not tree.draft_dists:
+        return
+    draws = tree.draws()
+    for node in tree.draft_dists:
+        got = [int(draws[c]) for c in tree.children(int(node)) if draws[c] >= 0]
+        if got != list(range(len(got))):
+            raise ValueError(
+                f"the sampled children of node {node} are draws {got} in the order they would be tried; "
+                "rejection sampling needs draws 0, 1, ... in draw order (sibling-order invariant)"
+            )
+
+
 def verify_rejection(tree: TokenTree, logits: np.ndarray, cursor) -> VerifyResult:
     """Rejection-sampling walk (see module docstring). Arguments as ``verify_greedy``.
 
     Uses ``cursor.target_probs(row)`` for the target distribution and the cursor's seeded
     uniforms, so a given tree, logits and seed always give the same result.
+
+    Raises:
+        ValueError: a stochastic child with zero draft probability, or sampled siblings out
+            of draw order (``check_sampled_siblings``).
     """
+    check_sampled_siblings(tree)
     node = 0
     path: list[int] = []
     tokens: list[int] = []
@@ -194,6 +227,8 @@ def verify(tree: TokenTree, logits: np.ndarray, cursor) -> VerifyResult:
     for it at temperature > 0."""
     req = cursor.req
     rejection = not (req.is_greedy or req.params.verify == "gumbel")
+    if rejection:
+        check_sampled_siblings(tree)
     state = None if cursor.has_grammar else req.processor.native_state()
     if state is not None:
         walk = native_verify.walk(

@@ -91,14 +91,40 @@ class RandomDrafter(ScriptedDrafter):
         return b.build()
 
 
-def assert_same_up_to_near_ties(engine, prompt_tokens, plain_ids, spec_ids, max_gap=NEAR_TIE):
-    """Identical, or the first divergence sits at a near-tie of the plain distribution."""
+def bit_identical_here(engine) -> bool:
+    """Where the docs promise bit-identity with plain decoding (docs/gpu.md): localspec's exact
+    kernels (``LOCALSPEC_KERNELS=exact``, the default) on llama.cpp's CPU backend."""
+    from localspec.backend import exact_kernels, supports_gpu_offload
+
+    return exact_kernels() and not (engine.model.n_gpu_layers and supports_gpu_offload())
+
+
+def assert_same_as_plain(engine, prompt_tokens, plain_ids, spec_ids, max_gap=NEAR_TIE, sampling=None):
+    """Speculative output ``spec_ids`` equals plain output ``plain_ids``.
+
+    With the exact kernels on the CPU backend (``bit_identical_here``) they must be identical,
+    token for token. Elsewhere (fast kernels, GPU backends) batched and single-token logits
+    may differ in the last bits, so the first divergence must sit at a near-tie of the plain
+    distribution: the raw top-2 logit gap (greedy) or the gap of the seeded Gumbel-perturbed
+    logits (``sampling`` at temperature > 0) below ``max_gap`` (/ temperature). Returns that
+    gap, or None when identical.
+    """
     div = divergence(plain_ids, spec_ids)
     if div is None:
         return None
+    if bit_identical_here(engine):
+        raise AssertionError(
+            f"speculative output differs from plain decoding at token {div} of {len(plain_ids)} "
+            f"({plain_ids[div:div + 4]} vs {spec_ids[div:div + 4]}) although the exact kernels are on"
+        )
     assert div < len(plain_ids) and div < len(spec_ids), "one output is a strict prefix of the other"
+    prefix = list(prompt_tokens) + list(plain_ids[:div])
+    if sampling is not None and not sampling.is_greedy:
+        gap = perturbed_gap(engine, prefix, sampling)
+        assert gap < max_gap / sampling.temperature, f"seeded outputs diverge at {div}, perturbed gap {gap:.3f}"
+        return gap
     engine.reset()
-    gap = top2_gap(engine, list(prompt_tokens) + list(plain_ids[:div]))
+    gap = top2_gap(engine, prefix)
     assert gap < max_gap, f"outputs diverge at {div} where the top-2 gap is {gap:.3f} (not a near-tie)"
     return gap
 

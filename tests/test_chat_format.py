@@ -109,7 +109,7 @@ def test_prompt_builder_falls_back_when_the_text_changes(model):
     b.commit("Alpha beta", ids)
     b.record_answer(" gamma", model.tokenize(" gam", add_special=False))  # ids do not spell it: dropped
     new = b.build("Alpha beta gamma delta")
-    assert new == b._tokenize_full("Alpha beta gamma delta") or model.detokenize(new) == "Alpha beta gamma delta"
+    assert new == b._tokenize_full("Alpha beta gamma delta") and model.detokenize(new) == "Alpha beta gamma delta"
     other = b.build("Something else")  # not an extension: whole text tokenised
     assert other == b._tokenize_full("Something else") and b.n_reused_tokens == 0
 
@@ -139,7 +139,7 @@ def test_failed_turn_leaves_the_conversation_unchanged(model):
             s.begin_turn("word " * 300)
         assert s.messages == [] and s.builder.tokens == []
         r = _turn(s, "Hi")  # still usable
-        assert r.stats.n_generated_tokens > 0 or r.finish_reason == "stop"
+        assert r.stats.n_generated_tokens > 0 and [m.role for m in s.messages] == [U, A]
     finally:
         e.close()
 

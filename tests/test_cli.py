@@ -44,7 +44,13 @@ def test_generate_prompt_from_stdin_and_file(tmp_path, capsys):
 def test_generate_compare_reports_ratio(capsys):
     assert main(["generate", "a b c a b c a b c", "-n", "16", "--temperature", "0", "--compare", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["identical_to_plain"] in (True, False) and d["speed_ratio"] > 0
+    assert d["speed_ratio"] > 0
+    from localspec.backend import exact_kernels
+
+    if exact_kernels():  # the CPU backend with the exact kernels: greedy output is plain's, bit for bit
+        assert d["identical_to_plain"] is True
+    else:
+        assert isinstance(d["identical_to_plain"], bool)
 
 
 def test_missing_model_is_a_clear_error(capsys, tmp_path):

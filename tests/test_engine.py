@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from conftest import chisquare_pvalue, fixed_cost_model
-from helpers import NEAR_TIE, RandomDrafter, ScriptedDrafter, assert_same_up_to_near_ties, perturbed_gap
+from helpers import RandomDrafter, ScriptedDrafter, assert_same_as_plain
 from localspec import Engine, SamplingParams
 from localspec.errors import ContextOverflowError, GrammarError, InvalidRequestError
 from localspec.sampler import RequestSampler
@@ -48,7 +48,7 @@ def test_oracle_drafter_is_accepted_and_output_unchanged(eng):
     eng.adaptive = False
     eng.reset()
     res = eng.generate(PROMPT, max_tokens=40, sampling=GREEDY)
-    assert_same_up_to_near_ties(eng, prompt_ids, ref.token_ids, res.token_ids)
+    assert_same_as_plain(eng, prompt_ids, ref.token_ids, res.token_ids)
     s = res.stats
     assert s.num_accepted_tokens >= 0.9 * s.num_draft_tokens > 0
     assert s.mean_acceptance_length > 4
@@ -68,7 +68,7 @@ def test_adversarial_drafters_still_give_the_target_argmax(eng, kind):
     eng.adaptive = False
     eng.reset()
     res = eng.generate(PROMPT, max_tokens=32, sampling=GREEDY)
-    assert_same_up_to_near_ties(eng, prompt_ids, ref.token_ids, res.token_ids)
+    assert_same_as_plain(eng, prompt_ids, ref.token_ids, res.token_ids)
     assert res.stats.num_draft_tokens > 0
 
 
@@ -120,7 +120,7 @@ def test_max_tokens_never_exceeded_with_drafts_of_4(eng, max_tokens):
     res = eng.generate(PROMPT, max_tokens=max_tokens, sampling=GREEDY)
     assert len(res.token_ids) == max_tokens
     assert res.finish_reason == "length"
-    assert_same_up_to_near_ties(eng, prompt_ids, ref.token_ids[:max_tokens], res.token_ids)
+    assert_same_as_plain(eng, prompt_ids, ref.token_ids[:max_tokens], res.token_ids)
 
 
 def test_stop_string_inside_an_accepted_block_cuts_everything(eng):
@@ -233,7 +233,7 @@ def test_nearly_full_context(model):
         assert len(res.token_ids) >= 10
         e.cache.check()
         ref = e.generate(prompt, max_tokens=len(res.token_ids), sampling=GREEDY, speculative=False)
-        assert_same_up_to_near_ties(e, prompt, ref.token_ids, res.token_ids)
+        assert_same_as_plain(e, prompt, ref.token_ids, res.token_ids)
     finally:
         e.close()
 
@@ -243,7 +243,8 @@ def test_kv_reuse_between_requests(eng):
     a = eng.generate(PROMPT, max_tokens=8, sampling=GREEDY)
     b = eng.generate(PROMPT, max_tokens=8, sampling=GREEDY)
     assert b.stats.n_cached_tokens == len(eng.tokenize(PROMPT)) - 1
-    assert a.token_ids == b.token_ids or b.stats.n_generated_tokens == 8
+    assert b.stats.n_generated_tokens == 8
+    assert_same_as_plain(eng, eng.tokenize(PROMPT), a.token_ids, b.token_ids)
     c = eng.generate(PROMPT + a.text + " And", max_tokens=4, sampling=GREEDY)
     assert c.stats.n_cached_tokens >= len(eng.tokenize(PROMPT))
 
@@ -274,10 +275,8 @@ def test_seed_gives_the_same_text_with_and_without_speculation(eng):
     eng.reset()
     s = eng.generate(prompt, max_tokens=48, sampling=sp)
     assert s.stats.num_accepted_tokens > 0
-    div = next((i for i, (x, y) in enumerate(zip(p.token_ids, s.token_ids)) if x != y), None)
-    if div is not None:  # only a numerical near-tie of the perturbed logits may flip
-        gap = perturbed_gap(eng, eng.tokenize(prompt) + p.token_ids[:div], sp)
-        assert gap < NEAR_TIE / sp.temperature, f"seeded outputs differ at {div}, perturbed gap {gap:.3f}"
+    # identical with the exact kernels; elsewhere only a near-tie of the perturbed logits may flip
+    assert_same_as_plain(eng, eng.tokenize(prompt), p.token_ids, s.token_ids, sampling=sp)
 
 
 def test_penalties_and_bias_apply_identically_with_speculation(eng):
@@ -291,7 +290,7 @@ def test_penalties_and_bias_apply_identically_with_speculation(eng):
     eng.reset()
     res = eng.generate(PROMPT, max_tokens=32, sampling=sp)
     assert res.stats.num_accepted_tokens > 10
-    assert_same_up_to_near_ties(eng, prompt_ids, ref.token_ids, res.token_ids)
+    assert_same_as_plain(eng, prompt_ids, ref.token_ids, res.token_ids)
 
 
 def test_logprobs_match_plain_decoding_within_tolerance(eng):

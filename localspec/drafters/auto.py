@@ -28,8 +28,9 @@ def merge_trees(first: TokenTree, second: TokenTree) -> TokenTree:
 
     Deterministic nodes with the same token under the same parent are merged (the larger
     score wins; the first tree's source is kept); stochastic nodes (sampled from a draft
-    distribution) are never merged, and their distributions follow their parents. At most one
-    of the trees may have stochastic children under a given node.
+    distribution) are never merged, and their distributions follow their parents and their
+    ``draw_index`` (sibling-order invariant) follows them. At most one of the trees may have
+    stochastic children under a given node.
 
     Raises:
         ValueError: different roots, or both trees sample children of the same node.
@@ -43,6 +44,7 @@ def merge_trees(first: TokenTree, second: TokenTree) -> TokenTree:
     b = TreeBuilder(int(first.token_ids[0]))
     for tree in (first, second):
         remap = [0] * tree.n_nodes
+        draws = tree.draws()
         for i in range(1, tree.n_nodes):
             prob = float(tree.draft_probs[i]) if tree.is_stochastic(i) else None
             remap[i] = b.add(
@@ -51,6 +53,7 @@ def merge_trees(first: TokenTree, second: TokenTree) -> TokenTree:
                 source=TokenSource(int(tree.source[i])),
                 score=float(tree.score[i]),
                 draft_prob=prob,
+                draw_index=int(draws[i]) if prob is not None else None,
             )
         for parent, dist in tree.draft_dists.items():
             if remap[parent] in b.draft_dists:
