@@ -5,7 +5,7 @@ context (its committed tokens in the block's first id, its token tree's leaves i
 others). Every step proposes a tree per request, splits one node budget across the requests
 (``allocate_nodes``), decodes every request's pending tokens and tree in **one**
 ``llama_decode``, then verifies and commits each request with the engine's own pieces
-(``verify.verify``, ``Engine._logprobs``, ``TextAssembler``, ``RequestSampler``)::
+(``verify.verify``, ``Engine._logprobs``, ``TextAssembler``, ``RequestState``)::
 
     step:  propose (per request) -> allocate_nodes -> ONE decode -> verify + commit (per request)
 
@@ -53,11 +53,12 @@ from .drafters import make_drafter
 from .engine import GenerationResult, StreamChunk, TokenLogprob, Engine
 from .errors import ContextOverflowError, InvalidRequestError, KVCacheError
 from .policy import SpeculationPolicy
-from .sampler import RequestSampler
+from .request_state import RequestState
 from .sampling import SamplingParams
 from .stats import GenerationStats, count_sources
 from .text import TextAssembler
-from .tree import TokenSource, TokenTree, layout_tree
+from .backend.tree_layout import layout_tree
+from .tree import TokenSource, TokenTree
 from .verify import verify
 
 log = logging.getLogger("localspec.scheduler")
@@ -184,7 +185,7 @@ class _Slot:
     job: BatchJob
     index: int
     base: int  # first sequence id of the slot (the committed tokens)
-    sampler: RequestSampler
+    sampler: RequestState
     drafter: object | None
     assembler: TextAssembler
     stats: GenerationStats
@@ -303,7 +304,7 @@ class BatchScheduler:
         job = BatchJob(tokens, max_tokens=max_tokens, sampling=sampling, stop=stop, speculative=speculative,
                        on_chunk=on_chunk, tag=tag, on_done=on_done)  # fmt: skip
         # build the sampler now, so a bad grammar is the caller's error, not the worker's
-        job._sampler = RequestSampler(sampling, self.model, tokens)  # type: ignore[attr-defined]
+        job._sampler = RequestState(sampling, self.model, tokens)  # type: ignore[attr-defined]
         with self._cv:
             if self._closed:
                 job._sampler.close()  # type: ignore[attr-defined]
@@ -430,7 +431,7 @@ class BatchScheduler:
         t0 = _now_us()
         base = index * self.seqs_per_slot
         drafter = make_drafter(self.drafter_name) if job.speculative and self.drafter_name != "none" else None
-        sampler: RequestSampler = job._sampler  # type: ignore[attr-defined]
+        sampler: RequestState = job._sampler  # type: ignore[attr-defined]
         stats = GenerationStats(drafter=drafter.name if drafter else "none", seed=sampler.seed)
         stats.n_prompt_tokens = len(job.prompt)
         s = _Slot(job=job, index=index, base=base, sampler=sampler, drafter=drafter,

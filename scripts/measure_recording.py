@@ -25,7 +25,7 @@ import numpy as np
 def main() -> None:
     from localspec.backend import Model
     from localspec.models import default_model_path
-    from localspec.models.eagle3_data import FeatureRecorder, TeacherForcedRecorder, iter_text_files, stdlib_sources
+    from localspec.models.training.eagle3_data import FeatureRecorder, TeacherForcedRecorder, iter_text_files, stdlib_sources
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)

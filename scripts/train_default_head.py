@@ -47,7 +47,7 @@ SHARES = dict(gen=0.30, text=0.25, train=0.40)
 
 
 def _sources(corpus: Path) -> list[Path]:
-    from localspec.models.eagle3_data import stdlib_sources
+    from localspec.models.training.eagle3_data import stdlib_sources
 
     return [p for p in (corpus / "manuals", corpus / "man", corpus / "doc") if p.exists()] + stdlib_sources()
 
@@ -100,10 +100,10 @@ def main() -> None:
 
     from localspec.backend import Model
     from localspec.models import default_model_path
-    from localspec.models.eagle3_data import (
+    from localspec.models.training.eagle3_data import (
         DataPlan, iter_text_files, make_plan, prepare_data, record_text_plan, shard_paths, text_token_counts,
     )  # fmt: skip
-    from localspec.models.eagle3_train import TrainConfig, read_target, train_eagle3
+    from localspec.models.training.eagle3_train import TrainConfig, read_target, train_eagle3
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", required=True, help="corpus, data shards and checkpoints (resumable)")

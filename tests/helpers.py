@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from localspec.bench.specbench import divergence, top2_gap
-from localspec.drafters.tree_expand import DraftCalibration, DraftSampler, expand_tree
+from localspec.drafters.tree_expand import DraftCalibration, DraftChildSelector, expand_tree
 from localspec.policy import TreeShape
-from localspec.sampler import RequestSampler
+from localspec.request_state import RequestState
 from localspec.sampling import SamplingParams
 from localspec.tree import TokenSource, TokenTree, TreeBuilder
 from localspec.verify import sample_from, verify_rejection
@@ -145,7 +145,7 @@ def chain(root, toks) -> TokenTree:
 def perturbed_gap(engine, prefix, sampling):
     """Top-2 gap of the seeded Gumbel-perturbed processed logits after ``prefix``: the
     margin by which plain decoding chose its token at that position."""
-    from localspec.sampler import RequestSampler
+    from localspec.request_state import RequestState
     from localspec.sampling import gumbel_noise
     from localspec.tree import TokenTree
 
@@ -155,7 +155,7 @@ def perturbed_gap(engine, prefix, sampling):
     lay, lg = engine.cache.decode_tree(tree)
     row = lg[0].copy()
     engine.cache.commit(tree, lay, [])
-    req = RequestSampler(sampling, engine.model, prefix)
+    req = RequestState(sampling, engine.model, prefix)
     c = req.processor.candidates(row, req.penalties.counts if req.penalties else None, None)
     z = np.sort(c.logits + gumbel_noise(req.seed, len(prefix), c.ids))
     engine.reset()
@@ -192,7 +192,7 @@ def assert_rejection_sampling_exact(model, prompt, draft_root, draft_after, shap
     from conftest import chisquare_pvalue
 
     sp = REJECTION_SAMPLING
-    req0 = RequestSampler(sp.with_seed(0), model, prompt)
+    req0 = RequestState(sp.with_seed(0), model, prompt)
     t_root, _ = target_rows(prompt, [])
     target_support = req0.processor.candidates(t_root).ids
     first = np.union1d(np.fromiter(draft_after, dtype=np.int64), target_support)
@@ -202,23 +202,23 @@ def assert_rejection_sampling_exact(model, prompt, draft_root, draft_after, shap
     counts: dict[tuple[int, int], int] = {}
     for seed in range(n):
         s = sp.with_seed(seed)
-        sampler = DraftSampler(s, model.n_vocab)
+        sampler = DraftChildSelector(s, model.n_vocab)
         tree = expand_tree(prompt[-1], pos - 1, shape, draft, sampler, DraftCalibration(), TokenSource.DRAFT_MODEL)
         assert tree.is_stochastic(1)
         rows = np.stack(
             [t_after[int(tree.token_ids[tree.path_to(i)[0]])] if tree.depth[i] == 1 else t_root for i in range(tree.n_nodes)]
         )
-        res = verify_rejection(tree, rows, RequestSampler(s, model, prompt).cursor(pos))
+        res = verify_rejection(tree, rows, RequestState(s, model, prompt).cursor(pos))
         if len(res.tokens) >= 2:
             second = res.tokens[1]
         else:  # the next step decodes the second token
-            c = RequestSampler(s, model, prompt + res.tokens).cursor(pos + 1)
+            c = RequestState(s, model, prompt + res.tokens).cursor(pos + 1)
             second = sample_from(c.target_probs(t_after[res.tokens[0]]), c.residual_uniform())
         counts[(res.tokens[0], second)] = counts.get((res.tokens[0], second), 0) + 1
     p1 = req0.cursor(pos).target_probs(t_root)
     keys, expected = [], []
     for a in target_support:
-        p2 = RequestSampler(sp.with_seed(0), model, prompt + [int(a)]).cursor(pos + 1).target_probs(t_after[int(a)])
+        p2 = RequestState(sp.with_seed(0), model, prompt + [int(a)]).cursor(pos + 1).target_probs(t_after[int(a)])
         for b in np.flatnonzero(p2):
             keys.append((int(a), int(b)))
             expected.append(p1[a] * p2[b])

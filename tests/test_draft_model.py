@@ -11,7 +11,7 @@ from localspec import Engine, SamplingParams
 from localspec.backend import Context, SequenceCache
 from localspec.drafters.draft_model import DraftModelDrafter
 from localspec.policy import TreeShape
-from localspec.sampler import RequestSampler
+from localspec.request_state import RequestState
 from localspec.tree import TokenSource, TreeBuilder
 
 GREEDY = SamplingParams.greedy()
@@ -159,6 +159,6 @@ def test_rejection_sampling_with_draft_probabilities_is_exact(model, derived_dra
     joint distribution (chi-square over thousands of seeds; real logits of both models)."""
     prompt = model.tokenize("My favourite fruit is the")
     d_root, _ = rows_after(derived_draft, prompt, [])
-    draft_support = RequestSampler(REJECTION_SAMPLING.with_seed(0), model, prompt).processor.candidates(d_root).ids
+    draft_support = RequestState(REJECTION_SAMPLING.with_seed(0), model, prompt).processor.candidates(d_root).ids
     _, d_after = rows_after(derived_draft, prompt, draft_support)
     assert_rejection_sampling_exact(model, prompt, d_root, d_after, shape, lambda p, toks: rows_after(model, p, toks))

@@ -12,7 +12,7 @@ from localspec.backend.features import FeatureTap
 from localspec.drafters.eagle3 import Eagle3Drafter, head_target_layers
 from localspec.errors import ModelLoadError
 from localspec.policy import TreeShape
-from localspec.sampler import RequestSampler
+from localspec.request_state import RequestState
 from localspec.tree import TokenSource, TreeBuilder
 
 GREEDY = SamplingParams.greedy()
@@ -161,7 +161,7 @@ def test_random_head_rejection_sampling_is_exact(eng, model, random_head_path, s
         d.add_target_features(0, eng._tap.take())
         b = TreeBuilder(prompt[-1])
         root_row = d.target_rows(d.decode_level(b, [0]))[0]  # draft-vocabulary rows, as target-wide rows
-        support = RequestSampler(REJECTION_SAMPLING.with_seed(0), model, prompt).processor.candidates(root_row).ids
+        support = RequestState(REJECTION_SAMPLING.with_seed(0), model, prompt).processor.candidates(root_row).ids
         kids = [b.add(0, int(t), source=TokenSource.EAGLE3) for t in support]
         after = d.target_rows(d.decode_level(b, kids))
         draft_after = {int(t): after[i].copy() for i, t in enumerate(support)}

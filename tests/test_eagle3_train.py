@@ -15,8 +15,8 @@ from localspec.backend._llama import ext  # noqa: E402
 from localspec.backend.batch_ext import ExtBatch  # noqa: E402
 from localspec.backend.features import FeatureTap  # noqa: E402
 from localspec.models.eagle3_gguf import Eagle3Config, write_eagle3_gguf  # noqa: E402
-from localspec.models.eagle3_torch import Eagle3Head  # noqa: E402
-from localspec.models.eagle3_train import TrainConfig, read_target, train_eagle3  # noqa: E402
+from localspec.models.training.eagle3_torch import Eagle3Head  # noqa: E402
+from localspec.models.training.eagle3_train import TrainConfig, read_target, train_eagle3  # noqa: E402
 
 LAYERS = (2, 9, 15)
 TEXT = (
@@ -133,7 +133,7 @@ def test_torch_head_and_llama_cpp_head_agree(model, model_path, target_tensors, 
 def test_train_smoke_record_train_resume_export_draft(model, model_path, tmp_path):
     """A tiny run without network: record 2 text chunks + 2 self-distilled sequences, train 4
     steps, resume to 6, export Q8_0; the head drafts through the engine, output = plain greedy."""
-    from localspec.models.eagle3_data import load_shard, prepare_data
+    from localspec.models.training.eagle3_data import load_shard, prepare_data
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -177,7 +177,7 @@ def test_teacher_forced_record_matches_the_full_row_path(model, model_path):
     262k logits from llama.cpp) on the same tokens: identical features; the same top-k where
     the draft vocabulary holds the full top-k, logits equal up to llama.cpp's quantised product
     (its activations are rounded to 8 bits; measured max |delta| 0.20 on this CPU)."""
-    from localspec.models.eagle3_data import FeatureRecorder, TeacherForcedRecorder
+    from localspec.models.training.eagle3_data import FeatureRecorder, TeacherForcedRecorder
 
     tokens = [model.bos] + model.tokenize(TEXT * 2, add_special=False)
     full = FeatureRecorder(model_path, LAYERS, topk=16, n_seq=1, n_ctx=512)
@@ -206,7 +206,7 @@ def test_text_recording_smoke_resume_and_restricted_training(model, model_path, 
     """The teacher-forced path end to end: plan text chunks, record them over a draft
     vocabulary (shards marked restricted, top-k ids inside d2t), resume is a no-op, a changed
     vocabulary is refused, and the trainer takes the fixed d2t and reports validation per source."""
-    from localspec.models.eagle3_data import (
+    from localspec.models.training.eagle3_data import (
         iter_text_files, load_shard, make_plan, prepare_data, record_text_plan, text_token_counts,
     )  # fmt: skip
 

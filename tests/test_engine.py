@@ -8,7 +8,7 @@ from conftest import chisquare_pvalue, fixed_cost_model
 from helpers import RandomDrafter, ScriptedDrafter, assert_same_as_plain
 from localspec import Engine, SamplingParams
 from localspec.errors import ContextOverflowError, GrammarError, InvalidRequestError
-from localspec.sampler import RequestSampler
+from localspec.request_state import RequestState
 from localspec.tree import TokenSource, TreeBuilder
 from localspec.verify import verify_greedy, verify_rejection
 
@@ -100,7 +100,7 @@ def test_each_emitted_token_is_the_argmax_of_its_verification_row(model):
         b2.add(0, 7, source=TokenSource.NGRAM)
         tree = b2.build()
         lay, logits = cache.decode_tree(tree)
-        req = RequestSampler(GREEDY, model, prompt)
+        req = RequestState(GREEDY, model, prompt)
         res = verify_greedy(tree, logits, req.cursor(cache.n_past + 1))
         assert res.path == [n1]
         for tok, row in zip(res.tokens, res.rows):
@@ -332,13 +332,13 @@ def test_real_model_rejection_and_gumbel_reproduce_the_target_distribution(model
         rows = lg.copy()
         cache.commit(tree, lay, [])
         sp = SamplingParams(temperature=1.0, top_k=20, top_p=1.0, min_p=0.0)
-        proc_probs = RequestSampler(sp.with_seed(0), model, prompt).cursor(len(prompt)).target_probs(rows[0])
+        proc_probs = RequestState(sp.with_seed(0), model, prompt).cursor(len(prompt)).target_probs(rows[0])
         support = np.flatnonzero(proc_probs)
         for mode, fn in (("rejection", verify_rejection), ("gumbel", verify_greedy)):
             counts = np.zeros(model.n_vocab)
             p = SamplingParams(**{**sp.__dict__, "verify": mode})
             for seed in range(3000):
-                req = RequestSampler(p.with_seed(seed), model, prompt)
+                req = RequestState(p.with_seed(seed), model, prompt)
                 res = fn(tree, rows, req.cursor(len(prompt)))
                 counts[res.tokens[0]] += 1
             assert counts[np.setdiff1d(np.arange(model.n_vocab), support)].sum() == 0

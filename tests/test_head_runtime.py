@@ -11,8 +11,8 @@ from conftest import FakeModel, fixed_cost_model
 from helpers import assert_same_up_to_near_ties
 from localspec import Engine, SamplingParams, native
 from localspec.costmodel import CostModel
-from localspec.drafters.tree_expand import DraftSampler, _top_k_children
-from localspec.sampler import RequestSampler
+from localspec.drafters.tree_expand import DraftChildSelector, _top_k_children
+from localspec.request_state import RequestState
 from localspec.tree import SparseDist, TokenSource, TreeBuilder
 from localspec.verify import verify
 
@@ -63,8 +63,8 @@ def test_draft_vocabulary_rows_give_the_children_of_target_wide_rows(params, rng
     d2t[0], d2t[1] = 11, 12  # biased ids inside the draft vocabulary
     d2t = np.unique(d2t)
     suppress = [int(d2t[5]), 2999 if 2999 not in d2t else 2998]
-    narrow = DraftSampler(params, V, suppress, d2t=d2t)
-    wide = DraftSampler(params, V, suppress)
+    narrow = DraftChildSelector(params, V, suppress, d2t=d2t)
+    wide = DraftChildSelector(params, V, suppress)
     for trial in range(20):
         rows = (rng.standard_normal(d2t.size) * 2.5).astype(np.float32)
         full = np.full(V, -np.inf, dtype=np.float32)
@@ -126,7 +126,7 @@ def test_sparse_draft_distributions_verify_exactly_like_dense_ones(rng, use_nati
         out = []
         for t in (tree, densified(tree, V)):
             with native.use(use_native):
-                res = verify(t, logits, RequestSampler(params.with_seed(trial), model, [1, 2]).cursor(7))
+                res = verify(t, logits, RequestState(params.with_seed(trial), model, [1, 2]).cursor(7))
             out.append((res.path, res.tokens))
         assert out[0] == out[1]
         n_deep += len(out[0][0]) >= 2

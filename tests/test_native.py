@@ -14,7 +14,7 @@ from localspec.bench.kernels import gemma_like_rows, spine_tree
 from localspec.drafters.ngram import NgramDrafter
 from localspec.drafters.ngram_index import NgramIndex
 from localspec.errors import GrammarError, InvalidRequestError
-from localspec.sampler import RequestSampler
+from localspec.request_state import RequestState
 from localspec.sampling import LogitsProcessor, SamplingParams, gumbel_noise, stream_key, uniforms
 from localspec.tree import TokenSource, TreeBuilder
 from localspec.verify import sample_from, verify
@@ -193,7 +193,7 @@ def run_both(tree, logits, params, history=(), pos=10, n_vocab=None):
     out = []
     for use in (False, True):
         with native.use(use):
-            req = RequestSampler(params, model, list(history))
+            req = RequestState(params, model, list(history))
             cur = req.cursor(pos)
             res = verify(tree, logits, cur)
             out.append((res, cur.pos))
@@ -260,7 +260,7 @@ def test_target_probs_match_reference(rng):
         out = []
         for use in (False, True):
             with native.use(use):
-                cur = RequestSampler(params.with_seed(1), FakeModel(WIDE, eog=()), []).cursor(0)
+                cur = RequestState(params.with_seed(1), FakeModel(WIDE, eog=()), []).cursor(0)
                 out.append([cur.target_probs(r) for r in rows])
         for a, b in zip(*out):
             np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
@@ -284,7 +284,7 @@ def test_verify_errors_match_reference():
     for tree, err in [(zero_prob, ValueError), (no_dist, KeyError)]:
         for use in (False, True):
             with native.use(use):
-                cur = RequestSampler(params, FakeModel(V, eog=()), []).cursor(0)
+                cur = RequestState(params, FakeModel(V, eog=()), []).cursor(0)
                 with pytest.raises(err):
                     verify(tree, rows, cur)
 
@@ -434,3 +434,26 @@ def test_plain_c_loops_give_the_same_answers(tmp_path):
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert "passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-1000:]  # it really loaded that build
+
+
+@needs_native
+def test_engine_logprobs_match_the_numpy_reference(rng):
+    """Engine._logprobs on the C kernels (rows_logsumexp, top_k) equals the numpy reference:
+    the same top ids in the same order (ties by id), values to 1e-9."""
+    from types import SimpleNamespace
+
+    from localspec.engine import Engine
+
+    logits = gemma_like_rows(rng, 4, 262_144)  # [4, n_vocab] float32
+    logits[2, 7] = logits[2, 9] = logits[2].max() + 1.0  # a tie at the top
+    res = SimpleNamespace(rows=[0, 2, 3], tokens=[5, 9, 11])
+    with native.use(True):
+        fast = Engine._logprobs(logits, res, 5)
+    with native.use(False):
+        ref = Engine._logprobs(logits, res, 5)
+    for a, b in zip(fast, ref, strict=True):
+        assert a.token == b.token
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-9)
+        assert [i for i, _ in a.top] == [i for i, _ in b.top]
+        assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-9)
+    assert [i for i, _ in ref[1].top][:2] == [7, 9]

@@ -4,7 +4,7 @@ The trees here are not built by hand: the engine's ``Engine._propose`` asks a re
 (``AutoDrafter``: the n-gram drafter's point masses plus a model drafter's sampled children,
 merged by ``merge_trees``; or a real EAGLE-3 head on the default model), cuts the proposal
 with ``TokenTree.best_subtree`` and renumbers it with ``best_first_dfs``. Every draft draw
-is enumerated (the model drafters' ``DraftSampler`` draws through the oracle's chooser; all
+is enumerated (the model drafters' ``DraftChildSelector`` draws through the oracle's chooser; all
 else is the drafters' own code), every tree is verified with enumerated uniforms, and the
 exact law of the step's tokens, extended by plain decoding, must be the target's to 1e-12.
 Mutations of the propose path that reorder or prune sampled siblings by their draft
@@ -25,18 +25,18 @@ from conftest import FakeModel, fixed_cost_model
 from localspec.drafters.auto import AutoDrafter
 from localspec.drafters.model_drafter import ModelDrafter
 from localspec.drafters.ngram import NgramDrafter
-from localspec.drafters.tree_expand import Children, DraftMode, DraftSampler
+from localspec.drafters.tree_expand import Children, DraftMode, DraftChildSelector
 from localspec.engine import Engine
 from localspec.policy import ModelDraftStats, SpeculationPolicy, TreeShape
-from localspec.sampler import RequestSampler
+from localspec.request_state import RequestState
 from localspec.sampling import SamplingParams
 from localspec.tree import TokenSource, TokenTree, TreeBuilder
 from localspec.verify import verify_rejection
 from test_verify import VS, target_cond, target_logits
 
 
-class EnumeratedDraftSampler(DraftSampler):
-    """``DraftSampler`` whose i.i.d. draws (classic rejection sampling mode) are decisions of
+class EnumeratedDraftSampler(DraftChildSelector):
+    """``DraftChildSelector`` whose i.i.d. draws (classic rejection sampling mode) are decisions of
     the oracle's chooser: the same processed draft distribution, every outcome enumerated."""
 
     def __init__(self, params, n_vocab, suppress_ids, chooser) -> None:
@@ -131,7 +131,7 @@ def rows_of(tree):
 
 
 def walk(tree, ch, fn=verify_rejection):
-    req = RequestSampler(REJECTION.with_seed(0), FakeModel(VS, eog=()), [])
+    req = RequestState(REJECTION.with_seed(0), FakeModel(VS, eog=()), [])
     return tuple(fn(tree, rows_of(tree), oracle.branching_cursor(req.cursor(10), ch)).tokens)
 
 
@@ -208,7 +208,7 @@ def test_propose_path_mutations_are_caught(monkeypatch, name, mutated):
         for seed in range(20):  # some draws make the mutation visible
             ch = oracle.Chooser([seed % 2, (seed // 2) % 2, 0, 1, 1, 0])
             t = proposed_tree(auto, ch, 8).tree
-            req = RequestSampler(REJECTION.with_seed(seed), FakeModel(VS, eog=()), [])
+            req = RequestState(REJECTION.with_seed(seed), FakeModel(VS, eog=()), [])
             verify_mod.verify(t, rows_of(t), req.cursor(10))
     monkeypatch.setattr(verify_mod, "check_sampled_siblings", lambda tree: None)
     err, _ = mixed_law_error()
@@ -254,7 +254,7 @@ def test_eagle3_trees_through_the_engine_propose_path_are_exact(model):
         d.begin(prompt)
         eng.cache.prefill(prompt[:-1])
         d.add_target_features(0, eng._tap.take())
-        d.set_sampling(RequestSampler(EAGLE_SAMPLING.with_seed(0), model, prompt))
+        d.set_sampling(RequestState(EAGLE_SAMPLING.with_seed(0), model, prompt))
 
         def build(ch):
             d.sampler = EnumeratedDraftSampler(EAGLE_SAMPLING.with_seed(0), model.n_vocab, model.suppress_tokens, ch)
@@ -266,7 +266,7 @@ def test_eagle3_trees_through_the_engine_propose_path_are_exact(model):
         assert len(trees) == 8 and abs(sum(p for p, _ in trees) - 1) < 1e-12  # 3 draws of 2 tokens
         # the target's real rows: after the prompt, and after each possible first token
         pos = len(prompt)
-        tcur = RequestSampler(EAGLE_SAMPLING.with_seed(0), model, prompt).cursor(pos)
+        tcur = RequestState(EAGLE_SAMPLING.with_seed(0), model, prompt).cursor(pos)
         draft_support = np.flatnonzero(trees[0][1].draft_dists[0])
         vocab = np.arange(model.n_vocab)
         _, lg = eng.cache.decode_tree(TokenTree.root_only(prompt[-1]))
@@ -283,14 +283,14 @@ def test_eagle3_trees_through_the_engine_propose_path_are_exact(model):
         eng.cache.truncate(len(prompt) - 1)
         rows_after = {int(t1.token_ids[i]): lg[i].copy() for i in range(1, t1.n_nodes)}
         cond_after = {
-            t: RequestSampler(EAGLE_SAMPLING.with_seed(0), model, prompt + [t]).cursor(pos + 1).target_probs(r)
+            t: RequestState(EAGLE_SAMPLING.with_seed(0), model, prompt + [t]).cursor(pos + 1).target_probs(r)
             for t, r in rows_after.items()
         }
         ids = np.unique(np.concatenate([first] + [np.flatnonzero(c) for c in cond_after.values()]))
         local_root = root_row[ids]
         local_after = {t: r[ids] for t, r in rows_after.items()}
         # restricting to ids changes no probability
-        lc = RequestSampler(EAGLE_SAMPLING.with_seed(0), FakeModel(ids.size, eog=()), []).cursor(pos)
+        lc = RequestState(EAGLE_SAMPLING.with_seed(0), FakeModel(ids.size, eog=()), []).cursor(pos)
         assert np.allclose(lc.target_probs(local_root), p_root[ids], rtol=0, atol=1e-12)
         for t in rows_after:
             assert np.allclose(lc.target_probs(local_after[t]), cond_after[t][ids], rtol=0, atol=1e-12)
@@ -303,7 +303,7 @@ def test_eagle3_trees_through_the_engine_propose_path_are_exact(model):
         def walk_local(tree, ch):
             rows = np.stack([local_root] + [local_after[int(tree.token_ids[i])] for i in range(1, tree.n_nodes)])
             t = compress(tree, ids)
-            req = RequestSampler(EAGLE_SAMPLING.with_seed(0), FakeModel(ids.size, eog=()), [])
+            req = RequestState(EAGLE_SAMPLING.with_seed(0), FakeModel(ids.size, eog=()), [])
             return tuple(verify_rejection(t, rows, oracle.branching_cursor(req.cursor(pos), ch)).tokens)
 
         law = oracle.step_law(trees, walk_local)

@@ -12,7 +12,7 @@ from localspec.server.fields import RequestError
 from localspec.server.prompt import SNIPPET_SEPARATOR, ExtraChunk, build_infill_prompt
 from localspec.server.protocol import parse_request
 from localspec.server.response import dumps, select_fields, sse
-from localspec.server.samplers import canonical_sampler_name, parse_sampler_fields, resolve_sampling
+from localspec.server.sampling_fields import canonical_sampler_name, parse_sampler_fields, resolve_sampling
 from localspec.server.stops import EditorStops
 from plugin_requests import llama_vim_fim
 

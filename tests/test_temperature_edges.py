@@ -24,7 +24,7 @@ from localspec import native
 from localspec.bench.kernels import gemma_like_rows
 from localspec.cli.main import main
 from localspec.errors import InvalidRequestError
-from localspec.sampler import RequestSampler
+from localspec.request_state import RequestState
 from localspec.sampling import LogitsProcessor, SamplingParams
 from localspec.server.http import ServerThread
 from localspec.tree import TokenSource, TreeBuilder
@@ -123,7 +123,7 @@ def test_tree_verification_at_tiny_temperatures_is_greedy_verification(verify_mo
         for T in [0.0] + TINY:
             params = SamplingParams(temperature=T, verify=verify_mode, seed=trial)
             with native.use(use_native):
-                res = verify(tree, logits, RequestSampler(params, FakeModel(V, eog=()), []).cursor(5))
+                res = verify(tree, logits, RequestState(params, FakeModel(V, eog=()), []).cursor(5))
             out.append((res.path, res.tokens))
         assert out[1:] == [out[0]] * len(TINY)
 

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from localspec.tree import TokenSource, TokenTree, TreeBuilder, layout_tree
+from localspec.backend.tree_layout import layout_tree
+from localspec.tree import TokenSource, TokenTree, TreeBuilder
 
 
 def build_example():

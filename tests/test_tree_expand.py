@@ -6,9 +6,9 @@ import pytest
 
 from conftest import FakeModel, chisquare_pvalue, fixed_cost_model
 from localspec.drafters.auto import merge_trees
-from localspec.drafters.tree_expand import DraftCalibration, DraftMode, DraftSampler, expand_tree
+from localspec.drafters.tree_expand import DraftCalibration, DraftMode, DraftChildSelector, expand_tree
 from localspec.policy import SpeculationPolicy, TreeShape, accepted_length
-from localspec.sampler import RequestSampler
+from localspec.request_state import RequestState
 from localspec.sampling import SamplingParams
 from localspec.tree import SparseDist, TokenSource, TokenTree, TreeBuilder
 from localspec.verify import sample_from, verify_greedy, verify_rejection
@@ -43,7 +43,7 @@ class FakeDraft:
 
 def sampler(**kw):
     params = SamplingParams(**{"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 5, **kw})
-    return DraftSampler(params, V)
+    return DraftChildSelector(params, V)
 
 
 def test_greedy_tree_shape_and_scores():
@@ -85,9 +85,9 @@ def test_gumbel_children_are_the_targets_seeded_choice():
     """A draft equal to the target, perturbed with the same noise, proposes as its first child
     exactly the token the target's seeded Gumbel-max picks."""
     params = SamplingParams(temperature=0.9, top_k=5, top_p=0.9, min_p=0.0, seed=11)
-    ds = DraftSampler(params, V)
+    ds = DraftChildSelector(params, V)
     assert ds.mode == DraftMode.GUMBEL
-    req = RequestSampler(params, FakeModel(V), [1, 2])
+    req = RequestState(params, FakeModel(V), [1, 2])
     for pos in range(40):
         row = logits_after((pos,), 3)
         ch = ds.children(row, pos, 3)
@@ -95,7 +95,7 @@ def test_gumbel_children_are_the_targets_seeded_choice():
 
 
 def test_sampled_children_carry_their_distribution():
-    ds = DraftSampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=2, verify="rejection"), V)
+    ds = DraftChildSelector(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=2, verify="rejection"), V)
     assert ds.mode == DraftMode.SAMPLE
     row = logits_after((), 9)
     ch = ds.children(row, 3, 4)
@@ -155,17 +155,17 @@ def test_sampled_trees_pruned_by_score_stay_lossless(shape):
     n = 12000
     for seed in range(n):
         sp = params.with_seed(seed)
-        ds = DraftSampler(sp, V)
+        ds = DraftChildSelector(sp, V)
         tree = expand_tree(0, 4, shape, FakeDraft(salt=1), ds, DraftCalibration(), TokenSource.DRAFT_MODEL)
         # target rows: the target model (salt 2) after each node's path
         rows = []
         for i in range(tree.n_nodes):
             path = [int(tree.token_ids[j]) for j in tree.path_to(i)]
             rows.append(logits_after(tuple(path), 2))
-        req = RequestSampler(sp, model, [0])
+        req = RequestState(sp, model, [0])
         res = verify_rejection(tree, np.stack(rows), req.cursor(5))
         if len(res.tokens) < 2:  # nothing accepted: the next step decodes the second token
-            c = RequestSampler(sp, model, [0, res.tokens[0]]).cursor(6)
+            c = RequestState(sp, model, [0, res.tokens[0]]).cursor(6)
             second = sample_from(c.target_probs(logits_after((res.tokens[0],), 2)), c.residual_uniform())
         else:
             second = res.tokens[1]
@@ -187,7 +187,7 @@ def test_greedy_verification_of_expanded_trees_gives_the_target_argmax():
     dec = FakeDraft(salt=1)
     tree = expand_tree(0, 0, TreeShape(3, 2, 10, 0.0), dec, sampler(), DraftCalibration(), TokenSource.DRAFT_MODEL)
     rows = np.stack([logits_after(tuple(int(tree.token_ids[j]) for j in tree.path_to(i)), 2) for i in range(tree.n_nodes)])
-    req = RequestSampler(SamplingParams.greedy(seed=1), FakeModel(V, eog=()), [0])
+    req = RequestState(SamplingParams.greedy(seed=1), FakeModel(V, eog=()), [0])
     res = verify_greedy(tree, rows, req.cursor(1))
     for tok, row in zip(res.tokens, res.rows):
         assert tok == int(np.argmax(rows[row]))

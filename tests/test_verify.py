@@ -22,7 +22,7 @@ import pytest
 import oracle
 from conftest import FakeModel, chisquare_pvalue
 from localspec import native
-from localspec.sampler import RequestSampler
+from localspec.request_state import RequestState
 from localspec.sampling import SamplingParams
 from localspec.tree import TokenSource, TreeBuilder
 from localspec.verify import check_sampled_siblings, verify, verify_greedy, verify_rejection
@@ -43,7 +43,7 @@ def make_rows(rng, n):
 
 
 def run(tree, rows, params, seed, fn=verify):
-    req = RequestSampler(params.with_seed(seed), FakeModel(V, eog=()), [])
+    req = RequestState(params.with_seed(seed), FakeModel(V, eog=()), [])
     cur = req.cursor(10)
     return fn(tree, rows, cur)
 
@@ -61,7 +61,7 @@ def target_logits(prefix: tuple) -> np.ndarray:
 
 
 def _cursor(params=REJECTION, seed=0, native_walk=False):
-    req = RequestSampler(params.with_seed(seed), FakeModel(VS, eog=()), [])
+    req = RequestState(params.with_seed(seed), FakeModel(VS, eog=()), [])
     req.processor.use_native = bool(native_walk)
     return req.cursor(10)
 
@@ -399,7 +399,7 @@ def test_gumbel_walk_equals_plain_sampling_for_any_tree(rng):
         assert res.tokens[0] == plain1
         if res.accept_length:
             # the second token is what plain decoding would choose at the next position
-            req = RequestSampler(params.with_seed(seed), FakeModel(V, eog=()), [])
+            req = RequestState(params.with_seed(seed), FakeModel(V, eog=()), [])
             cur = req.cursor(11)
             assert res.tokens[1] == cur.target_token(rows_by_token[plain1])
 

@@ -21,7 +21,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import ContextOverflowError, KVCacheError
-from ..tree import TokenTree, TreeLayout, layout_tree
+from ..tree import TokenTree
+from .tree_layout import TreeLayout, layout_tree
 from .batch import Batch
 from .context import Context
 

@@ -21,7 +21,7 @@ import numpy as np
 from .. import native
 from ..drafters.ngram import NgramDrafter
 from ..drafters.ngram_index import NgramIndex
-from ..sampler import RequestSampler
+from ..request_state import RequestState
 from ..sampling import LogitsProcessor, SamplingParams
 from ..tree import TokenSource, TokenTree, TreeBuilder
 from ..verify import verify
@@ -95,7 +95,7 @@ def spine_tree(
 
 
 class _VocabModel:
-    """What ``RequestSampler`` needs of a model, for synthetic rows."""
+    """What ``RequestState`` needs of a model, for synthetic rows."""
 
     def __init__(self, n_vocab: int) -> None:
         self.n_vocab = n_vocab
@@ -123,7 +123,7 @@ def _pair(name: str, make: Callable[[], Callable[[], object]], reps: int, same=l
 
 def _verify_once(tree: TokenTree, rows: np.ndarray, params: SamplingParams, pos: int):
     def run():
-        req = RequestSampler(params, _VocabModel(rows.shape[1]), [])
+        req = RequestState(params, _VocabModel(rows.shape[1]), [])
         cur = req.cursor(pos)
         res = verify(tree, rows, cur)
         return res.path, res.tokens
@@ -163,7 +163,7 @@ def bench_kernels(*, reps: int = 5, rows: np.ndarray | None = None, seed: int = 
     out.append(_pair("choose T=1 untruncated, 4 rows", choose(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)), reps))
 
     def target_probs():
-        cur = RequestSampler(T08_P095.with_seed(1), _VocabModel(n_vocab), []).cursor(0)
+        cur = RequestState(T08_P095.with_seed(1), _VocabModel(n_vocab), []).cursor(0)
         return lambda: cur.target_probs(row)
 
     out.append(_pair("target_probs T=0.8 top-p=0.95 (dense)", target_probs, reps, lambda a, b: bool(np.abs(a - b).max() <= 1e-6)))

@@ -31,6 +31,7 @@ class RunRecord:
     num_accepted_tokens: int = 0
     t_host_us: float = 0.0
     t_target_us: float = 0.0
+    n_step_tokens: int = 0  # tokens the steps produced, the end-of-generation one included
 
     @classmethod
     def of(cls, stats) -> "RunRecord":
@@ -43,6 +44,7 @@ class RunRecord:
             stats.num_accepted_tokens,
             stats.t_host_us,
             stats.t_decode_us,
+            stats.n_step_tokens,
         )
 
 
@@ -168,13 +170,14 @@ def summarize(records: list[PromptRecord]) -> dict:
         p_e2e = _rate(pn, sum(r.plain.t_total_us for r in rs))
         s_e2e = _rate(sn, sum(r.spec.t_total_us for r in rs))
         steps = sum(r.spec.n_steps for r in rs)
+        step_tokens = sum(r.spec.n_step_tokens or r.spec.n_tokens for r in rs)
         d = {
             "n_prompts": len(rs),
             "plain_tokens_per_s": p_rate,
             "spec_tokens_per_s": s_rate,
             "speedup": s_rate / p_rate if p_rate else 0.0,
             "speedup_end_to_end": s_e2e / p_e2e if p_e2e else 0.0,
-            "mean_acceptance_length": sn / steps if steps else 0.0,
+            "mean_acceptance_length": step_tokens / steps if steps else 0.0,
             "identical_fraction": sum(r.identical for r in rs) / len(rs),
             "num_draft_tokens": sum(r.spec.num_draft_tokens for r in rs),
             "num_accepted_tokens": sum(r.spec.num_accepted_tokens for r in rs),

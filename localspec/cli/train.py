@@ -52,7 +52,7 @@ def register(sub) -> None:
 
 
 def _sources(paths: list[str]) -> list:
-    from ..models.eagle3_data import stdlib_sources
+    from ..models.training.eagle3_data import stdlib_sources
 
     out = []
     for p in paths:
@@ -67,9 +67,9 @@ def run_train(a: argparse.Namespace) -> int:
         raise SystemExit("localspec: error: train-eagle3 needs torch: pip install 'localspec[train]'") from None
     from ..backend import check_gguf_file
     from ..models import resolve_model
-    from ..models.eagle3_data import prepare_data, shard_paths
+    from ..models.training.eagle3_data import prepare_data, shard_paths
     from ..models.eagle3_gguf import default_target_layers
-    from ..models.eagle3_train import TrainConfig, train_eagle3
+    from ..models.training.eagle3_train import TrainConfig, train_eagle3
 
     target = check_gguf_file(resolve_model(a.target))
     work = Path(a.data_dir or f"{a.out}.work")

@@ -37,7 +37,7 @@ Optional hooks, called by the engine when a drafter defines them:
       that run a model get what they need of the target (see ``TargetHandle``) and, when
       they list ``target_feature_layers``, the ``FeatureTap`` that captures those layers.
     * ``fixed_shape``: a ``TreeShape`` the plan always drafts with (tests, experiments).
-    * ``set_sampling(sampler: RequestSampler)`` before ``begin`` of every request: model
+    * ``set_sampling(sampler: RequestState)`` before ``begin`` of every request: model
       drafters draft with the request's sampling (greedy, seeded Gumbel, or their own
       distribution for classic rejection sampling).
     * ``target_feature_layers``: a tuple of target layer ids whose *inputs* the drafter reads

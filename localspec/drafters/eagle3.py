@@ -36,7 +36,7 @@ a prompt) decodes its head without outputs first.
 
 **Draft-vocabulary rows.** A head with a reduced vocabulary (``d2t``) makes llama.cpp scatter
 its rows into target-wide rows (``-inf`` elsewhere). ``decode_level`` gathers them back to
-the draft width ([n, len(d2t)], a few thousand columns), ``DraftSampler`` ranks them there
+the draft width ([n, len(d2t)], a few thousand columns), ``DraftChildSelector`` ranks them there
 (top-k in C) and maps only the chosen ids to target ids.
 """
 
@@ -195,7 +195,7 @@ class Eagle3Drafter(ModelDrafter):
 
     def decode_level(self, tree: TreeBuilder, nodes: list[int]) -> np.ndarray:
         """Draft logits after ``nodes``: [len(nodes), width] float32, ``width = len(d2t)``
-        (draft ids; ``DraftSampler`` maps them back) or ``n_vocab`` without a ``d2t``."""
+        (draft ids; ``DraftChildSelector`` maps them back) or ``n_vocab`` without a ``d2t``."""
         if nodes == [0]:
             return self._draft_rows(self._catch_up(tree.tokens[0]))
         root_pos = len(self.history) - 1

@@ -1,6 +1,6 @@
 """``ModelDrafter``: what every drafter that runs a model (draft model, EAGLE-3 head) shares.
 
-The history, the request's ``DraftSampler``, the acceptance calibration and statistics, and
+The history, the request's ``DraftChildSelector``, the acceptance calibration and statistics, and
 the step itself, in two phases so that the engine's policy decides the step once, before
 any model call (the drafter never asks the policy itself):
 
@@ -32,7 +32,7 @@ from ..policy import ModelDraftStats, TreeShape, accepted_length
 from ..sampling import SamplingParams
 from ..tree import TokenSource, TokenTree
 from .base import TargetHandle
-from .tree_expand import DraftCalibration, DraftSampler, expand_tree
+from .tree_expand import DraftCalibration, DraftChildSelector, expand_tree
 
 
 class _TimedLevels:
@@ -81,7 +81,7 @@ class ModelDrafter(abc.ABC):
         self.calib = DraftCalibration()
         self.stats = ModelDraftStats(max_depth=max_depth, max_width=max_width)
         self.history: list[int] = []
-        self.sampler: DraftSampler | None = None
+        self.sampler: DraftChildSelector | None = None
         self.ctx: Context | None = None
         self._limits = (0, 0)
         self._ran = False
@@ -97,9 +97,9 @@ class ModelDrafter(abc.ABC):
     rows (EAGLE-3 heads with a reduced vocabulary), else None (rows in target ids)."""
 
     def set_sampling(self, sampler) -> None:
-        """Draft for this request's sampling (a ``RequestSampler``; None = greedy)."""
+        """Draft for this request's sampling (a ``RequestState``; None = greedy)."""
         params = sampler.params if sampler is not None else SamplingParams.greedy(seed=0)
-        self.sampler = DraftSampler(params, self.n_vocab, self.suppress_ids, d2t=self.d2t)
+        self.sampler = DraftChildSelector(params, self.n_vocab, self.suppress_ids, d2t=self.d2t)
 
     def begin(self, history: Sequence[int], context: Sequence[Sequence[int]] = ()) -> None:
         self.history = [int(t) for t in history]

@@ -13,20 +13,7 @@ This is the pure-Python reference; ``localspec.native`` provides the same struct
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-
-
-@dataclass
-class Match:
-    """Occurrences of the longest matching suffix.
-
-    Attributes:
-        order: n, the length of the matched suffix.
-        starts: positions where a continuation starts, most recent first.
-    """
-
-    order: int
-    starts: list[int]
+from ..ngram_match import Match
 
 
 class NgramIndex:

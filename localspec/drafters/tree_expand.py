@@ -16,7 +16,7 @@ node: the product along the path of per-node acceptance estimates, each read fro
 learned online from what the target emitted (``observe``).
 
 How children are chosen depends on the request's sampling, so that verification stays
-lossless and drafts match what the target will pick (``DraftSampler``):
+lossless and drafts match what the target will pick (``DraftChildSelector``):
 
 * temperature 0 (greedy): the top-k tokens of the draft logits (deterministic children;
   confidence = softmax probability).
@@ -114,7 +114,7 @@ class DraftCalibration:
 # -- choosing children from draft logits ----------------------------------------------------------
 
 
-class DraftSampler:
+class DraftChildSelector:
     """Chooses the children of nodes from draft logits rows, for one request's sampling.
 
     Applies the request's logit bias and the target's suppressed tokens, then (temperature >
@@ -237,7 +237,7 @@ def expand_tree(
     root_pos: int,
     shape: TreeShape,
     decoder: LevelDecoder,
-    sampler: DraftSampler,
+    sampler: DraftChildSelector,
     calib: DraftCalibration,
     source: TokenSource,
 ) -> TokenTree:

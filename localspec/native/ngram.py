@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _lib, lib
-from ..drafters.ngram_index import Match
+from ..ngram_match import Match
 
 
 class NativeNgramIndex:

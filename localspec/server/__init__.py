@@ -5,7 +5,7 @@ Modules, one idea each:
 
     fields.py    typed reads of JSON fields; llama.cpp-style error bodies
     protocol.py  /infill and /completion requests, validated (CompletionRequest)
-    samplers.py  llama.cpp's sampler-chain fields -> SamplingParams, and what is not applied
+    sampling_fields.py  llama.cpp's sampler-chain fields -> SamplingParams, and what is not applied
     prompt.py    fill-in-the-middle prompts (or prefix completion without FIM tokens)
     stops.py     the editor stopping rules (n_indent, t_max_predict_ms)
     response.py  llama.cpp's response JSON, server-sent events

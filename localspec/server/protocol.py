@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from .fields import RequestError, get_bool, get_float, get_int, get_str, get_str_list, require
 from .prompt import ExtraChunk
-from .samplers import SamplerFields, parse_sampler_fields
+from .sampling_fields import SamplerFields, parse_sampler_fields
 
 # Fields llama.cpp's server accepts that change nothing here (told in the response notes).
 _NOT_IMPLEMENTED = ("n_probs", "lora", "n_keep", "n_discard", "n_cache_reuse", "min_keep", "post_sampling_probs")

@@ -37,7 +37,7 @@ from .fields import EXCEED_CONTEXT, SERVER_ERROR, UNAVAILABLE, RequestError, err
 from .prompt import BuiltPrompt, build_completion_prompt, build_infill_prompt
 from .protocol import CompletionRequest
 from .response import Outcome, final_response, generation_settings, partial_response, stop_type_of
-from .samplers import SamplingPlan, resolve_sampling
+from .sampling_fields import SamplingPlan, resolve_sampling
 from .stops import EditorStops
 
 log = logging.getLogger("localspec.server")

@@ -10,7 +10,7 @@ sampler's own parameter deciding whether it does anything. Editor plugins send
 
 localspec applies, at every verified position and identically with and without speculation:
 penalties, top_k, top_p, min_p, ``infill`` (llama.cpp's own sampler, stateless: see
-``localspec.infill_sampler``) and temperature, in that order; logit bias, ``ignore_eos`` and a
+``localspec.infill_filter``) and temperature, in that order; logit bias, ``ignore_eos`` and a
 GBNF ``grammar`` (or ``json_schema``) too. Samplers with state across positions or that
 localspec does not implement (dry, xtc, typ_p, top_n_sigma, mirostat, dynatemp, adaptive_p)
 are **not applied**: the plan lists them in ``not_applied`` with a note, and the response
@@ -200,7 +200,7 @@ def resolve_sampling(f: SamplerFields, defaults: SamplingParams, model) -> Sampl
     Raises:
         RequestError: a bad logit-bias token, grammar or JSON schema.
     """
-    from ..infill_sampler import MAX_INFILL_CANDIDATES, InfillFilter
+    from ..infill_filter import MAX_INFILL_CANDIDATES, InfillFilter
 
     names = list(f.samplers) if f.samplers is not None else list(DEFAULT_CHAIN)
     notes: list[str] = [f"unknown sampler {n!r} ignored" for n in f.unknown_samplers]

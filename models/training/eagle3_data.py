@@ -377,7 +377,7 @@ class TeacherForcedRecorder:
 
         from localspec.backend import Batch, Context, Model
 
-        from .gguf_index import GGUFIndex
+        from ..gguf_index import GGUFIndex
 
         self.model = Model(target)
         self.tap = _FinalNormTap(layers, self.model.n_layer, self.model.n_embd)

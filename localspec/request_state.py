@@ -1,4 +1,4 @@
-"""``RequestSampler``: the sampling state of one request, and cursors that walk a token tree.
+"""``RequestState``: the sampling state of one request, and cursors that walk a token tree.
 
 The request keeps what the pipeline needs beyond the logits row: the penalty window
 (prompt + emitted tokens), the grammar state, the seed. A ``Cursor`` starts at the root of a
@@ -27,7 +27,7 @@ from .sampling import (
 )
 
 
-class RequestSampler:
+class RequestState:
     """Sampling state of one generation request.
 
     Args:
@@ -76,7 +76,7 @@ class Cursor:
     the next position with ``token`` appended to the history.
     """
 
-    def __init__(self, req: RequestSampler, pos: int) -> None:
+    def __init__(self, req: RequestState, pos: int) -> None:
         self.req = req
         self.pos = int(pos)
         self._pen = req.penalties.copy() if req.penalties is not None else None

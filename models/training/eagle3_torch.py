@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .eagle3_gguf import Eagle3Config, Eagle3Weights
+from ..eagle3_gguf import Eagle3Config, Eagle3Weights
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from .eagle3_data import Shard, load_shard
-from .eagle3_gguf import Eagle3Config, default_target_layers, write_eagle3_gguf
+from ..eagle3_gguf import Eagle3Config, default_target_layers, write_eagle3_gguf
 from .eagle3_torch import Eagle3Head
-from .gguf_index import GGUFIndex
+from ..gguf_index import GGUFIndex
 
 STEP_WEIGHT = 0.8
 

@@ -7,7 +7,7 @@ import pytest
 from helpers import RandomDrafter
 from localspec import SamplingParams
 from localspec.errors import InvalidRequestError
-from localspec.infill_sampler import MAX_INFILL_CANDIDATES, InfillFilter
+from localspec.infill_filter import MAX_INFILL_CANDIDATES, InfillFilter
 
 PROMPT = "def add_one(x):\n    return x + 1\n\n\ndef add_two(x):\n    return x + 2\n\n\ndef add_three(x):\n"
 
