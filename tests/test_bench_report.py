@@ -64,7 +64,7 @@ def test_a_missing_dataset_is_a_one_line_error(tmp_path):
         load_questions(tmp_path / "nope.jsonl")
     from localspec.cli.main import main
 
-    with pytest.raises(SystemExit, match="localspec: error: dataset"):
+    with pytest.raises(SystemExit, match="localspec: error: --dataset: dataset"):
         main(["bench", "--dataset", str(tmp_path / "nope.jsonl")])
 
 

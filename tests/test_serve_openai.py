@@ -15,7 +15,8 @@ from conftest import fixed_cost_model  # noqa: E402
 from localspec import SamplingParams  # noqa: E402
 from localspec.scheduler import BatchScheduler  # noqa: E402
 from localspec.server import CompletionService, ServiceConfig  # noqa: E402
-from localspec.server.openai import AppThread, OpenAIService, create_serve_app  # noqa: E402
+from localspec.server.http import AppThread  # noqa: E402
+from localspec.server.openai import OpenAIService, create_serve_app  # noqa: E402
 
 PROMPT = "The capital of France is"
 MAX_BODY = 64 * 1024

@@ -288,23 +288,36 @@ class Model:
 
 
 def gguf_tensor(path: str | os.PathLike, name: str, *, float_only: bool = False) -> np.ndarray | None:
-    """One tensor of a GGUF file, read with the ``gguf`` library, in numpy order (ggml's
-    ``ne`` reversed: a ``[n_in, n_out]`` ggml matrix comes back as ``[n_out, n_in]``).
+    """One tensor of a GGUF file in numpy order (ggml's ``ne`` reversed: a ``[n_in, n_out]``
+    ggml matrix comes back as ``[n_out, n_in]``).
+
+    Reads through ``GGUFIndex`` (one ``struct`` walk of the header, a fraction of a second),
+    not ``gguf.GGUFReader``, which builds numpy views of every tokenizer entry: 10-40 s on a
+    head or model that carries a 262k-token vocabulary.
 
     Args:
         float_only: return only F32 / F16 tensors (as float32); None for anything else.
     Returns:
-        a copy of the tensor's data, or None when the file has no tensor ``name`` (or, with
-        ``float_only``, when it is quantised).
+        a copy of the tensor's data (integer and float tensors in their own dtype, F16 as
+        float32 with ``float_only``; quantised ones dequantised to float32), or None when the
+        file has no tensor ``name`` (or, with ``float_only``, when it is quantised).
     """
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType as Q
 
-    r = GGUFReader(str(path))
-    t = next((t for t in r.tensors if t.name == name), None)
+    from ..models.gguf_index import GGUFIndex
+
+    ix = GGUFIndex(path)
+    t = ix.tensors.get(name)
     if t is None:
         return None
-    if float_only:
-        if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            return None
-        return np.array(t.data, dtype=np.float32)
-    return np.array(t.data)
+    shape = tuple(reversed(t.shape))
+    plain = {Q.F32: np.float32, Q.F16: np.float16, Q.I8: np.int8, Q.I16: np.int16, Q.I32: np.int32,
+             Q.I64: np.int64, Q.F64: np.float64}  # fmt: skip
+    qt = Q(t.qtype)
+    if float_only and qt not in (Q.F32, Q.F16):
+        return None
+    if qt in plain:
+        n = int(np.prod(shape))
+        out = np.frombuffer(ix._mm, dtype=plain[qt], count=n, offset=t.offset).reshape(shape).copy()
+        return out.astype(np.float32) if float_only else out
+    return ix.rows(name).reshape(shape)

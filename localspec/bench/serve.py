@@ -37,7 +37,8 @@ def bench_serve(engine, prompts: list[str], *, clients=(1, 2, 4, 8), per_client:
     import openai
 
     from ..scheduler import BatchScheduler
-    from ..server.openai import AppThread, OpenAIService, create_serve_app
+    from ..server.http import AppThread
+    from ..server.openai import OpenAIService, create_serve_app
 
     sched = BatchScheduler(engine.model, parallel=max(clients), n_ctx=n_ctx, drafter="ngram",
                            cost_model=engine.cost_model, n_threads=engine.ctx.n_threads).start()  # fmt: skip

@@ -312,8 +312,9 @@ def run(a: argparse.Namespace) -> int:
     try:
         questions = load_questions(a.dataset)
         prompts = select_prompts(questions, cats, a.per_category)
-    except OSError as e:
-        raise SystemExit(f"localspec: error: cannot read --dataset {a.dataset!r}: {e.strerror or e}") from None
+    except OSError as e:  # resolve_dataset's own message, or the OS's
+        msg = f"cannot read --dataset {a.dataset!r}: {e.strerror}" if e.strerror else f"--dataset: {e}"
+        raise SystemExit(f"localspec: error: {msg}") from None
     except (ValueError, UnicodeDecodeError) as e:  # a malformed line names itself
         raise SystemExit(f"localspec: error: {e}") from None
     sampling = sampling_from_args(a)

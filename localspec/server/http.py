@@ -275,22 +275,23 @@ def serve(service: CompletionService, sock: socket.socket, *, max_body_bytes: in
         sock.close()
 
 
-class ServerThread:
-    """An in-process server on a free loopback port, in a background thread (tests, benches).
+class AppThread:
+    """An in-process server for an ASGI ``app`` on a free loopback port, in a background
+    thread (tests, benchmarks). Use as a context manager; ``url`` is its base address.
 
-    Use as a context manager; ``url`` is its base address.
+    Raises:
+        RuntimeError: on entering, when the server thread died or did not start in 60 s.
     """
 
-    def __init__(self, service: CompletionService, host: str = "127.0.0.1", port: int = 0, **app_kw) -> None:
-        self.service = service
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0) -> None:
         self._sock = bind_socket(host, port)
         self.url = address_of(self._sock)
-        self._server = _uvicorn_server(create_app(service, **app_kw), log_level="warning")
+        self._server = _uvicorn_server(app, log_level="warning")
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self):
         self._thread.start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the HTTP server did not start")
@@ -301,3 +302,11 @@ class ServerThread:
         self._server.should_exit = True
         self._thread.join(10)
         self._sock.close()
+
+
+class ServerThread(AppThread):
+    """The editor server (``create_app(service)``) as an ``AppThread``."""
+
+    def __init__(self, service: CompletionService, host: str = "127.0.0.1", port: int = 0, **app_kw) -> None:
+        self.service = service
+        super().__init__(create_app(service, **app_kw), host, port)

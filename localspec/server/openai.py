@@ -590,32 +590,3 @@ def create_serve_app(service: OpenAIService, completion_service=None, *, max_bod
     if api_key:
         return APIKeyMiddleware(app, api_key)
     return app
-
-
-class AppThread:
-    """An in-process server for ``app`` on a free loopback port, in a background thread
-    (tests, benchmarks). Use as a context manager; ``url`` is its base address."""
-
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0) -> None:
-        import threading
-
-        from .http import _uvicorn_server, address_of, bind_socket
-
-        self._sock = bind_socket(host, port)
-        self.url = address_of(self._sock)
-        self._server = _uvicorn_server(app, log_level="warning")
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
-
-    def __enter__(self) -> "AppThread":
-        self._thread.start()
-        deadline = time.monotonic() + 60
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the HTTP server did not start")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._server.should_exit = True
-        self._thread.join(10)
-        self._sock.close()
