@@ -39,18 +39,19 @@ class EnumeratedDraftSampler(DraftChildSelector):
     """``DraftChildSelector`` whose i.i.d. draws (classic rejection sampling mode) are decisions of
     the oracle's chooser: the same processed draft distribution, every outcome enumerated."""
 
-    def __init__(self, params, n_vocab, suppress_ids, chooser) -> None:
-        super().__init__(params, n_vocab, suppress_ids)
+    def __init__(self, params, n_vocab, suppress_ids, chooser, d2t=None) -> None:
+        super().__init__(params, n_vocab, suppress_ids, d2t=d2t)
         assert self.mode == DraftMode.SAMPLE
         self.chooser = chooser
 
     def children(self, row, pos, k, counter=0):
-        cand = self.processor.candidates(row)
+        cand = self.processor.candidates(row)  # ids in draft ids when the head has a d2t
+        tids = self._target_ids(cand.ids)
         q = cand.probs()
         picks = np.array([self.chooser.categorical(q) for _ in range(k)], dtype=np.int64)
-        dist = np.zeros(self.n_vocab, dtype=np.float64)
-        dist[cand.ids] = q
-        return Children(cand.ids[picks], q[picks], q[picks], dist)
+        dist = np.zeros(self.n_vocab, dtype=np.float64)  # dense, in target ids
+        dist[tids] = q
+        return Children(tids[picks], q[picks], q[picks], dist)
 
 
 # -- a synthetic model drafter on the 4-token world of test_verify ------------------------------
@@ -107,13 +108,15 @@ HISTORY = [1, 2, 3, 0, 1, 2, 0, 3, 1, 2]  # "1 2" was followed by 3 and by 0: n-
 def engine_shim(max_tree_nodes):
     """What ``Engine._propose`` reads of its engine (non-adaptive: the policy's node count is
     replaced by ``max_tree_nodes``, so that ``best_subtree`` always prunes)."""
-    return SimpleNamespace(max_tree_nodes=max_tree_nodes, adaptive=False, policy=None)
+    cost = fixed_cost_model()
+    return SimpleNamespace(max_tree_nodes=max_tree_nodes, adaptive=False, policy=SpeculationPolicy(cost, max_nodes=max_tree_nodes),
+                           cost_model=cost, _clip=Engine._clip)  # fmt: skip
 
 
 def auto_drafter():
     model = SyntheticModelDrafter(TreeShape(2, 2, 6, 0.0))  # 7 drawn nodes, 6 kept
     auto = AutoDrafter(model, NgramDrafter())
-    auto.policy = SpeculationPolicy(fixed_cost_model())
+    auto.fixed_shape = model.fixed_shape  # the step's plan drafts the model with this shape
     auto.begin(HISTORY)
     return auto
 
@@ -257,7 +260,7 @@ def test_eagle3_trees_through_the_engine_propose_path_are_exact(model):
         d.set_sampling(RequestState(EAGLE_SAMPLING.with_seed(0), model, prompt))
 
         def build(ch):
-            d.sampler = EnumeratedDraftSampler(EAGLE_SAMPLING.with_seed(0), model.n_vocab, model.suppress_tokens, ch)
+            d.sampler = EnumeratedDraftSampler(EAGLE_SAMPLING.with_seed(0), model.n_vocab, model.suppress_tokens, ch, d.d2t)
             prop = eng._propose(d, prompt[-1], 8, 256)
             assert prop.tree.n_nodes == 3 and prop.tree.is_stochastic(1)
             return prop.tree

@@ -100,6 +100,7 @@ def _result(emitted, finish, n_prompt, n_cached, drafter) -> GenerationResult:
         n_prompt_tokens=n_prompt,
         n_cached_tokens=n_cached,
         n_generated_tokens=len(emitted),
+        n_step_tokens=len(emitted),  # no end-of-generation step in these scripts
         n_steps=n_steps,
         n_spec_steps=n_steps - 2,
         num_draft_tokens=n_acc + 4,
