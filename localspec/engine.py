@@ -497,6 +497,7 @@ class Engine:
                 limit = min(len(old), len(prompt) - 1)
                 while common < limit and old[common] == prompt[common]:
                     common += 1
+                self.policy.begin_request()
                 if drafter is not None:
                     if hasattr(drafter, "set_sampling"):
                         drafter.set_sampling(req)
@@ -607,6 +608,7 @@ class Engine:
                     stats.t_verify_us += t3 - t2
                     stats.t_other_us += t4 - t3
                     self.policy.observe_step(tree.n_nodes, t2 - t1, (t4 - t0) - (t2 - t1) - prop.t_draft_us)
+                    self.policy.observe_outcome(tree, len(res.path))
                     root = res.tokens[-1]
                     step += 1
                     yield from chunks

@@ -165,6 +165,110 @@ class AcceptanceTracker:
         self.end_step()
 
 
+class ScoreCalibration:
+    """Calibrates the node scores of the trees the policy verifies by what they realised.
+
+    The per-node estimates are calibrated over every node a drafter tried
+    (``AcceptanceTracker``), but the policy verifies only the steps whose estimates are the
+    highest, and those are the most overestimated (the winner's curse of choosing by noisy
+    estimates). Measured on code prompts (issue 15): the verified trees of one request
+    predicted 46.8 tokens over 8 steps and emitted 29, and the prompt ran at 0.78x of plain
+    decoding. This class measures that bias where it matters, on the verified trees, and
+    corrects the next candidates' scores by a power law, ``score ** gamma`` (a path of
+    per-node probabilities ``p`` becomes one of ``p ** gamma``: temperature scaling of the
+    node probabilities in log space; Guo et al. 2017 calibrate classifiers the same way).
+    ``gamma`` solves
+
+        sum_i w_i * (sum_v s_iv ** gamma - a_i) = lam * log(gamma)
+
+    over this request's verified trees ``i`` (draft-node scores ``s_iv``, ``a_i`` draft
+    tokens accepted, weights ``w_i`` forgotten by ``decay`` per step so that after a run of
+    plain steps the policy tries again), with ``lam`` tokens of evidence pulling ``gamma``
+    towards the long-run value (the geometric mean of the exponents of earlier requests, 1
+    at first). The left side falls and the right side rises with ``gamma``, so the root is
+    unique; it is found by bisection on ``log gamma`` in [``lo``, ``hi``]. Overconfident
+    drafts get ``gamma > 1`` (verified trees shrink or stop), underconfident ones ``< 1``.
+    """
+
+    def __init__(
+        self,
+        *,
+        lam: float = 1.0,
+        decay: float = 0.995,
+        lo: float = 0.5,
+        hi: float = 10.0,
+        keep: int = 64,
+        first_nodes: int = 8,
+    ) -> None:
+        self.lam, self.decay, self.lo, self.hi, self.keep = lam, decay, lo, hi, keep
+        self.first_nodes = first_nodes
+        self.log_center = 0.0  # log of the long-run exponent
+        self._n_requests = 0
+        self.begin_request()
+
+    def begin_request(self) -> None:
+        if getattr(self, "_trees", None):
+            self._n_requests += 1
+            self.log_center += (math.log(self.exponent()) - self.log_center) / min(self._n_requests, 8)
+        self._trees: list[tuple[np.ndarray, float]] = []  # (draft-node scores, accepted)
+        self._w: list[float] = []
+        self._gamma: float | None = None
+        self._max_accepted = 0
+
+    def trust_nodes(self) -> int:
+        """Largest tree worth risking now: ``first_nodes`` until this request has verified
+        a tree, then twice the longest accepted run so far plus one (a copying request reaches
+        64 nodes in three steps; one whose drafts fail never risks more than ``first_nodes``)."""
+        return max(self.first_nodes, 2 * (self._max_accepted + 1))
+
+    def observe(self, scores: np.ndarray, accepted: int) -> None:
+        """One step: the draft-node scores of the verified tree (empty for a plain step) and
+        how many of its draft tokens the target accepted."""
+        self._w = [w * self.decay for w in self._w]
+        if scores.size:
+            self._max_accepted = max(self._max_accepted, int(accepted))
+            self._trees.append((np.asarray(scores, dtype=np.float64), float(accepted)))
+            self._w.append(1.0)
+            if len(self._trees) > self.keep:
+                del self._trees[0], self._w[0]
+        self._gamma = None
+
+    def exponent(self) -> float:
+        if self._gamma is not None:
+            return self._gamma
+        if not self._trees:
+            self._gamma = float(min(max(math.exp(self.log_center), self.lo), self.hi))
+            return self._gamma
+        s = np.concatenate([t for t, _ in self._trees])
+        w = np.concatenate([np.full(t.size, w) for (t, _), w in zip(self._trees, self._w)])
+        a = float(sum(w_i * a_i for (_, a_i), w_i in zip(self._trees, self._w)))
+        ls = np.log(np.clip(s, 1e-12, 1.0))
+
+        def excess(lg: float) -> float:  # decreasing in lg
+            return float(np.dot(w, np.exp(np.exp(lg) * ls))) - a - self.lam * (lg - self.log_center)
+
+        lo, hi = math.log(self.lo), math.log(self.hi)
+        if excess(lo) <= 0.0:
+            g = lo
+        elif excess(hi) >= 0.0:
+            g = hi
+        else:
+            for _ in range(40):
+                mid = 0.5 * (lo + hi)
+                if excess(mid) > 0.0:
+                    lo = mid
+                else:
+                    hi = mid
+            g = 0.5 * (lo + hi)
+        self._gamma = float(math.exp(g))
+        return self._gamma
+
+    def calibrate(self, scores: np.ndarray) -> np.ndarray:
+        """``scores ** gamma`` (order preserved). [n] float64."""
+        g = self.exponent()
+        return scores if g == 1.0 else np.power(scores, g)
+
+
 @dataclass(frozen=True)
 class TreeShape:
     """The shape of a model-drafted tree (see ``drafters.tree_expand``).
@@ -295,6 +399,7 @@ class SpeculationPolicy:
         self._alpha = 0.1
         self.verify_cost_factor = 2.5  # tree_shape: verification budget, in plain decodes
         self.explore_every = 32  # prefer_model: steps without the model drafter before retrying it
+        self.calibration = ScoreCalibration()
 
     def host_us(self, b: int) -> float:
         return self.t_host_base_us + self.t_host_node_us * (b - 1)
@@ -305,11 +410,12 @@ class SpeculationPolicy:
         ``t_draft_us`` is what drafting this tree cost: already spent, it is part of this
         step's time whatever size is verified.
         """
-        limit = min(self.max_nodes, tree.n_nodes, max_nodes or self.max_nodes)
+        limit = min(self.max_nodes, tree.n_nodes, max_nodes or self.max_nodes, self.calibration.trust_nodes())
         plain = Choice(1, 1.0, 1.0 / (t_draft_us + self.cost.t_decode_us(1) + self.host_us(1)))
         if limit <= 1:
             return plain
-        scores = np.sort(tree.score[1:])[::-1]
+        # the scores as calibrated on the trees verified so far (ScoreCalibration)
+        scores = self.calibration.calibrate(np.sort(np.asarray(tree.score[1:], dtype=np.float64))[::-1])
         exp_tokens = 1.0 + np.concatenate([[0.0], np.cumsum(scores)])  # index b-1 -> E(b)
         best = plain
         for b in self.cost.sizes:
@@ -402,6 +508,15 @@ class SpeculationPolicy:
         if adaptive and fixed_shape is None and not self.prefer_model(c, model, shape):
             return StepPlan(c.n_nodes, None)
         return StepPlan(c.n_nodes if not adaptive else min(shape.max_nodes, max_nodes), shape)
+
+    def begin_request(self) -> None:
+        """A new request: its score calibration starts from the long-run exponent."""
+        self.calibration.begin_request()
+
+    def observe_outcome(self, tree: TokenTree, n_accepted: int) -> None:
+        """Feed back a verified ``tree`` (as verified, root included) and how many of its
+        draft tokens the target accepted (``ScoreCalibration``)."""
+        self.calibration.observe(np.asarray(tree.score[1:], dtype=np.float64), int(n_accepted))
 
     def observe_step(self, b: int, t_decode_us: float, t_host_us: float) -> None:
         """Feed back the measured decode and host time of a step of ``b`` nodes."""

@@ -88,6 +88,40 @@ def test_bench_writes_json_table_and_plot(tmp_path, capsys):
     assert (out / "bench.png").exists()
 
 
+def test_bench_repeats_run_abba_and_keep_the_fastest(tmp_path, capsys, monkeypatch):
+    """--repeats 3: each prompt runs plain and speculative three times each, in ABBA order
+    (the first kind alternating between prompts), and the record keeps the fastest run of each."""
+    from localspec.engine import Engine
+
+    calls = []
+    real = Engine.generate
+
+    def spy(self, prompt, **kw):
+        r = real(self, prompt, **kw)
+        calls.append((kw.get("speculative", True), r.stats.t_generate_us))
+        return r
+
+    monkeypatch.setattr(Engine, "generate", spy)
+    ds = tmp_path / "q.jsonl"
+    rows = [
+        {"question_id": 1, "category": "qa", "turns": ["The cat sat on the mat. The cat sat on the"]},
+        {"question_id": 2, "category": "qa", "turns": ["One, two, three, four, one, two, three,"]},
+    ]
+    ds.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "out"
+    args = ["bench", "--dataset", str(ds), "--per-category", "2", "-n", "6", "--repeats", "3", "--out", str(out)]
+    assert main(args) == 0
+    kinds = [spec for spec, _ in calls if spec is not None]
+    assert kinds[:6] == [False, True, True, False, False, True], kinds  # prompt 1: plain first
+    assert kinds[6:12] == [True, False, False, True, True, False], kinds  # prompt 2: spec first
+    d = json.loads((out / "bench.json").read_text())
+    assert d["config"]["repeats"] == 3
+    for i, p in enumerate(d["prompts"]):
+        runs = calls[6 * i : 6 * i + 6]
+        assert p["plain"]["t_decode_us"] == min(t for s, t in runs if not s)
+        assert p["spec"]["t_decode_us"] == min(t for s, t in runs if s)
+
+
 def test_bench_ngram_micro(capsys):
     from localspec import native
 

@@ -59,6 +59,11 @@ def test_missing_bench_dataset(capsys, tmp_path):
     assert "--dataset" in msg and "question.jsonl" in msg
 
 
+def test_bench_repeats_below_one(capsys):
+    msg = cli_error(capsys, ["bench", "--dataset", "code", "--repeats", "0"])
+    assert msg == "localspec: error: --repeats must be at least 1, got 0", msg
+
+
 def test_derive_draft_on_a_truncated_gguf(capsys, tmp_path, model_path):
     cut = tmp_path / "cut.gguf"
     with open(model_path, "rb") as src, open(cut, "wb") as dst:

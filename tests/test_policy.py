@@ -1,7 +1,7 @@
 import numpy as np
 
 from conftest import fixed_cost_model
-from localspec.policy import AcceptanceTracker, SpeculationPolicy
+from localspec.policy import AcceptanceTracker, ScoreCalibration, SpeculationPolicy
 from localspec.tree import TokenSource, TokenTree
 
 
@@ -11,9 +11,16 @@ def chain_with(p_each, n):
 
 
 def test_confident_long_chain_is_verified_whole():
+    """A confident chain is verified at the trust region's size first (8 nodes), which grows
+    with every fully accepted tree until the chain is verified whole."""
     pol = SpeculationPolicy(fixed_cost_model(), max_nodes=64)
-    c = pol.choose(chain_with(0.999, 40))
-    assert c.n_nodes >= 24
+    tree = chain_with(0.999, 40)
+    sizes = []
+    for _ in range(4):
+        c = pol.choose(tree)
+        sizes.append(c.n_nodes)
+        pol.observe_outcome(tree.best_subtree(c.n_nodes), c.n_nodes - 1)  # all accepted
+    assert sizes[0] == 8 and sizes == sorted(sizes) and sizes[-1] >= 24, sizes
     assert c.expected_tokens > 20
 
 
@@ -26,6 +33,7 @@ def test_weak_drafts_are_not_verified():
 def test_choice_maximises_expected_rate_over_the_cost_table():
     cm = fixed_cost_model()
     pol = SpeculationPolicy(cm, max_nodes=64, min_gain=0.0)
+    pol.calibration = ScoreCalibration(first_nodes=64)  # no trust region: the table alone
     tree = chain_with(0.9, 30)
     c = pol.choose(tree)
     rates = {}
@@ -173,6 +181,7 @@ def _simulate(drafter, policy, prompt, text, n_steps, true_costs=None):
         accepted += len(emitted)
         emitted.append(text[pos + len(emitted)])
         drafted += b - 1
+        policy.observe_outcome(tree, len(emitted) - 1)
         drafter.observe(cand, emitted)
         drafter.accept(emitted)
         t_spec += truth.t_decode_us(b)
@@ -266,3 +275,82 @@ def test_a_busy_calibration_does_not_make_prompts_slower_than_plain():
     prompt, text = _coincidental_text(seed=5, vocab=25)
     ratio, drafted, _ = _simulate(NgramDrafter(), SpeculationPolicy(CostModel(busy)), prompt, text, 150, fixed_cost_model())
     assert ratio >= 0.97, (ratio, drafted)
+
+
+# -- the winner's curse: verified trees are the most overestimated ----------------------------
+
+
+def _simulate_overconfident(policy, p_true, n_steps=150, seed=0):
+    """A drafter whose chains claim ``0.92 ** depth`` while the target accepts each node with
+    probability ``p_true`` (independently, seeded); the drafter never learns, so only the
+    policy's own calibration can react. Returns (speed ratio over plain decoding, verified
+    draft tokens, accepted draft tokens) with the policy's cost model as the machine."""
+    rng = np.random.default_rng(seed)
+    cost = policy.cost
+    t_spec, n_tok, drafted, accepted = 0.0, 0, 0, 0
+    for step in range(n_steps):
+        cand = chain_with(0.92, 12)
+        b = policy.choose(cand).n_nodes
+        tree = cand.best_subtree(b) if b < cand.n_nodes else cand
+        k = 0
+        while k < b - 1 and rng.random() < p_true:
+            k += 1
+        policy.observe_outcome(tree, k)
+        drafted += b - 1
+        accepted += k
+        n_tok += k + 1
+        t_spec += cost.t_decode_us(b)
+    return n_tok * cost.t_decode_us(1) / t_spec, drafted, accepted
+
+
+def test_verified_trees_that_keep_failing_are_backed_off():
+    """Issue 15 (code prompts below 0.97x): the verified trees of a request predicted 46.8
+    tokens over 8 steps and emitted 29. Drafts claiming 0.92 per node that the target accepts
+    half of the time: with the score calibration the run stays >= 0.97x of plain; without it
+    (exponent pinned at 1) the same run is clearly slower than plain, which is what this test
+    defends."""
+    pol = SpeculationPolicy(fixed_cost_model())
+    ratio, drafted, accepted = _simulate_overconfident(pol, 0.5)
+    assert ratio >= 0.97, (ratio, drafted, accepted)
+    off = SpeculationPolicy(fixed_cost_model())
+    off.calibration = ScoreCalibration(lo=1.0, hi=1.0)
+    ratio_off, drafted_off, _ = _simulate_overconfident(off, 0.5)
+    assert ratio_off < 0.9 and drafted_off > 3 * drafted, (ratio_off, drafted_off, ratio, drafted)
+
+
+def test_overconfident_drafts_that_still_pay_keep_smaller_trees():
+    """Claims of 0.92 per node, truth 0.8: verified as claimed the run is slower than plain
+    (0.88x); the calibrated policy keeps speculating with smaller trees and is not."""
+    ratio, drafted, _ = _simulate_overconfident(SpeculationPolicy(fixed_cost_model()), 0.8)
+    off = SpeculationPolicy(fixed_cost_model())
+    off.calibration = ScoreCalibration(lo=1.0, hi=1.0)
+    ratio_off, drafted_off, _ = _simulate_overconfident(off, 0.8)
+    assert ratio >= 0.97 and ratio > ratio_off + 0.1 and 0 < drafted < drafted_off, (ratio, ratio_off, drafted, drafted_off)
+
+
+def test_calibration_keeps_speculating_when_the_estimates_hold():
+    """Drafts that are as good as they claim keep most of their gain: the calibration (an
+    estimate from few trees) and the trust region cost at most 15% of the speed-up here, and
+    the run stays well above plain decoding."""
+    ratio, _, _ = _simulate_overconfident(SpeculationPolicy(fixed_cost_model()), 0.92)
+    off = SpeculationPolicy(fixed_cost_model())
+    off.calibration = ScoreCalibration(lo=1.0, hi=1.0)
+    ratio_off, _, _ = _simulate_overconfident(off, 0.92)
+    assert ratio > 1.4 and ratio - 1.0 >= 0.85 * (ratio_off - 1.0), (ratio, ratio_off)
+
+
+def test_score_calibration_fits_forgets_and_carries_over():
+    c = ScoreCalibration()
+    assert c.exponent() == 1.0
+    chain = 0.9 ** np.arange(1, 6)  # claims 0.9 per node
+    for _ in range(20):
+        c.observe(chain, 1)  # the target accepts one draft token per tree
+    g = c.exponent()
+    # the fitted exponent predicts about one accepted token per tree (the prior pulls a little)
+    assert g > 3 and 0.8 < float(np.sum(chain**g)) < 1.6, g
+    for _ in range(80):  # plain steps: the evidence fades, the exponent returns towards 1
+        c.observe(np.empty(0), 0)
+    assert 1.0 <= c.exponent() < g
+    c.begin_request()  # a new request starts from the long-run exponent, above 1 now
+    assert 1.0 < c.exponent() < g
+    np.testing.assert_allclose(c.calibrate(np.array([0.5, 0.25])), np.array([0.5, 0.25]) ** c.exponent())

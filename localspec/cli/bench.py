@@ -31,6 +31,14 @@ def register(sub) -> None:
     p.add_argument("-n", "--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
     p.add_argument("--out", default="bench-out", help="output directory (default ./bench-out)")
     p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="R",
+        help="runs of plain and speculative decoding per prompt, in ABBA order; the fastest run of each "
+        "is kept, so that per-prompt ratios on a shared machine are not artefacts of load (default 1)",
+    )
+    p.add_argument(
         "--peer-llama-server",
         default=None,
         metavar="BIN",
@@ -308,6 +316,8 @@ def run(a: argparse.Namespace) -> int:
         raise SystemExit("localspec: error: --dataset FILE is required (a Spec-Bench question.jsonl, or 'code')")
     if a.drafter == "none":
         raise SystemExit("localspec: error: bench compares a drafter against plain decoding; choose --drafter other than none")
+    if a.repeats < 1:
+        raise SystemExit(f"localspec: error: --repeats must be at least 1, got {a.repeats}")
     cats = [c.strip() for c in a.categories.split(",")] if a.categories else None
     try:
         questions = load_questions(a.dataset)
@@ -351,7 +361,9 @@ def run(a: argparse.Namespace) -> int:
                 bar.update(1)
                 bar.set_postfix_str(f"{rec.category}: identical={rec.identical}")
 
-        records = run_bench(engine, prompts, max_tokens=a.max_tokens, sampling=sampling, peers=peers, progress=progress)
+        records = run_bench(
+            engine, prompts, max_tokens=a.max_tokens, sampling=sampling, peers=peers, progress=progress, repeats=a.repeats
+        )
         if bar is not None:
             bar.close()
         cats_summary = summarize(records)
@@ -364,6 +376,7 @@ def run(a: argparse.Namespace) -> int:
             "max_tokens": a.max_tokens,
             "temperature": a.temperature,
             "per_category": a.per_category,
+            "repeats": a.repeats,
             "peer_llama_server": a.peer_llama_server,
             "peer_kernels": a.peer_kernels,
             **machine_info(engine),
