@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import signal
 import subprocess
 import time
 import urllib.error
@@ -25,6 +26,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 NGRAM_MODES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: end the peer server when the bench process dies, also by
+    SIGKILL (Linux ``PR_SET_PDEATHSIG``; elsewhere a no-op)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
 
 
 def free_port() -> int:
@@ -82,7 +94,7 @@ class PeerServer:
         else:
             env.pop("GGML_CPU_TILED_MM", None)
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
         self._wait_ready()
 
     def _wait_ready(self, timeout_s: float = 120.0) -> None:

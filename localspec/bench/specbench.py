@@ -86,6 +86,7 @@ def run_bench(
     peers: dict | None = None,
     progress=None,
     repeats: int = 1,
+    peer_repeats: int = 1,
 ) -> list[PromptRecord]:
     """Run every prompt plain and speculative (and on the peers); see module docstring.
 
@@ -99,12 +100,13 @@ def run_bench(
             fastest of a few runs is the least disturbed estimate of both speeds, so
             per-prompt ratios are not artefacts of load. Outputs must be the same on every
             run of a kind (greedy or seeded); a difference is reported as not identical.
+        peer_repeats: runs of each peer mode per prompt (the fastest kept).
 
     Raises:
-        ValueError: ``repeats`` < 1.
+        ValueError: ``repeats`` or ``peer_repeats`` < 1.
     """
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if repeats < 1 or peer_repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats} / {peer_repeats}")
     records: list[PromptRecord] = []
     ordered = interleave(prompts)
     for i, bp in enumerate(ordered):
@@ -141,7 +143,7 @@ def run_bench(
             rec.divergence_index = div
             rec.divergence_gap = top2_gap(engine, tokens + plain.token_ids[:div])
         for mode, server in (peers or {}).items():
-            pr = min((server.complete(tokens, max_tokens) for _ in range(repeats)), key=lambda x: x.predicted_ms)
+            pr = min((server.complete(tokens, max_tokens) for _ in range(peer_repeats)), key=lambda x: x.predicted_ms)
             rec.peers[mode] = {
                 "n_tokens": pr.predicted_n,
                 "t_decode_ms": pr.predicted_ms,

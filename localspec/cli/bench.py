@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from .common import add_drafter_args, add_model_args, add_sampling_args, make_engine, sampling_from_args
@@ -45,6 +47,13 @@ def register(sub) -> None:
         help="also run this llama-server binary plain and in each n-gram mode on the same prompts",
     )
     p.add_argument("--peer-modes", default=None, help="comma-separated llama-server --spec-type modes")
+    p.add_argument(
+        "--peer-repeats",
+        type=int,
+        default=1,
+        metavar="R",
+        help="runs per prompt of each llama-server mode; the fastest is kept (default 1)",
+    )
     p.add_argument(
         "--peer-kernels",
         choices=("same", "exact", "fast"),
@@ -318,6 +327,8 @@ def run(a: argparse.Namespace) -> int:
         raise SystemExit("localspec: error: bench compares a drafter against plain decoding; choose --drafter other than none")
     if a.repeats < 1:
         raise SystemExit(f"localspec: error: --repeats must be at least 1, got {a.repeats}")
+    if a.peer_repeats < 1:
+        raise SystemExit(f"localspec: error: --peer-repeats must be at least 1, got {a.peer_repeats}")
     cats = [c.strip() for c in a.categories.split(",")] if a.categories else None
     try:
         questions = load_questions(a.dataset)
@@ -332,6 +343,8 @@ def run(a: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     engine = make_engine(a, a.drafter)
     peers = {}
+    if threading.current_thread() is threading.main_thread():  # SIGTERM closes the peers too
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         if a.peer_llama_server:
             modes = a.peer_modes.split(",") if a.peer_modes else list(peer_mod.NGRAM_MODES)
@@ -362,7 +375,14 @@ def run(a: argparse.Namespace) -> int:
                 bar.set_postfix_str(f"{rec.category}: identical={rec.identical}")
 
         records = run_bench(
-            engine, prompts, max_tokens=a.max_tokens, sampling=sampling, peers=peers, progress=progress, repeats=a.repeats
+            engine,
+            prompts,
+            max_tokens=a.max_tokens,
+            sampling=sampling,
+            peers=peers,
+            progress=progress,
+            repeats=a.repeats,
+            peer_repeats=a.peer_repeats,
         )
         if bar is not None:
             bar.close()
@@ -377,6 +397,7 @@ def run(a: argparse.Namespace) -> int:
             "temperature": a.temperature,
             "per_category": a.per_category,
             "repeats": a.repeats,
+            "peer_repeats": a.peer_repeats,
             "peer_llama_server": a.peer_llama_server,
             "peer_kernels": a.peer_kernels,
             **machine_info(engine),
