@@ -12,6 +12,8 @@ eagle3     an EAGLE-3 head for the target (the shipped     ``eagle``, ``draft_sh
            head for the default model when none given)
 auto       n-gram every step, plus a draft model or an     ``draft_model`` or ``eagle``
            EAGLE-3 head when the policy expects it to pay  (optional)
+mtp        the target's own MTP / NextN block(s)           ``draft_shape``
+           (targets with ``*.nextn_predict_layers > 0``)
 =========  ==============================================  ===========================
 """
 
@@ -62,11 +64,18 @@ def _auto(draft_model=None, draft_n_ctx: int | None = None, eagle=None) -> Draft
     return AutoDrafter(model)
 
 
+def _mtp(draft_shape=None) -> Drafter:
+    from .mtp import MtpDrafter
+
+    return MtpDrafter(shape=draft_shape)
+
+
 _REGISTRY: dict[str, Callable[..., Drafter]] = {
     "ngram": NgramDrafter,
     "draft": _draft,
     "eagle3": _eagle3,
     "auto": _auto,
+    "mtp": _mtp,
 }
 
 
