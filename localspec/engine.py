@@ -304,10 +304,20 @@ class Engine:
             if head is not None:
                 options["eagle"] = head
         if isinstance(drafter, (str, type(None))):
-            return make_drafter(drafter, **options)
-        if options:
+            new = make_drafter(drafter, **options)
+        elif options:
             raise InvalidRequestError(f"options {', '.join(sorted(options))} apply to drafter names, not to a drafter object")
-        return drafter
+        else:
+            new = drafter
+        check = getattr(new, "check_target", None)  # e.g. MTP: refuse a target without MTP blocks
+        if check is not None:  # before anything changes, so a refused drafter loses nothing
+            try:
+                check(self.model)
+            except BaseException:
+                if new is not drafter:
+                    new.close()
+                raise
+        return new
 
     def _make_context(self, feature_layers: tuple[int, ...] | None) -> None:
         """(Re)create the target context, with a ``FeatureTap`` when ``feature_layers`` is set."""

@@ -47,6 +47,7 @@ def write_tiny_glm4moe(
     path: str | os.PathLike,
     *,
     nextn: bool = True,
+    nextn_tensors: bool = True,
     seed: int = 0,
     n_embd: int = 64,
     n_head: int = 4,
@@ -67,6 +68,8 @@ def write_tiny_glm4moe(
         path: the file to write.
         nextn: append one NextN / MTP block (``nextn_predict_layers = 1``); False writes the
             same trunk without one (``nextn_predict_layers`` absent): the "no MTP" case.
+        nextn_tensors: with ``nextn``, write the block's tensors; False keeps only the
+            metadata (a GGUF converted without its MTP layers).
         seed: weights' RNG seed (same seed, same trunk with and without ``nextn``).
         n_embd, n_head, n_head_kv, n_layer, n_ff, n_expert, n_expert_used, n_ff_exp: shapes
             (``n_layer`` trunk layers: layer 0 dense, the rest MoE with one shared expert).
@@ -137,7 +140,7 @@ def write_tiny_glm4moe(
     t(T.OUTPUT_NORM, 0, ".weight", np.ones(n_embd))
     t(T.OUTPUT, 0, ".weight", out)
     q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
-    for b in range(n_blocks):
+    for b in range(n_blocks if nextn_tensors else n_layer):
         # numpy arrays are [rows = out, cols = in]: ggml's {in, out}
         t(T.ATTN_NORM, b, ".weight", np.ones(n_embd))
         t(T.ATTN_POST_NORM, b, ".weight", np.ones(n_embd))

@@ -209,6 +209,10 @@ class MtpDrafter(ModelDrafter):
 
     # -- attach --------------------------------------------------------------------------------
 
+    def check_target(self, model: Model) -> None:
+        """Called by the engine before it changes anything: ``check_mtp_target``."""
+        check_mtp_target(model)
+
     def attach(self, target: TargetHandle) -> None:
         """Check the target, load its MTP block and create the MTP context."""
         tm = target.model
