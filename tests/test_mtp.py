@@ -246,3 +246,76 @@ def test_declared_mtp_blocks_without_tensors_are_refused(tmp_path):
         Engine(path, drafter="mtp", n_ctx=256, n_threads=1, cost_model=fixed_cost_model())
     msg = str(e.value)
     assert "\n" not in msg and "tiny-no-nextn-tensors.gguf" in msg and "blk.2." in msg
+
+
+# -- exact law of one step through Engine._propose (every draft draw enumerated) ------------------
+
+EXACT = SamplingParams(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0, verify="rejection")
+
+
+def test_rejection_step_law_is_exact_through_the_propose_path(mtp_path):
+    """The MTP drafter grows sampled trees two levels deep (2 i.i.d. children per node, top-k
+    2) through ``Engine._propose`` with a node budget that makes ``best_subtree`` cut them;
+    every MTP draw is a decision of the oracle (``EnumeratedDraftSampler``, the drafter's own
+    processed distribution) and every tree is verified with enumerated uniforms on the
+    target's real rows: the law of the step's tokens, extended by plain decoding to 3 tokens,
+    is the target's to 1e-12. A ``best_subtree`` that keeps the likeliest draws is off it."""
+    import oracle
+    import localspec.verify as verify_mod
+    from localspec.verify import verify_rejection
+    from test_propose_rejection import EnumeratedDraftSampler, subtree_keeping_likely_draws
+
+    eng = Engine(mtp_path, drafter="none", n_ctx=512, n_threads=1, cost_model=fixed_cost_model(), adaptive=False)
+    d = MtpDrafter(shape=TreeShape(2, 2, 7, 0.0))
+    try:
+        eng.set_drafter(d)
+        eng.adaptive = False
+        eng.max_tree_nodes = 5  # 7 drawn nodes, 5 verified
+        model, prompt = eng.model, PROMPT
+        pos = len(prompt)
+        eng.reset()
+        d.begin(prompt)
+        eng.cache.prefill(prompt[:-1])
+        d.add_target_features(0, eng._tap.take())
+        d.set_sampling(RequestState(EXACT.with_seed(0), model, prompt))
+        rows: dict[tuple, np.ndarray] = {}
+
+        def target_row(path: tuple) -> np.ndarray:
+            if path not in rows:
+                _, lg = eng.cache.decode_tree(TokenTree.chain(prompt[-1], list(path)))
+                rows[path] = lg[len(path)].copy()
+                eng.cache.truncate(len(prompt) - 1)
+                eng._tap.clear()
+            return rows[path]
+
+        def build(ch):
+            d.sampler = EnumeratedDraftSampler(EXACT.with_seed(0), model.n_vocab, model.suppress_tokens, ch)
+            prop = eng._propose(d, prompt[-1], 8, 256)
+            assert prop.candidate.n_nodes == 7 and prop.tree.n_nodes == 5 and prop.tree.max_depth() == 2
+            return prop.tree
+
+        def walk(tree, ch):
+            paths = [tuple(int(tree.token_ids[c]) for c in tree.path_to(i)) for i in range(tree.n_nodes)]
+            lg = np.stack([target_row(p) for p in paths])
+            cur = oracle.branching_cursor(RequestState(EXACT.with_seed(0), model, prompt).cursor(pos), ch)
+            return tuple(verify_rejection(tree, lg, cur).tokens)
+
+        def cond(prefix):
+            c = RequestState(EXACT.with_seed(0), model, prompt + list(prefix)).cursor(pos + len(prefix))
+            return c.target_probs(target_row(tuple(prefix)))
+
+        trees = oracle.enumerate_trees(build)
+        assert abs(sum(p for p, _ in trees) - 1) < 1e-12 and len(trees) >= 16
+        law = oracle.step_law(trees, walk)
+        assert max(len(t) for t in law) == 3  # two drafts accepted, then the bonus token
+        err = oracle.max_abs_diff(oracle.extended_law(law, cond, 3), oracle.target_law(cond, 3))
+        assert err < 1e-12
+        d.check_cache()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(TokenTree, "best_subtree", subtree_keeping_likely_draws)
+            mp.setattr(verify_mod, "check_sampled_siblings", lambda tree: None)
+            bad = oracle.step_law(oracle.enumerate_trees(build), walk)
+        assert oracle.max_abs_diff(oracle.extended_law(bad, cond, 3), oracle.target_law(cond, 3)) > 1e-3
+    finally:
+        eng.set_drafter(None)
+        eng.close()
