@@ -175,3 +175,68 @@ def write_tiny_glm4moe(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_tiny_mamba(path: str | os.PathLike, *, seed: int = 0, n_embd: int = 32, n_layer: int = 1) -> Path:
+    """Write a tiny random Mamba (llama.cpp architecture ``mamba``, recurrent) GGUF whose
+    metadata declares one NextN block (``mamba.nextn_predict_layers = 1``, ``block_count =
+    n_layer + 1``) without its tensors: a recurrent target that *claims* MTP blocks, to test
+    that ``--drafter mtp`` refuses recurrent / hybrid targets (no real Mamba has MTP blocks;
+    Qwen3-Next / Qwen3.5 hybrids do, and are refused by the same check). Same byte vocabulary
+    as ``write_tiny_glm4moe``."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    arch = gguf.MODEL_ARCH.MAMBA
+    names = gguf.TENSOR_NAMES
+    T = gguf.MODEL_TENSOR
+    d_inner, d_state, d_conv, dt_rank = 2 * n_embd, 4, 4, 4
+    path = Path(path)
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    w.add_name("tiny-mamba")
+    w.add_context_length(1024)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer + 1)
+    w.add_nextn_predict_layers(1)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_ssm_conv_kernel(d_conv)
+    w.add_ssm_inner_size(d_inner)
+    w.add_ssm_state_size(d_state)
+    w.add_ssm_time_step_rank(dt_rank)
+    w.add_layer_norm_rms_eps(1e-5)
+    tokens, scores, types = _vocab()
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def t(kind, bid, suffix, arr):
+        w.add_tensor(names[kind].format(bid=bid) + suffix, np.ascontiguousarray(arr, dtype=np.float32))
+
+    def rand(*shape):
+        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+
+    t(T.TOKEN_EMBD, 0, ".weight", rng.standard_normal((N_VOCAB, n_embd)))
+    t(T.OUTPUT_NORM, 0, ".weight", np.ones(n_embd))
+    t(T.OUTPUT, 0, ".weight", rand(N_VOCAB, n_embd))
+    for b in range(n_layer):
+        t(T.ATTN_NORM, b, ".weight", np.ones(n_embd))
+        t(T.SSM_IN, b, ".weight", rand(2 * d_inner, n_embd))
+        t(T.SSM_CONV1D, b, ".weight", rand(d_inner, d_conv))
+        t(T.SSM_CONV1D, b, ".bias", np.zeros(d_inner))
+        t(T.SSM_X, b, ".weight", rand(dt_rank + 2 * d_state, d_inner))
+        t(T.SSM_DT, b, ".weight", rand(d_inner, dt_rank))
+        t(T.SSM_DT, b, ".bias", np.zeros(d_inner))
+        t(T.SSM_A, b, "", -np.ones((d_inner, d_state)))
+        t(T.SSM_D, b, "", np.ones(d_inner))
+        t(T.SSM_OUT, b, ".weight", rand(n_embd, d_inner))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -324,3 +324,15 @@ def test_rejection_step_law_is_exact_through_the_propose_path(mtp_path):
     finally:
         eng.set_drafter(None)
         eng.close()
+
+
+def test_recurrent_targets_are_refused(tmp_path):
+    """A recurrent target declaring an MTP block (a tiny Mamba; the Qwen3-Next / Qwen3.5
+    hybrids take the same path): refused in one line before any context is made."""
+    from mtp_gguf import write_tiny_mamba
+
+    path = write_tiny_mamba(tmp_path / "tiny-mamba.gguf")
+    with pytest.raises(ModelLoadError) as e:
+        Engine(path, drafter="mtp", n_ctx=256, n_threads=1, cost_model=fixed_cost_model())
+    msg = str(e.value)
+    assert "\n" not in msg and "tiny-mamba.gguf" in msg and "recurrent / linear-attention" in msg
