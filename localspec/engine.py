@@ -303,6 +303,11 @@ class Engine:
             head = shipped_head(self.model.path)
             if head is not None:
                 options["eagle"] = head
+        if drafter == "auto" and not {"eagle", "draft_model"} & set(options):
+            from .drafters.mtp import mtp_capable
+
+            if mtp_capable(self.model):  # auto on a target with MTP blocks: n-gram + its MTP block
+                options["mtp"] = True
         if isinstance(drafter, (str, type(None))):
             new = make_drafter(drafter, **options)
         elif options:

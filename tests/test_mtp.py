@@ -336,3 +336,18 @@ def test_recurrent_targets_are_refused(tmp_path):
         Engine(path, drafter="mtp", n_ctx=256, n_threads=1, cost_model=fixed_cost_model())
     msg = str(e.value)
     assert "\n" not in msg and "tiny-mamba.gguf" in msg and "recurrent / linear-attention" in msg
+
+
+def test_auto_drafts_with_the_mtp_block_of_a_target_that_has_one(mtp_path, plain):
+    from localspec.drafters.auto import AutoDrafter
+
+    eng = Engine(mtp_path, drafter="auto", n_ctx=1024, n_threads=1, cost_model=fixed_cost_model(), adaptive=False)
+    try:
+        assert isinstance(eng.drafter, AutoDrafter) and isinstance(eng.drafter.model, MtpDrafter)
+        greedy = SamplingParams.greedy()
+        ref = plain.generate(PROMPT, max_tokens=200, sampling=greedy).token_ids
+        res = eng.generate(PROMPT, max_tokens=200, sampling=greedy)
+        assert_same_as_plain(eng, PROMPT, ref, res.token_ids)
+        assert res.stats.token_sources.get("draft_model", 0) >= 20  # tokens the MTP block drafted
+    finally:
+        eng.close()

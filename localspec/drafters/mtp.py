@@ -106,6 +106,17 @@ def check_mtp_target(model: Model) -> None:
     _check_nextn_tensors(model)
 
 
+def mtp_capable(model: Model) -> bool:
+    """True when ``check_mtp_target(model)`` passes (``--drafter auto`` then uses the block)."""
+    if getattr(model, "n_layer_nextn", 0) <= 0:
+        return False
+    try:
+        check_mtp_target(model)
+    except ModelLoadError:
+        return False
+    return True
+
+
 def refuse_recurrent(model: Model) -> None:
     """Refuse targets with recurrent or linear-attention layers (Mamba, RWKV, and hybrids such
     as Qwen3-Next / Qwen3.5's Gated DeltaNet layers).
@@ -358,4 +369,4 @@ class MtpDrafter(ModelDrafter):
         self.check_cache()
 
 
-__all__ = ["MtpDrafter", "check_mtp_target", "nextn_key", "refuse_recurrent", "CATCH_UP_OUTPUTS"]
+__all__ = ["MtpDrafter", "check_mtp_target", "mtp_capable", "nextn_key", "refuse_recurrent", "CATCH_UP_OUTPUTS"]
