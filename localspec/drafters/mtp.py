@@ -60,7 +60,6 @@ KV cache (see ``refuse_recurrent``).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
