@@ -165,10 +165,11 @@ class MtpDrafter(ModelDrafter):
     The drafter is made without a model: ``attach`` checks the target (``check_mtp_target``)
     and loads its GGUF a second time with ``load_mtp`` (or uses the target's ``Model`` when it
     was loaded with ``load_mtp``) to create the MTP context. On the CPU both loads map the
-    same file pages; on a GPU build the trunk's weights are offloaded twice (a limit).
+    same file pages.
 
     Args:
-        n_gpu_layers: for the MTP context's model on CUDA / Metal builds.
+        n_gpu_layers: for the MTP context's model on CUDA / Metal builds (llama.cpp offloads
+            the last layers: 2 = the NextN block and the output layer; untested here).
         max_depth / max_width / shape: see ``ModelDrafter``.
     Raises:
         ModelLoadError: (at ``attach``) the target cannot draft with MTP blocks.
