@@ -9,7 +9,11 @@ runs both: the target's trunk in the engine's context, the NextN block in an MTP
 * after every drafted step, both caches hold exactly what they should: the MTP context's
   seq 0 ``[0, root_pos]`` (one entry per committed position, the root's included) and
   every scratch sequence empty (``llama_memory_seq_pos_min/max``), the target's
-  ``SequenceCache.check``; also across requests that reuse a cached prefix;
+  ``SequenceCache.check``; also across requests that reuse a cached prefix; and after the
+  rollbacks the MTP cache computes the root's row a fresh drafter computes (a leaked draft
+  cell, invisible to the position checks, fails that);
+* exact law of one rejection-sampling step through ``Engine._propose`` (oracle enumeration);
+* ``--drafter auto`` drafts with the MTP block of such a target; a recurrent target is refused;
 * classic rejection sampling through the engine (``Engine.generate``: ``_propose`` with the
   MTP drafter's sampled trees): the first two tokens follow the target's exact joint law
   (chi-square), and a drafter that records another draft distribution than the one it drew
@@ -351,3 +355,43 @@ def test_auto_drafts_with_the_mtp_block_of_a_target_that_has_one(mtp_path, plain
         assert res.stats.token_sources.get("draft_model", 0) >= 20  # tokens the MTP block drafted
     finally:
         eng.close()
+
+
+def test_mtp_cache_after_rollbacks_computes_what_a_fresh_one_does(mtp_path):
+    """After two requests of drafted steps (accepts, rejections, a reused prefix), the MTP
+    block's row for the root is the one a fresh drafter computes from the same history in
+    one catch-up (to the last bits that batching changes). A rejected draft's cell left in
+    seq 0 keeps the position range [0, root_pos] that the per-step checks read, but moves
+    this row: the content check catches what the position check cannot."""
+    from localspec.tree import TreeBuilder
+
+    greedy = SamplingParams.greedy()
+    eng = mtp_engine(mtp_path, TreeShape(3, 2, 7, 0.0))
+    fresh = MtpDrafter()
+    eng2 = Engine(mtp_path, drafter=fresh, n_ctx=1024, n_threads=1, cost_model=fixed_cost_model(), adaptive=False)
+    try:
+        eng.generate(PROMPT, max_tokens=120, sampling=greedy)
+        res = eng.generate(PROMPT[:5] + [9], max_tokens=60, sampling=greedy)
+        assert drafted_outcomes(res)[1] >= 5  # rollbacks happened
+        d = eng.drafter
+        hist, root = list(d.history), d.history[-1]
+        row = d.decode_level(TreeBuilder(root), [0])[0].copy()
+        eng2.reset()
+        fresh.begin(hist)
+        eng2.cache.prefill(hist[:-1])
+        fresh.add_target_features(0, eng2._tap.take())
+        ref = fresh.decode_level(TreeBuilder(root), [0])[0].copy()
+        assert np.abs(row - ref).max() < 1e-4
+        # a leaked draft cell in seq 0 (same position range), and the row moves
+        lo_hi = (d.ctx.pos_min(0), d.ctx.pos_max(0))
+        d.batch.clear()
+        d.batch.add(token=77, pos=len(hist) - 4, seq_id=1, output=False, embd=np.ones(d.n_embd, np.float32))
+        d.ctx.process(d.batch)
+        d.ctx.seq_cp(1, 0, -1, -1)
+        d.ctx.seq_rm(1, -1, -1)
+        assert (d.ctx.pos_min(0), d.ctx.pos_max(0)) == lo_hi
+        leaked = d.decode_level(TreeBuilder(root), [0])[0].copy()
+        assert np.abs(leaked - ref).max() > 1e-2
+    finally:
+        eng.close()
+        eng2.close()
