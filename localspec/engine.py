@@ -27,7 +27,7 @@ import numpy as np
 
 from .backend import Context, Model, SequenceCache
 from .costmodel import CostModel, calibrate
-from .backend.features import FeatureTap
+from .backend.features import FeatureTap, make_feature_tap
 from . import native
 from .native import rows as native_rows
 from .drafters import Drafter, TargetHandle, make_drafter
@@ -152,7 +152,8 @@ def _now_us() -> float:
 def _feature_layers(drafter: Drafter | None) -> tuple[int, ...] | None:
     """The target layers whose inputs ``drafter`` reads (EAGLE-3), or None."""
     layers = getattr(drafter, "target_feature_layers", None)
-    return tuple(int(k) for k in layers) if layers else None
+    # layer ids, or (NEXTN_FEATURES,): the target's nextn hidden states (MTP drafters)
+    return tuple(k if isinstance(k, str) else int(k) for k in layers) if layers else None
 
 
 @dataclass
@@ -175,7 +176,7 @@ class Engine:
     Args:
         model: a ``Model``, a GGUF path, or None for the embedded default model.
         drafter: a drafter name (``"none"``, ``"ngram"``, ``"draft"``, ``"eagle3"``,
-            ``"auto"``), a ``Drafter`` object, or None.
+            ``"auto"``, ``"mtp"``: the target's own MTP / NextN block), a ``Drafter`` object, or None.
         draft_model: the GGUF of a draft model sharing the target's tokenizer (drafters
             ``"draft"`` and ``"auto"``).
         draft_n_ctx: the draft model's context (default: the target's); a smaller one sees
@@ -302,19 +303,36 @@ class Engine:
             head = shipped_head(self.model.path)
             if head is not None:
                 options["eagle"] = head
+        if drafter == "auto" and not {"eagle", "draft_model"} & set(options):
+            from .drafters.mtp import mtp_capable
+
+            if mtp_capable(self.model):  # auto on a target with MTP blocks: n-gram + its MTP block
+                options["mtp"] = True
         if isinstance(drafter, (str, type(None))):
-            return make_drafter(drafter, **options)
-        if options:
+            new = make_drafter(drafter, **options)
+        elif options:
             raise InvalidRequestError(f"options {', '.join(sorted(options))} apply to drafter names, not to a drafter object")
-        return drafter
+        else:
+            new = drafter
+        check = getattr(new, "check_target", None)  # e.g. MTP: refuse a target without MTP blocks
+        if check is not None:  # before anything changes, so a refused drafter loses nothing
+            try:
+                check(self.model)
+            except BaseException:
+                if new is not drafter:
+                    new.close()
+                raise
+        return new
 
     def _make_context(self, feature_layers: tuple[int, ...] | None) -> None:
         """(Re)create the target context, with a ``FeatureTap`` when ``feature_layers`` is set."""
         old = getattr(self, "ctx", None)
         if old is not None:
             old.close()
-        self._tap = FeatureTap(feature_layers, self.model.n_layer, self.model.n_embd) if feature_layers else None
+        self._tap = make_feature_tap(feature_layers, self.model) if feature_layers else None
         self.ctx = Context(self.model, cb_eval=self._tap.callback if self._tap else None, **self._ctx_args)
+        if hasattr(self._tap, "bind"):  # NextnTap: llama.cpp's nextn rows, read after each decode
+            self._tap.bind(self.ctx)
         self.cache = SequenceCache(self.ctx, max_tree_nodes=self.max_tree_nodes)
 
     def _install_drafter(self, drafter: Drafter | None) -> None:

@@ -21,6 +21,7 @@ DRAFTER_HELP = {
     "draft": "a small draft model",
     "eagle3": "an EAGLE-3 head on the target",
     "auto": "the fastest drafter, chosen as it goes",
+    "mtp": "the model's own MTP block",
 }
 
 def _dialog_css(screen: str) -> str:

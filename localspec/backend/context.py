@@ -50,6 +50,8 @@ class Context:
         embeddings: also extract embeddings.
         cb_eval: optional ``ggml_backend_sched_eval_callback`` (e.g. EAGLE-3 features).
         ctx_other: another context to share tensors with (EAGLE-3 draft heads).
+        mtp: a context of llama.cpp's type MTP (``LLAMA_CONTEXT_TYPE_MTP``): its graph runs the
+            model's MTP / NextN block instead of the trunk (model loaded with ``load_mtp``).
 
     Raises:
         ModelLoadError: llama.cpp could not create the context (e.g. out of memory).
@@ -74,6 +76,7 @@ class Context:
         ctx_other: "Context | None" = None,
         type_k: int | None = None,
         type_v: int | None = None,
+        mtp: bool = False,
     ) -> None:
         self._ctx = None
         self.model = model
@@ -115,6 +118,9 @@ class Context:
             params.cb_eval_user_data = cb_eval_user_data
         if ctx_other is not None:
             params.ctx_other = ctx_other.handle
+        if mtp:
+            params.ctx_type = lib.LLAMA_CONTEXT_TYPE_MTP
+            params.n_rs_seq = 0
         # The abort callback is a Python function that ggml calls between graph nodes
         # (hundreds of times per decode, ~0.5 ms in all): it is installed only around long
         # decodes (``abortable()``, used by prefill), not for every generation step.
@@ -137,6 +143,9 @@ class Context:
         self.swa_full = bool(swa_full)
         self.n_outputs = 0  # rows of logits produced by the last decode
         self.n_calls = 0  # llama_decode / llama_process calls made on this context
+        self.n_tokens_last = 0  # tokens of the last successful ``decode``
+        # called as ``after_decode(ctx)`` after every successful ``decode`` (NextnTap)
+        self.after_decode = None
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -190,6 +199,9 @@ class Context:
             why = "; ".join(recent_errors()) or f"llama_decode returned {rc}"
             raise DecodeError(f"decode failed: {why}")
         self.n_outputs = n_out
+        self.n_tokens_last = batch.n_tokens
+        if self.after_decode is not None:
+            self.after_decode(self)
 
     def process(self, batch, *, encode: bool = False) -> None:
         """Run an ``ExtBatch`` through ``llama_process`` (the encoder graph when ``encode``).

@@ -117,3 +117,83 @@ class FeatureTap:
 
     def clear(self) -> None:
         self._parts = [[] for _ in self.layers]
+
+
+NEXTN_FEATURES = "nextn"
+"""The feature "layer" of MTP drafters: ``target_feature_layers = (NEXTN_FEATURES,)`` asks the
+engine for the target's **nextn hidden state** of every token (``NextnTap``) instead of layer
+inputs (``FeatureTap``)."""
+
+
+class NextnTap:
+    """Captures the target's nextn hidden state (llama.cpp's ``h_nextn``: the row the model's
+    MTP / NextN block reads) for every token each decode processes.
+
+    llama.cpp's own extraction does the work: the target context is set to output nextn
+    embeddings for every batch token (``llama_set_embeddings_nextn(ctx, true, masked=false)``;
+    the architecture's graph then keeps all rows through its last layer) and, after every
+    successful ``Context.decode`` (``Context.after_decode``), the ``[n_tokens, n_embd_out]``
+    float32 rows of ``llama_get_embeddings_nextn`` (batch order) are copied here. No eval
+    callback: ``callback`` is None. Same ``take`` / ``clear`` / ``layers`` interface as
+    ``FeatureTap``, so the engine routes the rows to the drafter the same way.
+
+    Which tensor ``h_nextn`` is depends on the architecture (e.g. GLM-4.5's ``glm4moe``: the
+    last layer's output after ``output_norm``; see ``src/models/*.cpp`` of llama.cpp).
+
+    Args:
+        n_embd: the target's hidden size (``llama_model_n_embd_out``).
+    """
+
+    layers = (NEXTN_FEATURES,)
+    callback = None
+
+    def __init__(self, n_embd: int) -> None:
+        self.n_embd = int(n_embd)
+        self._parts: list[np.ndarray] = []
+        self.n_decodes = 0
+        self.t_callback_us = 0.0
+        self.ctx = None
+
+    @property
+    def width(self) -> int:
+        return self.n_embd
+
+    def bind(self, ctx) -> None:
+        """Switch ``ctx`` (the target ``Context``) to output nextn rows and copy them after
+        every decode."""
+        from ._llama import ext
+
+        ext.llama_set_embeddings_nextn(ctx.handle, True, False)
+        ctx.after_decode = self._on_decode
+        self.ctx = ctx
+
+    def _on_decode(self, ctx) -> None:
+        from ._llama import ext
+
+        t0 = time.perf_counter()
+        n = int(ctx.n_tokens_last)
+        if n:
+            ptr = ext.llama_get_embeddings_nextn(ctx.handle)
+            if not ptr:
+                raise RuntimeError("the target returned no nextn hidden states (is it an MTP model?)")
+            self._parts.append(np.ctypeslib.as_array(ptr, shape=(n, self.n_embd)).copy())
+        self.t_callback_us += (time.perf_counter() - t0) * 1e6
+
+    def take(self) -> np.ndarray:
+        """Rows captured since the last ``take``: ``[n_tokens, n_embd] float32``."""
+        out = np.concatenate(self._parts, axis=0) if self._parts else np.zeros((0, self.n_embd), dtype=np.float32)
+        self._parts = []
+        self.n_decodes += 1
+        return out
+
+    def clear(self) -> None:
+        self._parts = []
+
+
+def make_feature_tap(layers, model):
+    """The tap for a drafter's ``target_feature_layers`` on the target ``model``: a
+    ``NextnTap`` (rows of ``model.n_embd_out``) for ``(NEXTN_FEATURES,)``, else a
+    ``FeatureTap`` on those layer ids."""
+    if tuple(layers) == (NEXTN_FEATURES,):
+        return NextnTap(model.n_embd_out)
+    return FeatureTap(layers, model.n_layer, model.n_embd)

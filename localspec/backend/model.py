@@ -67,6 +67,9 @@ class Model:
             workers' devices).
         tensor_split: proportions of the offloaded layers per device (RPC devices in
             ``rpc`` order, then local GPUs); default: by device memory (llama.cpp's rule).
+        load_mtp: also load the model's MTP / NextN blocks (``*.nextn_predict_layers``),
+            which llama.cpp skips by default; a context of type MTP (``Context(...,
+            mtp=True)``) runs them (``drafters.mtp``).
 
     Raises:
         ModelLoadError: the file is missing, not GGUF, truncated/corrupt, or of an architecture
@@ -85,6 +88,7 @@ class Model:
         rpc: str | list[str] | None = None,
         rpc_local_gpu: bool = False,
         tensor_split: list[float] | None = None,
+        load_mtp: bool = False,
     ) -> None:
         self._model = None
         self.path = check_gguf_file(path)
@@ -120,6 +124,8 @@ class Model:
             repack = not exact_kernels()
         params.use_extra_bufts = bool(repack)
         self.repack = bool(repack)
+        params.load_mtp = bool(load_mtp)
+        self.load_mtp = bool(load_mtp)
         recent_errors(clear=True)
         model = lib.llama_model_load_from_file(str(self.path).encode("utf-8"), params)
         if not model:
@@ -136,6 +142,9 @@ class Model:
         self.n_vocab: int = lib.llama_vocab_n_tokens(self.vocab)
         self.n_embd: int = lib.llama_model_n_embd(model)
         self.n_layer: int = lib.llama_model_n_layer(model)
+        # MTP / NextN blocks after the trunk (``*.nextn_predict_layers``; 0 for most models)
+        self.n_layer_nextn: int = int(lib.llama_model_n_layer_nextn(model))
+        self.n_embd_out: int = int(lib.llama_model_n_embd_out(model))  # width of hidden-state outputs
         self.n_ctx_train: int = lib.llama_model_n_ctx_train(model)
         self.n_swa: int = lib.llama_model_n_swa(model)
         self.bos: int = lib.llama_vocab_bos(self.vocab)

@@ -47,7 +47,7 @@ def add_drafter_args(p: argparse.ArgumentParser, default: str = "ngram") -> None
                    help="EAGLE-3 head GGUF for the target (--drafter eagle3|auto; default for both: the head shipped "
                    "for the default model; auto without one, elsewhere, drafts n-grams only)")  # fmt: skip
     g.add_argument("--draft-shape", default=None, metavar="D,W,N",
-                   help="fixed EAGLE-3 tree shape: depth, width, node budget (e.g. 6,1,7 = chains of 6)")  # fmt: skip
+                   help="fixed EAGLE-3 / MTP tree shape: depth, width, node budget (e.g. 6,1,7 = chains of 6)")  # fmt: skip
 
 
 def add_sampling_args(p: argparse.ArgumentParser, *, greedy_default: bool = False) -> None:

@@ -10,8 +10,11 @@ ngram      prompt-lookup n-gram trees (``NgramDrafter``)   --
 draft      a standalone GGUF draft model                   ``draft_model``, ``draft_n_ctx``
 eagle3     an EAGLE-3 head for the target (the shipped     ``eagle``, ``draft_shape``
            head for the default model when none given)
-auto       n-gram every step, plus a draft model or an     ``draft_model`` or ``eagle``
-           EAGLE-3 head when the policy expects it to pay  (optional)
+auto       n-gram every step, plus a draft model, an       ``draft_model`` or ``eagle``
+           EAGLE-3 head or the target's MTP block when     (optional)
+           the policy expects it to pay
+mtp        the target's own MTP / NextN block(s)           ``draft_shape``
+           (targets with ``*.nextn_predict_layers > 0``)
 =========  ==============================================  ===========================
 """
 
@@ -49,7 +52,7 @@ def _eagle3(eagle=None, draft_shape=None) -> Drafter:
     return Eagle3Drafter(eagle, shape=draft_shape)
 
 
-def _auto(draft_model=None, draft_n_ctx: int | None = None, eagle=None) -> Drafter:
+def _auto(draft_model=None, draft_n_ctx: int | None = None, eagle=None, mtp: bool = False) -> Drafter:
     from .auto import AutoDrafter
 
     if draft_model is not None and eagle is not None:
@@ -59,7 +62,15 @@ def _auto(draft_model=None, draft_n_ctx: int | None = None, eagle=None) -> Draft
         model = _draft(draft_model, draft_n_ctx)
     elif eagle is not None:
         model = _eagle3(eagle)
+    elif mtp:  # the engine sets it for targets with MTP blocks (and no other model given)
+        model = _mtp()
     return AutoDrafter(model)
+
+
+def _mtp(draft_shape=None) -> Drafter:
+    from .mtp import MtpDrafter
+
+    return MtpDrafter(shape=draft_shape)
 
 
 _REGISTRY: dict[str, Callable[..., Drafter]] = {
@@ -67,6 +78,7 @@ _REGISTRY: dict[str, Callable[..., Drafter]] = {
     "draft": _draft,
     "eagle3": _eagle3,
     "auto": _auto,
+    "mtp": _mtp,
 }
 
 

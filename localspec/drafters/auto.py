@@ -66,7 +66,8 @@ class AutoDrafter:
     """The n-gram drafter plus, when the policy expects it to pay, a model drafter.
 
     Args:
-        model: a model drafter (``DraftModelDrafter``, ``Eagle3Drafter``) or None (n-gram only).
+        model: a model drafter (``DraftModelDrafter``, ``Eagle3Drafter``, ``MtpDrafter``) or
+            None (n-gram only).
         ngram: the n-gram drafter (default: a new ``NgramDrafter``).
     """
 
@@ -92,6 +93,12 @@ class AutoDrafter:
 
     def add_target_features(self, first_pos: int, rows) -> None:
         self.model.add_target_features(first_pos, rows)
+
+    def check_target(self, model) -> None:
+        """The model drafter's ``check_target`` (MTP), if it has one."""
+        check = getattr(self.model, "check_target", None)
+        if check is not None:
+            check(model)
 
     def attach(self, target: TargetHandle) -> None:
         if self.model is not None and hasattr(self.model, "attach"):

@@ -36,6 +36,8 @@ Optional hooks, called by the engine when a drafter defines them:
     * ``attach(target: TargetHandle)`` once, when the drafter is set on an engine: drafters
       that run a model get what they need of the target (see ``TargetHandle``) and, when
       they list ``target_feature_layers``, the ``FeatureTap`` that captures those layers.
+    * ``check_target(model)``: raise if the drafter cannot work with this target ``Model``;
+      called before the engine changes anything (so a refused drafter loses nothing).
     * ``fixed_shape``: a ``TreeShape`` the plan always drafts with (tests, experiments).
     * ``set_sampling(sampler: RequestState)`` before ``begin`` of every request: model
       drafters draft with the request's sampling (greedy, seeded Gumbel, or their own

@@ -154,9 +154,10 @@ class ModelDrafter(abc.ABC):
         self._slot_of[node] = seq
         return seq
 
-    def bind(self, target: TargetHandle, *, n_ctx: int, ctx_other=None) -> None:
+    def bind(self, target: TargetHandle, *, n_ctx: int, ctx_other=None, mtp: bool = False) -> None:
         """Attach to ``target``: (re)create the draft context with a scratch sequence per
-        decoded tree node (``ctx_other``: a context whose tensors the draft borrows)."""
+        decoded tree node (``ctx_other``: a context whose tensors the draft borrows; ``mtp``:
+        a context of llama.cpp's MTP type, which runs the model's NextN block)."""
         if self.ctx is not None:
             self.ctx.close()
             self.ctx = None
@@ -169,6 +170,7 @@ class ModelDrafter(abc.ABC):
             n_seq_max=min(256, self.n_slots + 1),
             n_threads=target.n_threads,
             ctx_other=ctx_other,
+            mtp=mtp,
         )
         self.slots = SeqSlots(self.ctx)
         self.sampler = None
