@@ -16,7 +16,7 @@ import threading
 import numpy as np
 
 from ..errors import ContextOverflowError, DecodeError, InvalidRequestError, ModelLoadError
-from ._llama import exact_kernels, lib, recent_errors, supports_gpu_offload
+from ._llama import exact_kernels, lib, recent_errors
 from .batch import Batch
 from .model import Model
 
@@ -97,12 +97,14 @@ class Context:
         params.embeddings = bool(embeddings)
         if flash_attn is not None:
             params.flash_attn_type = 1 if flash_attn else 0
-        if type_k is None and exact_kernels() and not (model.n_gpu_layers and supports_gpu_offload()):
+        if type_k is None and exact_kernels() and not model.on_local_gpu:
             # K in BF16, V in F16: with K and V of different types llama.cpp's CPU flash
             # attention takes the same kernel for one query row as for many (not the split-KV
             # path it otherwise uses for single-token decodes over >= 512 cells), so a
             # verification batch is bit-identical to plain decoding. BF16 is the type Gemma
             # and most current models are trained in. See docs/architecture.md.
+            # Layers on RPC workers (CPU backends of the same ggml) get the same K type, so
+            # they compute the bits a local decode computes (docs/rpc.md).
             type_k = GGML_TYPE_BF16
         self.type_k = type_k
         if type_k is not None:

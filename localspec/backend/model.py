@@ -92,6 +92,10 @@ class Model:
         params = lib.llama_model_default_params()
         self.rpc_workers: list = []  # backend.rpc.WorkerInfo per worker
         self.device_key = "local"  # the device set, for cost-model calibration keys
+        # True when layers run on a GPU of this machine. Not `llama_supports_gpu_offload()`:
+        # that is also true on every RPC-enabled build (it counts the RPC backend), and RPC
+        # workers are, as far as the host can tell, CPU backends with the host's kernels.
+        self.on_local_gpu = False
         if rpc:
             from . import rpc as _rpc
 
@@ -102,6 +106,7 @@ class Model:
                 for name, h in _rpc.local_gpu_devices():
                     handles.append(h)
                     names.append(name)
+                    self.on_local_gpu = True
             self._devices = _rpc.device_array(handles)  # keep alive: llama.cpp reads it at load
             self._split = _rpc.split_array(tensor_split, len(handles))
             params.devices = ctypes.cast(self._devices, ctypes.c_void_p).value
@@ -113,6 +118,10 @@ class Model:
             self.device_key = f"{'+'.join(names)}|split={tensor_split}|rtt2^={rtts}"
         elif tensor_split is not None:
             raise ModelLoadError("tensor_split applies to models split over RPC workers (rpc=...)")
+        elif n_gpu_layers != 0 and not vocab_only:
+            from .rpc import local_gpu_devices
+
+            self.on_local_gpu = bool(local_gpu_devices())
         params.n_gpu_layers = int(n_gpu_layers) if n_gpu_layers >= 0 else 0x7FFFFFFF
         params.use_mmap = bool(use_mmap)
         params.vocab_only = bool(vocab_only)
