@@ -346,6 +346,7 @@ class Engine:
         return self.ctx.n_ctx
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        self.reconnect_if_lost()
         return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def close(self) -> None:
@@ -362,6 +363,32 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def reconnect_if_lost(self) -> None:
+        """After a lost RPC worker (``WorkerLostError``): load the target on its workers again,
+        with a new context (the KV cache is gone) and the same drafter re-attached. Every request
+        calls this first, so an engine (and a server on it) works again once the worker is back.
+        A no-op when the workers are fine or the model is local.
+
+        Raises:
+            RPCError: a worker is still unreachable (the next request tries again).
+        """
+        if not self.model._rpc_guards or self.model.lost_worker() is None:
+            return
+        with self._lock:
+            if self.model.lost_worker() is None:
+                return
+            # drafter contexts may borrow the target context's tensors (EAGLE-3 heads): free them
+            # before the target's; attach() below creates them again
+            for d in (self.drafter, getattr(self.drafter, "model", None)):
+                dctx = getattr(d, "ctx", None)
+                if isinstance(dctx, Context):
+                    dctx.close()
+            self.ctx.close()
+            self.model.reload()
+            self._make_context(self._tap.layers if self._tap else None)
+            if self.drafter is not None:
+                self._install_drafter(self.drafter)
 
     def reset(self) -> None:
         """Forget the KV cache of earlier requests."""
@@ -412,6 +439,7 @@ class Engine:
         """
         if max_tokens < 0:
             raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
+        self.reconnect_if_lost()
         sampling = sampling or SamplingParams()
         t_start = _now_us()
         if isinstance(prompt, str):
@@ -463,6 +491,7 @@ class Engine:
         """
         from .scheduler import generate_batch
 
+        self.reconnect_if_lost()
         return generate_batch(self, prompts, **kwargs)
 
     def plain_tokens_per_s(self) -> float:

@@ -124,6 +124,9 @@ class Context:
         self._abort_cb = lib.ggml_abort_callback(lambda _data: self._abort.is_set())
         recent_errors(clear=True)
         ctx = lib.llama_init_from_model(model.handle, params)
+        if ctx and model._rpc_guards and model.lost_worker() is not None:
+            lib.llama_free(ctx)
+            model.check_workers()  # raises WorkerLostError naming the worker
         if not ctx:
             why = "; ".join(recent_errors()) or "no reason logged"
             raise ModelLoadError(f"llama.cpp could not create a context (n_ctx={n_ctx}): {why}")
@@ -175,10 +178,13 @@ class Context:
             DecodeError: aborted (see ``request_abort``), invalid batch or fatal error. After
                 an abort or fatal error some micro-batches may remain in the cache: callers
                 roll back to their own committed length (the engine does).
+            WorkerLostError: (a DecodeError) an RPC worker holding layers of the model was
+                lost; the model must be loaded again (``Model.reload``).
         """
         n_out = int(batch.output[: batch.n_tokens].sum())
         self.n_calls += 1
         rc = lib.llama_decode(self.handle, batch.struct)
+        self._check_workers()
         if rc != 0:
             self.n_outputs = 0
             if rc == 1:
@@ -202,6 +208,7 @@ class Context:
         kind = lib.LLAMA_PROCESS_TYPE_ENCODE if encode else lib.LLAMA_PROCESS_TYPE_DECODE
         self.n_calls += 1
         rc = lib.llama_process(self.handle, kind, batch.handle)
+        self._check_workers()
         if rc != 0:
             self.n_outputs = 0
             if rc == 1:
@@ -212,6 +219,16 @@ class Context:
             why = "; ".join(recent_errors()) or f"llama_process returned {rc}"
             raise DecodeError(f"{'encode' if encode else 'decode'} failed: {why}")
         self.n_outputs = 0 if encode else batch.n_outputs
+
+    def _check_workers(self) -> None:
+        """An RPC worker of the model lost during the decode: its outputs are not the model's
+        (the guard answered in the worker's place), so raise ``WorkerLostError`` instead."""
+        if self.model._rpc_guards:
+            try:
+                self.model.check_workers()
+            except BaseException:
+                self.n_outputs = 0
+                raise
 
     def logits(self) -> np.ndarray:
         """Logits of the last decode: ``[n_outputs, n_vocab] float32``, a view (no copy).

@@ -87,6 +87,11 @@ class Model:
         tensor_split: list[float] | None = None,
     ) -> None:
         self._model = None
+        self._rpc_guards: list = []  # backend.rpc.Guard per worker (empty: no RPC, or unguarded)
+        self._load_args = dict(
+            n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, vocab_only=vocab_only, repack=repack,
+            rpc=rpc, rpc_local_gpu=rpc_local_gpu, tensor_split=tensor_split,
+        )  # fmt: skip
         self.path = check_gguf_file(path)
         ensure_backend()
         params = lib.llama_model_default_params()
@@ -99,7 +104,7 @@ class Model:
         if rpc:
             from . import rpc as _rpc
 
-            devs, self.rpc_workers = _rpc.connect(_rpc.parse_endpoints(rpc))
+            devs, self.rpc_workers, self._rpc_guards = _rpc.connect(_rpc.parse_endpoints(rpc))
             handles = [d.handle for d in devs]
             names = [f"{d.name}@{d.endpoint}" for d in devs]
             if rpc_local_gpu:
@@ -131,6 +136,10 @@ class Model:
         self.repack = bool(repack)
         recent_errors(clear=True)
         model = lib.llama_model_load_from_file(str(self.path).encode("utf-8"), params)
+        if self._rpc_guards and self.lost_worker() is not None:
+            if model:
+                lib.llama_model_free(model)
+            self.check_workers()  # raises WorkerLostError naming the worker
         if not model:
             why = "; ".join(recent_errors()) or "no reason logged"
             raise ModelLoadError(
@@ -155,6 +164,44 @@ class Model:
         self._pieces: dict[int, bytes] = {}  # token (or ~token for special=True) -> piece bytes
 
     # -- lifetime -----------------------------------------------------------------------------
+
+    def lost_worker(self) -> tuple[str, str] | None:
+        """``(endpoint, why)`` of an RPC worker of this model whose connection failed, else None."""
+        for g in self._rpc_guards:
+            if g.lost is not None:
+                return g.endpoint, g.lost
+        return None
+
+    def check_workers(self) -> None:
+        """Raise if an RPC worker holding some of this model's layers was lost (a cheap check:
+        ``Context.decode`` calls it after every decode, before the logits are read).
+
+        Raises:
+            WorkerLostError: names the worker; the model's layers on it are gone.
+        """
+        lost = self.lost_worker() if self._rpc_guards else None
+        if lost is not None:
+            from .rpc import WorkerLostError
+
+            raise WorkerLostError(
+                f"lost RPC worker {lost[0]} ({lost[1]}): the model's layers on it are gone; an Engine loads "
+                "them again at its next request once the worker is back (or run without --rpc)"
+            )
+
+    def reload(self) -> None:
+        """Load the model again with the same arguments (after a lost RPC worker is back).
+        Contexts made from it must be closed first.
+
+        Raises:
+            RPCError: a worker is still unreachable; ModelLoadError as the constructor.
+        """
+        self.close()
+        guards = self._rpc_guards
+        try:
+            self.__init__(self.path, **self._load_args)
+        except BaseException:
+            self._rpc_guards = guards  # still lost (and closed): the next check tries again
+            raise
 
     @property
     def handle(self):
