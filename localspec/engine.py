@@ -315,6 +315,7 @@ class Engine:
             old.close()
         self._tap = FeatureTap(feature_layers, self.model.n_layer, self.model.n_embd) if feature_layers else None
         self.ctx = Context(self.model, cb_eval=self._tap.callback if self._tap else None, **self._ctx_args)
+        self._ctx_generation = self.model.generation
         self.cache = SequenceCache(self.ctx, max_tree_nodes=self.max_tree_nodes)
 
     def _install_drafter(self, drafter: Drafter | None) -> None:
@@ -373,11 +374,19 @@ class Engine:
         Raises:
             RPCError: a worker is still unreachable (the next request tries again).
         """
-        if not self.model._rpc_guards or self.model.lost_worker() is None:
+        def needed() -> bool:  # the worker lost, or the model reloaded by another user of it
+            return self._ctx_generation != self.model.generation or (
+                bool(self.model._rpc_guards) and self.model.lost_worker() is not None
+            )
+
+        if not needed():
             return
         with self._lock:
-            if self.model.lost_worker() is None:
+            if not needed():
                 return
+            lost = self.model.lost_worker() is not None
+            if lost:
+                self.model.probe_workers()  # still down: raises, and the engine stays as it is
             # drafter contexts may borrow the target context's tensors (EAGLE-3 heads): free them
             # before the target's; attach() below creates them again
             for d in (self.drafter, getattr(self.drafter, "model", None)):
@@ -385,7 +394,8 @@ class Engine:
                 if isinstance(dctx, Context):
                     dctx.close()
             self.ctx.close()
-            self.model.reload()
+            if lost:
+                self.model.reload()
             self._make_context(self._tap.layers if self._tap else None)
             if self.drafter is not None:
                 self._install_drafter(self.drafter)

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 
+import httpx
 import pytest
 
 from conftest import fixed_cost_model
@@ -200,11 +201,70 @@ def test_cost_calibration_is_keyed_by_the_device_set(model_path, worker):
             assert "devices=" not in local_m.device_key and remote_m.device_key.startswith("RPC")
 
 
+def bounded(fn, timeout: float = 300.0):
+    """``fn()`` on a daemon thread: its result or exception, or a failure if it has not returned
+    within ``timeout`` seconds (a hang must fail the test, not stall it; returns at once when
+    ``fn`` does)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"no answer within {timeout:g} s: hung"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 @needs_worker
-def test_a_worker_killed_mid_generation_is_a_clear_error_then_usable_again(engine, tmp_path):
-    """llama.cpp's RPC client aborts its process when a worker drops (ggml-rpc's
-    RPC_STATUS_ASSERT), so the host is a separate process: it must end promptly (no hang) with a
-    message naming the worker; a new run once the worker is back, and a local run, both work."""
+def test_a_worker_killed_mid_generation_python_api(engine):
+    """The Python API: a worker killed mid-stream is a WorkerLostError naming it (the process
+    lives: ggml's client talks to the guard relay, not to the worker); while it is down the next
+    request is a clear RPCError; once it is back on its port the same engine reconnects and
+    generates exactly the local plain output; a local engine in this process works throughout."""
+    engine.reset()
+    local = engine.generate(PROMPT, max_tokens=24, sampling=GREEDY, speculative=False)
+    w = Worker()
+    try:
+        eng = Engine(rpc=[w.endpoint], drafter="ngram", n_ctx=4096, cost_model=fixed_cost_model())
+        stream = eng.stream(PROMPT, max_tokens=3000, sampling=GREEDY)
+        first = bounded(lambda: next(stream))  # the first token came through the worker
+        assert first.text
+        w.kill()
+
+        def rest():
+            for _ in stream:
+                pass
+
+        with pytest.raises(rpc.WorkerLostError, match=rf"lost RPC worker {w.endpoint} "):
+            bounded(rest)
+        # retried locally, in this very process
+        engine.reset()
+        assert engine.generate(PROMPT, max_tokens=24, sampling=GREEDY, speculative=False).token_ids == local.token_ids
+        # the worker still down: a clear error, and the engine stays as it is
+        with pytest.raises(rpc.RPCError, match=rf"RPC worker {w.endpoint} is unreachable"):
+            bounded(lambda: eng.generate(PROMPT, max_tokens=4, sampling=GREEDY))
+        w = Worker(w.port)  # back on the same port
+        out = bounded(lambda: eng.generate(PROMPT, max_tokens=24, sampling=GREEDY, speculative=False))
+        assert out.token_ids == local.token_ids
+        eng.reset()
+        assert bounded(lambda: eng.generate(PROMPT, max_tokens=24, sampling=GREEDY)).token_ids == local.token_ids
+        eng.close()
+    finally:
+        w.kill()
+
+
+@needs_worker
+def test_a_worker_killed_mid_generation_cli(tmp_path):
+    """The CLI: ``localspec generate --rpc`` ends with exit status 1 and a one-line error naming
+    the worker (before the guard, the process aborted), promptly; a new run works once the
+    worker is back."""
     w = Worker()
     cmd = [sys.executable, "-m", "localspec", "generate", PROMPT, "-n", "4000", "--temperature", "0",
            "--n-ctx", "4096", "--max-tree-nodes", "4", "--drafter", "none", "--rpc", w.endpoint]  # fmt: skip
@@ -220,15 +280,64 @@ def test_a_worker_killed_mid_generation_is_a_clear_error_then_usable_again(engin
         if host.poll() is None:
             host.kill()
             host.wait()
-    assert host.returncode != 0
-    assert f"lost RPC worker(s) {w.endpoint}" in err.decode()
-    # the worker back on the same port: a new host process runs
+    assert host.returncode == 1, err.decode()
+    assert err.decode().strip().splitlines()[-1].startswith(f"localspec: error: lost RPC worker {w.endpoint} (")
     w2 = Worker(w.port)
     try:
         r = subprocess.run(cmd[:5] + ["-n", "8"] + cmd[7:], capture_output=True, text=True, timeout=600, env=env)
         assert r.returncode == 0, r.stderr
     finally:
         w2.kill()
-    # retried locally (in this process, no RPC): fine
+
+
+@needs_worker
+def test_a_worker_killed_mid_request_server(engine):
+    """``localspec serve``'s app (OpenAI API over a BatchScheduler, editor endpoints over an
+    Engine, both on the RPC model), driven by the official client: a worker killed mid-stream
+    ends that stream with an error naming it; requests while it is down get 503 naming it; once
+    it is back, the same server answers again, with the local greedy output."""
+    openai = pytest.importorskip("openai")
+    from localspec.scheduler import BatchScheduler
+    from localspec.server import CompletionService, ServiceConfig
+    from localspec.server.http import AppThread
+    from localspec.server.openai import OpenAIService, create_serve_app
+
     engine.reset()
-    assert len(engine.generate(PROMPT, max_tokens=8, sampling=GREEDY).token_ids) == 8
+    local = engine.generate(PROMPT, max_tokens=16, sampling=GREEDY, speculative=False)
+    w = Worker()
+    eng = Engine(rpc=[w.endpoint], drafter="ngram", n_ctx=2048, cost_model=fixed_cost_model())
+    sched = BatchScheduler(eng.model, parallel=2, n_ctx=2048, cost_model=fixed_cost_model()).start()
+    oai = OpenAIService(sched, model_name="gemma-rpc", sampling=GREEDY)
+    editor = CompletionService(eng, ServiceConfig(sampling=GREEDY))
+    try:
+        with AppThread(create_serve_app(oai, editor, max_body_bytes=1 << 20)) as srv:
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+            def complete():
+                return client.completions.create(model="gemma-rpc", prompt=PROMPT, max_tokens=16, temperature=0)
+
+            assert bounded(complete).choices[0].text == local.text
+
+            def stream_and_kill():
+                with client.completions.create(model="gemma-rpc", prompt=PROMPT, max_tokens=1500, temperature=0,
+                                               stream=True) as s:  # fmt: skip
+                    for i, _ in enumerate(s):
+                        if i == 0:
+                            w.kill()
+
+            with pytest.raises(openai.APIError, match=rf"lost RPC worker {w.endpoint}"):
+                bounded(stream_and_kill)
+            with pytest.raises(openai.InternalServerError, match=rf"RPC worker {w.endpoint} is unreachable") as ei:
+                bounded(complete)
+            assert ei.value.status_code == 503
+            w = Worker(w.port)
+            assert bounded(complete).choices[0].text == local.text
+            # the editor endpoint's engine shares the reloaded model: it follows
+            r = bounded(lambda: httpx.post(srv.url + "/completion", json={"prompt": PROMPT, "n_predict": 16,
+                                                                           "temperature": 0}, timeout=300))  # fmt: skip
+            assert r.status_code == 200 and r.json()["content"] == local.text
+    finally:
+        editor.close()
+        sched.close()
+        eng.close()
+        w.kill()

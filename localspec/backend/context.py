@@ -131,6 +131,7 @@ class Context:
             why = "; ".join(recent_errors()) or "no reason logged"
             raise ModelLoadError(f"llama.cpp could not create a context (n_ctx={n_ctx}): {why}")
         self._ctx = ctx
+        model._contexts.add(self)
         self.mem = lib.llama_get_memory(ctx)
         # llama.cpp rounds the KV cache up (to a multiple of 256); the context holds to the size
         # asked for, so that `--n-ctx 20` means 20 tokens (positions, prompt checks, trees)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import os
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,9 @@ GGUF_MAGIC = b"GGUF"
 # llama_token_attr bits (llama.h)
 TOKEN_ATTR_UNUSED = 1 << 1
 TOKEN_ATTR_CONTROL = 1 << 3
+
+
+_load_count = itertools.count(1)
 
 
 def check_gguf_file(path: str | os.PathLike) -> Path:
@@ -87,6 +92,9 @@ class Model:
         tensor_split: list[float] | None = None,
     ) -> None:
         self._model = None
+        self._retired: list = []  # llama_model pointers replaced by reload(), freed at close()
+        self.generation = next(_load_count)  # changes at every load (reload), process-wide unique
+        self._contexts = weakref.WeakSet()  # live Contexts on this model (reload closes them)
         self._rpc_guards: list = []  # backend.rpc.Guard per worker (empty: no RPC, or unguarded)
         self._load_args = dict(
             n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, vocab_only=vocab_only, repack=repack,
@@ -188,20 +196,43 @@ class Model:
                 "them again at its next request once the worker is back (or run without --rpc)"
             )
 
+    def probe_workers(self) -> None:
+        """One HELLO to each RPC worker of this model (``backend.rpc.probe``); nothing else.
+
+        Raises:
+            RPCError: a worker is unreachable or speaks another protocol version.
+        """
+        if self._load_args["rpc"]:
+            from . import rpc as _rpc
+
+            for ep in _rpc.parse_endpoints(self._load_args["rpc"]):
+                _rpc.probe(ep)
+
     def reload(self) -> None:
         """Load the model again with the same arguments (after a lost RPC worker is back).
-        Contexts made from it must be closed first.
+        Closes the contexts still open on it first (their owners see ``generation`` change);
+        contexts of other models that borrow their tensors (``ctx_other``) must be closed before.
+
+        The old ``llama_model`` is freed only at ``close()``, not here, so that a thread still
+        tokenizing with its vocabulary is never left with a freed one (its weights on the lost
+        worker are gone anyway; its local layers are mapped from the same file). When the
+        load fails (a worker still unreachable), nothing changes: the model stays as it was
+        (its vocabulary usable, its decodes failing) and a later call tries again.
 
         Raises:
             RPCError: a worker is still unreachable; ModelLoadError as the constructor.
         """
-        self.close()
-        guards = self._rpc_guards
+        self.probe_workers()
+        for c in list(self._contexts):
+            c.close()
+        saved = dict(self.__dict__)
         try:
             self.__init__(self.path, **self._load_args)
         except BaseException:
-            self._rpc_guards = guards  # still lost (and closed): the next check tries again
+            self.__dict__.clear()
+            self.__dict__.update(saved)
             raise
+        self._retired = saved["_retired"] + ([saved["_model"]] if saved["_model"] else [])
 
     @property
     def handle(self):
@@ -215,6 +246,8 @@ class Model:
         if self._model is not None:
             lib.llama_model_free(self._model)
             self._model = None
+        while getattr(self, "_retired", None):
+            lib.llama_model_free(self._retired.pop())
 
     def __enter__(self) -> "Model":
         return self
