@@ -341,3 +341,83 @@ def test_a_worker_killed_mid_request_server(engine):
         sched.close()
         eng.close()
         w.kill()
+
+
+# -- the guard's framing, against stand-in workers (every branch, deterministically) ------------
+
+
+def _stand_in(script):
+    """A listening socket whose first connection runs ``script(conn)`` (a worker stand-in)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def serve():
+        conn, _ = srv.accept()
+        with conn:
+            script(conn)
+        srv.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"127.0.0.1:{srv.getsockname()[1]}"
+
+
+def _recv(sock, n):
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        assert chunk, f"connection closed after {len(buf)} of {n} bytes"
+        buf += chunk
+    return buf
+
+
+def _hello(sock):
+    sock.sendall(struct.pack("<BQ", 14, 24) + bytes(range(1, 25)))  # non-zero caps: the guard zeroes them
+
+
+def test_guard_forwards_then_pads_a_response_cut_by_a_dying_worker():
+    seen = {}
+
+    def worker(conn):
+        cmd, size = struct.unpack("<BQ", _recv(conn, 9))
+        seen["hello_caps"] = _recv(conn, size)
+        conn.sendall(struct.pack("<Q", 28) + bytes(rpc.RPC_PROTO_VERSION) + bytes([0]) + bytes(range(1, 25)))
+        cmd, size = struct.unpack("<BQ", _recv(conn, 9))  # SET_TENSOR (no response): forwarded
+        seen["set"] = (cmd, _recv(conn, size))
+        cmd, size = struct.unpack("<BQ", _recv(conn, 9))  # GET_TENSOR of 1000 bytes: answer 300, die
+        _recv(conn, size)
+        conn.sendall(struct.pack("<Q", 1000) + b"\x07" * 300)
+
+    g = rpc.Guard(_stand_in(worker))
+    host, port = g.local_endpoint.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=60) as c:
+        _hello(c)
+        size, = struct.unpack("<Q", _recv(c, 8))
+        rsp = _recv(c, size)
+        assert size == 28 and tuple(rsp[:3]) == rpc.RPC_PROTO_VERSION and rsp[4:] == bytes(24)
+        c.sendall(struct.pack("<BQ", 6, 5) + b"abcde")
+        req = bytes(100) + struct.pack("<QQ", 0, 1000)  # rpc_tensor stand-in | offset | size
+        c.sendall(struct.pack("<BQ", 8, len(req)) + req)
+        size, = struct.unpack("<Q", _recv(c, 8))
+        data = _recv(c, size)
+    assert seen["hello_caps"] == bytes(24)  # no transport upgrade through the relay
+    assert seen["set"] == (6, b"abcde")
+    assert size == 1000 and data == b"\x07" * 300 + bytes(700)
+    assert g.lost is not None
+
+
+def test_guard_answers_in_place_of_an_unreachable_worker():
+    g = rpc.Guard(f"127.0.0.1:{free_port()}")  # nothing listens there
+    host, port = g.local_endpoint.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=60) as c:
+        _hello(c)
+        size, = struct.unpack("<Q", _recv(c, 8))
+        assert size == 28 and tuple(_recv(c, 28)[:3]) == rpc.RPC_PROTO_VERSION
+        c.sendall(struct.pack("<BQ", 1, 4) + bytes(4))  # GET_ALIGNMENT: a power of two
+        assert struct.unpack("<QQ", _recv(c, 16)) == (8, 32)
+        c.sendall(struct.pack("<BQ", 0, 12) + bytes(12))  # ALLOC_BUFFER: NULL, so llama.cpp fails cleanly
+        assert struct.unpack("<QQQ", _recv(c, 24)) == (16, 0, 0)
+        c.sendall(struct.pack("<BQ", 10, 3) + b"xyz")  # GRAPH_COMPUTE: no response
+        c.sendall(struct.pack("<BQ", 15, 0))  # DEVICE_COUNT: 0 devices
+        assert struct.unpack("<QI", _recv(c, 12)) == (4, 0)
+    assert "cannot connect" in g.lost

@@ -529,7 +529,8 @@ def connect(
             _dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
             # ggml names RPC devices by a process-wide counter ("RPC3"); the name here is the
             # device's index on its worker, so that it is the same in every process (cost keys)
-            devices.append(RPCDevice(ep, f"RPC{i}", (_dev_desc(dev) or b"").decode(), int(total.value), int(dev)))
+            # (ggml's description of an RPC device is the address it connects to: the guard's)
+            devices.append(RPCDevice(ep, f"RPC{i}", ep, int(total.value), int(dev)))
     return devices, infos, guards
 
 
