@@ -395,7 +395,7 @@ class Engine:
                     dctx.close()
             self.ctx.close()
             if lost:
-                self.model.reload()
+                self.model.reload_if_lost()  # a no-op when another user of the model did it
             self._make_context(self._tap.layers if self._tap else None)
             if self.drafter is not None:
                 self._install_drafter(self.drafter)

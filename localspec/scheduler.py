@@ -409,9 +409,10 @@ class BatchScheduler:
         # the requests in slots had their KV cells on the old model: they end with an error
         try:
             m.check_workers()
-            fail(WorkerLostError("the model was reloaded (its RPC worker was lost)"), waiting=False)
+            err: BaseException = WorkerLostError("the model was reloaded (its RPC worker was lost)")
         except WorkerLostError as e:
-            fail(e, waiting=False)
+            err = e
+        fail(err, waiting=False)
         if lost:
             try:
                 m.probe_workers()
@@ -421,7 +422,7 @@ class BatchScheduler:
         self.ctx.close()
         self.n_used = 0
         if lost:
-            m.reload()
+            m.reload_if_lost()  # a no-op when another user of the model did it
         self.ctx = Context(m, **self._ctx_args)
         self._ctx_generation = m.generation
 

@@ -124,6 +124,9 @@ class Context:
         self._abort_cb = lib.ggml_abort_callback(lambda _data: self._abort.is_set())
         recent_errors(clear=True)
         ctx = lib.llama_init_from_model(model.handle, params)
+        # the guards of the model's workers as of now: after a reload the model has new ones,
+        # and this context's decodes (on the old model) must keep failing
+        self._rpc_guards = list(model._rpc_guards)
         if ctx and model._rpc_guards and model.lost_worker() is not None:
             lib.llama_free(ctx)
             model.check_workers()  # raises WorkerLostError naming the worker
@@ -131,7 +134,6 @@ class Context:
             why = "; ".join(recent_errors()) or "no reason logged"
             raise ModelLoadError(f"llama.cpp could not create a context (n_ctx={n_ctx}): {why}")
         self._ctx = ctx
-        model._contexts.add(self)
         self.mem = lib.llama_get_memory(ctx)
         # llama.cpp rounds the KV cache up (to a multiple of 256); the context holds to the size
         # asked for, so that `--n-ctx 20` means 20 tokens (positions, prompt checks, trees)
@@ -180,7 +182,7 @@ class Context:
                 an abort or fatal error some micro-batches may remain in the cache: callers
                 roll back to their own committed length (the engine does).
             WorkerLostError: (a DecodeError) an RPC worker holding layers of the model was
-                lost; the model must be loaded again (``Model.reload``).
+                lost; the model must be loaded again (``Model.reload_if_lost``).
         """
         n_out = int(batch.output[: batch.n_tokens].sum())
         self.n_calls += 1
@@ -224,9 +226,11 @@ class Context:
     def _check_workers(self) -> None:
         """An RPC worker of the model lost during the decode: its outputs are not the model's
         (the guard answered in the worker's place), so raise ``WorkerLostError`` instead."""
-        if self.model._rpc_guards:
+        if self._rpc_guards:
+            from .rpc import check_guards
+
             try:
-                self.model.check_workers()
+                check_guards(self._rpc_guards)
             except BaseException:
                 self.n_outputs = 0
                 raise

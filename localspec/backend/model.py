@@ -11,7 +11,7 @@ import ctypes
 import functools
 import itertools
 import os
-import weakref
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +27,7 @@ TOKEN_ATTR_CONTROL = 1 << 3
 
 
 _load_count = itertools.count(1)
+_reload_lock = threading.Lock()  # one reload at a time (an engine and a scheduler may share a model)
 
 
 def check_gguf_file(path: str | os.PathLike) -> Path:
@@ -92,9 +93,8 @@ class Model:
         tensor_split: list[float] | None = None,
     ) -> None:
         self._model = None
-        self._retired: list = []  # llama_model pointers replaced by reload(), freed at close()
+        self._retired: list = []  # llama_model pointers replaced by reload_if_lost(), freed at close()
         self.generation = next(_load_count)  # changes at every load (reload), process-wide unique
-        self._contexts = weakref.WeakSet()  # live Contexts on this model (reload closes them)
         self._rpc_guards: list = []  # backend.rpc.Guard per worker (empty: no RPC, or unguarded)
         self._load_args = dict(
             n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, vocab_only=vocab_only, repack=repack,
@@ -187,14 +187,10 @@ class Model:
         Raises:
             WorkerLostError: names the worker; the model's layers on it are gone.
         """
-        lost = self.lost_worker() if self._rpc_guards else None
-        if lost is not None:
-            from .rpc import WorkerLostError
+        if self._rpc_guards:
+            from .rpc import check_guards
 
-            raise WorkerLostError(
-                f"lost RPC worker {lost[0]} ({lost[1]}): the model's layers on it are gone; an Engine loads "
-                "them again at its next request once the worker is back (or run without --rpc)"
-            )
+            check_guards(self._rpc_guards)
 
     def probe_workers(self) -> None:
         """One HELLO to each RPC worker of this model (``backend.rpc.probe``); nothing else.
@@ -208,31 +204,36 @@ class Model:
             for ep in _rpc.parse_endpoints(self._load_args["rpc"]):
                 _rpc.probe(ep)
 
-    def reload(self) -> None:
-        """Load the model again with the same arguments (after a lost RPC worker is back).
-        Closes the contexts still open on it first (their owners see ``generation`` change);
-        contexts of other models that borrow their tensors (``ctx_other``) must be closed before.
+    def reload_if_lost(self) -> bool:
+        """Load the model again with the same arguments when one of its RPC workers was lost
+        (and is back: the workers are probed first). True when it loaded again; False when no
+        worker was lost (e.g. another user of the model reloaded it already).
 
-        The old ``llama_model`` is freed only at ``close()``, not here, so that a thread still
-        tokenizing with its vocabulary is never left with a freed one (its weights on the lost
-        worker are gone anyway; its local layers are mapped from the same file). When the
-        load fails (a worker still unreachable), nothing changes: the model stays as it was
-        (its vocabulary usable, its decodes failing) and a later call tries again.
+        The old ``llama_model`` is freed only at ``close()``, not here: contexts made on it stay
+        valid memory until their owners, who see ``generation`` change, close them (their
+        decodes keep raising ``WorkerLostError``: a context checks the guards it was made
+        with), and a thread still tokenizing with its vocabulary never holds a freed one. Its
+        weights on the lost worker are gone anyway, and its local layers are mapped from the
+        same file. When the load fails (a worker still unreachable), nothing changes: the model
+        stays as it was (its vocabulary usable, its decodes failing), and a later call tries
+        again.
 
         Raises:
             RPCError: a worker is still unreachable; ModelLoadError as the constructor.
         """
-        self.probe_workers()
-        for c in list(self._contexts):
-            c.close()
-        saved = dict(self.__dict__)
-        try:
-            self.__init__(self.path, **self._load_args)
-        except BaseException:
-            self.__dict__.clear()
-            self.__dict__.update(saved)
-            raise
-        self._retired = saved["_retired"] + ([saved["_model"]] if saved["_model"] else [])
+        with _reload_lock:
+            if not self._rpc_guards or self.lost_worker() is None:
+                return False
+            self.probe_workers()
+            saved = dict(self.__dict__)
+            try:
+                self.__init__(self.path, **self._load_args)
+            except BaseException:
+                self.__dict__.clear()
+                self.__dict__.update(saved)
+                raise
+            self._retired = saved["_retired"] + ([saved["_model"]] if saved["_model"] else [])
+            return True
 
     @property
     def handle(self):

@@ -463,6 +463,20 @@ def guard_for(endpoint: str) -> Guard:
         return g
 
 
+def check_guards(guards: Sequence[Guard]) -> None:
+    """Raise if one of ``guards`` lost its worker.
+
+    Raises:
+        WorkerLostError: names the worker.
+    """
+    for g in guards:
+        if g.lost is not None:
+            raise WorkerLostError(
+                f"lost RPC worker {g.endpoint} ({g.lost}): the model's layers on it are gone; an Engine loads "
+                "them again at its next request once the worker is back (or run without --rpc)"
+            )
+
+
 def guarded() -> bool:
     """False when ``LOCALSPEC_RPC_GUARD=0``: ggml then connects to the workers directly, and a
     worker lost mid-request ends the process (llama.cpp's own behaviour)."""
