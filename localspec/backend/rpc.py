@@ -227,6 +227,7 @@ _RESPONSE_SIZE = {
 }
 _SMALL = 1 << 20  # requests up to this size are read whole; larger ones (weights) are streamed
 _CHUNK = 1 << 22
+_ZEROS = bytes(_CHUNK)
 
 
 def _tune(sock: socket.socket, upstream: bool) -> None:
@@ -310,7 +311,7 @@ class Guard:
                 up = None
         _tune(client, upstream=False)
         view = memoryview(bytearray(_CHUNK))
-        zeros = bytes(_CHUNK)
+        zeros = _ZEROS
 
         def drop(e: BaseException) -> None:
             nonlocal up
