@@ -114,6 +114,26 @@ def _loadavg() -> str:
         return "?"
 
 
+def guard_overhead(endpoint: str, prompt: str, *, repeats: int, max_tokens: int) -> list[dict]:
+    """Plain greedy decoding of ``prompt`` straight to the worker (no latency relay), with the
+    guard and without it (``LOCALSPEC_RPC_GUARD``), alternating, ``repeats`` times each; one
+    engine at a time (a worker serves one connection). Returns one record per run."""
+    from ..engine import Engine
+    from ..sampling import SamplingParams
+
+    out, cost = [], None
+    for i in range(repeats):
+        for guard in ((True, False) if i % 2 == 0 else (False, True)):
+            os.environ["LOCALSPEC_RPC_GUARD"] = "1" if guard else "0"
+            with Engine(rpc=[endpoint], drafter="none", n_ctx=1024, cost_model=cost) as eng:
+                cost = eng.cost_model
+                r = eng.generate(prompt, max_tokens=max_tokens, sampling=SamplingParams.greedy(), speculative=False)
+            n, t_us = len(r.token_ids), r.stats.t_generate_us
+            out.append({"guard": guard, "n_tokens": n, "t_decode_us": t_us, "tokens_per_s": n / (t_us * 1e-6), "load": _loadavg()})
+            print(f"guard {'on ' if guard else 'off'}: {out[-1]['tokens_per_s']:.2f} tok/s ({n} tokens), load {out[-1]['load']}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..bench.dataset import load_questions, select_prompts
     from ..bench.specbench import run_bench, summarize
@@ -131,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-threads", type=int, default=1)
     p.add_argument("--unguarded-baseline", action="store_true",
                    help="also run the first round-trip time with LOCALSPEC_RPC_GUARD=0 (ggml straight to the relay)")
+    p.add_argument("--guard-overhead", type=int, default=0, metavar="N",
+                   help="instead: plain decoding with and without the guard, alternating, N times each")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
     if find_rpc_server() is None:
@@ -162,7 +184,17 @@ def main(argv: list[str] | None = None) -> int:
                 if time.monotonic() > deadline or worker.poll() is not None:
                     raise
                 time.sleep(0.05)
-        rtts = [float(x) for x in a.rtt_ms.split(",")]
+        if a.guard_overhead:
+            runs = guard_overhead(f"127.0.0.1:{port}", prompts[0].text,
+                                  repeats=a.guard_overhead, max_tokens=a.max_tokens)  # fmt: skip
+            results["guard_overhead"] = runs
+            for g in (True, False):
+                n = sum(r["n_tokens"] for r in runs if r["guard"] is g)
+                t = sum(r["t_decode_us"] for r in runs if r["guard"] is g)
+                print(f"guard {'on' if g else 'off'}: {n / (t * 1e-6):.2f} tok/s over {n} tokens")
+            rtts = []
+        else:
+            rtts = [float(x) for x in a.rtt_ms.split(",")]
         cases = [(rtts[0], False)] if a.unguarded_baseline else []
         cases += [(rtt, True) for rtt in rtts]
         for rtt, guard in cases:
