@@ -15,6 +15,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from conftest import fixed_cost_model
@@ -180,6 +181,35 @@ def test_layers_on_the_worker_greedy_equals_local_plain(engine, remote):
     engine.reset()
     local = engine.generate(PROMPT, max_tokens=48, sampling=GREEDY, speculative=False)
     assert remote[0].token_ids == local.token_ids
+
+
+@needs_worker
+def test_logits_on_the_worker_are_bit_identical_to_local(model_path, worker):
+    """The cause of the old mismatch, checked directly: with the layers on the worker the
+    context has the exact-kernel K type (BF16) like a local one, and logit rows of a 520-token
+    batch (positions 0 to 519), then of a single-token decode over those 520 cells (where an
+    F16/F16 cache would take flash attention's split-KV path), equal the local ones bit for bit."""
+    from localspec.backend import Batch, Context, Model
+
+    def run(m):
+        with Context(m, n_ctx=1024, n_batch=1024) as c:
+            toks = (m.tokenize(PROMPT) * 40)[:520]
+            b = Batch(1024)
+            b.set_sequence(toks, 0, output="none")
+            b.output[[0, 1, 2, 255, 511, 519]] = 1  # a few rows (a logits row is 1 MB on the wire)
+            c.decode(b)
+            rows = np.array(c.logits())
+            b.set_sequence([toks[-1]], 520, output="all")
+            c.decode(b)
+            return c.type_k, rows, np.array(c.logits())
+
+    with Model(model_path) as lm:
+        local = run(lm)
+    with Model(model_path, rpc=[worker.endpoint]) as rm:
+        assert not rm.on_local_gpu
+        remote = run(rm)
+    assert local[0] == remote[0] == 30  # GGML_TYPE_BF16
+    assert np.array_equal(local[1], remote[1]) and np.array_equal(local[2], remote[2])
 
 
 @needs_worker
