@@ -291,6 +291,29 @@ def test_a_worker_killed_mid_generation_python_api(engine):
 
 
 @needs_worker
+def test_a_worker_lost_between_requests_is_seen_before_the_next_one(engine):
+    """Killed while the engine is idle: the guard sees the worker's connection close (no
+    request running), so once the worker is back the next request reconnects first and
+    succeeds, instead of failing on its first decode."""
+    engine.reset()
+    local = engine.generate(PROMPT, max_tokens=8, sampling=GREEDY, speculative=False)
+    w = Worker()
+    try:
+        with Engine(rpc=[w.endpoint], drafter="none", n_ctx=1024, cost_model=fixed_cost_model()) as eng:
+            assert bounded(lambda: eng.generate(PROMPT, max_tokens=8, sampling=GREEDY)).token_ids == local.token_ids
+            w.kill()
+            deadline = time.monotonic() + 60  # a bound: the loop ends as soon as the guard sees it
+            while eng.model.lost_worker() is None:
+                assert time.monotonic() < deadline, "the guard did not notice the idle worker's end"
+                time.sleep(0.02)
+            assert eng.model.lost_worker()[0] == w.endpoint
+            w = Worker(w.port)
+            assert bounded(lambda: eng.generate(PROMPT, max_tokens=8, sampling=GREEDY)).token_ids == local.token_ids
+    finally:
+        w.kill()
+
+
+@needs_worker
 def test_a_worker_killed_mid_generation_cli(tmp_path):
     """The CLI: ``localspec generate --rpc`` ends with exit status 1 and a one-line error naming
     the worker (before the guard, the process aborted), promptly; a new run works once the
