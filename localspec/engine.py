@@ -333,6 +333,7 @@ class Engine:
         self.ctx = Context(self.model, cb_eval=self._tap.callback if self._tap else None, **self._ctx_args)
         if hasattr(self._tap, "bind"):  # NextnTap: llama.cpp's nextn rows, read after each decode
             self._tap.bind(self.ctx)
+        self._ctx_generation = self.model.generation
         self.cache = SequenceCache(self.ctx, max_tree_nodes=self.max_tree_nodes)
 
     def _install_drafter(self, drafter: Drafter | None) -> None:
@@ -364,6 +365,7 @@ class Engine:
         return self.ctx.n_ctx
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        self.reconnect_if_lost()
         return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def close(self) -> None:
@@ -380,6 +382,41 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def reconnect_if_lost(self) -> None:
+        """After a lost RPC worker (``WorkerLostError``): load the target on its workers again,
+        with a new context (the KV cache is gone) and the same drafter re-attached. Every request
+        calls this first, so an engine (and a server on it) works again once the worker is back.
+        A no-op when the workers are fine or the model is local.
+
+        Raises:
+            RPCError: a worker is still unreachable (the next request tries again).
+        """
+        def needed() -> bool:  # the worker lost, or the model reloaded by another user of it
+            return self._ctx_generation != self.model.generation or (
+                bool(self.model._rpc_guards) and self.model.lost_worker() is not None
+            )
+
+        if not needed():
+            return
+        with self._lock:
+            if not needed():
+                return
+            lost = self.model.lost_worker() is not None
+            if lost:
+                self.model.probe_workers()  # still down: raises, and the engine stays as it is
+            # drafter contexts may borrow the target context's tensors (EAGLE-3 heads): free them
+            # before the target's; attach() below creates them again
+            for d in (self.drafter, getattr(self.drafter, "model", None)):
+                dctx = getattr(d, "ctx", None)
+                if isinstance(dctx, Context):
+                    dctx.close()
+            self.ctx.close()
+            if lost:
+                self.model.reload_if_lost()  # a no-op when another user of the model did it
+            self._make_context(self._tap.layers if self._tap else None)
+            if self.drafter is not None:
+                self._install_drafter(self.drafter)
 
     def reset(self) -> None:
         """Forget the KV cache of earlier requests."""
@@ -430,6 +467,7 @@ class Engine:
         """
         if max_tokens < 0:
             raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
+        self.reconnect_if_lost()
         sampling = sampling or SamplingParams()
         t_start = _now_us()
         if isinstance(prompt, str):
@@ -481,6 +519,7 @@ class Engine:
         """
         from .scheduler import generate_batch
 
+        self.reconnect_if_lost()
         return generate_batch(self, prompts, **kwargs)
 
     def plain_tokens_per_s(self) -> float:

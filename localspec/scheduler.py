@@ -255,8 +255,9 @@ class BatchScheduler:
         # headroom for junk cells before a compaction; at least one full step after one
         kv = self.parallel * self.n_ctx_slot + max(2 * step_tokens, 1024)
         n_batch = max(512, step_tokens, n_seq_max)
-        self.ctx = Context(model, n_ctx=kv, n_batch=n_batch, n_seq_max=n_seq_max, n_threads=n_threads,
-                           flash_attn=flash_attn)  # fmt: skip
+        self._ctx_args = dict(n_ctx=kv, n_batch=n_batch, n_seq_max=n_seq_max, n_threads=n_threads, flash_attn=flash_attn)
+        self.ctx = Context(model, **self._ctx_args)
+        self._ctx_generation = model.generation
         self.kv_size = self.ctx.n_ctx
         self._batch = Batch(self.ctx.n_batch, max(self.seqs_per_slot, 1))
         if cost_model is None:
@@ -376,12 +377,59 @@ class BatchScheduler:
             if s is not None:
                 s.job.error = e
                 self._finish(s, "error")
-        self.ctx.clear()
+        if self.ctx._ctx is not None:
+            self.ctx.clear()
         self.n_used = 0
+
+    def _reconnect_if_lost(self) -> None:
+        """A lost RPC worker (or the model reloaded by its engine): the requests in slots end with
+        ``WorkerLostError`` (their KV cells were on the old model); the model is loaded again on
+        its workers and gets a new context; waiting requests then run on it. While a worker is
+        still down, the waiting requests end with its ``RPCError`` instead (no busy retry). Each
+        step checks this first, so a server works again once the worker is back."""
+        m = self.model
+        lost = bool(m._rpc_guards) and m.lost_worker() is not None
+        if not lost and self._ctx_generation == m.generation:
+            return
+        from .backend.rpc import RPCError, WorkerLostError
+
+        def fail(err: BaseException, *, waiting: bool) -> None:
+            for s in list(self.slots):
+                if s is not None:
+                    s.job.error = err
+                    self._finish(s, "error")
+            if waiting:
+                with self._cv:
+                    jobs = list(self._queue)
+                    self._queue.clear()
+                for j in jobs:
+                    j.error = err
+                    self._end_unstarted(j, "error")
+
+        # the requests in slots had their KV cells on the old model: they end with an error
+        try:
+            m.check_workers()
+            err: BaseException = WorkerLostError("the model was reloaded (its RPC worker was lost)")
+        except WorkerLostError as e:
+            err = e
+        fail(err, waiting=False)
+        if lost:
+            try:
+                m.probe_workers()
+            except RPCError as e:  # still down: fail what waits (no busy retry); the next request retries
+                fail(e, waiting=True)
+                return
+        self.ctx.close()
+        self.n_used = 0
+        if lost:
+            m.reload_if_lost()  # a no-op when another user of the model did it
+        self.ctx = Context(m, **self._ctx_args)
+        self._ctx_generation = m.generation
 
     def step(self) -> None:
         """End cancelled / finished requests, admit waiting ones into the free slots, then decode
         one step of every active request."""
+        self._reconnect_if_lost()
         for s in [s for s in self.slots if s is not None]:  # requests that end before decoding more
             j = s.job
             if j.cancelled.is_set():

@@ -16,7 +16,7 @@ import threading
 import numpy as np
 
 from ..errors import ContextOverflowError, DecodeError, InvalidRequestError, ModelLoadError
-from ._llama import exact_kernels, lib, recent_errors, supports_gpu_offload
+from ._llama import exact_kernels, lib, recent_errors
 from .batch import Batch
 from .model import Model
 
@@ -100,12 +100,14 @@ class Context:
         params.embeddings = bool(embeddings)
         if flash_attn is not None:
             params.flash_attn_type = 1 if flash_attn else 0
-        if type_k is None and exact_kernels() and not (model.n_gpu_layers and supports_gpu_offload()):
+        if type_k is None and exact_kernels() and not model.on_local_gpu:
             # K in BF16, V in F16: with K and V of different types llama.cpp's CPU flash
             # attention takes the same kernel for one query row as for many (not the split-KV
             # path it otherwise uses for single-token decodes over >= 512 cells), so a
             # verification batch is bit-identical to plain decoding. BF16 is the type Gemma
             # and most current models are trained in. See docs/architecture.md.
+            # Layers on RPC workers (CPU backends of the same ggml) get the same K type, so
+            # they compute the bits a local decode computes (docs/rpc.md).
             type_k = GGML_TYPE_BF16
         self.type_k = type_k
         if type_k is not None:
@@ -128,6 +130,12 @@ class Context:
         self._abort_cb = lib.ggml_abort_callback(lambda _data: self._abort.is_set())
         recent_errors(clear=True)
         ctx = lib.llama_init_from_model(model.handle, params)
+        # the guards of the model's workers as of now: after a reload the model has new ones,
+        # and this context's decodes (on the old model) must keep failing
+        self._rpc_guards = list(model._rpc_guards)
+        if ctx and model._rpc_guards and model.lost_worker() is not None:
+            lib.llama_free(ctx)
+            model.check_workers()  # raises WorkerLostError naming the worker
         if not ctx:
             why = "; ".join(recent_errors()) or "no reason logged"
             raise ModelLoadError(f"llama.cpp could not create a context (n_ctx={n_ctx}): {why}")
@@ -182,10 +190,13 @@ class Context:
             DecodeError: aborted (see ``request_abort``), invalid batch or fatal error. After
                 an abort or fatal error some micro-batches may remain in the cache: callers
                 roll back to their own committed length (the engine does).
+            WorkerLostError: (a DecodeError) an RPC worker holding layers of the model was
+                lost; the model must be loaded again (``Model.reload_if_lost``).
         """
         n_out = int(batch.output[: batch.n_tokens].sum())
         self.n_calls += 1
         rc = lib.llama_decode(self.handle, batch.struct)
+        self._check_workers()
         if rc != 0:
             self.n_outputs = 0
             if rc == 1:
@@ -212,6 +223,7 @@ class Context:
         kind = lib.LLAMA_PROCESS_TYPE_ENCODE if encode else lib.LLAMA_PROCESS_TYPE_DECODE
         self.n_calls += 1
         rc = lib.llama_process(self.handle, kind, batch.handle)
+        self._check_workers()
         if rc != 0:
             self.n_outputs = 0
             if rc == 1:
@@ -222,6 +234,18 @@ class Context:
             why = "; ".join(recent_errors()) or f"llama_process returned {rc}"
             raise DecodeError(f"{'encode' if encode else 'decode'} failed: {why}")
         self.n_outputs = 0 if encode else batch.n_outputs
+
+    def _check_workers(self) -> None:
+        """An RPC worker of the model lost during the decode: its outputs are not the model's
+        (the guard answered in the worker's place), so raise ``WorkerLostError`` instead."""
+        if self._rpc_guards:
+            from .rpc import check_guards
+
+            try:
+                check_guards(self._rpc_guards)
+            except BaseException:
+                self.n_outputs = 0
+                raise
 
     def logits(self) -> np.ndarray:
         """Logits of the last decode: ``[n_outputs, n_vocab] float32``, a view (no copy).

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,10 @@ GGUF_MAGIC = b"GGUF"
 # llama_token_attr bits (llama.h)
 TOKEN_ATTR_UNUSED = 1 << 1
 TOKEN_ATTR_CONTROL = 1 << 3
+
+
+_load_count = itertools.count(1)
+_reload_lock = threading.Lock()  # one reload at a time (an engine and a scheduler may share a model)
 
 
 def check_gguf_file(path: str | os.PathLike) -> Path:
@@ -91,21 +97,33 @@ class Model:
         load_mtp: bool = False,
     ) -> None:
         self._model = None
+        self._retired: list = []  # llama_model pointers replaced by reload_if_lost(), freed at close()
+        self.generation = next(_load_count)  # changes at every load (reload), process-wide unique
+        self._rpc_guards: list = []  # backend.rpc.Guard per worker (empty: no RPC, or unguarded)
+        self._load_args = dict(
+            n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, vocab_only=vocab_only, repack=repack,
+            rpc=rpc, rpc_local_gpu=rpc_local_gpu, tensor_split=tensor_split,
+        )  # fmt: skip
         self.path = check_gguf_file(path)
         ensure_backend()
         params = lib.llama_model_default_params()
         self.rpc_workers: list = []  # backend.rpc.WorkerInfo per worker
         self.device_key = "local"  # the device set, for cost-model calibration keys
+        # True when layers run on a GPU of this machine. Not `llama_supports_gpu_offload()`:
+        # that is also true on every RPC-enabled build (it counts the RPC backend), and RPC
+        # workers are, as far as the host can tell, CPU backends with the host's kernels.
+        self.on_local_gpu = False
         if rpc:
             from . import rpc as _rpc
 
-            devs, self.rpc_workers = _rpc.connect(_rpc.parse_endpoints(rpc))
+            devs, self.rpc_workers, self._rpc_guards = _rpc.connect(_rpc.parse_endpoints(rpc))
             handles = [d.handle for d in devs]
             names = [f"{d.name}@{d.endpoint}" for d in devs]
             if rpc_local_gpu:
                 for name, h in _rpc.local_gpu_devices():
                     handles.append(h)
                     names.append(name)
+                    self.on_local_gpu = True
             self._devices = _rpc.device_array(handles)  # keep alive: llama.cpp reads it at load
             self._split = _rpc.split_array(tensor_split, len(handles))
             params.devices = ctypes.cast(self._devices, ctypes.c_void_p).value
@@ -117,6 +135,10 @@ class Model:
             self.device_key = f"{'+'.join(names)}|split={tensor_split}|rtt2^={rtts}"
         elif tensor_split is not None:
             raise ModelLoadError("tensor_split applies to models split over RPC workers (rpc=...)")
+        elif n_gpu_layers != 0 and not vocab_only:
+            from .rpc import local_gpu_devices
+
+            self.on_local_gpu = bool(local_gpu_devices())
         params.n_gpu_layers = int(n_gpu_layers) if n_gpu_layers >= 0 else 0x7FFFFFFF
         params.use_mmap = bool(use_mmap)
         params.vocab_only = bool(vocab_only)
@@ -128,6 +150,10 @@ class Model:
         self.load_mtp = bool(load_mtp)
         recent_errors(clear=True)
         model = lib.llama_model_load_from_file(str(self.path).encode("utf-8"), params)
+        if self._rpc_guards and self.lost_worker() is not None:
+            if model:
+                lib.llama_model_free(model)
+            self.check_workers()  # raises WorkerLostError naming the worker
         if not model:
             why = "; ".join(recent_errors()) or "no reason logged"
             raise ModelLoadError(
@@ -156,6 +182,68 @@ class Model:
 
     # -- lifetime -----------------------------------------------------------------------------
 
+    def lost_worker(self) -> tuple[str, str] | None:
+        """``(endpoint, why)`` of an RPC worker of this model whose connection failed, else None."""
+        for g in self._rpc_guards:
+            if g.lost is not None:
+                return g.endpoint, g.lost
+        return None
+
+    def check_workers(self) -> None:
+        """Raise if an RPC worker holding some of this model's layers was lost (a cheap check:
+        ``Context.decode`` calls it after every decode, before the logits are read).
+
+        Raises:
+            WorkerLostError: names the worker; the model's layers on it are gone.
+        """
+        if self._rpc_guards:
+            from .rpc import check_guards
+
+            check_guards(self._rpc_guards)
+
+    def probe_workers(self) -> None:
+        """One HELLO to each RPC worker of this model (``backend.rpc.probe``); nothing else.
+
+        Raises:
+            RPCError: a worker is unreachable or speaks another protocol version.
+        """
+        if self._load_args["rpc"]:
+            from . import rpc as _rpc
+
+            for ep in _rpc.parse_endpoints(self._load_args["rpc"]):
+                _rpc.probe(ep)
+
+    def reload_if_lost(self) -> bool:
+        """Load the model again with the same arguments when one of its RPC workers was lost
+        (and is back: the workers are probed first). True when it loaded again; False when no
+        worker was lost (e.g. another user of the model reloaded it already).
+
+        The old ``llama_model`` is freed only at ``close()``, not here: contexts made on it stay
+        valid memory until their owners, who see ``generation`` change, close them (their
+        decodes keep raising ``WorkerLostError``: a context checks the guards it was made
+        with), and a thread still tokenizing with its vocabulary never holds a freed one. Its
+        weights on the lost worker are gone anyway, and its local layers are mapped from the
+        same file. When the load fails (a worker still unreachable), nothing changes: the model
+        stays as it was (its vocabulary usable, its decodes failing), and a later call tries
+        again.
+
+        Raises:
+            RPCError: a worker is still unreachable; ModelLoadError as the constructor.
+        """
+        with _reload_lock:
+            if not self._rpc_guards or self.lost_worker() is None:
+                return False
+            self.probe_workers()
+            saved = dict(self.__dict__)
+            try:
+                self.__init__(self.path, **self._load_args)
+            except BaseException:
+                self.__dict__.clear()
+                self.__dict__.update(saved)
+                raise
+            self._retired = saved["_retired"] + ([saved["_model"]] if saved["_model"] else [])
+            return True
+
     @property
     def handle(self):
         """The raw ``llama_model *`` (valid until ``close()``)."""
@@ -168,6 +256,8 @@ class Model:
         if self._model is not None:
             lib.llama_model_free(self._model)
             self._model = None
+        while getattr(self, "_retired", None):
+            lib.llama_model_free(self._retired.pop())
 
     def __enter__(self) -> "Model":
         return self

@@ -7,7 +7,9 @@ relay on 127.0.0.1 that holds every chunk ``rtt/2`` before passing it on, in eac
 stands in for ``tc netem``, which the kernel of the machine the numbers come from lacks
 (``CONFIG_NET_SCH_NETEM`` is not set). Every case, 0 ms included, goes through the relay.
 Each engine calibrates its own cost table on its link (no cost cache), so the policy sizes
-its trees for that link.
+its trees for that link. Every case runs through the guard relay (``backend.rpc.Guard``, the
+default); ``--unguarded-baseline`` adds a case without it at the first round-trip time, to
+measure what the guard costs.
 """
 
 from __future__ import annotations
@@ -112,6 +114,26 @@ def _loadavg() -> str:
         return "?"
 
 
+def guard_overhead(endpoint: str, prompt: str, *, repeats: int, max_tokens: int) -> list[dict]:
+    """Plain greedy decoding of ``prompt`` straight to the worker (no latency relay), with the
+    guard and without it (``LOCALSPEC_RPC_GUARD``), alternating, ``repeats`` times each; one
+    engine at a time (a worker serves one connection). Returns one record per run."""
+    from ..engine import Engine
+    from ..sampling import SamplingParams
+
+    out, cost = [], None
+    for i in range(repeats):
+        for guard in ((True, False) if i % 2 == 0 else (False, True)):
+            os.environ["LOCALSPEC_RPC_GUARD"] = "1" if guard else "0"
+            with Engine(rpc=[endpoint], drafter="none", n_ctx=1024, cost_model=cost) as eng:
+                cost = eng.cost_model
+                r = eng.generate(prompt, max_tokens=max_tokens, sampling=SamplingParams.greedy(), speculative=False)
+            n, t_us = len(r.token_ids), r.stats.t_generate_us
+            out.append({"guard": guard, "n_tokens": n, "t_decode_us": t_us, "tokens_per_s": n / (t_us * 1e-6), "load": _loadavg()})
+            print(f"guard {'on ' if guard else 'off'}: {out[-1]['tokens_per_s']:.2f} tok/s ({n} tokens), load {out[-1]['load']}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..bench.dataset import load_questions, select_prompts
     from ..bench.specbench import run_bench, summarize
@@ -127,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", "--max-tokens", type=int, default=64)
     p.add_argument("--max-tree-nodes", type=int, default=32)
     p.add_argument("--worker-threads", type=int, default=1)
+    p.add_argument("--unguarded-baseline", action="store_true",
+                   help="also run the first round-trip time with LOCALSPEC_RPC_GUARD=0 (ggml straight to the relay)")
+    p.add_argument("--guard-overhead", type=int, default=0, metavar="N",
+                   help="instead: plain decoding with and without the guard, alternating, N times each")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
     if find_rpc_server() is None:
@@ -158,7 +184,21 @@ def main(argv: list[str] | None = None) -> int:
                 if time.monotonic() > deadline or worker.poll() is not None:
                     raise
                 time.sleep(0.05)
-        for rtt in (float(x) for x in a.rtt_ms.split(",")):
+        if a.guard_overhead:
+            runs = guard_overhead(f"127.0.0.1:{port}", prompts[0].text,
+                                  repeats=a.guard_overhead, max_tokens=a.max_tokens)  # fmt: skip
+            results["guard_overhead"] = runs
+            for g in (True, False):
+                n = sum(r["n_tokens"] for r in runs if r["guard"] is g)
+                t = sum(r["t_decode_us"] for r in runs if r["guard"] is g)
+                print(f"guard {'on' if g else 'off'}: {n / (t * 1e-6):.2f} tok/s over {n} tokens")
+            rtts = []
+        else:
+            rtts = [float(x) for x in a.rtt_ms.split(",")]
+        cases = [(rtts[0], False)] if a.unguarded_baseline else []
+        cases += [(rtt, True) for rtt in rtts]
+        for rtt, guard in cases:
+            os.environ["LOCALSPEC_RPC_GUARD"] = "1" if guard else "0"
             relay = LatencyRelay(("127.0.0.1", port), rtt / 2e3)
             try:
                 # calibrates t(b) on this link (the relay's new port is a new device set: no cached table)
@@ -180,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             steps = sum(r.spec.n_steps for r in recs)
             case = {
                 "added_rtt_ms": rtt,
+                "guard": guard,
                 "hello_rtt_us": rtt_us,
                 "t_decode_us_b1": cost.t_decode_us(1),
                 "t_decode_us_b16": cost.t_decode_us(16),
@@ -195,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             results["cases"].append(case)
             print(
-                f"rtt +{rtt:g} ms (hello {rtt_us / 1e3:.2f} ms): plain {case['plain_tokens_per_s']:.1f} tok/s, "
+                f"rtt +{rtt:g} ms{'' if guard else ' unguarded'} (hello {rtt_us / 1e3:.2f} ms): plain {case['plain_tokens_per_s']:.1f} tok/s, "
                 f"spec {case['spec_tokens_per_s']:.1f} tok/s, x{case['speedup']:.2f}, "
                 f"accept len {case['mean_acceptance_length']:.2f}, identical {case['identical']}, "
                 f"t(1)={case['t_decode_us_b1'] / 1e3:.1f} ms t(16)={case['t_decode_us_b16'] / 1e3:.1f} ms, load {case['load']}",

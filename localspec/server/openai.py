@@ -36,6 +36,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ..backend.rpc import RPCError
 from ..errors import LocalSpecError
 from ..sampling import SamplingParams
 from .fields import RequestError
@@ -454,7 +455,8 @@ class OAIResponse:
             else:
                 break
         if job.error is not None:
-            status = 400 if isinstance(job.error, LocalSpecError) else 500
+            # a lost / unreachable RPC worker is the server's trouble, not the request's
+            status = 503 if isinstance(job.error, RPCError) else 400 if isinstance(job.error, LocalSpecError) else 500
             await _send_json(send, status, oai_error(status, f"generation failed: {job.error}"))
             return
         await _send_json(send, 200, self.service.final(self.req, rid, job, strip("".join(parts))))

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from ..backend.rpc import RPCError
 from ..errors import ContextOverflowError, InvalidRequestError, LocalSpecError
 from ..sampling import SamplingParams
 from ..stats import GenerationStats
@@ -310,6 +311,10 @@ class CompletionService:
             job.emit(Event("error", error_body(400, str(e), EXCEED_CONTEXT), 400))
         except InvalidRequestError as e:
             job.emit(Event("error", RequestError(str(e)).body(), 400))
+        except RPCError as e:  # a lost or unreachable RPC worker: the next request reconnects
+            log.warning("request %d: %s", job.id, e)
+            self._recover()
+            job.emit(Event("error", error_body(503, str(e), UNAVAILABLE), 503))
         except LocalSpecError as e:
             log.exception("request %d: engine error", job.id)
             self._recover()
