@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..engine import Engine
 from ..sampling import SamplingParams
@@ -32,10 +32,11 @@ class RunRecord:
     t_host_us: float = 0.0
     t_target_us: float = 0.0
     n_step_tokens: int = 0  # tokens the steps produced, the end-of-generation one included
+    sum_logprob: float | None = None  # sum of the emitted tokens' log-probs under the target (lossy benches)
 
     @classmethod
-    def of(cls, stats) -> "RunRecord":
-        return cls(
+    def of(cls, stats, logprobs=None) -> "RunRecord":
+        rec = cls(
             stats.n_generated_tokens,
             stats.t_generate_us,
             stats.t_total_us,
@@ -46,6 +47,9 @@ class RunRecord:
             stats.t_decode_us,
             stats.n_step_tokens,
         )
+        if logprobs is not None:
+            rec.sum_logprob = float(sum(lp.logprob for lp in logprobs))
+        return rec
 
 
 @dataclass
@@ -60,6 +64,8 @@ class PromptRecord:
     divergence_index: int | None = None
     divergence_gap: float | None = None
     peers: dict[str, dict] = field(default_factory=dict)
+    spec_lossy: RunRecord | None = None  # with LOSSY acceptance thresholds (bench --accept-threshold-*)
+    lossy_identical: bool | None = None  # that run's output equals plain decoding's
 
 
 def divergence(a: list[int], b: list[int]) -> int | None:
@@ -85,23 +91,36 @@ def run_bench(
     sampling: SamplingParams,
     peers: dict | None = None,
     progress=None,
+    lossy: SamplingParams | None = None,
 ) -> list[PromptRecord]:
     """Run every prompt plain and speculative (and on the peers); see module docstring.
 
     Args:
         peers: mode -> ``PeerServer`` (``"none"`` for llama.cpp's plain decoding).
         progress: optional callable ``(done, total, record)``.
+        lossy: ``sampling`` with LOSSY acceptance thresholds: each prompt is also decoded
+            speculatively with them (``PromptRecord.spec_lossy``), the lossless speculative run
+            gets thresholds 1.0, the three runs rotate their order prompt by prompt, and every
+            run records its emitted tokens' log-probabilities (``RunRecord.sum_logprob``).
     """
     records: list[PromptRecord] = []
     ordered = interleave(prompts)
+    if lossy is not None:
+        sampling = replace(sampling, accept_threshold_single=1.0, accept_threshold_acc=1.0, logprobs=0)
+        lossy = replace(lossy, logprobs=0)
     for i, bp in enumerate(ordered):
         tokens = engine.tokenize(bp.text)
         seed = sampling.seed if sampling.seed is not None else 1234 + i
         sp = sampling.with_seed(seed)
         results = {}
-        for kind in (("plain", "spec") if i % 2 == 0 else ("spec", "plain")):
+        if lossy is None:
+            order = ("plain", "spec") if i % 2 == 0 else ("spec", "plain")
+        else:
+            order = ("plain", "spec", "spec_lossy")[i % 3:] + ("plain", "spec", "spec_lossy")[: i % 3]
+        for kind in order:
             engine.reset()
-            results[kind] = engine.generate(tokens, max_tokens=max_tokens, sampling=sp, speculative=(kind == "spec"))
+            params = lossy.with_seed(seed) if kind == "spec_lossy" else sp
+            results[kind] = engine.generate(tokens, max_tokens=max_tokens, sampling=params, speculative=(kind != "plain"))
         plain, spec = results["plain"], results["spec"]
         div = divergence(plain.token_ids, spec.token_ids)
         rec = PromptRecord(
@@ -109,10 +128,14 @@ def run_bench(
             label=bp.label,
             question_id=bp.question_id,
             n_prompt_tokens=len(tokens),
-            plain=RunRecord.of(plain.stats),
-            spec=RunRecord.of(spec.stats),
+            plain=RunRecord.of(plain.stats, plain.logprobs),
+            spec=RunRecord.of(spec.stats, spec.logprobs),
             identical=div is None,
         )
+        if lossy is not None:
+            sl = results["spec_lossy"]
+            rec.spec_lossy = RunRecord.of(sl.stats, sl.logprobs)
+            rec.lossy_identical = sl.token_ids == plain.token_ids
         if div is not None and div < len(plain.token_ids):
             engine.reset()
             rec.divergence_index = div
