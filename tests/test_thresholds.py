@@ -200,6 +200,30 @@ def test_tvd_is_zero_at_one_and_grows_while_acceptance_rises_as_thresholds_fall(
             assert tvd[-1] > 0.01 and acc[-1] > acc[0] + 0.01, (kind, shape, tvd, acc)
 
 
+def test_lossy_summary_and_tables(tmp_path):
+    """The bench's LOSSY aggregates are ratios of totals; the JSON keeps every run."""
+    from localspec.bench.report import write_json
+    from localspec.bench.specbench import PromptRecord, RunRecord
+
+    def run(n, us, steps, drafted, accepted, lp):
+        return RunRecord(n, us, us, steps, drafted, accepted, 100.0 * steps, us, n, lp)
+
+    recs = [PromptRecord("code", "code", i, 10, plain=run(10, 1e6, 10, 0, 0, -10.0),
+                         spec=run(10, 5e5, 5, 10, 5, -10.0), identical=True,
+                         spec_lossy=run(10, 2.5e5, 2, 12, 8, -15.0), lossy_identical=False) for i in range(2)]  # fmt: skip
+    c = bt.summarize_lossy(recs)["code"]
+    assert c["speedup_lossless"] == pytest.approx(2.0) and c["speedup_lossy"] == pytest.approx(4.0)
+    assert c["lossy_over_lossless"] == pytest.approx(2.0)
+    assert c["mean_acceptance_length_lossy"] == pytest.approx(5.0) and c["acceptance_rate_lossy"] == pytest.approx(8 / 12)
+    assert (c["mean_logprob_plain"], c["mean_logprob_lossy"]) == (pytest.approx(-1.0), pytest.approx(-1.5))
+    assert c["lossy_identical_to_plain_fraction"] == 0.0
+    md = bt.lossy_markdown({"accept_threshold_single": 0.5, "accept_threshold_acc": 1.0}, {"code": c})
+    assert "**LOSSY**" in md and "| code | 2 | 2.00x | 4.00x | 2.00x |" in md
+    write_json(tmp_path / "b.json", {"lossy": True}, {}, recs, {"lossy": True, "lossy_categories": {"code": c}})
+    d = json.loads((tmp_path / "b.json").read_text())
+    assert d["lossy"] is True and d["prompts"][0]["spec_lossy"]["sum_logprob"] == -15.0
+
+
 # -- bad values ------------------------------------------------------------------------------------
 
 

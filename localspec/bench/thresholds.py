@@ -297,6 +297,10 @@ def summarize_lossy(records) -> dict:
             s = sum(getattr(r, kind).sum_logprob for r in rs if getattr(r, kind).sum_logprob is not None)
             return s / n if n else None
 
+        def host(kind):
+            steps = sum(getattr(r, kind).n_steps for r in rs)
+            return sum(getattr(r, kind).t_host_us for r in rs) / steps if steps else 0.0
+
         p, s, sl = rate("plain"), rate("spec"), rate("spec_lossy")
         out[cat] = {
             "n_prompts": len(rs),
@@ -311,13 +315,16 @@ def summarize_lossy(records) -> dict:
             "mean_logprob_lossless": mean_lp("spec"),
             "mean_logprob_lossy": mean_lp("spec_lossy"),
             "lossy_identical_to_plain_fraction": sum(r.lossy_identical for r in rs) / len(rs),
+            "t_host_us_per_step_lossless": host("spec"),
+            "t_host_us_per_step_lossy": host("spec_lossy"),
         }
     return out
 
 
 def lossy_markdown(config: dict, lossy: dict) -> str:
     head = ["category", "prompts", "decode ratio lossless", "decode ratio LOSSY", "LOSSY / lossless", "MAL lossless",
-            "MAL LOSSY", "accept rate lossless", "accept rate LOSSY", "mean logprob plain", "lossless", "LOSSY"]  # fmt: skip
+            "MAL LOSSY", "accept rate lossless", "accept rate LOSSY", "mean logprob plain", "lossless", "LOSSY",
+            "host µs/step lossless", "LOSSY"]  # fmt: skip
     lines = [
         f"**LOSSY** acceptance thresholds: single {config.get('accept_threshold_single'):g}, acc "
         f"{config.get('accept_threshold_acc'):g} (SGLang's rule; the LOSSY output is not exactly the target's "
@@ -337,6 +344,6 @@ def lossy_markdown(config: dict, lossy: dict) -> str:
             f"| {c['lossy_over_lossless']:.2f}x | {c['mean_acceptance_length_lossless']:.2f} "
             f"| {c['mean_acceptance_length_lossy']:.2f} | {100 * c['acceptance_rate_lossless']:.0f}% "
             f"| {100 * c['acceptance_rate_lossy']:.0f}% | {lp(c['mean_logprob_plain'])} | {lp(c['mean_logprob_lossless'])} "
-            f"| {lp(c['mean_logprob_lossy'])} |"
+            f"| {lp(c['mean_logprob_lossy'])} | {c['t_host_us_per_step_lossless']:.0f} | {c['t_host_us_per_step_lossy']:.0f} |"
         )
     return "\n".join(lines) + "\n"
