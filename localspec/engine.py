@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -198,6 +198,10 @@ class Engine:
         cost_model: a ``CostModel``; by default measured (and cached) at start-up.
         adaptive: False verifies every proposed tree up to ``max_tree_nodes`` without asking
             the policy (for tests and experiments).
+        accept_threshold_single / accept_threshold_acc: **LOSSY** below 1.0 (the default, lossless):
+            SGLang's acceptance thresholds (``verify.verify_thresholds``), in (0, 1], for requests
+            whose ``SamplingParams`` leave them None. They apply at temperature > 0 only; the
+            results then say ``stats.lossy``.
 
     Raises:
         ModelLoadError: the model (or draft model / EAGLE-3 head) cannot be loaded.
@@ -224,7 +228,13 @@ class Engine:
         rpc: str | list[str] | None = None,
         rpc_local_gpu: bool = False,
         tensor_split: list[float] | None = None,
+        accept_threshold_single: float = 1.0,
+        accept_threshold_acc: float = 1.0,
     ) -> None:
+        # validated like a request's (InvalidRequestError: 0 < t <= 1)
+        SamplingParams(accept_threshold_single=accept_threshold_single, accept_threshold_acc=accept_threshold_acc)
+        self.accept_threshold_single = float(accept_threshold_single)
+        self.accept_threshold_acc = float(accept_threshold_acc)
         if not 1 <= max_tree_nodes <= 255:
             raise InvalidRequestError("max_tree_nodes must be in [1, 255]")
         if n_ctx is not None and n_ctx < MIN_N_CTX:
@@ -468,7 +478,7 @@ class Engine:
         if max_tokens < 0:
             raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
         self.reconnect_if_lost()
-        sampling = sampling or SamplingParams()
+        sampling = self.with_thresholds(sampling or SamplingParams())
         t_start = _now_us()
         if isinstance(prompt, str):
             tokens = self.model.tokenize(prompt, add_special=add_special, parse_special=parse_special)
@@ -510,6 +520,16 @@ class Engine:
         stream._gen = self._run(stream, request)
         return stream
 
+    def with_thresholds(self, sampling: SamplingParams) -> SamplingParams:
+        """``sampling`` with the engine's acceptance thresholds where it leaves them None (the
+        same object when the engine's are 1.0)."""
+        kw = {}
+        if sampling.accept_threshold_single is None and self.accept_threshold_single != 1.0:
+            kw["accept_threshold_single"] = self.accept_threshold_single
+        if sampling.accept_threshold_acc is None and self.accept_threshold_acc != 1.0:
+            kw["accept_threshold_acc"] = self.accept_threshold_acc
+        return replace(sampling, **kw) if kw else sampling
+
     def generate_batch(self, prompts, **kwargs) -> list:
         """Generate every prompt, several at a time in one batched decode (``--parallel``).
 
@@ -534,6 +554,7 @@ class Engine:
             cache = self.cache
             model = self.model
             stats = GenerationStats(drafter=drafter.name if drafter else "none", seed=req.seed)
+            stats.set_thresholds(req.params, drafted=drafter is not None)
             stats.n_prompt_tokens = len(prompt)
             want_logprobs = req.params.logprobs
             assembler = TextAssembler(model.token_bytes, stop)

@@ -107,6 +107,11 @@ class Cursor:
         """[n_vocab] float64 processed target distribution here (``target_probs``)."""
         return self.req.processor.candidates(row, self.counts, self._grammar).dense_probs(self.req.n_vocab)
 
+    def target_candidates(self, row: np.ndarray):
+        """The processed target distribution here as ``sampling.Candidates`` (sparse: the
+        candidates' ids and processed logits), the same distribution as ``target_probs``."""
+        return self.req.processor.candidates(row, self.counts, self._grammar)
+
     def accept_uniform(self, k: int) -> float:
         """k-th uniform of this position's ratio-test stream (classic rejection sampling)."""
         return uniform(stream_key(self.req.seed, self.pos, STREAM_ACCEPT), k)

@@ -104,6 +104,13 @@ class SamplingParams:
         candidate_filter: a stateless per-position transform of the candidate set (e.g.
             llama.cpp's ``infill`` sampler, see ``CandidateFilter``), applied after top-k /
             top-p / min-p and before temperature, identically with and without speculation.
+        accept_threshold_single / accept_threshold_acc: **LOSSY**, opt-in. SGLang's acceptance
+            thresholds (``localspec.verify.verify_thresholds``), each in (0, 1]; None = the
+            engine's (``Engine(accept_threshold_single=...)``, 1.0 unless set). With both at
+            1.0 verification is lossless and runs exactly as without them; a value < 1 at
+            temperature > 0 accepts drafts the target would not always have chosen, so the
+            output is no longer the target's distribution (``lossy``). At temperature 0 greedy
+            verification is used and they do not apply.
     """
 
     temperature: float = 0.8
@@ -121,8 +128,14 @@ class SamplingParams:
     verify: Literal["gumbel", "rejection"] = "gumbel"
     logprobs: int | None = None
     candidate_filter: "CandidateFilter | None" = None
+    accept_threshold_single: float | None = None
+    accept_threshold_acc: float | None = None
 
     def __post_init__(self) -> None:
+        for name in ("accept_threshold_single", "accept_threshold_acc"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 < v <= 1.0):
+                raise InvalidRequestError(f"{name} must be in (0, 1] (1 = lossless), got {v!r}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -164,6 +177,12 @@ class SamplingParams:
         return self.penalty_last_n != 0 and (
             self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
         )
+
+    @property
+    def lossy(self) -> bool:
+        """Whether the lossy acceptance thresholds are in effect: one of them below 1 at
+        temperature > 0 (at temperature 0 greedy verification ignores them)."""
+        return not self.is_greedy and min(self.accept_threshold_single or 1.0, self.accept_threshold_acc or 1.0) < 1.0
 
     def with_seed(self, seed: int) -> "SamplingParams":
         return replace(self, seed=int(seed))

@@ -481,6 +481,7 @@ class BatchScheduler:
         drafter = make_drafter(self.drafter_name) if job.speculative and self.drafter_name != "none" else None
         sampler: RequestState = job._sampler  # type: ignore[attr-defined]
         stats = GenerationStats(drafter=drafter.name if drafter else "none", seed=sampler.seed)
+        stats.set_thresholds(sampler.params, drafted=drafter is not None)
         stats.n_prompt_tokens = len(job.prompt)
         s = _Slot(job=job, index=index, base=base, sampler=sampler, drafter=drafter,
                   assembler=TextAssembler(self.model.token_bytes, job.stop), stats=stats)  # fmt: skip
@@ -785,6 +786,7 @@ def generate_batch(engine: Engine, prompts: Sequence[str | Sequence[int]], *, pa
     n = len(prompts)
     mt = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
     sp = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
+    sp = [engine.with_thresholds(x or SamplingParams()) for x in sp]  # the engine's acceptance thresholds
     if len(mt) != n or len(sp) != n:
         raise InvalidRequestError("max_tokens / sampling lists must have one entry per prompt")
     name = engine.drafter_name if speculative else "none"

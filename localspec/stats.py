@@ -41,6 +41,11 @@ class GenerationStats:
             drafting, target decodes, verification (sampling, logprobs) and the rest.
         t_generate_us: wall time of the generation loop (first step to last).
         t_total_us: whole request, tokenisation and prefill included.
+        lossy: True when the request ran the LOSSY acceptance thresholds (a threshold < 1 at
+            temperature > 0, with a drafter): the output is not exactly the target's
+            distribution. False for every lossless generation.
+        accept_threshold_single / accept_threshold_acc: the thresholds it ran with (1.0 =
+            lossless).
     """
 
     drafter: str = "none"
@@ -64,6 +69,23 @@ class GenerationStats:
     t_other_us: float = 0.0
     t_generate_us: float = 0.0
     t_total_us: float = 0.0
+    lossy: bool = False
+    accept_threshold_single: float = 1.0
+    accept_threshold_acc: float = 1.0
+
+    def set_thresholds(self, params, *, drafted: bool) -> None:
+        """Record a request's acceptance thresholds (``SamplingParams``); ``lossy`` when they are
+        in effect (``params.lossy``) and a drafter proposed the trees."""
+        self.accept_threshold_single = float(params.accept_threshold_single or 1.0)
+        self.accept_threshold_acc = float(params.accept_threshold_acc or 1.0)
+        self.lossy = bool(params.lossy and drafted)
+
+    @property
+    def lossy_label(self) -> str:
+        """``"LOSSY (accept thresholds: single S, acc A)"`` for a lossy generation, else ``""``."""
+        if not self.lossy:
+            return ""
+        return f"LOSSY (accept thresholds: single {self.accept_threshold_single:g}, acc {self.accept_threshold_acc:g})"
 
     @property
     def mean_acceptance_length(self) -> float:

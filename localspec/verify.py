@@ -42,6 +42,25 @@ Two walks, both exactly the target's distribution:
 ``verify`` runs both walks in C (``localspec.native``) for requests without a grammar when
 the library is available; ``verify_greedy`` and ``verify_rejection`` are the reference the
 tests compare it with (same accepted path and tokens for the same seed).
+
+``verify_thresholds`` (**LOSSY**, opt-in)
+    SGLang's target-only tree speculative sampling with acceptance thresholds
+    (``tree_speculative_sampling_target_only`` in sgl-kernel; SGLang's
+    ``--speculative-accept-threshold-single`` / ``--speculative-accept-threshold-acc``). At a
+    node the children are tried in order with ONE uniform ``coin`` per node; ``prob_acc``
+    accumulates the target probabilities of the children tried so far (the current one
+    included), and child k is accepted when ``target_prob(k) >= threshold_single`` or
+    ``coin <= prob_acc / threshold_acc``. If none is, the recovered token is drawn from the
+    target's distribution with the tried children removed (renormalised); a node without
+    children yields a bonus token drawn from the target. Draft probabilities are not used.
+    With both thresholds 1.0 this is inverse-CDF sampling of the target (child k is accepted
+    iff the coin falls in its slice of the cumulative target probability) and lossless for
+    any tree; below 1 it accepts more and the output drifts from the target's distribution.
+    A child whose token was already tried at the node is skipped (its probability is counted
+    once, so duplicates cannot inflate ``prob_acc``). ``verify`` runs it only when the request
+    asks for a threshold < 1 at temperature > 0 (``SamplingParams.lossy``); otherwise nothing
+    above changes. Python only (one numpy lookup per tried child, no dense rows): there is no
+    C twin.
 """
 
 from __future__ import annotations
@@ -222,10 +241,98 @@ def verify_rejection(tree: TokenTree, logits: np.ndarray, cursor) -> VerifyResul
         return _result(tree, path, tokens)
 
 
+@dataclass
+class ThresholdWalk:
+    """The decisions of the threshold walk before its last draw.
+
+    Attributes:
+        path: accepted draft node indices, root excluded, top-down.
+        tokens: their tokens (``len(path)`` long).
+        final_ids: [m] int64 ascending token ids of the distribution the last (recovered /
+            bonus) token is drawn from.
+        final_probs: [m] float64 probabilities of ``final_ids`` (sum 1): the target's
+            distribution at the last node with its tried children removed and renormalised
+            (the target's own when the node has no children).
+    """
+
+    path: list[int]
+    tokens: list[int]
+    final_ids: np.ndarray
+    final_probs: np.ndarray
+
+
+def threshold_walk(tree: TokenTree, logits: np.ndarray, cursor, threshold_single: float, threshold_acc: float) -> ThresholdWalk:
+    """SGLang's thresholded walk (module docstring), up to the distribution of the last token.
+
+    Args:
+        tree / logits / cursor: as ``verify_greedy``; the cursor supplies the processed target
+            distribution (``target_candidates``), ONE coin per node (``accept_uniform(0)``,
+            compared as ``coin <= bound``) and is advanced past every accepted token.
+        threshold_single / threshold_acc: in (0, 1]; 1.0 / 1.0 is lossless.
+    """
+    node = 0
+    path: list[int] = []
+    tokens: list[int] = []
+    while True:
+        cand = cursor.target_candidates(logits[node])
+        ids, probs = cand.ids, cand.probs()
+        if ids.size > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            order = np.argsort(ids, kind="stable")
+            ids, probs = ids[order], probs[order]
+        kids = tree.children(node)
+        accepted = -1
+        tried: list[int] = []
+        if kids:
+            coin = cursor.accept_uniform(0)
+            prob_acc = 0.0
+            seen: set[int] = set()
+            for c in kids:
+                x = int(tree.token_ids[c])
+                if x in seen:
+                    continue
+                seen.add(x)
+                at = int(np.searchsorted(ids, x))
+                p = float(probs[at]) if at < ids.size and ids[at] == x else 0.0
+                prob_acc += p
+                if p >= threshold_single or coin <= prob_acc / threshold_acc:
+                    accepted = c
+                    break
+                if p > 0.0:
+                    tried.append(at)
+        if accepted >= 0:
+            t = int(tree.token_ids[accepted])
+            tokens.append(t)
+            path.append(accepted)
+            cursor.advance(t)
+            node = accepted
+            continue
+        if tried:
+            residual = probs.copy()
+            residual[tried] = 0.0
+            z = residual.sum()
+            if z > 0.0:  # else the tried children held all the mass (rounding): keep the target
+                probs = residual / z
+        return ThresholdWalk(path, tokens, ids, probs)
+
+
+def verify_thresholds(tree: TokenTree, logits: np.ndarray, cursor) -> VerifyResult:
+    """**LOSSY** (below 1.0) thresholded verification (module docstring), with the request's
+    ``accept_threshold_single`` / ``accept_threshold_acc`` (None = 1.0). Arguments as
+    ``verify_greedy``; the recovered / bonus token is an inverse-CDF draw with the cursor's
+    ``residual_uniform``."""
+    params = cursor.req.params
+    w = threshold_walk(tree, logits, cursor, params.accept_threshold_single or 1.0, params.accept_threshold_acc or 1.0)
+    i = sample_from(w.final_probs, cursor.residual_uniform())
+    return _result(tree, w.path, [*w.tokens, int(w.final_ids[i])])
+
+
 def verify(tree: TokenTree, logits: np.ndarray, cursor) -> VerifyResult:
     """Dispatch: greedy / Gumbel walk, or classic rejection sampling when the request asks
-    for it at temperature > 0."""
+    for it at temperature > 0; the LOSSY thresholded walk when the request sets a threshold
+    below 1 at temperature > 0 (``SamplingParams.lossy``)."""
     req = cursor.req
+    if req.params.lossy:
+        return verify_thresholds(tree, logits, cursor)
     rejection = not (req.is_greedy or req.params.verify == "gumbel")
     if rejection:
         check_sampled_siblings(tree)

@@ -77,13 +77,31 @@ def enumerate_law(run: Callable[[Chooser], object]) -> dict:
 
 
 class BranchUniform:
-    """A uniform on [0, 1) whose comparison ``u < t`` is a decision of the enumeration."""
+    """A uniform on [0, 1) whose comparisons ``u < t`` / ``u <= t`` are decisions of the
+    enumeration. The same uniform may be compared several times (the threshold walk compares
+    ONE coin per node with growing bounds): it keeps the interval ``[lo, hi)`` that the earlier
+    answers left it, and each comparison is a decision with the conditional probability
+    ``P(u < t | lo <= u < hi)`` (1 or 0 without a decision when ``t`` is outside the interval).
+    A fresh uniform compared once is a plain Bernoulli(t) decision."""
 
     def __init__(self, chooser: Chooser) -> None:
         self.chooser = chooser
+        self.lo, self.hi = 0.0, 1.0
 
     def __lt__(self, t) -> bool:
-        return self.chooser.bernoulli(float(t))
+        t = float(t)
+        if t >= self.hi:
+            return True
+        if t <= self.lo:
+            return False
+        below = self.chooser.bernoulli((t - self.lo) / (self.hi - self.lo))
+        if below:
+            self.hi = t
+        else:
+            self.lo = t
+        return below
+
+    __le__ = __lt__  # u = t has probability 0
 
 
 class ResidualUniform:
@@ -159,6 +177,10 @@ def mutant(fn, *replacements: tuple[str, str]):
     exec(compile(src, f"<mutant of {fn.__name__}>", "exec"), ns)
     return ns[fn.__name__]
 
+
+# The mutation of the threshold walk (issue 12): tried children left in the recovered token's
+# distribution
+MUTATION_THRESHOLD_KEEP_TRIED = ("residual[tried] = 0.0", "pass")
 
 # The two mutations of issue 15: the rule without the renormalisation of the residual
 MUTATION_NO_RENORM_POINT_MASS = ("nxt = _normalise(residual)", "nxt = residual")

@@ -138,6 +138,10 @@ class FakeEngine:
     def set_drafter(self, name) -> None:
         self._drafter = name
 
+    def with_thresholds(self, sampling):
+        """As ``Engine.with_thresholds`` with the default (lossless) thresholds."""
+        return sampling
+
     def plain_tokens_per_s(self) -> float:
         return 64.0
 

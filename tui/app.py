@@ -452,7 +452,19 @@ class ChatApp(App):
             n_ctx=engine.n_ctx if engine is not None else 0,
             dark=self.dark,
             no_color=self.no_color,
+            lossy=self._lossy_label(),
         )
+
+    def _lossy_label(self) -> str:
+        """The LOSSY label of the next / current turn's settings ("" when lossless)."""
+        engine = self.session.engine
+        if engine is None or self.drafter_choice == "none":
+            return ""
+        from localspec.stats import GenerationStats
+
+        st = GenerationStats()
+        st.set_thresholds(engine.with_thresholds(self.session.sampling), drafted=True)
+        return st.lossy_label
 
     def _refresh_stats(self) -> None:
         st = self._panel_state()
@@ -485,6 +497,8 @@ class ChatApp(App):
                     parts.append(f"≈{ratio:.2f}× plain")
             t = self.session.sampling.temperature
             parts.append("greedy" if t <= 0 else f"temp {t:g}")
+            if (s.lossy if s is not None else bool(st.lossy)):
+                parts.append("LOSSY")
             parts.append(f"ctx {st.n_context}/{st.n_ctx}")
             if self.state == "switching":
                 parts.append("switching drafter…")

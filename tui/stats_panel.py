@@ -4,7 +4,8 @@ Shows tokens/s, the speed against plain decoding (estimated from the engine's me
 decode cost, ``Engine.plain_tokens_per_s()``), the mean acceptance length (bonus included),
 accepted / drafted tokens, acceptance by depth, the tokens by source, the time split of the
 generation loop (draft / verify / other), the prompt and context use, and a chart of
-tokens/s over the conversation.
+tokens/s over the conversation. A turn that ran the opt-in LOSSY acceptance thresholds says so
+under its acceptance figures.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ class PanelState:
     n_ctx: int = 0
     dark: bool = True
     no_color: bool = False
+    lossy: str = ""  # the LOSSY label of the turn being generated ("" = lossless); a finished turn's is in stats
+
+    @property
+    def lossy_label(self) -> str:
+        """``"LOSSY (accept thresholds: ...)"`` when the turn shown ran the lossy thresholds."""
+        return self.stats.lossy_label if self.stats is not None else (self.lossy if self.live is not None else "")
 
     @property
     def speculative(self) -> bool:
@@ -108,6 +115,8 @@ def render_panel(st: PanelState) -> RenderableType:
     g.add_row("accept len", f"{mal:.2f} tokens/step")
     g.add_row("accepted", f"{acc}/{drafted} drafted" if drafted is not None else f"{acc}")
     parts.append(g)
+    if st.lossy_label:  # opt-in lossy acceptance: say it where the acceptance is shown
+        parts.append(Text(st.lossy_label + ": not exactly the model's distribution", style="bold red"))
     parts.append(_sources_bar(sources, st))
     if s is not None:
         parts.extend(_depths(s))

@@ -7,7 +7,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 
-def write_json(path: Path, config: dict, categories: dict, records) -> None:
+def write_json(path: Path, config: dict, categories: dict, records, extra: dict | None = None) -> None:
+    """``bench.json``: ``config``, ``categories``, ``prompts``, and ``extra``'s keys (the LOSSY
+    threshold reports: ``lossy``, ``lossy_categories``, ``synthetic_tvd``)."""
     data = {
         "config": config,
         "categories": categories,
@@ -23,9 +25,12 @@ def write_json(path: Path, config: dict, categories: dict, records) -> None:
                 "plain": asdict(r.plain),
                 "spec": asdict(r.spec),
                 "peers": r.peers,
+                **({"spec_lossy": asdict(r.spec_lossy), "lossy_identical": r.lossy_identical}
+                   if getattr(r, "spec_lossy", None) is not None else {}),
             }
             for r in records
         ],
+        **(extra or {}),
     }
     path.write_text(json.dumps(data, indent=1))
 
@@ -50,7 +55,8 @@ def markdown_table(config: dict, categories: dict) -> str:
     lines = [
         f"localspec bench: drafter `{config.get('drafter')}`, {config.get('max_tokens')} new tokens, "
         f"temperature {config.get('temperature')}, model `{Path(str(config.get('model', ''))).name}`, "
-        f"{config.get('n_threads')} threads",
+        f"{config.get('n_threads')} threads"
+        + (" — with a **LOSSY** run (acceptance thresholds, see below)" if config.get("lossy") else ""),
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),

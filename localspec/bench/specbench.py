@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..engine import Engine
 from ..sampling import SamplingParams
@@ -32,10 +32,11 @@ class RunRecord:
     t_host_us: float = 0.0
     t_target_us: float = 0.0
     n_step_tokens: int = 0  # tokens the steps produced, the end-of-generation one included
+    sum_logprob: float | None = None  # sum of the emitted tokens' log-probs under the target (lossy benches)
 
     @classmethod
-    def of(cls, stats) -> "RunRecord":
-        return cls(
+    def of(cls, stats, logprobs=None) -> "RunRecord":
+        rec = cls(
             stats.n_generated_tokens,
             stats.t_generate_us,
             stats.t_total_us,
@@ -46,6 +47,9 @@ class RunRecord:
             stats.t_decode_us,
             stats.n_step_tokens,
         )
+        if logprobs is not None:
+            rec.sum_logprob = float(sum(lp.logprob for lp in logprobs))
+        return rec
 
 
 @dataclass
@@ -60,6 +64,8 @@ class PromptRecord:
     divergence_index: int | None = None
     divergence_gap: float | None = None
     peers: dict[str, dict] = field(default_factory=dict)
+    spec_lossy: RunRecord | None = None  # with LOSSY acceptance thresholds (bench --accept-threshold-*)
+    lossy_identical: bool | None = None  # that run's output equals plain decoding's
 
 
 def divergence(a: list[int], b: list[int]) -> int | None:
@@ -87,6 +93,7 @@ def run_bench(
     progress=None,
     repeats: int = 1,
     peer_repeats: int = 1,
+    lossy: SamplingParams | None = None,
 ) -> list[PromptRecord]:
     """Run every prompt plain and speculative (and on the peers); see module docstring.
 
@@ -101,6 +108,10 @@ def run_bench(
             per-prompt ratios are not artefacts of load. Outputs must be the same on every
             run of a kind (greedy or seeded); a difference is reported as not identical.
         peer_repeats: runs of each peer mode per prompt (the fastest kept).
+        lossy: ``sampling`` with LOSSY acceptance thresholds: each prompt is also decoded
+            speculatively with them (``PromptRecord.spec_lossy``), the lossless speculative run
+            gets thresholds 1.0, the three runs rotate their order prompt by prompt, and every
+            run records its emitted tokens' log-probabilities (``RunRecord.sum_logprob``).
 
     Raises:
         ValueError: ``repeats`` or ``peer_repeats`` < 1.
@@ -109,22 +120,28 @@ def run_bench(
         raise ValueError(f"repeats must be >= 1, got {repeats} / {peer_repeats}")
     records: list[PromptRecord] = []
     ordered = interleave(prompts)
+    if lossy is not None:
+        sampling = replace(sampling, accept_threshold_single=1.0, accept_threshold_acc=1.0, logprobs=0)
+        lossy = replace(lossy, logprobs=0)
     for i, bp in enumerate(ordered):
         tokens = engine.tokenize(bp.text)
         seed = sampling.seed if sampling.seed is not None else 1234 + i
         sp = sampling.with_seed(seed)
         results: dict[str, object] = {}
         stable = True
-        first = ("plain", "spec") if i % 2 == 0 else ("spec", "plain")
+        kinds = ("plain", "spec") if lossy is None else ("plain", "spec", "spec_lossy")
+        r0 = i % len(kinds)
+        first = kinds[r0:] + kinds[:r0]
         order = [k for r in range(repeats) for k in (first if r % 2 == 0 else first[::-1])]
-        # plain decoding, and speculation under greedy or seeded-Gumbel verification, emit the
-        # same tokens on every repeat; rejection sampling also depends on the drafter's state
+        # plain decoding, and lossless speculation under greedy or seeded-Gumbel verification,
+        # emit the same tokens on every repeat; rejection sampling also depends on the drafter's state
         deterministic = sp.temperature == 0 or sp.verify == "gumbel"
         for kind in order:
             engine.reset()
-            r = engine.generate(tokens, max_tokens=max_tokens, sampling=sp, speculative=(kind == "spec"))
+            params = lossy.with_seed(seed) if kind == "spec_lossy" else sp
+            r = engine.generate(tokens, max_tokens=max_tokens, sampling=params, speculative=(kind != "plain"))
             best = results.get(kind)
-            if best is not None and (kind == "plain" or deterministic) and best.token_ids != r.token_ids:
+            if best is not None and (kind == "plain" or (kind == "spec" and deterministic)) and best.token_ids != r.token_ids:
                 stable = False
             if best is None or r.stats.t_generate_us < best.stats.t_generate_us:
                 results[kind] = r
@@ -137,10 +154,14 @@ def run_bench(
             label=bp.label,
             question_id=bp.question_id,
             n_prompt_tokens=len(tokens),
-            plain=RunRecord.of(plain.stats),
-            spec=RunRecord.of(spec.stats),
+            plain=RunRecord.of(plain.stats, plain.logprobs),
+            spec=RunRecord.of(spec.stats, spec.logprobs),
             identical=div is None,
         )
+        if lossy is not None:
+            sl = results["spec_lossy"]
+            rec.spec_lossy = RunRecord.of(sl.stats, sl.logprobs)
+            rec.lossy_identical = sl.token_ids == plain.token_ids
         if div is not None and div < len(plain.token_ids):
             engine.reset()
             rec.divergence_index = div

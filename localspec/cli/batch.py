@@ -82,7 +82,7 @@ def result_record(job_id: str, r) -> dict:
     if isinstance(r, BaseException):
         return {"id": job_id, "error": f"{type(r).__name__}: {r}"}
     s = r.stats
-    return {
+    rec = {
         "id": job_id,
         "text": r.text,
         "finish_reason": r.finish_reason,
@@ -90,6 +90,9 @@ def result_record(job_id: str, r) -> dict:
                   "total_tokens": s.n_prompt_tokens + s.n_generated_tokens},  # fmt: skip
         "speculation": {"drafter": s.drafter, "draft_n": s.num_draft_tokens, "draft_n_accepted": s.num_accepted_tokens},
     }
+    if s.lossy:  # LOSSY acceptance thresholds were in effect
+        rec["speculation"]["lossy"] = True
+    return rec
 
 
 def run(a) -> int:

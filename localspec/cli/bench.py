@@ -20,7 +20,10 @@ def register(sub) -> None:
         help="benchmark speculative vs plain decoding (Spec-Bench JSONL)",
         description="Runs each prompt with plain and speculative decoding (interleaved, same "
         "sampling, empty KV cache each time) and reports per-category speed ratios, mean acceptance "
-        "length and whether outputs are identical. Writes DIR/bench.json, DIR/bench.md, DIR/bench.png.",
+        "length and whether outputs are identical. Writes DIR/bench.json, DIR/bench.md, DIR/bench.png. "
+        "With --accept-threshold-single/--accept-threshold-acc (LOSSY, temperature > 0) each prompt is also decoded "
+        "with the thresholds: acceptance and speed against the lossless run, the mean log-probability of the emitted "
+        "tokens under the target, and the exact TVD from the target on synthetic rows.",
     )
     p.add_argument(
         "--dataset",
@@ -339,6 +342,14 @@ def run(a: argparse.Namespace) -> int:
     except (ValueError, UnicodeDecodeError) as e:  # a malformed line names itself
         raise SystemExit(f"localspec: error: {e}") from None
     sampling = sampling_from_args(a)
+    lossy = None
+    if sampling.accept_threshold_single is not None or sampling.accept_threshold_acc is not None:
+        if sampling.is_greedy:
+            raise SystemExit("localspec: error: the acceptance thresholds apply at temperature > 0 (greedy verification "
+                             "ignores them) and bench defaults to --temperature 0: add e.g. --temperature 0.8")  # fmt: skip
+        lossy = sampling
+        if not lossy.lossy:
+            print("localspec: note: both acceptance thresholds are 1 (lossless): the 'lossy' run is lossless", file=sys.stderr)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     engine = make_engine(a, a.drafter)
@@ -383,10 +394,19 @@ def run(a: argparse.Namespace) -> int:
             progress=progress,
             repeats=a.repeats,
             peer_repeats=a.peer_repeats,
+            lossy=lossy,
         )
         if bar is not None:
             bar.close()
         cats_summary = summarize(records)
+        extra: dict = {}
+        if lossy is not None:
+            from ..bench.thresholds import summarize_lossy, synthetic_tvd_report, threshold_grid
+
+            ts, ta = lossy.accept_threshold_single or 1.0, lossy.accept_threshold_acc or 1.0
+            print("localspec: exact TVD on synthetic rows...", file=sys.stderr)
+            extra = {"lossy": lossy.lossy, "lossy_categories": summarize_lossy(records),
+                     "synthetic_tvd": synthetic_tvd_report(threshold_grid(ts, ta))}  # fmt: skip
         config = {
             "dataset": str(a.dataset),
             "drafter": a.drafter,
@@ -398,12 +418,19 @@ def run(a: argparse.Namespace) -> int:
             "per_category": a.per_category,
             "repeats": a.repeats,
             "peer_repeats": a.peer_repeats,
+            "lossy": bool(lossy is not None and lossy.lossy),
+            "accept_threshold_single": (lossy.accept_threshold_single or 1.0) if lossy is not None else 1.0,
+            "accept_threshold_acc": (lossy.accept_threshold_acc or 1.0) if lossy is not None else 1.0,
             "peer_llama_server": a.peer_llama_server,
             "peer_kernels": a.peer_kernels,
             **machine_info(engine),
         }
-        write_json(out / "bench.json", config, cats_summary, records)
+        write_json(out / "bench.json", config, cats_summary, records, extra)
         table = markdown_table(config, cats_summary)
+        if lossy is not None:
+            from ..bench.thresholds import lossy_markdown, tvd_markdown
+
+            table += "\n" + lossy_markdown(config, extra["lossy_categories"]) + "\n" + tvd_markdown(extra["synthetic_tvd"])
         (out / "bench.md").write_text(table)
         plotted = plot(out / "bench.png", cats_summary)
         print(table)

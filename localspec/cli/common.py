@@ -32,6 +32,36 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rpc-local-gpu", action="store_true", help="with --rpc: split the layers over local GPUs too")
     g.add_argument("--max-tree-nodes", type=int, default=64, help="largest verified token tree (root included)")
     g.add_argument("--no-adaptive", action="store_true", help="verify whole drafted trees (no speculation policy)")
+    add_threshold_args(p)
+
+
+def add_threshold_args(p: argparse.ArgumentParser) -> None:
+    """``--accept-threshold-single`` / ``--accept-threshold-acc`` (LOSSY below 1; every command
+    that builds an engine gets them through ``add_model_args``)."""
+    g = p.add_argument_group(
+        "LOSSY acceptance thresholds (opt-in; SGLang's rule, docs/sampling.md)",
+        "Below 1.0 they accept more drafts at temperature > 0 and the output is no longer exactly "
+        "the target's distribution; results are marked lossy. At temperature 0 greedy "
+        "verification is used and they do not apply. Default 1.0 = lossless, unchanged.",
+    )
+    g.add_argument("--accept-threshold-single", type=float, default=None, metavar="T",
+                   help="accept a draft whose target probability is >= T; 0 < T <= 1 (default 1 = lossless)")  # fmt: skip
+    g.add_argument("--accept-threshold-acc", type=float, default=None, metavar="T",
+                   help="accept a draft when the node's coin <= (target probability of the siblings tried so far) / T; "
+                   "0 < T <= 1 (default 1 = lossless)")  # fmt: skip
+
+
+def thresholds_from_args(a: argparse.Namespace) -> dict:
+    """``{"accept_threshold_single": ..., "accept_threshold_acc": ...}`` from the flags (None when
+    not given), or a one-line ``localspec: error:`` for a value outside (0, 1]."""
+    out = {}
+    for name in ("accept_threshold_single", "accept_threshold_acc"):
+        v = getattr(a, name, None)
+        if v is not None and not 0.0 < v <= 1.0:  # NaN fails too
+            flag = "--" + name.replace("_", "-")
+            raise SystemExit(f"localspec: error: {flag} must be in (0, 1] (1 = lossless), got {v}")
+        out[name] = v
+    return out
 
 
 def add_drafter_args(p: argparse.ArgumentParser, default: str = "ngram") -> None:
@@ -115,6 +145,7 @@ def sampling_from_args(a: argparse.Namespace, logprobs: int | None = None) -> Sa
         grammar=grammar,
         verify=a.verify,
         logprobs=logprobs,
+        **thresholds_from_args(a),
     )
 
 
@@ -168,6 +199,7 @@ def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = 
     """Build an ``Engine`` from parsed arguments, saying what it does on stderr."""
     from ..engine import Engine
 
+    thresholds = {k: v for k, v in thresholds_from_args(a).items() if v is not None}
     if progress:
         print("localspec: loading model and measuring decode cost (cached after the first run)...", file=sys.stderr)
     return Engine(
@@ -182,5 +214,6 @@ def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = 
         n_gpu_layers=a.n_gpu_layers,
         max_tree_nodes=a.max_tree_nodes,
         adaptive=not a.no_adaptive,
+        **thresholds,
         **rpc_args(a),
     )

@@ -64,6 +64,8 @@ def _summary(stats) -> str:
         f"draft {s.t_draft_us / 1e3:.0f} ms, decode {s.t_decode_us / 1e3:.0f} ms, verify {s.t_verify_us / 1e3:.0f} ms, "
         f"other {s.t_other_us / 1e3:.0f} ms; seed {s.seed}",
     ]
+    if s.lossy:
+        lines.append(f"{s.lossy_label}: the output is not exactly the target's distribution")
     return "\n".join(lines)
 
 
@@ -145,6 +147,7 @@ def run(a: argparse.Namespace) -> int:
         if a.json:
             d = result.to_dict()
             d["model"] = str(engine.model.path)
+            d["lossy"] = result.stats.lossy
             if cmp is not None:
                 plain = cmp["plain"][0]
                 d["plain"] = {"token_ids": plain.token_ids, "stats": plain.stats.to_dict()}

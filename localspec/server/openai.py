@@ -6,12 +6,15 @@ Requests follow the OpenAI API reference (fields: ``model``, ``prompt`` / ``mess
 ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
 ``stream`` (+ ``stream_options.include_usage``), ``logprobs`` / ``top_logprobs``,
 ``presence_penalty``, ``frequency_penalty``, ``response_format`` with ``json_object`` or
-``json_schema``, ``n`` = 1). A JSON schema becomes a GBNF grammar through llama.cpp's own
+``json_schema``, ``n`` = 1), and localspec's **LOSSY** opt-in ``accept_threshold_single`` /
+``accept_threshold_acc`` (numbers in (0, 1]; below 1 the reply's ``timings`` say ``"lossy": true``,
+see ``localspec.verify.verify_thresholds``). A JSON schema becomes a GBNF grammar through llama.cpp's own
 converter (``llama_cpp.llama_grammar.json_schema_to_gbnf``). Fields a request leaves out take
 the server's command-line sampling defaults, as llama.cpp's server does.
 
 Responses carry ``usage`` and llama.cpp's ``timings`` (``prompt_n``, ``predicted_n``,
-``predicted_ms``, ``predicted_per_second``, ``draft_n``, ``draft_n_accepted``). Streaming sends
+``predicted_ms``, ``predicted_per_second``, ``draft_n``, ``draft_n_accepted``, and ``lossy`` with the
+thresholds when they were in effect). Streaming sends
 server-sent events, the last ``data: [DONE]``. Every error is an OpenAI error object
 ``{"error": {"message", "type", "param", "code"}}`` with its HTTP status; a client that
 disconnects cancels its request and frees its slot at once.
@@ -229,6 +232,13 @@ def parse_oai(kind: str, body: Any, defaults: SamplingParams) -> OAIRequest:
         kw["grammar"] = g
         kw["grammar_root"] = "root"
     kw["logprobs"] = logprobs
+    for key in ("accept_threshold_single", "accept_threshold_acc"):  # LOSSY below 1 (localspec extension)
+        v = body.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
+            raise OAIError(f"'{key}' must be a number in (0, 1] (1 = lossless), got {json.dumps(v)}", param=key)
+        kw[key] = float(v)
     try:
         sampling = replace(defaults, **kw)
     except (ValueError, TypeError) as e:
@@ -351,6 +361,8 @@ class OpenAIService:
             "draft_n_accepted": stats.num_accepted_tokens,
             "n_steps": stats.n_steps,
             "drafter": stats.drafter,
+            **({"lossy": True, "accept_threshold_single": stats.accept_threshold_single,
+                "accept_threshold_acc": stats.accept_threshold_acc} if stats.lossy else {}),
         }
 
     @staticmethod

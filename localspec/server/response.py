@@ -67,6 +67,8 @@ def timings(stats: GenerationStats, n_predicted: int) -> dict:
     if stats.num_draft_tokens:
         t["draft_n"] = stats.num_draft_tokens
         t["draft_n_accepted"] = stats.num_accepted_tokens
+    if stats.lossy:  # LOSSY acceptance thresholds: not exactly the target's distribution
+        t["lossy"] = True
     return t
 
 

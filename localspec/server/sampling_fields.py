@@ -83,6 +83,21 @@ class SamplerFields:
     xtc_threshold: float = 0.1
     mirostat: int = 0
     dynatemp_range: float = 0.0
+    accept_threshold_single: float | None = None
+    accept_threshold_acc: float | None = None
+
+
+def get_threshold(body: Mapping[str, Any], key: str) -> float | None:
+    """A LOSSY acceptance threshold field (``accept_threshold_single`` / ``_acc``): None when
+    absent, else a number in (0, 1].
+
+    Raises:
+        RequestError: not a number, or outside (0, 1].
+    """
+    v = get_float(body, key, None) if body.get(key) is not None else None
+    if v is not None and not 0.0 < v <= 1.0:
+        raise RequestError(f'"{key}" must be in (0, 1] (1 = lossless), got {v}')
+    return v
 
 
 def parse_sampler_fields(body: Mapping[str, Any]) -> SamplerFields:
@@ -135,6 +150,8 @@ def parse_sampler_fields(body: Mapping[str, Any]) -> SamplerFields:
     f.xtc_threshold = get_float(body, "xtc_threshold", 0.1)
     f.mirostat = get_int(body, "mirostat", 0, 0, 2)
     f.dynatemp_range = get_float(body, "dynatemp_range", 0.0)
+    f.accept_threshold_single = get_threshold(body, "accept_threshold_single")
+    f.accept_threshold_acc = get_threshold(body, "accept_threshold_acc")
     return f
 
 
@@ -224,6 +241,8 @@ def resolve_sampling(f: SamplerFields, defaults: SamplingParams, model) -> Sampl
         kw.update(repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
     kw["seed"] = f.seed if f.seed is not None else defaults.seed
     kw["verify"] = defaults.verify
+    kw["accept_threshold_single"] = pick(f.accept_threshold_single, defaults.accept_threshold_single)
+    kw["accept_threshold_acc"] = pick(f.accept_threshold_acc, defaults.accept_threshold_acc)
     kw["logit_bias"] = _logit_bias(f, model)
     kw["grammar"] = _grammar(f, defaults)
 

@@ -472,6 +472,10 @@ class CompletionService:
             "finish_reason": finish,
             "seed": stats.seed,
         }
+        if stats.lossy:
+            info["lossy"] = True
+            info["accept_threshold_single"] = stats.accept_threshold_single
+            info["accept_threshold_acc"] = stats.accept_threshold_acc
         if plan is not None:
             info["samplers"] = {"applied": plan.applied, "not_applied": plan.not_applied}
         if built is not None:
