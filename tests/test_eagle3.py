@@ -45,7 +45,7 @@ def test_feature_rows_equal_an_independent_computation(model, derived_draft):
     """The input of layer 12 captured from the full model equals the final hidden state of the
     model truncated to 12 layers (computed by llama.cpp on its own, with embeddings=true,
     where it comes out through the final RMSNorm: compare after the same norm)."""
-    from gguf import GGUFReader
+    from localspec.backend.model import gguf_tensor
 
     prompt = model.tokenize(PROMPT)
     tap = FeatureTap([12], n_layer=model.n_layer, n_embd=model.n_embd)
@@ -59,8 +59,7 @@ def test_feature_rows_equal_an_independent_computation(model, derived_draft):
         assert rows.shape == (len(prompt), model.n_embd)
         b.set_sequence(prompt, 0, output="all")
         ref.decode(b)
-        r = GGUFReader(str(derived_draft.path))
-        w = next(t for t in r.tensors if t.name == "output_norm.weight").data.astype(np.float64)
+        w = gguf_tensor(derived_draft.path, "output_norm.weight").astype(np.float64)
         eps = 1e-6
         x = rows.astype(np.float64)
         normed = x / np.sqrt((x * x).mean(axis=1, keepdims=True) + eps) * w
