@@ -204,13 +204,16 @@ def test_cost_calibration_is_keyed_by_the_device_set(model_path, worker):
 
 
 @needs_worker
-def test_a_worker_killed_mid_generation_is_a_clear_error_then_usable_again(engine, tmp_path):
+def test_a_worker_killed_mid_generation_is_a_clear_error_then_usable_again(engine, model_path, tmp_path):
     """llama.cpp's RPC client aborts its process when a worker drops (ggml-rpc's
     RPC_STATUS_ASSERT), so the host is a separate process: it must end promptly (no hang) with a
     message naming the worker; a new run once the worker is back, and a local run, both work."""
     w = Worker()
+    # the model by path: the cache directory below holds only cost tables (of random ports),
+    # so the host does not assemble a second copy of the default model there
     cmd = [sys.executable, "-m", "localspec", "generate", PROMPT, "-n", "4000", "--temperature", "0",
-           "--n-ctx", "4096", "--max-tree-nodes", "4", "--drafter", "none", "--rpc", w.endpoint]  # fmt: skip
+           "--n-ctx", "4096", "--max-tree-nodes", "4", "--drafter", "none", "--rpc", w.endpoint,
+           "-m", str(model_path)]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOCALSPEC_CACHE_DIR": str(tmp_path)}  # cost tables of random ports
     host = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:
