@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .gguf_edit import copy_gguf, read_metadata
+from .gguf_edit import copy_gguf, open_index
 
 
 def _block_of(tensor_name: str) -> int | None:
@@ -38,10 +38,12 @@ def derive_draft(target: str | os.PathLike, out: str | os.PathLike, n_layers: in
     Returns:
         ``out`` as a ``Path``.
     Raises:
-        ValueError: ``n_layers`` out of range, or a model with extra prediction blocks
-            (MTP / NextN layers sit at the end and would be cut off).
+        ValueError: ``n_layers`` out of range, a model with extra prediction blocks (MTP /
+            NextN layers sit at the end and would be cut off), or a truncated or corrupt
+            ``target`` (``open_index``).
     """
-    meta = read_metadata(target)
+    r = open_index(target)  # read once, for the checks and the copy
+    meta = r.values
     arch = meta.get("general.architecture", "llama")
     n_block = int(meta[f"{arch}.block_count"])
     if not 1 <= n_layers < n_block:
@@ -56,7 +58,7 @@ def derive_draft(target: str | os.PathLike, out: str | os.PathLike, n_layers: in
 
     name = meta.get("general.name") or Path(target).stem
     copy_gguf(
-        target,
+        r,
         out,
         set_kv={f"{arch}.block_count": n_layers, "general.name": f"{name} (first {n_layers} of {n_block} layers)"},
         keep_tensor=lambda t: (_block_of(t) is None) or _block_of(t) < n_layers,

@@ -153,27 +153,12 @@ def _target_reader(target) -> GGUFIndex:
     return target if isinstance(target, GGUFIndex) else GGUFIndex(target)
 
 
-class _RawValue(bytes):
-    """A key/value entry's serialized value (type tag included), copied verbatim."""
-
-
 def _writer(out, arch: str):
-    """A ``GGUFWriter`` that also takes ``_RawValue`` entries (the target's tokenizer is
-    copied byte for byte instead of being decoded and re-encoded: 262k strings)."""
-    from gguf import GGUFWriter
+    """A ``GGUFWriter`` that also takes raw entries (``gguf_edit.raw_writer``): the target's
+    tokenizer is copied byte for byte instead of being decoded and re-encoded (262k strings)."""
+    from .gguf_edit import raw_writer
 
-    class Writer(GGUFWriter):
-        def _pack_val(self, val, vtype, add_vtype, sub_type=None):
-            if isinstance(val, _RawValue):
-                return bytes(val)
-            return super()._pack_val(val, vtype, add_vtype, sub_type=sub_type)
-
-        def add_raw(self, key: str, raw: bytes) -> None:
-            from gguf.gguf_writer import GGUFValue, GGUFValueType
-
-            self.kv_data[0][key] = GGUFValue(_RawValue(raw), GGUFValueType.ARRAY)
-
-    return Writer(str(out), arch=arch)
+    return raw_writer(out, arch)
 
 
 def write_eagle3_gguf(

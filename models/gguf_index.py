@@ -41,16 +41,27 @@ class GGUFIndex:
         raw: key -> the entry's serialized value (type tag included), to copy into another GGUF.
         tensors: name -> ``TensorInfo``.
     Raises:
-        ValueError: not a GGUF file.
+        ValueError: not a GGUF file, or a truncated or corrupt one (a header that runs past
+            the end of the file, or tensor data that does not fit in it), naming the file
+            and its size.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = str(path)
         with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 24:
+                raise ValueError(f"{path} is not a GGUF file ({size} bytes)")
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        mm = self._mm
-        if mm[:4] != b"GGUF":
+        if self._mm[:4] != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file")
+        try:
+            self._walk()
+        except (struct.error, ValueError, OverflowError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is a truncated or corrupt GGUF file ({size} bytes; {e})") from None
+
+    def _walk(self) -> None:
+        mm = self._mm
         _, n_tensors, n_kv = struct.unpack_from("<IQQ", mm, 4)
         off = 24
         self.values: dict[str, object] = {}
@@ -74,9 +85,18 @@ class GGUFIndex:
         align = int(self.values.get("general.alignment", 32))
         data = (off + align - 1) // align * align
         self.tensors = {n: TensorInfo(s, q, data + r) for n, s, q, r in infos}
+        from gguf import GGML_QUANT_SIZES
+
+        known = {int(q) for q in GGML_QUANT_SIZES}
+        for name, t in self.tensors.items():
+            # a type this gguf version does not know has no size here: only rows() would fail
+            if t.qtype in known and t.offset + self.nbytes(name) > len(mm):
+                raise ValueError(f"the data of tensor {name!r} ends past the end of the file")
 
     def _str(self, off: int) -> tuple[str, int]:
         (n,) = struct.unpack_from("<Q", self._mm, off)
+        if off + 8 + n > len(self._mm):
+            raise ValueError("a string runs past the end of the file")
         return self._mm[off + 8 : off + 8 + n].decode("utf-8", errors="replace"), off + 8 + n
 
     def _value(self, vtype: int, off: int):
@@ -100,6 +120,62 @@ class GGUFIndex:
                 return None, off
             raise ValueError(f"{self.path}: nested arrays are not supported")
         raise ValueError(f"{self.path}: unknown GGUF value type {vtype}")
+
+    def types(self, key: str) -> tuple[int, int | None]:
+        """``(GGUFValueType, sub-type of an array or None)`` of an entry."""
+        vtype, sub = struct.unpack_from("<I", self.raw[key])[0], None
+        if vtype == _ARRAY:
+            sub = struct.unpack_from("<I", self.raw[key], 4)[0]
+        return vtype, sub
+
+    def contents(self, key: str):
+        """The whole value of an entry, as ``gguf``'s ``ReaderField.contents()`` gives it:
+        scalars, ``str``, arrays as lists (string arrays decoded, UTF-8).
+
+        Raises:
+            KeyError: no such key.
+            UnicodeDecodeError: a string that is not UTF-8 (as ``gguf`` raises).
+        """
+        raw = self.raw[key]
+        vtype, sub = self.types(key)
+        if vtype != _ARRAY:
+            return self.values[key]
+        if sub in _SCALAR:
+            return np.frombuffer(raw, dtype=_NUMPY[sub], offset=16).tolist()
+        (n,) = struct.unpack_from("<Q", raw, 8)
+        out, off, unpack = [], 16, struct.Struct("<Q").unpack_from
+        for _ in range(n):
+            (k,) = unpack(raw, off)
+            out.append(raw[off + 8 : off + 8 + k].decode("utf-8"))
+            off += 8 + k
+        return out
+
+    def nbytes(self, name: str) -> int:
+        """Bytes of a tensor's data."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        t = self.tensors[name]
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(t.qtype)]
+        return int(np.prod(t.shape)) * type_size // block
+
+    def data(self, name: str) -> np.ndarray:
+        """A read-only view of a tensor's data, shaped and typed as ``gguf.GGUFReader`` gives
+        it: numpy order (``ne`` reversed); F16/F32/F64/I8-I64 in their dtype, every other
+        (quantised) type as ``uint8`` with the last axis in bytes."""
+        from gguf import GGMLQuantizationType as Q
+        from gguf.quants import quant_shape_to_byte_shape
+
+        t = self.tensors[name]
+        qt = Q(t.qtype)
+        shape = tuple(reversed(t.shape))
+        plain = {Q.F16: np.float16, Q.F32: np.float32, Q.F64: np.float64, Q.I8: np.int8,
+                 Q.I16: np.int16, Q.I32: np.int32, Q.I64: np.int64}  # fmt: skip
+        if qt in plain:
+            dtype = np.dtype(plain[qt])
+        else:
+            dtype, shape = np.dtype(np.uint8), quant_shape_to_byte_shape(shape, qt)
+        count = self.nbytes(name) // dtype.itemsize
+        return np.frombuffer(self._mm, dtype=dtype, count=count, offset=t.offset).reshape(shape)
 
     def array_len(self, key: str) -> int:
         """Number of items of an array entry (e.g. ``tokenizer.ggml.tokens``)."""

@@ -42,7 +42,7 @@ FIM_IDS = {"pre": 6, "suf": 7, "mid": 8, "rep": 9, "sep": 10}
 
 @pytest.fixture(scope="session")
 def fim_model_path(model_path, tmp_path_factory):
-    """The default model with fill-in-the-middle tokens in its metadata (~10-20 s to write)."""
+    """The default model with fill-in-the-middle tokens in its metadata (written once per session)."""
     from localspec.models.gguf_edit import copy_gguf
 
     dst = tmp_path_factory.mktemp("fim") / "gemma-3-270m-fim.gguf"
@@ -194,7 +194,7 @@ GEMMA_CHAT_TEMPLATE = """{{ bos_token }}
 
 @pytest.fixture(scope="session")
 def chat_template_model_path(model_path, tmp_path_factory):
-    """A copy of the default model whose GGUF carries Gemma's chat template (~10 s, once)."""
+    """A copy of the default model whose GGUF carries Gemma's chat template (written once per session)."""
     from localspec.models.gguf_edit import copy_gguf
 
     dst = tmp_path_factory.mktemp("gguf") / "gemma3-270m-chat-template.gguf"

@@ -200,14 +200,20 @@ def assert_rejection_sampling_exact(model, prompt, draft_root, draft_after, shap
     draft = PrecomputedDraft(draft_root, draft_after)
     pos = len(prompt)
     counts: dict[tuple[int, int], int] = {}
+    stacked: dict[tuple[int, ...], np.ndarray] = {}  # node -> row choice: few distinct trees, stacked once
     for seed in range(n):
         s = sp.with_seed(seed)
         sampler = DraftChildSelector(s, model.n_vocab)
         tree = expand_tree(prompt[-1], pos - 1, shape, draft, sampler, DraftCalibration(), TokenSource.DRAFT_MODEL)
         assert tree.is_stochastic(1)
-        rows = np.stack(
-            [t_after[int(tree.token_ids[tree.path_to(i)[0]])] if tree.depth[i] == 1 else t_root for i in range(tree.n_nodes)]
-        )
+        # the target row after each node: after its first-level token, or the root's row
+        # (deeper rows never decide the first two tokens)
+        which = tuple(int(tree.token_ids[tree.path_to(i)[0]]) if tree.depth[i] == 1 else -1 for i in range(tree.n_nodes))
+        rows = stacked.get(which)
+        if rows is None:
+            rows = np.stack([t_after[t] if t >= 0 else t_root for t in which])
+            rows.flags.writeable = False  # shared by every seed that grows this tree: verify must not write
+            stacked[which] = rows
         res = verify_rejection(tree, rows, RequestState(s, model, prompt).cursor(pos))
         if len(res.tokens) >= 2:
             second = res.tokens[1]

@@ -7,7 +7,7 @@ import pytest
 
 from localspec.cli.main import main
 from localspec.models.derive import derive_draft
-from localspec.models.gguf_edit import read_metadata
+from localspec.models.gguf_edit import copy_gguf, read_metadata
 
 
 @pytest.fixture
@@ -48,6 +48,26 @@ def test_derive_keeps_the_first_blocks_and_fixes_metadata(tiny_gguf, tmp_path):
     assert np.all(names["blk.1.attn_q.weight"].data == 1)
     with pytest.raises(ValueError, match="1..3"):
         derive_draft(tiny_gguf, tmp_path / "e.gguf", 4)
+
+
+def test_copy_gguf_keeps_every_byte_edits_one_entry_and_names_a_truncated_file(tiny_gguf, tmp_path):
+    """copy_gguf reads through GGUFIndex and copies unedited entries raw: without edits the
+    copy is the same file; an edited entry is re-encoded with its own type; a file cut short
+    is refused as truncated (naming it), not with a reshape error."""
+    same = copy_gguf(tiny_gguf, tmp_path / "same.gguf")
+    assert same.read_bytes() == tiny_gguf.read_bytes()
+    edited = copy_gguf(tiny_gguf, tmp_path / "e.gguf", edit_kv=lambda k, v: [7, 8, 9] if k == "llama.some_other_list" else v)
+    meta, orig = read_metadata(edited), read_metadata(tiny_gguf)
+    assert meta["llama.some_other_list"] == [7, 8, 9]
+    assert {k: v for k, v in meta.items() if k != "llama.some_other_list"} == {k: v for k, v in orig.items() if k != "llama.some_other_list"}
+    from localspec.models.gguf_index import GGUFIndex
+
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf.read_bytes()[: GGUFIndex(tiny_gguf).tensors["output_norm.weight"].offset + 8])
+    with pytest.raises(ValueError, match=f"{cut} is a truncated or corrupt GGUF file"):
+        copy_gguf(cut, tmp_path / "x.gguf")
+    with pytest.raises(ValueError, match="truncated"):
+        read_metadata(cut)
 
 
 def test_the_derived_default_model_loads_as_a_real_draft(derived_draft, model):

@@ -45,7 +45,7 @@ def test_feature_rows_equal_an_independent_computation(model, derived_draft):
     """The input of layer 12 captured from the full model equals the final hidden state of the
     model truncated to 12 layers (computed by llama.cpp on its own, with embeddings=true,
     where it comes out through the final RMSNorm: compare after the same norm)."""
-    from gguf import GGUFReader
+    from localspec.backend.model import gguf_tensor
 
     prompt = model.tokenize(PROMPT)
     tap = FeatureTap([12], n_layer=model.n_layer, n_embd=model.n_embd)
@@ -59,8 +59,7 @@ def test_feature_rows_equal_an_independent_computation(model, derived_draft):
         assert rows.shape == (len(prompt), model.n_embd)
         b.set_sequence(prompt, 0, output="all")
         ref.decode(b)
-        r = GGUFReader(str(derived_draft.path))
-        w = next(t for t in r.tensors if t.name == "output_norm.weight").data.astype(np.float64)
+        w = gguf_tensor(derived_draft.path, "output_norm.weight").astype(np.float64)
         eps = 1e-6
         x = rows.astype(np.float64)
         normed = x / np.sqrt((x * x).mean(axis=1, keepdims=True) + eps) * w
@@ -94,6 +93,19 @@ def test_the_tap_only_reads(model):
     assert np.array_equal(out[0], out[1])
 
 
+_PLAIN: dict = {}
+
+
+def plain_run(eng, prompt, n, sampling=GREEDY):
+    """Plain decoding of ``prompt`` (``run`` without a drafter), decoded once per module for
+    each (prompt, n, sampling): with the engine reset before each run, plain output is a
+    function of exactly these, so tests that compare against the same reference share it."""
+    key = (tuple(prompt), n, repr(sampling))
+    if key not in _PLAIN:
+        _PLAIN[key] = run(eng, prompt, n, sampling)
+    return _PLAIN[key]
+
+
 def run(eng, prompt, n, sampling=GREEDY, drafter=None):
     eng.set_drafter(drafter)
     eng.adaptive = drafter is None or not getattr(drafter, "fixed_shape", None)
@@ -108,7 +120,7 @@ def run(eng, prompt, n, sampling=GREEDY, drafter=None):
 @pytest.mark.parametrize("shape", [TreeShape(4, 1, 5, 0.0), TreeShape(3, 3, 10, 0.0)], ids=["chain", "tree"])
 def test_random_head_greedy_output_is_the_target_argmax(eng, model, random_head_path, shape):
     prompt = model.tokenize(PROMPT)
-    plain = run(eng, prompt, 48)
+    plain = plain_run(eng, prompt, 48)
     d = Eagle3Drafter(random_head_path, shape=shape)
     spec = run(eng, prompt, 48, drafter=d)
     assert_same_as_plain(eng, prompt, plain.token_ids, spec.token_ids)
@@ -137,11 +149,11 @@ def test_random_head_with_seeded_gumbel_and_kv_reuse(eng, model, random_head_pat
 
 def test_auto_drafter_with_an_eagle3_head(eng, model, random_head_path):
     prompt = model.tokenize(PROMPT)
-    plain = run(eng, prompt, 40)
+    plain = plain_run(eng, prompt, 48)  # the greedy tests' reference (48 tokens, as they run)
     eng.set_drafter("auto", eagle=random_head_path)
     assert eng._tap is not None and eng.drafter.target_feature_layers == (2, 9, 15)
     eng.reset()
-    res = eng.generate(prompt, max_tokens=40, sampling=GREEDY)
+    res = eng.generate(prompt, max_tokens=48, sampling=GREEDY)
     assert_same_as_plain(eng, prompt, plain.token_ids, res.token_ids)
     eng.set_drafter(None)
     assert eng._tap is None  # the target context no longer pays for the callback

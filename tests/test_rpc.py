@@ -319,8 +319,11 @@ def test_a_worker_killed_mid_generation_cli(tmp_path):
     the worker (before the guard, the process aborted), promptly; a new run works once the
     worker is back."""
     w = Worker()
+    # the model by path: the cache directory below holds only cost tables (of random ports),
+    # so the host does not assemble a second copy of the default model there
     cmd = [sys.executable, "-m", "localspec", "generate", PROMPT, "-n", "4000", "--temperature", "0",
-           "--n-ctx", "4096", "--max-tree-nodes", "4", "--drafter", "none", "--rpc", w.endpoint]  # fmt: skip
+           "--n-ctx", "4096", "--max-tree-nodes", "4", "--drafter", "none", "--rpc", w.endpoint,
+           "-m", str(model_path)]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOCALSPEC_CACHE_DIR": str(tmp_path)}  # cost tables of random ports
     host = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:

@@ -6,18 +6,16 @@ import pytest
 from localspec.backend import Model
 from localspec.drafters.vocab_check import check_vocab
 from localspec.errors import VocabMismatchError
-from localspec.models.gguf_edit import copy_gguf
+from localspec.models.gguf_edit import copy_gguf, open_index
 
 N_PAD = 64
 
 
 @pytest.fixture(scope="module")
 def vocab_files(model_path, tmp_path_factory):
-    from gguf import GGUFReader
-
     d = tmp_path_factory.mktemp("vocab")
-    src = GGUFReader(str(model_path))  # parsed once, copied seven times
-    tokens = src.fields["tokenizer.ggml.tokens"].contents()
+    src = open_index(model_path)  # indexed once, copied seven times
+    tokens = src.contents("tokenizer.ggml.tokens")
     no_tensors = dict(keep_tensor=lambda name: False)
 
     def edit_entry(array_key, i, value):
