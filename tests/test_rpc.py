@@ -314,7 +314,7 @@ def test_a_worker_lost_between_requests_is_seen_before_the_next_one(engine):
 
 
 @needs_worker
-def test_a_worker_killed_mid_generation_cli(tmp_path):
+def test_a_worker_killed_mid_generation_cli(tmp_path, model_path):
     """The CLI: ``localspec generate --rpc`` ends with exit status 1 and a one-line error naming
     the worker (before the guard, the process aborted), promptly; a new run works once the
     worker is back."""
