@@ -319,3 +319,32 @@ def test_cli_medusa_flag_and_errors(capsys, tmp_path, model_path):
     assert main(["generate", "The capital of France is", "--drafter", "medusa", "-n", "8", "--temperature", "0", "--json"]) == 0
     out = capsys.readouterr().out
     assert '"drafter": "medusa"' in out
+
+
+@needs_native
+def test_gemm_kernel_matches_gemv_rows(rng):
+    """``ls_gemm_t`` (one pass over the matrix for several rows) gives every row the same bits
+    as ``ls_gemv_t`` of that row, for row counts around its 8-row blocks."""
+    from localspec.native import rows
+
+    for r, n, m in [(1, 5, 7), (4, 640, 2048), (8, 33, 130), (11, 64, 64)]:
+        wt = rng.standard_normal((n, m)).astype(np.float32)
+        x = rng.standard_normal((r, n)).astype(np.float32)
+        y = rows.gemm_t(wt, x)
+        for i in range(r):
+            assert np.array_equal(y[i], rows.gemv_t(wt, x[i]))
+        assert np.allclose(y, x.astype(np.float64) @ wt.astype(np.float64), rtol=1e-4, atol=1e-4)
+
+
+def test_shared_readout_is_written_once_and_used_for_every_head(tmp_path, rng):
+    wts = _synthetic_weights(rng, e=16, v=40, k=3)
+    wts.out = wts.out[:1]
+    assert wts.shared_readout
+    r = read_medusa_gguf(write_medusa_gguf(tmp_path / "s.gguf", wts))
+    assert r.out.shape == (1, 40, 16)
+    d = MedusaDrafter(r)
+    h = rng.standard_normal(16).astype(np.float32)
+    got = d.head_logits(h)
+    for k in range(3):
+        u = r.w[k] @ h + r.b[k]
+        assert np.allclose(got[k], r.out[0] @ (h + u / (1 + np.exp(-u))), rtol=1e-4, atol=1e-4)

@@ -49,6 +49,7 @@ numpy when the kernels are not built.
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Sequence
 
@@ -76,22 +77,28 @@ class MedusaCalibration:
         self.n_heads = int(n_heads)
         det = np.tile(_conf_prior(), 2 * self.n_heads)
         self.tracker = AcceptanceTracker(np.concatenate([det, np.full(_N_STOCH_DEPTH, 0.5)]), prior_weight=4.0)
+        self._edges = [float(x) for x in CONF_EDGES]
+        self._est: list[float] | None = None  # the estimates of this step (they change in observe)
 
     def bucket(self, mode: DraftMode, confidence: float, depth: int) -> int:
         if mode == DraftMode.SAMPLE:
             return 2 * _N_CONF * self.n_heads + min(depth, _N_STOCH_DEPTH) - 1
-        b = max(0, min(int(np.searchsorted(CONF_EDGES, confidence, side="right")) - 1, _N_CONF - 1))
+        b = max(0, min(bisect.bisect_right(self._edges, confidence) - 1, _N_CONF - 1))
         head = max(0, min(depth, self.n_heads) - 1)
         return (head * 2 + int(mode)) * _N_CONF + b
 
     def estimate(self, bucket: int) -> float:
-        return self.tracker.estimate(bucket)
+        if self._est is None:
+            self._est = self.tracker.estimates()
+        return self._est[bucket]
 
     def observe(self, tree: TokenTree, emitted) -> None:
         self.tracker.learn(tree, emitted)
+        self._est = None
 
     def reset_request(self) -> None:
         self.tracker.reset_request()
+        self._est = None
 
 
 class _LevelRows:
@@ -168,7 +175,9 @@ class MedusaDrafter:
         # transposed, float32, C-contiguous: what the gemv kernel reads ([n_in, n_out])
         self.w_t = [np.ascontiguousarray(wts.w[k].T, dtype=np.float32) for k in range(self.n_heads)]
         self.b = [np.ascontiguousarray(wts.b[k], dtype=np.float32) for k in range(self.n_heads)]
-        self.out_t = [np.ascontiguousarray(wts.out[k].T, dtype=np.float32) for k in range(self.n_heads)]
+        self.shared = wts.shared_readout
+        n_out = 1 if self.shared else self.n_heads
+        self.out_t = [np.ascontiguousarray(wts.out[k].T, dtype=np.float32) for k in range(n_out)]
         self.softcap = float(wts.softcap)
         self.calib = MedusaCalibration(self.n_heads)
         self.history: list[int] = []
@@ -242,6 +251,7 @@ class MedusaDrafter:
         (C kernels when built; numpy otherwise)."""
         h = np.ascontiguousarray(h, dtype=np.float32)
         out = np.empty((self.n_heads, self.d2t.size), dtype=np.float32)
+        r = np.empty((self.n_heads, self.n_embd), dtype=np.float32)
         use_c = native.enabled()
         if use_c:
             from ..native import rows as native_rows
@@ -250,11 +260,15 @@ class MedusaDrafter:
                 u = native_rows.gemv_t(self.w_t[k], h, self.b[k])
             else:
                 u = h @ self.w_t[k] + self.b[k]
-            r = h + u / (1.0 + np.exp(-u))  # h + SiLU(W h + b)
-            if use_c:
-                native_rows.gemv_t(self.out_t[k], r, out=out[k])
-            else:
-                out[k] = r @ self.out_t[k]
+            r[k] = h + u / (1.0 + np.exp(-u))  # h + SiLU(W h + b)
+        if self.shared:  # one readout: read once for every head
+            out[:] = native_rows.gemm_t(self.out_t[0], r) if use_c else r @ self.out_t[0]
+        else:
+            for k in range(self.n_heads):
+                if use_c:
+                    native_rows.gemv_t(self.out_t[k], r[k], out=out[k])
+                else:
+                    out[k] = r[k] @ self.out_t[k]
         if self.softcap:
             out = np.tanh(out / self.softcap) * self.softcap
         return out

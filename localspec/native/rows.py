@@ -226,3 +226,24 @@ def gemv_t(wt: np.ndarray, x: np.ndarray, b: np.ndarray | None = None, out: np.n
     if rc < 0:
         raise_for(rc)
     return y
+
+
+def gemm_t(wt: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``x @ wt`` ([r, m] float32) for ``wt`` [n, m] C-contiguous float32 and ``x`` [r, n]
+    (``ls_gemm_t``: the matrix read once per 8 rows; each entry sums in row order, the same
+    bits as ``gemv_t`` of that row).
+
+    Raises:
+        ValueError: shapes that do not match.
+    """
+    if wt.dtype != np.float32 or not wt.flags.c_contiguous or wt.ndim != 2:
+        raise ValueError("gemm_t needs a C-contiguous float32 [n, m] matrix")
+    n, m = wt.shape
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != n:
+        raise ValueError(f"x has shape {x.shape}, the matrix {wt.shape}")
+    y = np.empty((x.shape[0], m), dtype=np.float32)
+    rc = lib.ls_gemm_t(wt.ctypes.data, n, m, x.ctypes.data, x.shape[0], y.ctypes.data, _threads())
+    if rc < 0:
+        raise_for(rc)
+    return y
