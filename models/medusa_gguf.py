@@ -28,8 +28,14 @@ name                        shape      type    meaning
 ``medusa.{k}.ffn.weight``   [E, E]     F16     ``W_k`` of the residual block ``h + SiLU(W_k h + b_k)``
 ``medusa.{k}.ffn.bias``     [E]        F32     ``b_k``
 ``medusa.{k}.output.weight`` [V, E]    F16     the head's readout (logits = ``U_k r``), draft ids
+``medusa.output.weight``    [V, E]     F16     instead of the per-head readouts: one readout
+                                               shared by every head (``U_k = U``)
 ``d2t``                     [V]        I64     target id of each draft id (distinct)
 ==========================  =========  ======  ================================================
+
+A shared readout is written whenever the heads' readouts are equal (the default recipe keeps
+them the lm_head's rows): the file is half the size, and the runtime reads the matrix once
+for all K heads (``native.rows.gemm_t``).
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ class MedusaWeights:
     Attributes:
         w: [K, E, E] residual-block matrices (``y = W h + b``).
         b: [K, E] biases.
-        out: [K, V, E] readouts over the draft vocabulary.
+        out: [K, V, E] readouts over the draft vocabulary, or [1, V, E]: one shared by every head.
         d2t: [V] int64 target ids.
         softcap: the target's final logit soft-capping (0 = none).
         target_vocab_size / target_vocab_sha256 / target: see the module docstring.
@@ -85,6 +91,10 @@ class MedusaWeights:
     def n_vocab_draft(self) -> int:
         return int(self.d2t.size)
 
+    @property
+    def shared_readout(self) -> bool:
+        return self.out.shape[0] == 1 or all(np.array_equal(self.out[0], o) for o in self.out[1:])
+
 
 def vocab_fingerprint(model, d2t: np.ndarray) -> str:
     """SHA-256 over the target's pieces (``Model.token_bytes``, special tokens rendered) of the
@@ -104,7 +114,9 @@ def write_medusa_gguf(path: str | os.PathLike, wts: MedusaWeights) -> Path:
 
     path = Path(path)
     k, e = wts.n_heads, wts.n_embd
-    if wts.w.shape != (k, e, e) or wts.b.shape != (k, e) or wts.out.shape != (k, wts.n_vocab_draft, e):
+    if wts.w.shape != (k, e, e) or wts.b.shape != (k, e) or wts.out.shape[1:] != (wts.n_vocab_draft, e) or (
+        wts.out.shape[0] not in (1, k)
+    ):
         raise ValueError(f"inconsistent Medusa shapes: w {wts.w.shape}, b {wts.b.shape}, out {wts.out.shape}, d2t {wts.d2t.shape}")
     tmp = path.with_name(path.name + ".tmp")
     wr = GGUFWriter(str(tmp), ARCH)
@@ -117,10 +129,14 @@ def write_medusa_gguf(path: str | os.PathLike, wts: MedusaWeights) -> Path:
     wr.add_string(f"{ARCH}.target", wts.target)
     wr.add_float32(f"{ARCH}.final_logit_softcapping", float(wts.softcap))
     wr.add_string(f"{ARCH}.training", json.dumps(wts.training, sort_keys=True))
+    shared = wts.shared_readout
     for i in range(k):
         wr.add_tensor(f"{ARCH}.{i}.ffn.weight", np.ascontiguousarray(wts.w[i], dtype=np.float16))
         wr.add_tensor(f"{ARCH}.{i}.ffn.bias", np.ascontiguousarray(wts.b[i], dtype=np.float32))
-        wr.add_tensor(f"{ARCH}.{i}.output.weight", np.ascontiguousarray(wts.out[i], dtype=np.float16))
+        if not shared:
+            wr.add_tensor(f"{ARCH}.{i}.output.weight", np.ascontiguousarray(wts.out[i], dtype=np.float16))
+    if shared:
+        wr.add_tensor(f"{ARCH}.output.weight", np.ascontiguousarray(wts.out[0], dtype=np.float16))
     wr.add_tensor("d2t", np.ascontiguousarray(wts.d2t, dtype=np.int64), raw_dtype=GGMLQuantizationType.I64)
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
@@ -181,7 +197,10 @@ def read_medusa_gguf(path: str | os.PathLike) -> MedusaWeights:
 
     w = np.stack([get(f"{ARCH}.{i}.ffn.weight", (e, e), np.float32) for i in range(k)])
     b = np.stack([get(f"{ARCH}.{i}.ffn.bias", (e,), np.float32) for i in range(k)])
-    out = np.stack([get(f"{ARCH}.{i}.output.weight", (v, e), np.float32) for i in range(k)])
+    if f"{ARCH}.output.weight" in tensors:
+        out = get(f"{ARCH}.output.weight", (v, e), np.float32)[None]
+    else:
+        out = np.stack([get(f"{ARCH}.{i}.output.weight", (v, e), np.float32) for i in range(k)])
     d2t = get("d2t", (v,), np.int64)
     if not (np.isfinite(w).all() and np.isfinite(b).all() and np.isfinite(out).all()):
         raise MedusaFormatError(f"{path} holds non-finite weights")
@@ -237,7 +256,7 @@ def untrained_heads(target, d2t: np.ndarray, n_heads: int = 4, seed: int | None 
         w = np.zeros((n_heads, e, e), np.float32)
     else:
         w = (np.random.default_rng(seed).standard_normal((n_heads, e, e)) * scale).astype(np.float32)
-    return MedusaWeights(w=w, b=np.zeros((n_heads, e), np.float32), out=np.repeat(u0[None], n_heads, axis=0),
+    return MedusaWeights(w=w, b=np.zeros((n_heads, e), np.float32), out=u0[None],
                          d2t=d2t, softcap=tr.softcap, target_vocab_size=tr.n_vocab)  # fmt: skip
 
 

@@ -248,6 +248,11 @@ LS_API int32_t ls_ngram_draft(const ls_ngram *ix, const ls_draft_params *p, int3
  * returns: 0, or LS_ERR_ARG. */
 LS_API int32_t ls_gemv_t(const float *wt, int64_t n, int64_t m, const float *x, const float *b, float *y,
                          int32_t n_threads);
+/* Y = X @ wt: X [nr, n], Y [nr, m] row-major float32, wt as above; the matrix is read once
+ * per 8 rows (Medusa heads sharing one readout). Sums in j order, as ls_gemv_t.
+ * returns: 0, or LS_ERR_ARG. */
+LS_API int32_t ls_gemm_t(const float *wt, int64_t n, int64_t m, const float *x, int64_t nr, float *y,
+                         int32_t n_threads);
 
 #ifdef __cplusplus
 }

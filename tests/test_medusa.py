@@ -348,3 +348,152 @@ def test_shared_readout_is_written_once_and_used_for_every_head(tmp_path, rng):
     for k in range(3):
         u = r.w[k] @ h + r.b[k]
         assert np.allclose(got[k], r.out[0] @ (h + u / (1 + np.exp(-u))), rtol=1e-4, atol=1e-4)
+
+
+MEDUSA_SAMPLING = SamplingParams(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0, verify="rejection")
+
+
+def test_shipped_heads_trees_through_the_engine_propose_path_are_exact(model):
+    """The shipped heads draft 3 i.i.d. children of the root from head 1 at temperature 1
+    (top-k 2, classic rejection sampling) through ``Engine._propose`` with a node budget that
+    keeps 2 of them; every draw enumerated (8 trees), each verified on the target's real rows
+    (restricted to the tokens with probability > 0, which changes no decision): the step's
+    tokens, extended by plain decoding, follow the target's law to 1e-12 (as the EAGLE-3
+    head's test in test_propose_rejection.py)."""
+    from test_propose_rejection import compress
+    from localspec.request_state import RequestState
+    from localspec.tree import TokenSource, TreeBuilder
+    from localspec.verify import verify_rejection
+    from conftest import FakeModel
+
+    heads = _shipped(model)
+    assert heads is not None
+    eng = Engine(model, drafter="none", n_ctx=512, cost_model=fixed_cost_model(), adaptive=False)
+    try:
+        eng.set_drafter("medusa")
+        d = eng.drafter
+        d.width = 3
+        eng.adaptive = False
+        eng.max_tree_nodes = 3
+        prompt = model.tokenize("Question: What is the capital of France?\nAnswer: The capital of France is")
+        eng.reset()
+        d.begin(prompt)
+        eng.cache.prefill(prompt[:-1])
+        # any hidden state gives a valid draft distribution; take the true one of position len - 2
+        from localspec.models.training.medusa_data import FinalNormRecorder
+
+        rec = FinalNormRecorder(model.path, n_batch=64, n_threads=1)
+        try:
+            d.set_final_hidden(len(prompt) - 2, rec.record(prompt[:-1])[-1])
+        finally:
+            rec.close()
+
+        def build(ch):
+            d.sampler = EnumeratedDraftSampler(MEDUSA_SAMPLING.with_seed(0), model.n_vocab, model.suppress_tokens, ch, d.d2t)
+            prop = eng._propose(d, prompt[-1], 2, 256)  # depth 1
+            assert prop.tree.n_nodes == 3 and prop.tree.is_stochastic(1)
+            return prop.tree
+
+        trees = oracle.enumerate_trees(build)
+        assert len(trees) == 8 and abs(sum(p for p, _ in trees) - 1) < 1e-12
+        pos = len(prompt)
+        tcur = RequestState(MEDUSA_SAMPLING.with_seed(0), model, prompt).cursor(pos)
+        draft_support = np.flatnonzero(np.asarray(trees[0][1].draft_dists[0].dense(model.n_vocab)
+                                                  if hasattr(trees[0][1].draft_dists[0], "dense") else trees[0][1].draft_dists[0]))
+        _, lg = eng.cache.decode_tree(TokenTree.root_only(prompt[-1]))
+        root_row = lg[0].copy()
+        eng.cache.truncate(len(prompt) - 1)
+        p_root = tcur.target_probs(root_row)
+        first = np.union1d(np.flatnonzero(p_root), draft_support)
+        tb = TreeBuilder(prompt[-1])
+        for t in first:
+            tb.add(0, int(t), source=TokenSource.NGRAM)
+        t1 = tb.build()
+        _, lg = eng.cache.decode_tree(t1)
+        eng.cache.truncate(len(prompt) - 1)
+        rows_after = {int(t1.token_ids[i]): lg[i].copy() for i in range(1, t1.n_nodes)}
+        cond_after = {
+            t: RequestState(MEDUSA_SAMPLING.with_seed(0), model, prompt + [t]).cursor(pos + 1).target_probs(r)
+            for t, r in rows_after.items()
+        }
+        ids = np.unique(np.concatenate([first] + [np.flatnonzero(c) for c in cond_after.values()]))
+        local_root = root_row[ids]
+        local_after = {t: r[ids] for t, r in rows_after.items()}
+        lc = RequestState(MEDUSA_SAMPLING.with_seed(0), FakeModel(ids.size, eog=()), []).cursor(pos)
+        assert np.allclose(lc.target_probs(local_root), p_root[ids], rtol=0, atol=1e-12)
+
+        def cond(prefix):
+            if not prefix:
+                return lc.target_probs(local_root)
+            return lc.target_probs(local_after[int(ids[prefix[0]])])
+
+        def walk_local(tree, ch):
+            rows = np.stack([local_root] + [local_after[int(tree.token_ids[i])] for i in range(1, tree.n_nodes)])
+            t = compress(tree, ids)
+            req = RequestState(MEDUSA_SAMPLING.with_seed(0), FakeModel(ids.size, eog=()), [])
+            return tuple(verify_rejection(t, rows, oracle.branching_cursor(req.cursor(pos), ch)).tokens)
+
+        law = oracle.step_law(trees, walk_local)
+        assert oracle.max_abs_diff(oracle.extended_law(law, cond, 2), oracle.target_law(cond, 2)) < 1e-12
+    finally:
+        eng.set_drafter(None)
+        eng.close()
+
+
+def test_chi_square_of_sampled_steps_through_the_propose_path(rng):
+    """Not enumerated: 4,000 real rejection-sampling steps (the drafter's own seeded draws, the
+    engine's propose path, ``verify``) on the 4-token world, seeds 0..3999. The first two
+    emitted tokens (extended by the target where a step emitted one) follow the target's law:
+    chi-square over the 16 cells, p > 1e-3."""
+    from conftest import FakeModel, chisquare_pvalue
+    from localspec.request_state import RequestState
+    from test_propose_rejection import rows_of
+
+    d = synthetic_drafter()
+    counts = np.zeros((VS, VS))
+    g = np.random.default_rng(5)
+    n = 4000
+    for seed in range(n):
+        req = RequestState(REJECTION.with_seed(seed), FakeModel(VS, eog=()), [])
+        d.set_sampling(req)
+        p = _Engine._propose(engine_shim(5), d, HISTORY[-1], 8, 1000)
+        cur = req.cursor(10)
+        toks = verify_mod.verify(p.tree, rows_of(p.tree), cur).tokens
+        cur.close()
+        if len(toks) == 1:
+            toks = [toks[0], int(g.choice(VS, p=target_cond((toks[0],))))]
+        counts[toks[0], toks[1]] += 1
+    expect = [target_cond(())[a] * target_cond((a,))[b] for a in range(VS) for b in range(VS)]
+    assert chisquare_pvalue(counts.ravel(), expect) > 1e-3
+
+
+def test_train_medusa_smoke_record_train_export_draft(model, model_path, tmp_path, capsys):
+    """The recipe end to end on a tiny plan: two 96-token chunks recorded (final-norm rows equal
+    to a full decode's), 4 training steps, held-out accuracies reported, an F16 GGUF with a
+    shared readout that the engine loads and drafts with (greedy output = plain decoding)."""
+    pytest.importorskip("torch")
+    from localspec.cli.main import main
+    from localspec.models.training.eagle3_data import DataPlan
+
+    toks = model.tokenize(TEXT * 12)
+    plan = DataPlan([[("text", toks[:96])], [("text", [toks[0]] + toks[96:191])]], 0, {})
+    plan.save(tmp_path / "plan.npz")
+    out = tmp_path / "h.gguf"
+    rc = main(["train-medusa", "--plan", str(tmp_path / "plan.npz"), "--out", str(out), "--work", str(tmp_path / "w"),
+               "--steps", "4", "--batch", "16", "--vocab-size", "256", "--threads", "1", "--json"])  # fmt: skip
+    assert rc == 0
+    import json
+
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["recorded_tokens"] == 192 and res["steps"] == 4 and len(res["val_acc_full_top1"]) == 4
+    w = read_medusa_gguf(out)
+    assert w.out.shape == (1, 256, 640) and w.n_heads == 4 and w.training["val_acc_full_top1"] == [round(a, 4) for a in res["val_acc_full_top1"]]
+    e = Engine(model, drafter="medusa", medusa=out, n_ctx=512, cost_model=fixed_cost_model(), adaptive=False)
+    try:
+        prompt = e.tokenize(TEXT)
+        spec = e.generate(prompt, max_tokens=24, sampling=GREEDY)
+        plain = e.generate(prompt, max_tokens=24, sampling=GREEDY, speculative=False)
+        assert spec.stats.n_spec_steps > 0
+        assert_same_as_plain(e, prompt, plain.token_ids, spec.token_ids)
+    finally:
+        e.close()

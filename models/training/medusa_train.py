@@ -307,7 +307,8 @@ def train_medusa(data: MedusaData, target, cfg: MedusaConfig, *, d2t: np.ndarray
     )  # fmt: skip
     with torch.no_grad():
         wts = MedusaWeights(
-            w=model.w.detach().numpy().copy(), b=model.b.detach().numpy().copy(), out=model.u.detach().numpy().copy(),
+            w=model.w.detach().numpy().copy(), b=model.b.detach().numpy().copy(),
+            out=model.u.detach().numpy()[:1].copy() if cfg.readout_lr_frac <= 0 else model.u.detach().numpy().copy(),
             d2t=d2t, softcap=tr.softcap, target_vocab_size=tr.n_vocab,
             training=dict(config={k: v for k, v in asdict(cfg).items() if k != "deadline"}, steps=step,
                           seconds=round(res.seconds, 1), n_train_positions=res.n_train_tokens,
