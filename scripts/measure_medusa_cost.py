@@ -6,7 +6,8 @@ For each draft-vocabulary size: K heads with a shared readout (the shipped layou
 per-head readouts, random weights of the real shapes (E = the target's hidden size). Each
 round times, interleaved: one target decode of one token with its logits (llama.cpp, the
 engine's thread count) and the heads' whole drafting step (``MedusaDrafter.propose``: the C
-kernels plus the tree's top-k and bookkeeping, width 6). Prints medians and the ratio.
+kernels plus the tree's top-k and bookkeeping, width 6). Prints medians and the ratio; then
+the ``FinalNormTap``'s own cost (decodes with and without it, interleaved).
 """
 
 from __future__ import annotations
@@ -67,6 +68,27 @@ def main() -> None:
             md, mh = np.median(t_dec) * 1e3, np.median(t_heads) * 1e3
             print(f"V={v:5d} readout={'shared' if shared else 'per-head'}: decode {md:6.1f} ms, heads+tree {mh:5.2f} ms "
                   f"({tree.n_nodes} nodes) = {100 * mh / md:4.1f}% of a decode")
+    # the FinalNormTap's own cost: decodes with and without it, interleaved
+    from localspec.backend.features import FinalNormTap
+
+    tap = FinalNormTap(e)
+    ctx2 = Context(m, n_ctx=2048, n_batch=512, n_seq_max=1, cb_eval=tap.callback)
+    b.set_sequence(toks, 0, output="last")
+    ctx2.decode(b)
+    t_plain, t_tap = [], []
+    for i in range(a.rounds):
+        for c, ts in ((ctx, t_plain), (ctx2, t_tap)):
+            b.set_sequence([toks[i % len(toks)]], pos, output="last")
+            t0 = time.perf_counter()
+            c.decode(b)
+            c.logits()
+            ts.append(time.perf_counter() - t0)
+            c.seq_rm(0, pos, -1)
+        assert tap.take().shape == (1, e)
+    mp, mt = np.median(t_plain) * 1e3, np.median(t_tap) * 1e3
+    print(f"decode without tap {mp:.1f} ms, with FinalNormTap {mt:.1f} ms ({100 * (mt - mp) / mp:+.1f}%); "
+          f"{tap.t_callback_us / 1e3 / a.rounds:.2f} ms per decode inside the callback")
+    ctx2.close()
     ctx.close()
     m.close()
 
