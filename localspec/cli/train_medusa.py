@@ -128,7 +128,8 @@ def run_train_medusa(a: argparse.Namespace) -> int:
     summary = dict(out=str(out), recorded_tokens=data.n_tokens, sequences=data.n_seq, steps=res.steps,
                    train_seconds=round(res.seconds, 1), recipe_seconds=round(time.time() - t_start, 1),
                    val_acc_full_top1=res.val_acc_full, val_acc_draft_top1=res.val_acc_draft,
-                   val_top1_in_vocab=res.val_coverage, vocab_size=int(wts.d2t.size))  # fmt: skip
+                   val_top1_in_vocab=res.val_coverage, val_top1_in_vocab_by_size=res.coverage_by_size,
+                   vocab_size=int(wts.d2t.size))  # fmt: skip
     (work / "result.json").write_text(json.dumps(summary, indent=1))
     if a.json:
         print(json.dumps(summary))

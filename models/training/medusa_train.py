@@ -156,6 +156,7 @@ class MedusaResult:
     n_train_tokens: int
     n_val_tokens: int
     log: list[dict] = field(default_factory=list)
+    coverage_by_size: dict = field(default_factory=dict)
 
 
 def _lr(cfg: MedusaConfig, step: int) -> float:
@@ -301,9 +302,14 @@ def train_medusa(data: MedusaData, target, cfg: MedusaConfig, *, d2t: np.ndarray
         va_eval = va_pos
     acc_d, acc_f = evaluate(model, data, va_eval, t_ids[:, 0], d2t, full) if va_eval.size else ([], [])
     coverage = float(np.isin(full[full >= 0], d2t).mean()) if full is not None and (full >= 0).any() else float("nan")
+    by_size = {}  # how often the target's full top-1 lies in a draft vocabulary of each size
+    if full is not None and (full >= 0).any():
+        for size in (1024, 2048, 4096, 8192, 16384):
+            by_size[size] = round(float(np.isin(full[full >= 0], choose_vocab(data, size, tr.n_vocab, tr.eog)).mean()), 4)
     res = MedusaResult(
         steps=step, seconds=time.time() - t0, train_loss=losses[-50:], val_acc_draft=acc_d, val_acc_full=acc_f,
         val_coverage=coverage, n_train_tokens=int(tr_pos.size), n_val_tokens=int(va_pos.size), log=log,
+        coverage_by_size=by_size,
     )  # fmt: skip
     with torch.no_grad():
         wts = MedusaWeights(
@@ -313,6 +319,7 @@ def train_medusa(data: MedusaData, target, cfg: MedusaConfig, *, d2t: np.ndarray
             training=dict(config={k: v for k, v in asdict(cfg).items() if k != "deadline"}, steps=step,
                           seconds=round(res.seconds, 1), n_train_positions=res.n_train_tokens,
                           n_val_positions=res.n_val_tokens, val_acc_full_top1=[round(a, 4) for a in acc_f],
-                          val_acc_draft_top1=[round(a, 4) for a in acc_d], val_top1_in_vocab=round(coverage, 4)),
+                          val_acc_draft_top1=[round(a, 4) for a in acc_d], val_top1_in_vocab=round(coverage, 4),
+                          val_top1_in_vocab_by_size=by_size),
         )  # fmt: skip
     return wts, res
