@@ -585,6 +585,8 @@ class Engine:
                     except DecodeError:
                         if self._tap is not None:
                             self._tap.clear()
+                        if norm_tap is not None:
+                            norm_tap.clear()
                         if stream.cancelled.is_set():
                             raise _Cancelled from None
                         raise
