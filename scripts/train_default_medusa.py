@@ -69,7 +69,8 @@ def main() -> None:
     target = Path(default_model_path())
     argv = ["train-medusa", "--out", str(work / "heads.gguf"), "--work", str(work / "data"),
             "--budget-min", str(a.budget_min), "--record-share", str(a.record_share), "--jobs", str(a.jobs),
-            "--vocab-size", str(a.vocab_size), "--steps", str(a.steps), "--tokens", "4000000"]  # fmt: skip
+            "--vocab-size", str(a.vocab_size), "--steps", str(a.steps), "--tokens", "4000000",
+            "--shard-tokens", "2048"]  # fmt: skip
     if a.only:
         argv += ["--only", a.only]
     if a.plan:

@@ -30,7 +30,8 @@ def register(sub) -> None:
     p.add_argument("--work", default=None, help="plan, shards and log (default: OUT.work/)")
     p.add_argument("--tokens", type=int, default=2_000_000, help="text tokens planned (recording stops at the budget)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per recorded chunk")
-    p.add_argument("--shard-tokens", type=int, default=16384, help="approximate tokens per shard")
+    p.add_argument("--shard-tokens", type=int, default=2048,
+                   help="approximate tokens per shard (recording stops between shards)")  # fmt: skip
     p.add_argument("--budget-min", type=float, default=120.0, help="wall-clock budget of the whole recipe (minutes)")
     p.add_argument("--record-share", type=float, default=0.7, help="share of the budget for recording")
     p.add_argument("--jobs", type=int, default=1, help="recording processes side by side (threads split between them)")
