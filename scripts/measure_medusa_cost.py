@@ -23,6 +23,7 @@ def main() -> None:
     ap.add_argument("--vocab", default="1024,2048,4096,8192")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=None, help="target decode threads (default: all)")
     a = ap.parse_args()
 
     from types import SimpleNamespace
@@ -33,7 +34,7 @@ def main() -> None:
     from localspec.models.medusa_gguf import MedusaWeights
 
     m = Model(default_model_path())
-    ctx = Context(m, n_ctx=2048, n_batch=512, n_seq_max=1)
+    ctx = Context(m, n_ctx=2048, n_batch=512, n_seq_max=1, n_threads=a.threads)
     b = Batch(512, 1)
     toks = m.tokenize("The history of the printing press begins in the fifteenth century. " * 20)[:256]
     b.set_sequence(toks, 0, output="last")
@@ -72,9 +73,10 @@ def main() -> None:
     from localspec.backend.features import FinalNormTap
 
     tap = FinalNormTap(e)
-    ctx2 = Context(m, n_ctx=2048, n_batch=512, n_seq_max=1, cb_eval=tap.callback)
+    ctx2 = Context(m, n_ctx=2048, n_batch=512, n_seq_max=1, n_threads=a.threads, cb_eval=tap.callback)
     b.set_sequence(toks, 0, output="last")
     ctx2.decode(b)
+    tap.clear()
     t_plain, t_tap = [], []
     for i in range(a.rounds):
         for c, ts in ((ctx, t_plain), (ctx2, t_tap)):

@@ -267,7 +267,7 @@ def test_shipped_heads_greedy_equal_plain_over_500_tokens_of_long_context(model)
     shipped heads (found without a path) draft and are accepted, and the output is plain
     decoding's (``assert_same_as_plain``)."""
     assert _shipped(model) is not None
-    e = Engine(model, drafter="none", n_ctx=2048, cost_model=fixed_cost_model())
+    e = Engine(model, drafter="none", n_ctx=2048, cost_model=fixed_cost_model(), max_tree_nodes=16)
     try:
         prompt = e.tokenize(TEXT * 30)[:620]
         ref = e.generate(prompt, max_tokens=500, sampling=GREEDY, speculative=False)
@@ -285,7 +285,7 @@ def test_shipped_heads_greedy_equal_plain_over_500_tokens_of_long_context(model)
 def test_seeded_gumbel_and_rejection_on_the_real_model(model):
     """Seeded Gumbel: the same tokens as plain decoding with that seed. Rejection sampling:
     runs, drafts and accepts (its exactness is the enumeration test above)."""
-    e = Engine(model, drafter="none", n_ctx=1024, cost_model=fixed_cost_model(), adaptive=False)
+    e = Engine(model, drafter="none", n_ctx=1024, cost_model=fixed_cost_model(), adaptive=False, max_tree_nodes=16)
     try:
         prompt = e.tokenize(TEXT * 3)
         gum = SamplingParams(temperature=0.8, seed=7, verify="gumbel")
