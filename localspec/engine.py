@@ -27,7 +27,7 @@ import numpy as np
 
 from .backend import Context, Model, SequenceCache
 from .costmodel import CostModel, calibrate
-from .backend.features import FeatureTap, make_feature_tap
+from .backend.features import FeatureTap, FinalNormTap, make_feature_tap
 from . import native
 from .native import rows as native_rows
 from .drafters import Drafter, TargetHandle, make_drafter
@@ -156,6 +156,11 @@ def _feature_layers(drafter: Drafter | None) -> tuple[int, ...] | None:
     return tuple(k if isinstance(k, str) else int(k) for k in layers) if layers else None
 
 
+def _final_norm(drafter: Drafter | None) -> bool:
+    """Whether ``drafter`` reads the target's final hidden states (Medusa heads)."""
+    return bool(getattr(drafter, "target_final_norm", False))
+
+
 @dataclass
 class _Request:
     """Everything one generation needs, validated."""
@@ -184,6 +189,8 @@ class Engine:
         eagle: the GGUF of an EAGLE-3 head for the target (drafters ``"eagle3"`` and ``"auto"``);
             with no path (and, for ``"auto"``, no draft model), the head shipped for the target
             (default model), if any.
+        medusa: the GGUF of Medusa heads for the target (drafter ``"medusa"``); with no path,
+            the heads shipped for the target (default model), if any.
         draft_shape: a fixed ``TreeShape`` for every step of the ``"eagle3"`` drafter (e.g.
             ``TreeShape(6, 1, 7)``: chains of 6); default: the policy chooses.
         n_ctx: context size in tokens (default: 8192, at most the model's training context).
@@ -217,6 +224,7 @@ class Engine:
         draft_model: Model | str | os.PathLike | None = None,
         draft_n_ctx: int | None = None,
         eagle: str | os.PathLike | None = None,
+        medusa: str | os.PathLike | None = None,
         draft_shape: TreeShape | None = None,
         n_ctx: int | None = None,
         n_threads: int | None = None,
@@ -260,15 +268,20 @@ class Engine:
         self._ctx_args = dict(n_ctx=n_ctx, n_batch=512, n_seq_max=max_tree_nodes + 1, n_threads=n_threads, flash_attn=flash_attn)
         self.drafter: Drafter | None = None
         self._tap: FeatureTap | None = None
+        self._norm_tap: FinalNormTap | None = None
         self._lock = threading.RLock()
         self._active_stream: GenerationStream | None = None
         self.adaptive = adaptive
-        new = self._new_drafter(drafter, draft_model=draft_model, draft_n_ctx=draft_n_ctx, eagle=eagle, draft_shape=draft_shape)
+        new = self._new_drafter(
+            drafter, draft_model=draft_model, draft_n_ctx=draft_n_ctx, eagle=eagle, medusa=medusa, draft_shape=draft_shape
+        )
         try:
-            self._make_context(_feature_layers(new))
+            self._make_context(_feature_layers(new), _final_norm(new))
             self.cost_model = cost_model or calibrate(self.ctx, max_size=max_tree_nodes)
             if self._tap is not None:
                 self._tap.clear()
+            if self._norm_tap is not None:
+                self._norm_tap.clear()
             self.policy = SpeculationPolicy(self.cost_model, max_nodes=max_tree_nodes)
             self._install_drafter(new)
         except BaseException:
@@ -293,12 +306,14 @@ class Engine:
         with self._lock:
             new = self._new_drafter(drafter, **options)
             old = self.drafter
-            if _feature_layers(new) != (self._tap.layers if self._tap else None):
+            if _feature_layers(new) != (self._tap.layers if self._tap else None) or _final_norm(new) != (
+                self._norm_tap is not None
+            ):
                 self.drafter = None
                 if old is not None and old is not new:
                     old.close()
                 old = None
-                self._make_context(_feature_layers(new))
+                self._make_context(_feature_layers(new), _final_norm(new))
             self._install_drafter(new)
             if old is not None and old is not new:
                 old.close()
@@ -318,6 +333,12 @@ class Engine:
 
             if mtp_capable(self.model):  # auto on a target with MTP blocks: n-gram + its MTP block
                 options["mtp"] = True
+        if drafter == "medusa" and "medusa" not in options:
+            from .models.eagle3_heads import shipped_head
+
+            heads = shipped_head(self.model.path, kind="medusa")
+            if heads is not None:
+                options["medusa"] = heads
         if isinstance(drafter, (str, type(None))):
             new = make_drafter(drafter, **options)
         elif options:
@@ -334,13 +355,18 @@ class Engine:
                 raise
         return new
 
-    def _make_context(self, feature_layers: tuple[int, ...] | None) -> None:
-        """(Re)create the target context, with a ``FeatureTap`` when ``feature_layers`` is set."""
+    def _make_context(self, feature_layers: tuple[int, ...] | None, final_norm: bool = False) -> None:
+        """(Re)create the target context, with a ``FeatureTap`` when ``feature_layers`` is set,
+        or a ``FinalNormTap`` when ``final_norm`` (one ``cb_eval`` per context)."""
         old = getattr(self, "ctx", None)
         if old is not None:
             old.close()
+        if feature_layers and final_norm:
+            raise InvalidRequestError("a drafter reads either target layer features or final hidden states, not both")
         self._tap = make_feature_tap(feature_layers, self.model) if feature_layers else None
-        self.ctx = Context(self.model, cb_eval=self._tap.callback if self._tap else None, **self._ctx_args)
+        self._norm_tap = FinalNormTap(self.model.n_embd) if final_norm else None
+        cb = self._tap.callback if self._tap else (self._norm_tap.callback if self._norm_tap else None)
+        self.ctx = Context(self.model, cb_eval=cb, **self._ctx_args)
         if hasattr(self._tap, "bind"):  # NextnTap: llama.cpp's nextn rows, read after each decode
             self._tap.bind(self.ctx)
         self._ctx_generation = self.model.generation
@@ -424,7 +450,7 @@ class Engine:
             self.ctx.close()
             if lost:
                 self.model.reload_if_lost()  # a no-op when another user of the model did it
-            self._make_context(self._tap.layers if self._tap else None)
+            self._make_context(self._tap.layers if self._tap else None, self._norm_tap is not None)
             if self.drafter is not None:
                 self._install_drafter(self.drafter)
 
@@ -592,6 +618,10 @@ class Engine:
                     raise _Cancelled
                 if self._tap is not None:
                     self._tap.clear()
+                norm_tap = self._norm_tap
+                hidden_to = drafter if norm_tap is not None and _final_norm(drafter) else None
+                if norm_tap is not None:
+                    norm_tap.clear()
 
                 def on_chunk(n_done: int, _n_total: int) -> None:
                     rows = self._tap.take()
@@ -604,6 +634,8 @@ class Engine:
                     if stream.cancelled.is_set():
                         raise _Cancelled from None
                     raise
+                if norm_tap is not None:
+                    norm_tap.clear()  # the prefill asks for no logits: no rows
                 t_prefill_end = _now_us()
                 stats.t_prefill_us = t_prefill_end - t_start
                 root = prompt[-1]
@@ -632,10 +664,13 @@ class Engine:
                     except DecodeError:
                         if self._tap is not None:
                             self._tap.clear()
+                        if norm_tap is not None:
+                            norm_tap.clear()
                         if stream.cancelled.is_set():
                             raise _Cancelled from None
                         raise
                     rows = self._tap.take() if self._tap is not None else None  # [pending + nodes, F]
+                    h_rows = norm_tap.take() if norm_tap is not None else None  # [nodes, n_embd]
                     t2 = _now_us()
                     cursor = req.cursor(cache.root_pos + 1)
                     try:
@@ -654,6 +689,9 @@ class Engine:
                     if drafter is not None:
                         drafter.observe(cand, res.tokens)
                         drafter.accept(res.tokens)
+                    if hidden_to is not None and h_rows is not None and h_rows.shape[0] == tree.n_nodes:
+                        # the row that produced the last emitted token: it predicts the next root
+                        hidden_to.set_final_hidden(cache.root_pos - 1, h_rows[res.rows[-1]])
                     req.commit(res.tokens)
                     stats.n_steps += 1
                     n_draft = tree.n_nodes - 1

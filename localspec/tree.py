@@ -93,10 +93,11 @@ class TokenSource(enum.IntEnum):
     EAGLE3 = 3  # accepted draft from an EAGLE-3 head
     RECOVERED = 4  # target token after the drafts below the last accepted node were rejected
     BONUS = 5  # target token after a node whose drafts were all accepted (or that had none)
+    MEDUSA = 6  # accepted draft from Medusa heads
 
     @property
     def is_draft(self) -> bool:
-        return self in (TokenSource.NGRAM, TokenSource.DRAFT_MODEL, TokenSource.EAGLE3)
+        return self in (TokenSource.NGRAM, TokenSource.DRAFT_MODEL, TokenSource.EAGLE3, TokenSource.MEDUSA)
 
 
 @dataclass

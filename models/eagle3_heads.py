@@ -42,15 +42,18 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def shipped_head(target: str | os.PathLike) -> Path | None:
-    """The shipped EAGLE-3 head trained for the GGUF ``target`` (matched by size, then
-    SHA-256), or None when none ships for it."""
+def shipped_head(target: str | os.PathLike, kind: str = "eagle3") -> Path | None:
+    """The shipped head of ``kind`` (``"eagle3"``, or ``"medusa"`` for Medusa heads) trained
+    for the GGUF ``target`` (matched by size, then SHA-256), or None when none ships for it.
+    Manifest entries without a ``kind`` are EAGLE-3 heads."""
     p = Path(target)
     try:
         size = p.stat().st_size
     except OSError:
         return None
     for entry in _manifest():
+        if entry.get("kind", "eagle3") != kind:
+            continue
         head = HEADS_DIR / entry["file"]
         if entry["target_size"] == size and head.exists() and _sha256(p) == entry["target_sha256"]:
             return head

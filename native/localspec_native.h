@@ -240,6 +240,20 @@ LS_API int32_t ls_ngram_draft(const ls_ngram *ix, const ls_draft_params *p, int3
                               double *score_out, int32_t *bucket_out, int32_t *match_len_out,
                               int32_t *support_out);
 
+/* ---- dense heads (ls_matvec.c) --------------------------------------------------------- */
+
+/* y = x @ wt + b: wt is [n, m] row-major (the transposed weight W^T of y = W x + b), x [n],
+ * b [m] or NULL, y [m]; float32. Each y[i] sums over j = 0 .. n-1 in order (the result does
+ * not depend on n_threads, which split the columns).
+ * returns: 0, or LS_ERR_ARG. */
+LS_API int32_t ls_gemv_t(const float *wt, int64_t n, int64_t m, const float *x, const float *b, float *y,
+                         int32_t n_threads);
+/* Y = X @ wt: X [nr, n], Y [nr, m] row-major float32, wt as above; the matrix is read once
+ * per 8 rows (Medusa heads sharing one readout). Sums in j order, as ls_gemv_t.
+ * returns: 0, or LS_ERR_ARG. */
+LS_API int32_t ls_gemm_t(const float *wt, int64_t n, int64_t m, const float *x, int64_t nr, float *y,
+                         int32_t n_threads);
+
 #ifdef __cplusplus
 }
 #endif

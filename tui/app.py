@@ -46,7 +46,8 @@ EngineFactory = Callable[..., Engine]
 ``LocalSpecError`` (e.g. ``ModelLoadError``)."""
 
 PATH_OPTION = {"draft": ("draft_model", "Draft model GGUF (it must share the target's tokenizer)"),
-               "eagle3": ("eagle", "EAGLE-3 head GGUF trained for this model")}  # fmt: skip
+               "eagle3": ("eagle", "EAGLE-3 head GGUF trained for this model"),
+               "medusa": ("medusa", "Medusa heads GGUF trained for this model")}  # fmt: skip
 """Drafters that need a file: the ``Engine`` option that names it, and the dialog's title."""
 
 WIDE = 100  # columns from which the statistics panel is shown by default
@@ -535,12 +536,12 @@ class ChatApp(App):
         ships for the default model, so ``eagle3`` needs none there)."""
         if name not in PATH_OPTION or self._options_for(name).get(PATH_OPTION[name][0]):
             return False
-        if name == "eagle3":
+        if name in ("eagle3", "medusa"):
             from localspec.models.eagle3_heads import shipped_head
 
             engine = self.session.engine
             target = engine.model.path if engine is not None else None
-            return target is None or shipped_head(target) is None
+            return target is None or shipped_head(target, kind=name) is None
         return True
 
     def _chose_drafter(self, name: str | None) -> None:

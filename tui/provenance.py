@@ -22,6 +22,7 @@ LABELS: dict[TokenSource, str] = {
     TokenSource.NGRAM: "n-gram",
     TokenSource.DRAFT_MODEL: "draft model",
     TokenSource.EAGLE3: "EAGLE-3",
+    TokenSource.MEDUSA: "Medusa",
     TokenSource.RECOVERED: "recovered",
     TokenSource.BONUS: "bonus",
 }
@@ -31,6 +32,7 @@ DESCRIPTIONS: dict[TokenSource, str] = {
     TokenSource.NGRAM: "accepted draft from the n-gram drafter",
     TokenSource.DRAFT_MODEL: "accepted draft from the draft model",
     TokenSource.EAGLE3: "accepted draft from the EAGLE-3 head",
+    TokenSource.MEDUSA: "accepted draft from the Medusa heads",
     TokenSource.RECOVERED: "the target's token where a draft was rejected",
     TokenSource.BONUS: "the target's extra token after every draft was accepted",
 }
@@ -40,6 +42,7 @@ _DARK = {
     TokenSource.NGRAM: "#5fd75f",
     TokenSource.DRAFT_MODEL: "#5fafff",
     TokenSource.EAGLE3: "#d787ff",
+    TokenSource.MEDUSA: "#ff87af",
     TokenSource.RECOVERED: "#ffaf5f",
     TokenSource.BONUS: "#5fd7d7",
 }
@@ -47,6 +50,7 @@ _LIGHT = {
     TokenSource.NGRAM: "#008700",
     TokenSource.DRAFT_MODEL: "#005fd7",
     TokenSource.EAGLE3: "#8700af",
+    TokenSource.MEDUSA: "#af005f",
     TokenSource.RECOVERED: "#af5f00",
     TokenSource.BONUS: "#008787",
 }
@@ -54,6 +58,7 @@ _NO_COLOR = {
     TokenSource.NGRAM: Style(underline=True),
     TokenSource.DRAFT_MODEL: Style(underline=True),
     TokenSource.EAGLE3: Style(underline=True),
+    TokenSource.MEDUSA: Style(underline=True),
     TokenSource.RECOVERED: Style(italic=True),
     TokenSource.BONUS: Style(bold=True),
 }

@@ -20,6 +20,7 @@ DRAFTER_HELP = {
     "ngram": "n-gram lookup in the conversation",
     "draft": "a small draft model",
     "eagle3": "an EAGLE-3 head on the target",
+    "medusa": "Medusa heads on the target's hidden state",
     "auto": "the fastest drafter, chosen as it goes",
     "mtp": "the model's own MTP block",
 }

@@ -190,6 +190,64 @@ class NextnTap:
         self._parts = []
 
 
+FINAL_NORM_TENSOR = "result_norm"
+"""The graph tensor holding the target's final hidden states: the output of its final norm,
+the rows the lm_head multiplies (named so by every llama.cpp architecture's graph)."""
+
+
+class FinalNormTap:
+    """Captures the target's final hidden states (``result_norm``) of a decode's output rows.
+
+    llama.cpp computes ``result_norm`` only for the rows that produce logits (it selects the
+    output rows before the last layer's feed-forward), so a decode with ``n_out`` outputs
+    gives ``[n_out, n_embd]`` rows in output order: the rows of the logits it returns. This is
+    what Medusa heads read (``drafters.medusa``): the hidden state the verification decode
+    already computed for the logits, with no extra target call. Not ``embeddings = true``
+    with pooling ``none``: that makes llama.cpp output *every* token of a batch
+    (``output_all`` in ``llama_context::decode``), an lm_head row per prompt token.
+
+    The callback only reads; the decode computes the same numbers as without it.
+
+    Args:
+        n_embd: the target's hidden size.
+    """
+
+    def __init__(self, n_embd: int) -> None:
+        self.n_embd = int(n_embd)
+        self._name = FINAL_NORM_TENSOR.encode()
+        self._parts: list[np.ndarray] = []
+        self.t_callback_us = 0.0
+        self.callback = lib.ggml_backend_sched_eval_callback(self._on_eval)
+
+    def _on_eval(self, t_ptr: int, ask: bool, _user_data) -> bool:
+        t0 = time.perf_counter()
+        try:
+            hit = ctypes.string_at(t_ptr + _NAME_OFFSET) == self._name
+            if ask:
+                return hit
+            if hit:
+                t = GgmlTensor.from_address(t_ptr)
+                if t.type != GGML_TYPE_F32 or int(t.ne[0]) != self.n_embd:
+                    raise TypeError(f"{self._name!r} is not an F32 tensor of width {self.n_embd}")
+                out = np.empty((int(t.ne[1]), self.n_embd), dtype=np.float32)
+                ggml_tensor_get(t_ptr, out.ctypes.data, 0, out.nbytes)
+                self._parts.append(out)
+            return True
+        except Exception:  # never raise into C: a False here would cancel the decode
+            return not ask
+        finally:
+            self.t_callback_us += (time.perf_counter() - t0) * 1e6
+
+    def take(self) -> np.ndarray:
+        """Rows captured since the last ``take`` (all decodes): ``[n_out, n_embd] float32``."""
+        out = np.concatenate(self._parts) if self._parts else np.zeros((0, self.n_embd), dtype=np.float32)
+        self._parts = []
+        return out
+
+    def clear(self) -> None:
+        self._parts = []
+
+
 def make_feature_tap(layers, model):
     """The tap for a drafter's ``target_feature_layers`` on the target ``model``: a
     ``NextnTap`` (rows of ``model.n_embd_out``) for ``(NEXTN_FEATURES,)``, else a

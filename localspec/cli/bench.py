@@ -412,6 +412,7 @@ def run(a: argparse.Namespace) -> int:
             "drafter": a.drafter,
             "draft_model": a.draft_model,
             "eagle": a.eagle or (str(engine.drafter.model.path) if a.drafter == "eagle3" else None),
+            "medusa": a.medusa or (engine.drafter.path if a.drafter == "medusa" else None),
             "draft_shape": getattr(a, "draft_shape", None),
             "max_tokens": a.max_tokens,
             "temperature": a.temperature,

@@ -47,6 +47,7 @@ def run(a: argparse.Namespace) -> int:
     drafter_options = {
         "draft": {"draft_model": a.draft_model, "draft_n_ctx": a.draft_n_ctx},
         "eagle3": {"eagle": a.eagle},
+        "medusa": {"medusa": a.medusa},
     }
 
     native = NativeStderr()

@@ -76,6 +76,9 @@ def add_drafter_args(p: argparse.ArgumentParser, default: str = "ngram") -> None
     g.add_argument("--eagle", default=None, metavar="PATH",
                    help="EAGLE-3 head GGUF for the target (--drafter eagle3|auto; default for both: the head shipped "
                    "for the default model; auto without one, elsewhere, drafts n-grams only)")  # fmt: skip
+    g.add_argument("--medusa", default=None, metavar="PATH",
+                   help="Medusa heads GGUF for the target (--drafter medusa; default: the heads shipped for the "
+                   "default model)")  # fmt: skip
     g.add_argument("--draft-shape", default=None, metavar="D,W,N",
                    help="fixed EAGLE-3 / MTP tree shape: depth, width, node budget (e.g. 6,1,7 = chains of 6)")  # fmt: skip
 
@@ -208,6 +211,7 @@ def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = 
         draft_model=getattr(a, "draft_model", None),
         draft_n_ctx=getattr(a, "draft_n_ctx", None),
         eagle=getattr(a, "eagle", None),
+        medusa=getattr(a, "medusa", None),
         draft_shape=_draft_shape(getattr(a, "draft_shape", None)),
         n_ctx=a.n_ctx,
         n_threads=a.threads,

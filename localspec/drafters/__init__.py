@@ -10,6 +10,9 @@ ngram      prompt-lookup n-gram trees (``NgramDrafter``)   --
 draft      a standalone GGUF draft model                   ``draft_model``, ``draft_n_ctx``
 eagle3     an EAGLE-3 head for the target (the shipped     ``eagle``, ``draft_shape``
            head for the default model when none given)
+medusa     Medusa heads on the target's final hidden      ``medusa``
+           state (the shipped heads for the default
+           model when none given)
 auto       n-gram every step, plus a draft model, an       ``draft_model`` or ``eagle``
            EAGLE-3 head or the target's MTP block when     (optional)
            the policy expects it to pay
@@ -52,6 +55,18 @@ def _eagle3(eagle=None, draft_shape=None) -> Drafter:
     return Eagle3Drafter(eagle, shape=draft_shape)
 
 
+def _medusa(medusa=None) -> Drafter:
+    from .medusa import MedusaDrafter
+
+    if medusa is None:
+        raise InvalidRequestError(
+            "the medusa drafter needs Medusa heads for this target: --medusa PATH (Python: medusa=PATH); "
+            "heads ship only for the default model. `localspec train-medusa` trains them from your text "
+            "(docs/drafters.md#medusa-heads)"
+        )
+    return MedusaDrafter(medusa)
+
+
 def _auto(draft_model=None, draft_n_ctx: int | None = None, eagle=None, mtp: bool = False) -> Drafter:
     from .auto import AutoDrafter
 
@@ -77,6 +92,7 @@ _REGISTRY: dict[str, Callable[..., Drafter]] = {
     "ngram": NgramDrafter,
     "draft": _draft,
     "eagle3": _eagle3,
+    "medusa": _medusa,
     "auto": _auto,
     "mtp": _mtp,
 }

@@ -121,6 +121,8 @@ _SIGNATURES = {
     "ls_ngram_tokens": (c_int64, [c_void_p, c_int64, c_int64, _P]),
     "ls_ngram_lookup": (c_int32, [c_void_p, c_int32, c_int32, c_int32, _P, _P, _P]),
     "ls_ngram_draft": (c_int32, [c_void_p, POINTER(DraftParams), c_int32, _P, _P, _P, _P, _P, _P, _P]),
+    "ls_gemv_t": (c_int32, [_P, c_int64, c_int64, _P, c_void_p, _P, c_int32]),
+    "ls_gemm_t": (c_int32, [_P, c_int64, c_int64, _P, c_int64, _P, c_int32]),
 }  # fmt: skip
 
 

@@ -522,8 +522,9 @@ class DataPlan:
         with np.load(path) as z:
             shards: list[list[tuple[str, list[int]]]] = [[] for _ in range(int(z["n_shards"]))]
             off = 0
+            tokens = z["tokens"]  # read once: each z[...] decompresses the whole array again
             for (s, k), n in zip(z["shard_kind"], z["lengths"]):
-                shards[int(s)].append(("text" if k == 0 else "gen", z["tokens"][off : off + n].tolist()))
+                shards[int(s)].append(("text" if k == 0 else "gen", tokens[off : off + n].tolist()))
                 off += int(n)
             return cls(shards, int(z["gen_tokens"]), json.loads(str(z["meta"])))
 
