@@ -74,11 +74,12 @@ def source_style(source: TokenSource | int, *, dark: bool = True, no_color: bool
 
 
 def legend(*, dark: bool = True, no_color: bool = False) -> Text:
-    """One line naming every source in its own style: ``■ plain ■ n-gram ...``."""
+    """One line naming every source in its own style: ``■ plain ■ n-gram ...`` (one space
+    between entries: all seven fit an 80-column terminal)."""
     out = Text()
     for i, src in enumerate(TokenSource):
         if i:
-            out.append("  ")
+            out.append(" ")
         style = source_style(src, dark=dark, no_color=no_color)
         out.append("■ " if not no_color else "", style=style)
         out.append(LABELS[src], style=style)
