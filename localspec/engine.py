@@ -80,7 +80,8 @@ class GenerationResult:
         token_ids: generated token ids (the same cut).
         finish_reason: ``"stop"`` (end-of-generation token or stop string), ``"length"``
             (``max_tokens`` reached or the context is full), ``"time"`` (``max_time_ms``
-            reached) or ``"cancelled"``.
+            reached), ``"cancelled"``, or ``"error"`` (the generation raised; the exception went
+            to the caller, e.g. ``WorkerLostError``, and this result holds what was emitted before).
         stop: the stop string matched, ``"<eog>"`` for an end-of-generation token, else None.
         sources: how each token was produced (``TokenSource``).
         logprobs: per-token log-probabilities when requested.
@@ -734,6 +735,9 @@ class Engine:
                 finish_reason = "cancelled"
             except GeneratorExit:  # the consumer closed the stream early
                 finish_reason = "cancelled"
+                raise
+            except BaseException:  # the step failed (the exception goes on to the caller)
+                finish_reason = "error"
                 raise
             finally:
                 t_end = _now_us()

@@ -210,8 +210,8 @@ class ScoreCalibration:
         if getattr(self, "_trees", None):
             self._n_requests += 1
             self.log_center += (math.log(self.exponent()) - self.log_center) / min(self._n_requests, 8)
-        self._trees: list[tuple[np.ndarray, float]] = []  # (draft-node scores, accepted)
-        self._w: list[float] = []
+        self._trees: list[tuple[np.ndarray, float, int]] = []  # (draft-node scores, accepted, step)
+        self._step = 0  # steps observed in this request
         self._gamma: float | None = None
         self._max_accepted = 0
 
@@ -224,13 +224,12 @@ class ScoreCalibration:
     def observe(self, scores: np.ndarray, accepted: int) -> None:
         """One step: the draft-node scores of the verified tree (empty for a plain step) and
         how many of its draft tokens the target accepted."""
-        self._w = [w * self.decay for w in self._w]
+        self._step += 1
         if scores.size:
             self._max_accepted = max(self._max_accepted, int(accepted))
-            self._trees.append((np.asarray(scores, dtype=np.float64), float(accepted)))
-            self._w.append(1.0)
+            self._trees.append((np.asarray(scores, dtype=np.float64), float(accepted), self._step))
             if len(self._trees) > self.keep:
-                del self._trees[0], self._w[0]
+                del self._trees[0]
         self._gamma = None
 
     def exponent(self) -> float:
@@ -239,9 +238,10 @@ class ScoreCalibration:
         if not self._trees:
             self._gamma = float(min(max(math.exp(self.log_center), self.lo), self.hi))
             return self._gamma
-        s = np.concatenate([t for t, _ in self._trees])
-        w = np.concatenate([np.full(t.size, w) for (t, _), w in zip(self._trees, self._w)])
-        a = float(sum(w_i * a_i for (_, a_i), w_i in zip(self._trees, self._w)))
+        w_tree = [self.decay ** (self._step - step) for _, _, step in self._trees]  # forgotten per step
+        s = np.concatenate([t for t, _, _ in self._trees])
+        w = np.concatenate([np.full(t.size, w_i) for (t, _, _), w_i in zip(self._trees, w_tree)])
+        a = float(sum(w_i * a_i for (_, a_i, _), w_i in zip(self._trees, w_tree)))
         ls = np.log(np.clip(s, 1e-12, 1.0))
 
         def excess(lg: float) -> float:  # decreasing in lg

@@ -231,14 +231,20 @@ def verify_rejection(tree: TokenTree, logits: np.ndarray, cursor) -> VerifyResul
                 else:
                     residual = nxt
         if accepted >= 0:
-            t = int(tree.token_ids[accepted])
-            tokens.append(t)
-            path.append(accepted)
-            cursor.advance(t)
-            node = accepted
+            node = _descend(tree, accepted, path, tokens, cursor)
             continue
         tokens.append(sample_from(residual, cursor.residual_uniform()))
         return _result(tree, path, tokens)
+
+
+def _descend(tree: TokenTree, child: int, path: list[int], tokens: list[int], cursor) -> int:
+    """Accept draft node ``child`` in a walk: record it in ``path`` / ``tokens``, advance the
+    cursor past its token and return it (the walk's next node)."""
+    t = int(tree.token_ids[child])
+    tokens.append(t)
+    path.append(child)
+    cursor.advance(t)
+    return child
 
 
 @dataclass
@@ -300,11 +306,7 @@ def threshold_walk(tree: TokenTree, logits: np.ndarray, cursor, threshold_single
                 if p > 0.0:
                     tried.append(at)
         if accepted >= 0:
-            t = int(tree.token_ids[accepted])
-            tokens.append(t)
-            path.append(accepted)
-            cursor.advance(t)
-            node = accepted
+            node = _descend(tree, accepted, path, tokens, cursor)
             continue
         if tried:
             residual = probs.copy()

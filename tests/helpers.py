@@ -91,6 +91,22 @@ class RandomDrafter(ScriptedDrafter):
         return b.build()
 
 
+class PlainReferences:
+    """Plain-decoding references memoised per (prompt, n, sampling): with the engine reset
+    before each run, plain output is a function of exactly these, so the tests of one module
+    that compare against the same reference share one decode."""
+
+    def __init__(self) -> None:
+        self._runs: dict = {}
+
+    def get(self, run, eng, prompt, n, sampling):
+        """``run(eng, prompt, n, sampling)`` (the module's plain run), decoded once per key."""
+        key = (tuple(prompt), n, repr(sampling))
+        if key not in self._runs:
+            self._runs[key] = run(eng, prompt, n, sampling)
+        return self._runs[key]
+
+
 def bit_identical_here(engine) -> bool:
     """Where the docs promise bit-identity with plain decoding (docs/gpu.md): localspec's exact
     kernels (``LOCALSPEC_KERNELS=exact``, the default) on llama.cpp's CPU backend."""

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from conftest import fixed_cost_model
-from helpers import REJECTION_SAMPLING, REJECTION_SHAPES, assert_rejection_sampling_exact, assert_same_as_plain
+from helpers import (
+    REJECTION_SAMPLING, REJECTION_SHAPES, PlainReferences, assert_rejection_sampling_exact, assert_same_as_plain,
+)
 from localspec import Engine, SamplingParams
 from localspec.backend import Context, SequenceCache
 from localspec.drafters.draft_model import DraftModelDrafter
@@ -44,17 +46,12 @@ def run(eng, prompt, n, sampling=GREEDY, drafter=None, **kw):
             assert all(drafter.ctx.pos_max(s) == -1 for s in range(1, drafter.ctx.n_seq_max))
 
 
-_PLAIN: dict = {}
+_PLAIN = PlainReferences()
 
 
 def plain_run(eng, prompt, n, sampling=GREEDY):
-    """Plain decoding of ``prompt`` (``run`` without a drafter), decoded once per module for
-    each (prompt, n, sampling): with the engine reset before each run, plain output is a
-    function of exactly these, so tests that compare against the same reference share it."""
-    key = (tuple(prompt), n, repr(sampling))
-    if key not in _PLAIN:
-        _PLAIN[key] = run(eng, prompt, n, sampling)
-    return _PLAIN[key]
+    """Plain decoding of ``prompt`` (``run`` without a drafter), once per module (``PlainReferences``)."""
+    return _PLAIN.get(run, eng, prompt, n, sampling)
 
 
 def no_eog(model, **kw):

@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 
 from conftest import fixed_cost_model
-from helpers import REJECTION_SAMPLING, REJECTION_SHAPES, assert_rejection_sampling_exact, assert_same_as_plain
+from helpers import (
+    REJECTION_SAMPLING, REJECTION_SHAPES, PlainReferences, assert_rejection_sampling_exact, assert_same_as_plain,
+)
 from localspec import Engine, SamplingParams
 from localspec.backend import Batch, Context, Model, SequenceCache
 from localspec.backend.features import FeatureTap
@@ -93,17 +95,12 @@ def test_the_tap_only_reads(model):
     assert np.array_equal(out[0], out[1])
 
 
-_PLAIN: dict = {}
+_PLAIN = PlainReferences()
 
 
 def plain_run(eng, prompt, n, sampling=GREEDY):
-    """Plain decoding of ``prompt`` (``run`` without a drafter), decoded once per module for
-    each (prompt, n, sampling): with the engine reset before each run, plain output is a
-    function of exactly these, so tests that compare against the same reference share it."""
-    key = (tuple(prompt), n, repr(sampling))
-    if key not in _PLAIN:
-        _PLAIN[key] = run(eng, prompt, n, sampling)
-    return _PLAIN[key]
+    """Plain decoding of ``prompt`` (``run`` without a drafter), once per module (``PlainReferences``)."""
+    return _PLAIN.get(run, eng, prompt, n, sampling)
 
 
 def run(eng, prompt, n, sampling=GREEDY, drafter=None):

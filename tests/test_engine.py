@@ -318,7 +318,6 @@ def test_real_model_rejection_and_gumbel_reproduce_the_target_distribution(model
     try:
         prompt = model.tokenize("Once upon a time, there was a")
         cache.prefill(prompt[:-1])
-        probe, _ = None, None
         lay, lg = cache.decode_tree(TreeBuilder(prompt[-1]).build())
         root_row = lg[0].copy()
         cache.commit(TreeBuilder(prompt[-1]).build(), lay, [])

@@ -141,6 +141,22 @@ def test_heads_for_another_target_are_refused(model, tmp_path, rng):
         MedusaDrafter(w).attach(target)
 
 
+
+def test_a_refused_switch_keeps_the_drafter_and_the_conversation(engine, rng):
+    """Switching from the n-gram drafter to heads that need another feature tap (the final
+    norm) used to recreate the target context before the heads were checked: a refused
+    switch left the engine with no drafter and an empty cache. Now the check comes first."""
+    assert engine.drafter_name == "ngram"
+    engine.reset()
+    prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"
+    engine.generate(prompt, max_tokens=4, sampling=SamplingParams.greedy())
+    ctx = engine.ctx
+    with pytest.raises(ModelLoadError, match="hidden states of size 64"):
+        engine.set_drafter(MedusaDrafter(_synthetic_weights(rng, e=64)))
+    assert engine.drafter_name == "ngram" and engine.ctx is ctx
+    r = engine.generate(prompt, max_tokens=4, sampling=SamplingParams.greedy())
+    assert r.stats.n_cached_tokens > 0
+
 # -- the final hidden states ---------------------------------------------------------------------
 
 

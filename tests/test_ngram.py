@@ -1,5 +1,3 @@
-import numpy as np
-
 from localspec.drafters.ngram import NgramDrafter
 from localspec.drafters.ngram_index import NgramIndex
 from localspec.tree import TokenSource

@@ -90,7 +90,6 @@ def bench_drafters(model, head_path, *, shapes=(TreeShape(6, 1, 7, 0.0), TreeSha
             d = Eagle3Drafter(head_path, shape=shape)
             eng = Engine(model, drafter=d, n_ctx=4096, n_threads=n_threads, cost_model=plain.cost_model, adaptive=False)
             level_t: dict[int, list[float]] = {}
-            level_calls: dict[int, list[int]] = {}
             catch_up: list[int] = []
             host_per_node: list[float] = []
             n_nodes: list[int] = []

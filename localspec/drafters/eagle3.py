@@ -47,6 +47,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .. import native
 from ..backend import Model
 from ..backend.model import gguf_tensor
 from ..backend._llama import ext, model_target_layer_ids, model_target_layer_ids_n
@@ -79,7 +80,7 @@ class Eagle3Drafter(ModelDrafter):
     Args:
         head: the head's GGUF path (architecture ``eagle3``) or a loaded ``Model``.
         n_gpu_layers: offload on CUDA / Metal builds.
-        max_depth / max_width / shape: see ``ModelDrafter``.
+        max_depth / max_width / shape / n_threads: see ``ModelDrafter``.
     Raises:
         ModelLoadError: not an EAGLE-3 head, or made for another hidden size (at ``attach``).
         VocabMismatchError: (at ``attach``) its tokenizer is not the target's.
@@ -96,8 +97,11 @@ class Eagle3Drafter(ModelDrafter):
         max_depth: int = 8,
         max_width: int = 8,
         shape: TreeShape | None = None,
+        n_threads: int | None = None,
     ) -> None:
-        super().__init__(head, n_gpu_layers=n_gpu_layers, max_depth=max_depth, max_width=max_width, shape=shape)
+        super().__init__(
+            head, n_gpu_layers=n_gpu_layers, max_depth=max_depth, max_width=max_width, shape=shape, n_threads=n_threads
+        )
         if self.model.architecture != "eagle3":
             arch = self.model.architecture
             self.close()
@@ -113,14 +117,15 @@ class Eagle3Drafter(ModelDrafter):
     def _numpy_fc(self) -> np.ndarray | None:
         """The encoder's ``fc`` as [n_embd, 3 * n_embd_target] float32 when numpy can apply it
         exactly as the graph does (an unquantised matrix and no norm before it); else None
-        (the encoder then runs in llama.cpp: one more call per level 0)."""
+        (the encoder then runs in llama.cpp: one more call per level 0). Kept transposed,
+        [3 * n_embd_target, n_embd], the layout of the C kernel ``gemm_t``."""
         norm = (self.model.meta("eagle3.norm_before_fc") or "false").lower()
         if norm not in ("false", "0"):
             return None
         w = gguf_tensor(self.model.path, "fc.weight", float_only=True)
         if w is None or w.shape != (self.n_embd, 3 * self.n_embd_target):
             return None
-        return np.ascontiguousarray(w, dtype=np.float32)
+        return np.ascontiguousarray(w.T, dtype=np.float32)  # [3 * n_embd_target, n_embd]
 
     def _reset_state(self) -> None:
         self.kv_len = 0  # head KV seq 0 holds entries for positions 0 .. kv_len - 1
@@ -133,14 +138,29 @@ class Eagle3Drafter(ModelDrafter):
         """Positions ``0 .. n - 1`` of the history whose target features the head has."""
         return self.kv_len + self.feat.shape[0]
 
-    def attach(self, target: TargetHandle) -> None:
-        """Check the head against the target and create its context (sharing the target's)."""
-        check_vocab(target.model, self.model)
-        if target.model.n_embd != self.n_embd_target:
+    def check_target(self, model: Model) -> None:
+        """Check the head against the target ``model``: its tokenizer and hidden size (the
+        engine calls this before it changes anything, so a refused head loses nothing).
+        Checked once per target model.
+
+        Raises:
+            VocabMismatchError: the head's tokenizer is not the target's.
+            ModelLoadError: the head reads features of another hidden size.
+        """
+        if getattr(self, "_checked_for", None) is model:
+            return
+        check_vocab(model, self.model)
+        if model.n_embd != self.n_embd_target:
             raise ModelLoadError(
                 f"this EAGLE-3 head reads features of hidden size {self.n_embd_target}, the target has "
-                f"{target.model.n_embd}: it was made for another model"
+                f"{model.n_embd}: it was made for another model"
             )
+        self._checked_for = model
+
+    def attach(self, target: TargetHandle) -> None:
+        """Check the head against the target (``check_target``) and create its context
+        (sharing the target's)."""
+        self.check_target(target.model)
         if target.features is None or tuple(target.features.layers) != self.target_feature_layers:
             raise RuntimeError("the engine must capture the head's target layers (target_feature_layers)")
         self.bind(target, n_ctx=target.n_ctx, ctx_other=target.tensor_source)
@@ -261,9 +281,16 @@ class Eagle3Drafter(ModelDrafter):
 
     def _encode(self, feats: np.ndarray) -> np.ndarray:
         """The encoder (``fc``) over target feature rows: [n, 3 * n_embd_target] -> [n, n_embd]
-        float32; in numpy when it is a plain matrix product (``_numpy_fc``)."""
+        float32; on the host when it is a plain matrix product (``_numpy_fc``): the C kernel
+        ``gemm_t``, or numpy without the native library. (numpy's BLAS would start a thread
+        pool whose spinning threads then compete with llama.cpp's for the cores: measured on 2
+        cores, it doubled the time of the head's next llama.cpp call.)"""
         if self.fc is not None:
-            return np.ascontiguousarray(feats @ self.fc.T, dtype=np.float32)
+            if native.enabled():
+                from ..native import rows as native_rows
+
+                return native_rows.gemm_t(self.fc, feats)
+            return np.ascontiguousarray(feats @ self.fc, dtype=np.float32)
         out = np.empty((feats.shape[0], self.n_embd), dtype=np.float32)
         b = self.batch
         n_batch = self.ctx.n_batch

@@ -190,8 +190,9 @@ class MedusaDrafter:
 
     # -- set-up -----------------------------------------------------------------------------
 
-    def attach(self, target: TargetHandle) -> None:
-        """Check the heads against the target.
+    def check_target(self, model) -> None:
+        """Check the heads against the target ``model`` (the engine calls this before it
+        changes anything, so a refused drafter loses nothing).
 
         Raises:
             ModelLoadError: another hidden size or vocabulary size.
@@ -199,7 +200,6 @@ class MedusaDrafter:
         """
         from ..models.medusa_gguf import vocab_fingerprint
 
-        model = target.model
         where = self.path or "the Medusa heads"
         if model.n_embd != self.n_embd:
             raise ModelLoadError(
@@ -218,6 +218,11 @@ class MedusaDrafter:
                 f"{where} draft tokens whose texts differ in this target's vocabulary: they were trained "
                 "for another tokenizer (`localspec train-medusa` makes heads for yours)"
             )
+
+    def attach(self, target: TargetHandle) -> None:
+        """Check the heads against the target (``check_target``) and bind to it."""
+        model = target.model
+        self.check_target(model)
         self.n_vocab = model.n_vocab
         self.suppress_ids = model.suppress_tokens
         self.sampler = None

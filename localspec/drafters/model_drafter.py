@@ -59,6 +59,8 @@ class ModelDrafter(abc.ABC):
             draft context's scratch sequences).
         shape: a fixed ``TreeShape`` for every step (tests, experiments; the engine's plan
             then always drafts with it); default: the shape the engine's policy plans.
+        n_threads: CPU threads of the draft context (llama.cpp's ``--threads-draft``);
+            default: the target's.
     """
 
     name = "model"
@@ -72,8 +74,10 @@ class ModelDrafter(abc.ABC):
         max_depth: int = 8,
         max_width: int = 8,
         shape: TreeShape | None = None,
+        n_threads: int | None = None,
     ) -> None:
         self._owns_model = not isinstance(model, Model)
+        self.n_threads = n_threads
         self.model = model if isinstance(model, Model) else Model(model, n_gpu_layers=n_gpu_layers)
         self.max_depth = max_depth
         self.max_width = max_width
@@ -168,7 +172,7 @@ class ModelDrafter(abc.ABC):
             n_ctx=n_ctx,
             n_batch=512,
             n_seq_max=min(256, self.n_slots + 1),
-            n_threads=target.n_threads,
+            n_threads=self.n_threads or target.n_threads,
             ctx_other=ctx_other,
             mtp=mtp,
         )

@@ -22,7 +22,6 @@ folded into ``fc`` at export (``to_weights``), so the GGUF needs no extra operat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 import torch

@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,6 +29,7 @@ from .eagle3_data import Shard, load_shard
 from ..eagle3_gguf import Eagle3Config, default_target_layers, write_eagle3_gguf
 from .eagle3_torch import Eagle3Head
 from ..gguf_index import GGUFIndex
+from .schedule import warmup_cosine
 
 STEP_WEIGHT = 0.8
 
@@ -322,11 +322,8 @@ def init_from_target(model: Eagle3Head, tt: TargetTensors) -> None:
 # -- the loop --------------------------------------------------------------------------------
 
 
-def _lr(cfg: TrainConfig, step: int) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+def _lr(cfg, step: int) -> float:
+    return warmup_cosine(step, lr=cfg.lr, warmup=cfg.warmup, steps=cfg.steps, min_lr_frac=cfg.min_lr_frac)
 
 
 @dataclass

@@ -29,7 +29,6 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -37,6 +36,7 @@ import torch.nn.functional as F
 
 from ..medusa_gguf import TargetReadout, read_target_readout
 from .medusa_data import MedusaData
+from .schedule import warmup_cosine
 
 
 @dataclass
@@ -159,11 +159,8 @@ class MedusaResult:
     coverage_by_size: dict = field(default_factory=dict)
 
 
-def _lr(cfg: MedusaConfig, step: int) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + np.cos(np.pi * min(1.0, t))))
+def _lr(cfg, step: int) -> float:
+    return warmup_cosine(step, lr=cfg.lr, warmup=cfg.warmup, steps=cfg.steps, min_lr_frac=cfg.min_lr_frac)
 
 
 def full_top1(tr: "TargetReadout", h: np.ndarray, chunk: int = 16384) -> np.ndarray:
