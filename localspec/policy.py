@@ -208,12 +208,31 @@ class ScoreCalibration:
 
     def begin_request(self) -> None:
         if getattr(self, "_trees", None):
-            self._n_requests += 1
-            self.log_center += (math.log(self.exponent()) - self.log_center) / min(self._n_requests, 8)
+            self._fold(self.exponent())
         self._trees: list[tuple[np.ndarray, float, int]] = []  # (draft-node scores, accepted, step)
         self._step = 0  # steps observed in this request
         self._gamma: float | None = None
         self._max_accepted = 0
+
+    def _fold(self, exponent: float) -> None:
+        """Fold a finished request's exponent into the long-run one (a running geometric
+        mean over the last ~8 requests)."""
+        self._n_requests += 1
+        self.log_center += (math.log(exponent) - self.log_center) / min(self._n_requests, 8)
+
+    def for_request(self) -> "ScoreCalibration":
+        """A calibration for one of several concurrent requests (``BatchScheduler``): fresh,
+        starting from this one's long-run exponent; ``end_request`` folds it back."""
+        c = ScoreCalibration(lam=self.lam, decay=self.decay, lo=self.lo, hi=self.hi, keep=self.keep,
+                             first_nodes=self.first_nodes)  # fmt: skip
+        c.log_center = self.log_center
+        return c
+
+    def end_request(self, done: "ScoreCalibration") -> None:
+        """A concurrent request made by ``for_request`` ended: its exponent joins the long-run
+        one (when it verified any tree)."""
+        if done._trees:
+            self._fold(done.exponent())
 
     def trust_nodes(self) -> int:
         """Largest tree worth risking now: ``first_nodes`` until this request has verified

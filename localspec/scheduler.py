@@ -26,7 +26,8 @@ Node budget (``allocate_nodes``): one pool of every candidate node's acceptance 
 (the drafters' node scores); the step takes the ``k`` best nodes that maximise expected
 emitted tokens per µs, ``(n_requests + sum of the k scores) / (t(b) + host(b))``, where ``t(b)``
 is the measured decode cost (``CostModel``) of the whole batch of ``b`` tokens. With one
-request this is the engine's policy; as the batch fills, ``t(b)`` grows and drafts stop
+request this is the engine's policy (with its per-request ``ScoreCalibration`` of the verified
+trees and its trust region, one per slot); as the batch fills, ``t(b)`` grows and drafts stop
 paying, so speculation fades, and it returns when the batch empties (the design notes:
 speculation is a low-concurrency optimisation).
 
@@ -52,7 +53,7 @@ from .costmodel import CostModel, calibrate
 from .drafters import make_drafter
 from .engine import GenerationResult, StreamChunk, TokenLogprob, Engine
 from .errors import ContextOverflowError, InvalidRequestError, KVCacheError
-from .policy import SpeculationPolicy
+from .policy import ScoreCalibration, SpeculationPolicy
 from .request_state import RequestState
 from .sampling import SamplingParams
 from .stats import GenerationStats, count_sources
@@ -81,6 +82,7 @@ def allocate_nodes(
     max_nodes: Sequence[int] | int = 64,
     t_extra_us: float = 0.0,
     min_gain: float = 0.05,
+    calibrations: Sequence[ScoreCalibration | None] | None = None,
 ) -> list[int]:
     """Split one step's node budget across requests.
 
@@ -92,6 +94,10 @@ def allocate_nodes(
         max_nodes: per request (or for all) the largest tree, root included.
         t_extra_us: time already spent this step whatever is verified (drafting).
         min_gain: draft only for an expected rate this fraction above no drafts at all.
+        calibrations: per request, the ``ScoreCalibration`` of its verified trees so far (or
+            None): its candidates' scores become ``score ** gamma`` before pooling, as in the
+            single-request policy (``SpeculationPolicy.choose``). Order is preserved, so each
+            request's chosen nodes are still its best subtree.
 
     Returns:
         per request the tree size ``n >= 1`` to verify (1 = root only, a plain decode).
@@ -108,6 +114,8 @@ def allocate_nodes(
         if c is None or c.n_nodes <= 1 or max_nodes[r] <= 1:
             continue
         s = np.sort(np.asarray(c.score[1:], dtype=np.float64))[::-1][: max_nodes[r] - 1]
+        if calibrations is not None and calibrations[r] is not None:
+            s = calibrations[r].calibrate(s)
         pool.extend((float(x), r) for x in s if x > 0)
     out = [1] * R
     if not pool or R == 0:
@@ -189,6 +197,7 @@ class _Slot:
     drafter: object | None
     assembler: TextAssembler
     stats: GenerationStats
+    calib: ScoreCalibration | None = None  # its verified trees' score calibration (None: no drafter)
     tokens: list[int] = field(default_factory=list)  # committed, in KV (positions 0..n-1)
     pending: list[int] = field(default_factory=list)  # accepted, decoded again next step
     root: int = 0
@@ -484,7 +493,8 @@ class BatchScheduler:
         stats.set_thresholds(sampler.params, drafted=drafter is not None)
         stats.n_prompt_tokens = len(job.prompt)
         s = _Slot(job=job, index=index, base=base, sampler=sampler, drafter=drafter,
-                  assembler=TextAssembler(self.model.token_bytes, job.stop), stats=stats)  # fmt: skip
+                  assembler=TextAssembler(self.model.token_bytes, job.stop), stats=stats,
+                  calib=self.policy.calibration.for_request() if drafter is not None else None)  # fmt: skip
         if drafter is not None:
             if hasattr(drafter, "set_sampling"):
                 drafter.set_sampling(sampler)
@@ -536,11 +546,14 @@ class BatchScheduler:
     # -- one step -----------------------------------------------------------------------------
 
     def _propose(self, s: _Slot) -> tuple[TokenTree | None, float, int]:
-        """The candidate tree (or None), drafting µs and the request's node limit."""
+        """The candidate tree (or None), drafting µs and the request's node limit (with the
+        adaptive policy, at most its calibration's trust region: ``ScoreCalibration.trust_nodes``)."""
         remaining = s.job.max_tokens - len(s.out_tokens)
         n_free = self.n_ctx_slot - s.root_pos
         max_depth = min(remaining - 1, n_free - 1)
         max_nodes = min(self.max_tree_nodes, n_free)
+        if self.adaptive and s.calib is not None:
+            max_nodes = min(max_nodes, s.calib.trust_nodes())
         if s.drafter is None or max_depth <= 0 or max_nodes <= 1:
             return None, 0.0, 1
         t0 = _now_us()
@@ -574,6 +587,7 @@ class BatchScheduler:
                 max_nodes=[p[2] for p in props],
                 t_extra_us=t_draft,
                 min_gain=policy.min_gain,
+                calibrations=[s.calib for s in active],
             )
         else:
             sizes = [p[2] if p[0] is not None else 1 for p in props]
@@ -638,6 +652,8 @@ class BatchScheduler:
             want = s.sampler.params.logprobs
             lps = Engine._logprobs(rows, res, want) if want is not None else None
             self._commit(s, tree, lay, res.path)
+            if s.calib is not None:  # every step, so that plain steps age the evidence
+                s.calib.observe(np.asarray(tree.score[1:], dtype=np.float64), len(res.path))
             if s.drafter is not None and cand is not None:
                 s.drafter.observe(cand, res.tokens)
                 s.drafter.accept(res.tokens)
@@ -746,6 +762,8 @@ class BatchScheduler:
         st.t_total_us = t_end - job.t_submit_us
         if s.drafter is not None:
             s.drafter.close()
+        if s.calib is not None:
+            self.policy.calibration.end_request(s.calib)
         s.sampler.close()
         job.result = GenerationResult(
             text=s.assembler.text,
