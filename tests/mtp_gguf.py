@@ -35,6 +35,19 @@ N_SPECIAL = 3  # <unk>, <s>, </s>
 N_VOCAB = N_SPECIAL + 256
 
 
+def _add_tokenizer(w) -> None:
+    """The tiny test vocabulary (``_vocab``) as a llama-style tokenizer: UNK 0, BOS 1, EOS 2."""
+    tokens, scores, types = _vocab()
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+
 def _vocab():
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     scores = [0.0] * len(tokens)
@@ -113,15 +126,7 @@ def write_tiny_glm4moe(
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if nextn:
         w.add_nextn_predict_layers(1)
-    tokens, scores, types = _vocab()
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    _add_tokenizer(w)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
 
@@ -205,15 +210,7 @@ def write_tiny_mamba(path: str | os.PathLike, *, seed: int = 0, n_embd: int = 32
     w.add_ssm_state_size(d_state)
     w.add_ssm_time_step_rank(dt_rank)
     w.add_layer_norm_rms_eps(1e-5)
-    tokens, scores, types = _vocab()
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    _add_tokenizer(w)
 
     def t(kind, bid, suffix, arr):
         w.add_tensor(names[kind].format(bid=bid) + suffix, np.ascontiguousarray(arr, dtype=np.float32))

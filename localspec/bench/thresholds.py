@@ -130,40 +130,33 @@ class World:
         return req.cursor(0)
 
 
-def top_tree(world: World, widths: Sequence[int]):
-    """The tree a good drafter proposes: under every node at depth d, the target's
-    ``widths[d]`` most likely tokens, most likely first. Returns ``(tree, rows)``."""
+def _grown_tree(world: World, widths: Sequence[int], children):
+    """A tree grown level by level: under every node at depth d, the tokens ``children(path,
+    widths[d])`` (in that order). Returns ``(tree, rows)``, ``rows`` the world's logits of each node."""
     b = TreeBuilder(0)
     paths = {0: ()}
     frontier = [0]
     for w in widths:
         nxt = []
         for node in frontier:
-            order = np.argsort(-world.probs(paths[node]), kind="stable")[:w]
-            for t in order:
+            for t in children(paths[node], w):
                 c = b.add(node, int(t), source=TokenSource.NGRAM)
                 paths[c] = paths[node] + (int(t),)
                 nxt.append(c)
         frontier = nxt
     tree = b.build()
     return tree, np.stack([world.logits(paths[i]) for i in range(tree.n_nodes)])
+
+
+def top_tree(world: World, widths: Sequence[int]):
+    """The tree a good drafter proposes: under every node at depth d, the target's
+    ``widths[d]`` most likely tokens, most likely first. Returns ``(tree, rows)``."""
+    return _grown_tree(world, widths, lambda path, w: np.argsort(-world.probs(path), kind="stable")[:w])
 
 
 def random_tree(world: World, widths: Sequence[int], rng: np.random.Generator):
     """A poor drafter's tree: distinct random tokens (``widths[d]`` under each node at depth d)."""
-    b = TreeBuilder(0)
-    paths = {0: ()}
-    frontier = [0]
-    for w in widths:
-        nxt = []
-        for node in frontier:
-            for t in rng.choice(world.n_vocab, size=min(w, world.n_vocab), replace=False):
-                c = b.add(node, int(t), source=TokenSource.NGRAM)
-                paths[c] = paths[node] + (int(t),)
-                nxt.append(c)
-        frontier = nxt
-    tree = b.build()
-    return tree, np.stack([world.logits(paths[i]) for i in range(tree.n_nodes)])
+    return _grown_tree(world, widths, lambda path, w: rng.choice(world.n_vocab, size=min(w, world.n_vocab), replace=False))
 
 
 def exact_step_law(world: World, tree, rows: np.ndarray, threshold_single: float, threshold_acc: float) -> dict:

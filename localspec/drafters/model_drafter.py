@@ -172,7 +172,7 @@ class ModelDrafter(abc.ABC):
             n_ctx=n_ctx,
             n_batch=512,
             n_seq_max=min(256, self.n_slots + 1),
-            n_threads=self.n_threads or target.n_threads,
+            n_threads=getattr(self, "n_threads", None) or target.n_threads,
             ctx_other=ctx_other,
             mtp=mtp,
         )
