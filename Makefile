@@ -57,8 +57,11 @@ rpc-server: $(RPC_SERVER)
 run: $(VENV)/.installed
 	$(VENV)/bin/localspec generate "$$(printf '$(PROMPT)')" --max-tokens 128 --temperature 0 --compare
 
+# Two xdist workers, each pinned to its share of the CPUs (tests/conftest.py), whole files per
+# worker (module fixtures are built once); TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed $(RPC_SERVER)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) build *.egg-info localspec/native/_lsnative*

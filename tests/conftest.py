@@ -3,10 +3,31 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
-from localspec.costmodel import CostModel
+
+def _pin_xdist_worker() -> None:
+    """Under pytest-xdist (``make test`` runs ``-n 2``): give each worker its own share of the
+    CPUs this process may use, before llama.cpp starts any thread. llama.cpp sizes its thread
+    pool from the affinity mask (``default_threads``), and two workers each spinning threads
+    on every core would slow each other 10-100x; one core per worker on 2 CPUs instead runs
+    two tests at once. Subprocesses (CLI and server tests) inherit the mask."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not worker.startswith("gw") or n < 2 or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < n:
+        return
+    os.sched_setaffinity(0, cpus[int(worker[2:]) % n :: n])
+
+
+_pin_xdist_worker()
+
+from localspec.costmodel import CostModel  # noqa: E402 - after the pinning (it loads llama.cpp)
 
 # A fixed cost table (ms measured on a 2-core CPU, see docs/architecture.md), so tests do not
 # spend seconds calibrating and behave the same on every machine.

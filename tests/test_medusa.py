@@ -278,20 +278,21 @@ def _shipped(model):
     return shipped_head(model.path, kind="medusa")
 
 
-def test_shipped_heads_greedy_equal_plain_over_500_tokens_of_long_context(model):
-    """Temperature 0, a 620-token prompt (past Gemma 3's 512-token window), 500 tokens: the
+def test_shipped_heads_greedy_equal_plain_over_300_tokens_of_long_context(model):
+    """Temperature 0, a 620-token prompt (past Gemma 3's 512-token window), 300 tokens: the
     shipped heads (found without a path) draft and are accepted, and the output is plain
-    decoding's (``assert_same_as_plain``)."""
+    decoding's (``assert_same_as_plain``). (Trees of 8 nodes on every step: with 16 nodes and
+    500 tokens this one test took 3 minutes of the suite.)"""
     assert _shipped(model) is not None
-    e = Engine(model, drafter="none", n_ctx=2048, cost_model=fixed_cost_model(), max_tree_nodes=16)
+    e = Engine(model, drafter="none", n_ctx=2048, cost_model=fixed_cost_model(), max_tree_nodes=8)
     try:
         prompt = e.tokenize(TEXT * 30)[:620]
-        ref = e.generate(prompt, max_tokens=500, sampling=GREEDY, speculative=False)
+        ref = e.generate(prompt, max_tokens=300, sampling=GREEDY, speculative=False)
         e.set_drafter("medusa")
         e.reset()
         e.adaptive = False  # verify every tree: the heads' drafts meet the target on every step
-        res = e.generate(prompt, max_tokens=500, sampling=GREEDY)
-        assert res.stats.n_generated_tokens == 500
+        res = e.generate(prompt, max_tokens=300, sampling=GREEDY)
+        assert res.stats.n_generated_tokens == 300
         assert res.stats.token_sources.get("medusa", 0) > 0
         assert_same_as_plain(e, prompt, ref.token_ids, res.token_ids)
     finally:
