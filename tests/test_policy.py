@@ -1,7 +1,7 @@
 import numpy as np
 
 from conftest import fixed_cost_model
-from localspec.policy import AcceptanceTracker, ScoreCalibration, SpeculationPolicy
+from localspec.policy import AcceptanceTracker, Choice, ModelDraftStats, ScoreCalibration, SpeculationPolicy, TreeShape
 from localspec.tree import TokenSource, TokenTree
 
 
@@ -354,3 +354,36 @@ def test_score_calibration_fits_forgets_and_carries_over():
     c.begin_request()  # a new request starts from the long-run exponent, above 1 now
     assert 1.0 < c.exponent() < g
     np.testing.assert_allclose(c.calibrate(np.array([0.5, 0.25])), np.array([0.5, 0.25]) ** c.exponent())
+
+
+def test_the_model_step_is_credited_only_with_what_it_adds():
+    """``auto`` verifies the head's tree merged with the n-gram tree. A head whose drafts are
+    accepted 3 tokens deep, but only 0.2 tokens beyond what the n-gram tree got, adds its
+    drafting time and little else: ``prefer_model`` says no (it used to credit the head with
+    its whole acceptance length, and said yes). With a real gain it says yes, and a model
+    drafting alone (the cheap tree is the root: gain = acceptance length) is judged as before."""
+    pol = SpeculationPolicy(fixed_cost_model(), max_nodes=64)
+    shape = TreeShape(depth=4, width=1, max_nodes=5)
+    t5 = pol.cost.t_decode_us(5) + pol.host_us(5)
+    cheap = Choice(5, 3.0, 3.0 / t5)  # the n-gram tree: 3 tokens expected from 5 nodes
+    stats = ModelDraftStats(t_draft_us=2000.0, n_steps=10, t_host_us=200.0)
+    stats.accept_length, stats.gain_length = 3.0, 0.2
+    assert not pol.prefer_model(cheap, stats, shape)
+    stats.gain_length = 3.5  # 4.5 tokens expected from the model step, against the cheap step's 3
+    assert pol.prefer_model(cheap, stats, shape)
+    alone = Choice(1, 1.0, 1.0 / (pol.cost.t_decode_us(1) + pol.host_us(1)))
+    stats.accept_length = stats.gain_length = 3.0
+    assert pol.prefer_model(alone, stats, shape)
+    stats.accept_length = stats.gain_length = 0.3
+    assert not pol.prefer_model(alone, stats, shape)
+
+
+def test_auto_records_the_heads_gain_beyond_the_ngram_tree():
+    """``ModelDraftStats.observe_accept`` with a baseline: accept_length counts the model's
+    tree, gain_length only what it got beyond the cheap drafts."""
+    st = ModelDraftStats()
+    st.n_steps = 1
+    st.observe_accept(3, gain=0)
+    assert st.accept_length == 3.0 and st.gain_length == 0.0
+    st.observe_accept(2)
+    assert st.gain_length == 2.0  # n_steps <= 1: the last value

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..policy import accepted_length
 from ..tree import TokenSource, TokenTree, TreeBuilder
 from .base import Drafter, TargetHandle
 from .ngram import NgramDrafter
@@ -135,7 +136,12 @@ class AutoDrafter:
         if self._ngram_tree is not None:
             self.ngram.observe(self._ngram_tree, emitted)
         if self.model is not None:
-            self.model.observe(self._model_tree if self._model_tree is not None else tree, emitted)
+            if self._model_tree is not None and self._ngram_tree is not None:
+                # the model's gain is what it got accepted beyond the n-gram tree
+                base = accepted_length(self._ngram_tree, emitted)
+                self.model.observe(self._model_tree, emitted, baseline=base)
+            else:
+                self.model.observe(self._model_tree if self._model_tree is not None else tree, emitted)
 
     def close(self) -> None:
         self.ngram.close()

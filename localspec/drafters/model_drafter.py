@@ -179,13 +179,16 @@ class ModelDrafter(abc.ABC):
         self.slots = SeqSlots(self.ctx)
         self.sampler = None
 
-    def observe(self, tree: TokenTree, emitted: Sequence[int]) -> None:
+    def observe(self, tree: TokenTree, emitted: Sequence[int], *, baseline: int | None = None) -> None:
+        """Learn from a step: ``tree`` as drafted, the ``emitted`` tokens, and (``AutoDrafter``)
+        ``baseline``, the tokens the cheap drafts verified with it got accepted."""
         if not getattr(self, "_ran", False):  # the plan did not run the model this step
             self.stats.skipped()
             return
         self._ran = False
         if tree.n_nodes > 1:
-            self.stats.observe_accept(accepted_length(tree, emitted))
+            n = accepted_length(tree, emitted)
+            self.stats.observe_accept(n, None if baseline is None else max(0, n - baseline))
         self.calib.observe(tree, emitted)
 
     # -- provided by subclasses ---------------------------------------------------------------
