@@ -136,12 +136,11 @@ class AutoDrafter:
         if self._ngram_tree is not None:
             self.ngram.observe(self._ngram_tree, emitted)
         if self.model is not None:
-            if self._model_tree is not None and self._ngram_tree is not None:
-                # the model's gain is what it got accepted beyond the n-gram tree
-                base = accepted_length(self._ngram_tree, emitted)
+            if self._model_tree is None:  # the plan did not run the model this step
+                self.model.observe(tree, emitted)
+            else:  # its gain is what it got accepted beyond the n-gram tree
+                base = accepted_length(self._ngram_tree, emitted) if self._ngram_tree is not None else 0
                 self.model.observe(self._model_tree, emitted, baseline=base)
-            else:
-                self.model.observe(self._model_tree if self._model_tree is not None else tree, emitted)
 
     def close(self) -> None:
         self.ngram.close()

@@ -111,14 +111,15 @@ class Eagle3Drafter(ModelDrafter):
         self.n_embd = self.model.n_embd
         d2t = gguf_tensor(self.model.path, "d2t")
         self.d2t = None if d2t is None else np.ascontiguousarray(d2t, dtype=np.int64)
-        self.fc = self._numpy_fc()
+        self.fc = self._host_fc()
+        self._checked_for: Model | None = None  # the target check_target passed for
         self._reset_state()
 
-    def _numpy_fc(self) -> np.ndarray | None:
-        """The encoder's ``fc`` as [n_embd, 3 * n_embd_target] float32 when numpy can apply it
-        exactly as the graph does (an unquantised matrix and no norm before it); else None
-        (the encoder then runs in llama.cpp: one more call per level 0). Kept transposed,
-        [3 * n_embd_target, n_embd], the layout of the C kernel ``gemm_t``."""
+    def _host_fc(self) -> np.ndarray | None:
+        """The encoder's ``fc`` as float32 when the host can apply it exactly as the graph
+        does (an unquantised matrix and no norm before it); else None (the encoder then runs
+        in llama.cpp: one more call per level 0). Kept transposed, [3 * n_embd_target,
+        n_embd], the layout of the C kernel ``gemm_t``."""
         norm = (self.model.meta("eagle3.norm_before_fc") or "false").lower()
         if norm not in ("false", "0"):
             return None
@@ -147,7 +148,7 @@ class Eagle3Drafter(ModelDrafter):
             VocabMismatchError: the head's tokenizer is not the target's.
             ModelLoadError: the head reads features of another hidden size.
         """
-        if getattr(self, "_checked_for", None) is model:
+        if self._checked_for is model:
             return
         check_vocab(model, self.model)
         if model.n_embd != self.n_embd_target:
@@ -281,7 +282,7 @@ class Eagle3Drafter(ModelDrafter):
 
     def _encode(self, feats: np.ndarray) -> np.ndarray:
         """The encoder (``fc``) over target feature rows: [n, 3 * n_embd_target] -> [n, n_embd]
-        float32; on the host when it is a plain matrix product (``_numpy_fc``): the C kernel
+        float32; on the host when it is a plain matrix product (``_host_fc``): the C kernel
         ``gemm_t``, or numpy without the native library. (numpy's BLAS would start a thread
         pool whose spinning threads then compete with llama.cpp's for the cores: measured on 2
         cores, it doubled the time of the head's next llama.cpp call.)"""

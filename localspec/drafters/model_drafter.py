@@ -96,6 +96,10 @@ class ModelDrafter(abc.ABC):
         """Scratch sequences one tree may use (nodes decoded below the root)."""
         return (self.max_depth - 1) * self.max_width
 
+    n_threads: int | None = None
+    """Threads of the draft context (None: the target's). A class default too, for drafters
+    whose ``__init__`` does not run this one's (``MtpDrafter``)."""
+
     d2t = None
     """[n_draft] int64 target id of each draft id when ``decode_level`` returns draft-vocabulary
     rows (EAGLE-3 heads with a reduced vocabulary), else None (rows in target ids)."""
@@ -172,7 +176,7 @@ class ModelDrafter(abc.ABC):
             n_ctx=n_ctx,
             n_batch=512,
             n_seq_max=min(256, self.n_slots + 1),
-            n_threads=getattr(self, "n_threads", None) or target.n_threads,
+            n_threads=self.n_threads or target.n_threads,
             ctx_other=ctx_other,
             mtp=mtp,
         )
