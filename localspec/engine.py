@@ -801,6 +801,8 @@ class Engine:
             self.cost_model.observe_draft_levels(model.last_level_us)
         t_draft_us = _now_us() - t0
         n = min(plan.n_nodes, max_nodes)
+        if n <= 1:  # a plain step (most steps where matches are weak): no tree surgery
+            return _Proposal(cand, TokenTree.root_only(root), t_draft_us)
         tree = cand.best_subtree(n) if n < cand.n_nodes else cand
         return _Proposal(cand, tree.best_first_dfs(), t_draft_us)
 

@@ -186,7 +186,8 @@ class ScoreCalibration:
     plain steps the policy tries again), with ``lam`` tokens of evidence pulling ``gamma``
     towards the long-run value (the geometric mean of the exponents of earlier requests, 1
     at first). The left side falls and the right side rises with ``gamma``, so the root is
-    unique; it is found by bisection on ``log gamma`` in [``lo``, ``hi``]. Overconfident
+    unique; it is found on ``log gamma`` in [``lo``, ``hi``] by safeguarded Newton steps from
+    the last fit (a handful of evaluations per step). Overconfident
     drafts get ``gamma > 1`` (verified trees shrink or stop), underconfident ones ``< 1``.
     """
 
@@ -212,6 +213,7 @@ class ScoreCalibration:
         self._trees: list[tuple[np.ndarray, float, int]] = []  # (draft-node scores, accepted, step)
         self._step = 0  # steps observed in this request
         self._gamma: float | None = None
+        self._last_lg = self.log_center  # where the next fit starts
         self._max_accepted = 0
 
     def _fold(self, exponent: float) -> None:
@@ -263,22 +265,34 @@ class ScoreCalibration:
         a = float(sum(w_i * a_i for (_, a_i, _), w_i in zip(self._trees, w_tree)))
         ls = np.log(np.clip(s, 1e-12, 1.0))
 
-        def excess(lg: float) -> float:  # decreasing in lg
-            return float(np.dot(w, np.exp(np.exp(lg) * ls))) - a - self.lam * (lg - self.log_center)
+        def excess(lg: float) -> tuple[float, float]:  # the left side minus the right, and its slope
+            x = np.exp(lg)
+            e = w * np.exp(x * ls)
+            return float(e.sum()) - a - self.lam * (lg - self.log_center), float(x * np.dot(e, ls)) - self.lam
 
-        lo, hi = math.log(self.lo), math.log(self.hi)
-        if excess(lo) <= 0.0:
-            g = lo
-        elif excess(hi) >= 0.0:
-            g = hi
-        else:
-            for _ in range(40):
-                mid = 0.5 * (lo + hi)
-                if excess(mid) > 0.0:
-                    lo = mid
-                else:
-                    hi = mid
-            g = 0.5 * (lo + hi)
+        lo_g, hi_g = math.log(self.lo), math.log(self.hi)
+        # safeguarded Newton (bisection inside the bracket when a step leaves it): the excess
+        # decreases strictly (slope <= -lam), so the root is unique; a handful of evaluations
+        # from the last fit instead of 40 halvings (this runs on every step that drafts). A
+        # root outside [lo, hi] gives the bound.
+        lo, hi = lo_g, hi_g
+        g = min(max(self._last_lg, lo_g), hi_g)
+        for _ in range(100):
+            f, df = excess(g)
+            if f > 0.0:
+                lo = g
+            else:
+                hi = g
+            if f == 0.0 or hi - lo < 1e-12 or (g == lo_g and f < 0.0) or (g == hi_g and f > 0.0):
+                break
+            nxt = min(max(g - f / df, lo_g), hi_g)
+            if not (lo < nxt < hi or nxt == lo_g == lo or nxt == hi_g == hi):
+                nxt = 0.5 * (lo + hi)
+            if abs(nxt - g) < 1e-13:
+                g = nxt
+                break
+            g = nxt
+        self._last_lg = g
         self._gamma = float(math.exp(g))
         return self._gamma
 
@@ -440,8 +454,18 @@ class SpeculationPolicy:
         plain = Choice(1, 1.0, 1.0 / (t_draft_us + self.cost.t_decode_us(1) + self.host_us(1)))
         if limit <= 1:
             return plain
+        raw = np.sort(np.asarray(tree.score[1:], dtype=np.float64))[::-1]
+        # an upper bound first: no calibration raises a score above ``score ** lo``, and no
+        # tree of 2 or more nodes costs less than t(2) (``CostModel.ratio`` is monotone);
+        # where even that cannot beat plain decoding by ``min_gain`` (weak matches: most
+        # steps on prompts where nothing pays), the step is plain without fitting the
+        # calibration (the same choice, sooner)
+        bound = 1.0 + float(np.power(np.clip(raw[: limit - 1], 0.0, 1.0), self.calibration.lo).sum())
+        t_min = t_draft_us + self.cost.t_decode_us(2) + self.host_us(2)
+        if bound / t_min < plain.expected_rate * (1.0 + self.min_gain):
+            return plain
         # the scores as calibrated on the trees verified so far (ScoreCalibration)
-        scores = self.calibration.calibrate(np.sort(np.asarray(tree.score[1:], dtype=np.float64))[::-1])
+        scores = self.calibration.calibrate(raw)
         exp_tokens = 1.0 + np.concatenate([[0.0], np.cumsum(scores)])  # index b-1 -> E(b)
         best = plain
         for b in self.cost.sizes:

@@ -387,3 +387,81 @@ def test_auto_records_the_heads_gain_beyond_the_ngram_tree():
     assert st.accept_length == 3.0 and st.gain_length == 0.0
     st.observe_accept(2)
     assert st.gain_length == 2.0  # n_steps <= 1: the last value
+
+
+def test_the_early_plain_exit_never_changes_the_choice():
+    """``choose`` skips the calibration fit when an upper bound of every tree's rate cannot beat
+    plain decoding. Over random trees, calibrations and draft costs its choice equals a brute
+    force over the cost table with the calibrated scores (the bound must be a true bound: a
+    mutation that bounds with the raw scores instead of ``score ** lo`` fails here, where
+    underconfident drafts have an exponent below 1)."""
+    rng = np.random.default_rng(5)
+    n_spec = 0
+    for trial in range(300):
+        cm = fixed_cost_model()
+        pol = SpeculationPolicy(cm, max_nodes=int(rng.choice([4, 16, 64])), min_gain=float(rng.choice([0.0, 0.05, 0.3])))
+        cal = pol.calibration
+        for _ in range(int(rng.integers(0, 4))):  # verified trees: over- or underconfident claims
+            s = np.sort(rng.random(int(rng.integers(1, 8))))[::-1]
+            cal.observe(s, int(rng.integers(0, s.size + 1)))
+        n = int(rng.integers(2, 40))
+        p = float(rng.choice([0.2, 0.5, 0.7, 0.85, 0.95]))
+        scores = np.cumprod(np.clip(rng.normal(p, 0.1, n), 0.01, 1.0))
+        tree = TokenTree.chain(1, list(range(10, 10 + n)), TokenSource.NGRAM, scores)
+        t_draft = float(rng.choice([0.0, 500.0, 5000.0]))
+        c = pol.choose(tree, t_draft_us=t_draft)
+        # reference: the full search
+        limit = min(pol.max_nodes, tree.n_nodes, cal.trust_nodes())
+        cs = np.sort(scores)[::-1] ** cal.exponent()
+        plain = 1.0 / (t_draft + cm.t_decode_us(1) + pol.host_us(1))
+        best_b, best_r = 1, plain
+        for b in cm.sizes:
+            if 2 <= b <= limit:
+                r = (1.0 + cs[: b - 1].sum()) / (t_draft + cm.t_decode_us(b) + pol.host_us(b))
+                if r > best_r:
+                    best_b, best_r = b, r
+        if best_r < plain * (1.0 + pol.min_gain):
+            best_b = 1
+        assert c.n_nodes == best_b, (trial, c, best_b, cal.exponent())
+        n_spec += best_b > 1
+    assert 30 < n_spec < 270, n_spec  # both branches exercised
+
+
+def test_the_calibration_exponent_is_the_root_of_its_equation():
+    """``ScoreCalibration.exponent`` (safeguarded Newton from the last fit) against bisection
+    on the defining equation, over random histories whose roots fall inside [lo, hi] and
+    beyond either bound, fitted step after step as the engine does."""
+    rng = np.random.default_rng(11)
+    n_in = n_lo = n_hi = 0
+    for _ in range(60):
+        c = ScoreCalibration(lam=float(rng.choice([0.2, 1.0, 4.0])))
+        c.log_center = float(rng.normal(0.0, 0.5))
+        for _ in range(int(rng.integers(1, 25))):
+            if rng.random() < 0.6:
+                s = np.sort(rng.random(int(rng.integers(1, 12))) ** float(rng.choice([0.1, 1.0, 3.0])))[::-1]
+                c.observe(s, int(rng.integers(0, s.size + 1)))
+            else:
+                c.observe(np.empty(0), 0)
+            got = c.exponent()
+            if not c._trees:
+                assert got == min(max(np.exp(c.log_center), c.lo), c.hi)
+                continue
+            w = np.concatenate([np.full(t.size, c.decay ** (c._step - st)) for t, _, st in c._trees])
+            a = sum(c.decay ** (c._step - st) * a_i for _, a_i, st in c._trees)
+            ls = np.log(np.clip(np.concatenate([t for t, _, _ in c._trees]), 1e-12, 1.0))
+
+            def f(lg):
+                return float(np.dot(w, np.exp(np.exp(lg) * ls))) - a - c.lam * (lg - c.log_center)
+
+            lo, hi = np.log(c.lo), np.log(c.hi)
+            if f(lo) <= 0:
+                want, n_lo = c.lo, n_lo + 1
+            elif f(hi) >= 0:
+                want, n_hi = c.hi, n_hi + 1
+            else:
+                for _ in range(60):
+                    mid = 0.5 * (lo + hi)
+                    lo, hi = (mid, hi) if f(mid) > 0 else (lo, mid)
+                want, n_in = float(np.exp(0.5 * (lo + hi))), n_in + 1
+            assert abs(np.log(got) - np.log(want)) < 1e-9, (got, want)
+    assert n_in > 50 and n_lo > 5 and n_hi > 5, (n_in, n_lo, n_hi)
