@@ -208,7 +208,7 @@ class ScoreCalibration:
         self.begin_request()
 
     def begin_request(self) -> None:
-        if getattr(self, "_trees", None):
+        if getattr(self, "_trees", None):  # the request before this one verified trees
             self._fold(self.exponent())
         self._trees: list[tuple[np.ndarray, float, int]] = []  # (draft-node scores, accepted, step)
         self._step = 0  # steps observed in this request
@@ -233,8 +233,13 @@ class ScoreCalibration:
     def end_request(self, done: "ScoreCalibration") -> None:
         """A concurrent request made by ``for_request`` ended: its exponent joins the long-run
         one (when it verified any tree)."""
-        if done._trees:
+        if done.verified_any:
             self._fold(done.exponent())
+
+    @property
+    def verified_any(self) -> bool:
+        """Whether this request has verified a tree (its exponent is fitted, not the prior)."""
+        return bool(self._trees)
 
     def trust_nodes(self) -> int:
         """Largest tree worth risking now: ``first_nodes`` until this request has verified
