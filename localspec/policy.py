@@ -461,12 +461,12 @@ class SpeculationPolicy:
             return plain
         raw = np.sort(np.asarray(tree.score[1:], dtype=np.float64))[::-1]
         # an upper bound first: no calibration raises a score above ``score ** lo``, and no
-        # tree of 2 or more nodes costs less than t(2) (``CostModel.ratio`` is monotone);
-        # where even that cannot beat plain decoding by ``min_gain`` (weak matches: most
-        # steps on prompts where nothing pays), the step is plain without fitting the
-        # calibration (the same choice, sooner)
+        # tree of 2..limit nodes costs less than the cheapest of those sizes; where even that
+        # cannot beat plain decoding by ``min_gain`` (weak matches: most steps on prompts
+        # where nothing pays), the step is plain without fitting the calibration (the same
+        # choice, sooner)
         bound = 1.0 + float(np.power(np.clip(raw[: limit - 1], 0.0, 1.0), self.calibration.lo).sum())
-        t_min = t_draft_us + self.cost.t_decode_us(2) + self.host_us(2)
+        t_min = t_draft_us + self.cost.t1_us() * self.cost.min_ratio(2, limit) + self.host_us(2)
         if bound / t_min < plain.expected_rate * (1.0 + self.min_gain):
             return plain
         # the scores as calibrated on the trees verified so far (ScoreCalibration)

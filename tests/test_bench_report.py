@@ -75,3 +75,39 @@ def test_code_dataset_is_package_data():
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     assert "data/*.jsonl" in pyproject["tool"]["setuptools"]["package-data"]["localspec.bench"]
     json.loads(resolve_dataset("code").read_text().splitlines()[0])
+
+
+class _RememberingPeer:
+    """Stands for a llama-server in a mode with memory across requests (ngram-mod's hash
+    pool): a prompt it has served before comes back with every draft accepted and twice as
+    fast. Records what it served."""
+
+    def __init__(self):
+        self.served = []
+
+    def complete(self, tokens, n_predict):
+        from localspec.bench.peer import PeerRun
+
+        seen = tuple(tokens) in self.served
+        self.served.append(tuple(tokens))
+        return PeerRun([], n_predict, 500.0 if seen else 1000.0, 10.0, n_predict if seen else 0, n_predict if seen else 0)
+
+
+def test_each_peer_repeat_runs_on_its_own_server(engine):
+    """With ``peer_repeats`` > 1 every run of a prompt goes to a different server of the mode,
+    so no run is drafted from an earlier run of the same prompt (with one server per mode the
+    second run of each prompt drafted the first's answer: 1.89x instead of 1.10x on code)."""
+    from localspec import SamplingParams
+    from localspec.bench.dataset import BenchPrompt
+    from localspec.bench.specbench import run_bench
+
+    prompts = [BenchPrompt("code", "code", i, t) for i, t in enumerate(["def add(a, b):", "import os\n"])]
+    servers = [_RememberingPeer(), _RememberingPeer()]
+    recs = run_bench(engine, prompts, max_tokens=3, sampling=SamplingParams.greedy(), peers={"ngram-mod": servers}, peer_repeats=2)
+    for s in servers:
+        assert len(s.served) == 2 and len(set(s.served)) == 2  # each prompt once per server
+    assert all(r.peers["ngram-mod"]["t_decode_ms"] == 1000.0 and r.peers["ngram-mod"]["draft_n"] == 0 for r in recs)
+    # one server for both repeats: the artefact this guards against
+    one = _RememberingPeer()
+    recs = run_bench(engine, prompts[:1], max_tokens=3, sampling=SamplingParams.greedy(), peers={"ngram-mod": one}, peer_repeats=2)
+    assert recs[0].peers["ngram-mod"]["t_decode_ms"] == 500.0

@@ -68,12 +68,13 @@ class PeerServer:
         threads: int,
         log_dir: Path,
         exact: bool = True,
+        tag: str = "",
     ) -> None:
         self.mode = mode
         self.exact = exact
         self.port = free_port()
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_dir / f"llama-server-{mode}.log"
+        self.log_path = log_dir / f"llama-server-{mode}{'-' + tag if tag else ''}.log"
         args = [
             str(binary),
             "-m", str(model),

@@ -55,7 +55,7 @@ def register(sub) -> None:
         type=int,
         default=1,
         metavar="R",
-        help="runs per prompt of each llama-server mode; the fastest is kept (default 1)",
+        help="runs per prompt of each llama-server mode, each on its own server (ngram-mod remembers the requests it served); the fastest is kept (default 1)",
     )
     p.add_argument(
         "--peer-kernels",
@@ -363,16 +363,20 @@ def run(a: argparse.Namespace) -> int:
             from ..backend import exact_kernels
 
             exact = exact_kernels() if a.peer_kernels == "same" else a.peer_kernels == "exact"
-            for mode in ["none", *modes]:
-                peers[mode] = peer_mod.PeerServer(
-                    a.peer_llama_server,
-                    engine.model.path,
-                    mode,
-                    n_ctx=engine.n_ctx,
-                    threads=engine.ctx.n_threads,
-                    log_dir=out,
-                    exact=exact,
-                )
+            for mode in ["none", *modes]:  # one server per repeat: see run_bench's peers
+                peers[mode] = [
+                    peer_mod.PeerServer(
+                        a.peer_llama_server,
+                        engine.model.path,
+                        mode,
+                        n_ctx=engine.n_ctx,
+                        threads=engine.ctx.n_threads,
+                        log_dir=out,
+                        exact=exact,
+                        tag=str(r) if a.peer_repeats > 1 else "",
+                    )
+                    for r in range(a.peer_repeats)
+                ]
         try:
             from tqdm import tqdm
 
@@ -437,7 +441,8 @@ def run(a: argparse.Namespace) -> int:
         print(table)
         print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + (f", {out / 'bench.png'}" if plotted else ""), file=sys.stderr)
     finally:
-        for s in peers.values():
-            s.close()
+        for servers in peers.values():
+            for s in servers:
+                s.close()
         engine.close()
     return 0
