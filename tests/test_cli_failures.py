@@ -2,6 +2,7 @@
 fails without its fix. Ctrl-C is tested with real SIGINTs sent to a real ``localspec``
 process at several moments, each chosen by waiting for an output line (never a pause)."""
 
+import codecs
 import json
 import os
 import queue
@@ -187,7 +188,7 @@ def test_compare_alternates_and_takes_medians(capsys):
 
 
 class Proc:
-    """A ``localspec`` subprocess whose stdout and stderr lines are collected by threads."""
+    """A ``localspec`` subprocess whose stderr lines and stdout chunks are collected by threads."""
 
     def __init__(self, args, env=None):
         self.p = subprocess.Popen(
@@ -209,9 +210,18 @@ class Proc:
             t.start()
 
     def _pump(self, stream, sink, name):
-        for line in iter(stream.readline, ""):
-            sink.append(line)
-            self.lines.put((name, line))
+        if name == "out":  # generated text: whatever arrives (a line can take minutes at T > 0)
+            dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            fd = stream.fileno()
+            for chunk in iter(lambda: os.read(fd, 65536), b""):
+                text = dec.decode(chunk)
+                if text:
+                    sink.append(text)
+                    self.lines.put((name, text))
+        else:
+            for line in iter(stream.readline, ""):
+                sink.append(line)
+                self.lines.put((name, line))
         self.lines.put((name, None))
 
     def wait_for(self, pred, timeout=900):
