@@ -51,7 +51,8 @@ class CostModel:
     * ``r(b)`` is **not** made monotone: a larger batch can be genuinely cheaper than a
       smaller one, and the policy should use it. Measured 2026-12-01 on the 2-core CPU
       (Gemma 3 270M Q4_K_M, exact kernels): odd batches cost 25-40% more than the next even
-      one (t(3) = 3.25 t1, t(4) = 2.29 t1, t(5) = 3.49 t1, t(6) = 2.74 t1). A running maximum
+      one (calibration table: t(3) = 3.25 t1, t(4) = 2.29 t1, t(5) = 3.49 t1, t(6) = 2.74 t1;
+      the engine's own decodes, ``scripts/measure_batch_costs.py``: 3.38, 2.54, 3.90, 3.09). A running maximum
       priced every even size like the odd size below it, so a 4-node tree looked 42% dearer
       than it is. Choosers compare rates at every size, so a dominated size (one that costs
       more than a larger one) is simply never the best; ``min_ratio`` gives the cheapest

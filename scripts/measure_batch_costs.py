@@ -4,7 +4,10 @@ of load spoils one sample of many sizes, which the median drops).
     python scripts/measure_batch_costs.py [--rounds 12] [--sizes 1,2,3,4,5,6,7,8,9,10,12,16]
 
 Prints the median milliseconds and the ratio to a single-token decode per size. Used for the
-cost-model table in docs/architecture.md (odd batches dearer than the next even one).
+cost-model table in docs/architecture.md (odd batches dearer than the next even one). Unlike
+``costmodel.calibrate`` (random tokens on a bare context, what the policy starts from), it
+decodes through the engine's own path (``SequenceCache.decode_tree`` after a real prompt):
+a check that the calibration's shape is what generation pays.
 """
 
 from __future__ import annotations

@@ -109,5 +109,5 @@ def test_each_peer_repeat_runs_on_its_own_server(engine):
     assert all(r.peers["ngram-mod"]["t_decode_ms"] == 1000.0 and r.peers["ngram-mod"]["draft_n"] == 0 for r in recs)
     # one server for both repeats: the artefact this guards against
     one = _RememberingPeer()
-    recs = run_bench(engine, prompts[:1], max_tokens=3, sampling=SamplingParams.greedy(), peers={"ngram-mod": one}, peer_repeats=2)
+    recs = run_bench(engine, prompts[:1], max_tokens=3, sampling=SamplingParams.greedy(), peers={"ngram-mod": [one]}, peer_repeats=2)
     assert recs[0].peers["ngram-mod"]["t_decode_ms"] == 500.0

@@ -98,8 +98,8 @@ def run_bench(
     """Run every prompt plain and speculative (and on the peers); see module docstring.
 
     Args:
-        peers: mode -> ``PeerServer`` (``"none"`` for llama.cpp's plain decoding), or a list of
-            them, one per peer repeat: llama-server's ngram-mode keeps a hash pool of every
+        peers: mode -> list of ``PeerServer`` (``"none"`` for llama.cpp's plain decoding), one
+            per peer repeat: llama-server's ngram-mod keeps a hash pool of every
             request it served, so a second run of a prompt on the same server drafts the
             first run's answer (measured 2026-12-01: 64 of 64 drafts accepted on prompts where
             nothing else matched, 1.89x on code against 1.10x with one run).
@@ -172,7 +172,6 @@ def run_bench(
             rec.divergence_index = div
             rec.divergence_gap = top2_gap(engine, tokens + plain.token_ids[:div])
         for mode, servers in (peers or {}).items():
-            servers = list(servers) if isinstance(servers, (list, tuple)) else [servers]
             # repeat r of every prompt runs on server r % len(servers): give one server per
             # repeat, or a mode that remembers earlier requests (ngram-mod's hash pool) drafts
             # a repeated prompt from its own previous answer
