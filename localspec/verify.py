@@ -59,8 +59,8 @@ tests compare it with (same accepted path and tokens for the same seed).
     A child whose token was already tried at the node is skipped (its probability is counted
     once, so duplicates cannot inflate ``prob_acc``). ``verify`` runs it only when the request
     asks for a threshold < 1 at temperature > 0 (``SamplingParams.lossy``); otherwise nothing
-    above changes. Python only (one numpy lookup per tried child, no dense rows): there is no
-    C twin.
+    above changes. ``verify`` runs its C twin (``ls_verify_thresholds``) for requests without a
+    grammar when the library is available; ``threshold_walk`` is the reference.
 """
 
 from __future__ import annotations
@@ -331,21 +331,25 @@ def verify_thresholds(tree: TokenTree, logits: np.ndarray, cursor) -> VerifyResu
 def verify(tree: TokenTree, logits: np.ndarray, cursor) -> VerifyResult:
     """Dispatch: greedy / Gumbel walk, or classic rejection sampling when the request asks
     for it at temperature > 0; the LOSSY thresholded walk when the request sets a threshold
-    below 1 at temperature > 0 (``SamplingParams.lossy``)."""
+    below 1 at temperature > 0 (``SamplingParams.lossy``). Each runs in C for a request
+    without a grammar when the library is loaded, else the Python reference."""
     req = cursor.req
-    if req.params.lossy:
-        return verify_thresholds(tree, logits, cursor)
+    lossy = req.params.lossy
     rejection = not (req.is_greedy or req.params.verify == "gumbel")
-    if rejection:
+    if rejection and not lossy:
         check_sampled_siblings(tree)
     state = None if cursor.has_grammar else req.processor.native_state()
     if state is not None:
+        thresholds = (req.params.accept_threshold_single or 1.0, req.params.accept_threshold_acc or 1.0) if lossy else None
         walk = native_verify.walk(
-            tree, logits, state, seed=req.seed, pos=cursor.pos, window=cursor.window, rejection=rejection
+            tree, logits, state, seed=req.seed, pos=cursor.pos, window=cursor.window, rejection=rejection,
+            thresholds=thresholds,
         )
         for t in walk.tokens[:-1]:
             cursor.advance(t)
         return _result(tree, walk.path, walk.tokens)
+    if lossy:
+        return verify_thresholds(tree, logits, cursor)
     if rejection:
         return verify_rejection(tree, logits, cursor)
     return verify_greedy(tree, logits, cursor)

@@ -37,7 +37,7 @@
 extern "C" {
 #endif
 
-#define LS_ABI_VERSION 3
+#define LS_ABI_VERSION 4
 
 /* error codes (negative returns) */
 #define LS_ERR_BANNED (-1)         /* every token is banned (-inf) by logit bias */
@@ -56,6 +56,7 @@ extern "C" {
 /* verification modes */
 #define LS_VERIFY_GREEDY 0    /* argmax (temperature 0) or seeded Gumbel-max walk */
 #define LS_VERIFY_REJECTION 1 /* rejection sampling (ratio test / point mass, residuals) */
+#define LS_VERIFY_THRESHOLD 2 /* LOSSY: SGLang's acceptance thresholds (ls_verify_thresholds only) */
 
 /* ABI version (LS_ABI_VERSION) and whether the library was built with OpenMP (1/0). */
 LS_API int32_t ls_abi_version(void);
@@ -184,6 +185,19 @@ LS_API int32_t ls_verify(const ls_tree *tree, const float *logits, int64_t strid
                          const ls_sampling *s, int32_t mode, int64_t pos,
                          const int32_t *window, int64_t n_window, ls_workspace *ws,
                          int32_t *path_out, int32_t *tokens_out, int32_t *err_node);
+
+/* LOSSY below 1.0: SGLang's thresholded walk (verify.threshold_walk + verify_thresholds): at a
+ * node ONE coin uniform(stream ACCEPT of its position, 0); child k (a token already tried at the
+ * node is skipped) is accepted when target_prob(k) >= threshold_single or coin <= prob_acc /
+ * threshold_acc, prob_acc being the target mass of the tokens tried so far (k included). With
+ * none accepted the last token is an inverse-CDF draw (stream RESIDUAL, 0) from the target with
+ * the tried children removed and renormalised; a childless node draws from the target. Draft
+ * probabilities are not read. Arguments and returns as ls_verify; LS_ERR_ARG unless both
+ * thresholds are in (0, 1]. */
+LS_API int32_t ls_verify_thresholds(const ls_tree *tree, const float *logits, int64_t stride, int64_t n_vocab,
+                                    const ls_sampling *s, double threshold_single, double threshold_acc,
+                                    int64_t pos, const int32_t *window, int64_t n_window, ls_workspace *ws,
+                                    int32_t *path_out, int32_t *tokens_out, int32_t *err_node);
 
 /* ---- n-gram index ----------------------------------------------------------------------- */
 

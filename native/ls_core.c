@@ -104,6 +104,9 @@ void ls__sort_desc(const float *x, int64_t *ids, int64_t m, uint64_t *keys, uint
 }
 
 void ls__sort_ids(int64_t *ids, double *vals, int64_t m, uint64_t *keys, uint64_t *tmp, double *vtmp) {
+    int64_t i0 = 1;
+    while (i0 < m && ids[i0] > ids[i0 - 1]) i0++;
+    if (i0 >= m) return; /* already ascending (no truncation, or min-p only): nothing to move */
     for (int64_t i = 0; i < m; i++) keys[i] = ((uint64_t)(uint32_t)ids[i] << 32) | (uint64_t)i;
     radix_sort_u64(keys, m, tmp);
     for (int64_t i = 0; i < m; i++) vtmp[i] = vals[keys[i] & 0xFFFFFFFFu];

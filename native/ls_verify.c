@@ -1,6 +1,7 @@
 /* Verification walks of token trees: greedy / seeded Gumbel, and rejection sampling with
  * stochastic children (ratio test + residual) and deterministic children (point mass).
- * Reference: localspec/verify.py (verify_greedy, verify_rejection, sample_from) and
+ * SGLang's LOSSY thresholded walk shares the rejection walk's sparse target distribution.
+ * Reference: localspec/verify.py (verify_greedy, verify_rejection, threshold_walk, sample_from) and
  * localspec/sampler.py (Cursor: penalty window, per-position streams). */
 #include "ls_internal.h"
 
@@ -154,11 +155,48 @@ static int64_t find_id(const int64_t *ids, int64_t m, int64_t token) {
 
 /* ---- the walks -------------------------------------------------------------------------------- */
 
-int32_t ls_verify(const ls_tree *tree, const float *logits, int64_t stride, int64_t n_vocab, const ls_sampling *s,
-                  int32_t mode, int64_t pos, const int32_t *window, int64_t n_window, ls_workspace *ws,
-                  int32_t *path_out, int32_t *tokens_out, int32_t *err_node) {
+/* SGLang's thresholded walk at one node (verify.threshold_walk): children tried in order with
+ * ONE coin, prob_acc = the target mass of the distinct tokens tried so far; returns the
+ * accepted child or -1. res[0..m) (ascending ids) is then the distribution of the last token:
+ * the target's with the tried children removed and renormalised (kept as it is when they held
+ * all of its mass); tmp is scratch of m entries. */
+static int32_t threshold_node(const ls_tree *tree, const children *ch, int32_t node, const int64_t *ids, double *res,
+                              double *tmp, int64_t m, double coin, double t_single, double t_acc) {
+    double prob_acc = 0.0;
+    int any_tried = 0;
+    for (int32_t c = ch->first[node]; c >= 0; c = ch->next[c]) {
+        int32_t xt = tree->token_ids[c];
+        int dup = 0;
+        for (int32_t d = ch->first[node]; d != c; d = ch->next[d])
+            if (tree->token_ids[d] == xt) {
+                dup = 1;
+                break;
+            }
+        if (dup) continue; /* a token already tried counts once */
+        int64_t at = find_id(ids, m, xt);
+        double p = at >= 0 ? res[at] : 0.0;
+        prob_acc += p;
+        if (p >= t_single || coin <= prob_acc / t_acc) return c;
+        if (p > 0.0) {
+            if (!any_tried) memcpy(tmp, res, (size_t)m * sizeof *tmp);
+            any_tried = 1;
+            tmp[at] = 0.0;
+        }
+    }
+    if (any_tried) {
+        double z = ls__sum(tmp, m);
+        if (z > 0.0)
+            for (int64_t j = 0; j < m; j++) res[j] = tmp[j] / z;
+    }
+    return -1;
+}
+
+static int32_t walk(const ls_tree *tree, const float *logits, int64_t stride, int64_t n_vocab, const ls_sampling *s,
+                    int32_t mode, double t_single, double t_acc, int64_t pos, const int32_t *window, int64_t n_window,
+                    ls_workspace *ws, int32_t *path_out, int32_t *tokens_out, int32_t *err_node) {
     *err_node = -1;
-    if (!ws || ws->n_vocab < n_vocab || tree->n_nodes < 1 || (mode != LS_VERIFY_GREEDY && mode != LS_VERIFY_REJECTION))
+    if (!ws || ws->n_vocab < n_vocab || tree->n_nodes < 1 ||
+        (mode != LS_VERIFY_GREEDY && mode != LS_VERIFY_REJECTION && mode != LS_VERIFY_THRESHOLD))
         return LS_ERR_ARG;
     children ch;
     int rc = children_init(&ch, tree);
@@ -169,7 +207,7 @@ int32_t ls_verify(const ls_tree *tree, const float *logits, int64_t stride, int6
         children_free(&ch);
         return rc;
     }
-    int rejection = mode == LS_VERIFY_REJECTION;
+    int rejection = mode != LS_VERIFY_GREEDY; /* rejection and threshold walks share the sparse residual */
     int32_t node = 0, n_path = 0;
     for (;;) {
         const float *row = logits + (int64_t)node * stride;
@@ -204,8 +242,10 @@ int32_t ls_verify(const ls_tree *tree, const float *logits, int64_t stride, int6
             memcpy(ids, ws->ids, (size_t)m * sizeof *ids);
             ls__sort_ids(ids, res, m, ws->keys, ws->keys2, tmp);
             uint64_t akey = ls_stream_key(s->seed, pos, LS_STREAM_ACCEPT);
+            if (mode == LS_VERIFY_THRESHOLD && ch.first[node] >= 0)
+                accepted = threshold_node(tree, &ch, node, ids, res, tmp, m, ls_uniform(akey, 0), t_single, t_acc);
             int32_t k = 0;
-            for (int32_t c = ch.first[node]; c >= 0; c = ch.next[c], k++) {
+            for (int32_t c = mode == LS_VERIFY_THRESHOLD ? -1 : ch.first[node]; c >= 0; c = ch.next[c], k++) {
                 int32_t xt = tree->token_ids[c];
                 double u = ls_uniform(akey, k);
                 int64_t at = find_id(ids, m, xt);
@@ -278,4 +318,23 @@ int32_t ls_verify(const ls_tree *tree, const float *logits, int64_t stride, int6
     if (use_pen) pw_free(&pw);
     children_free(&ch);
     return rc;
+}
+
+int32_t ls_verify(const ls_tree *tree, const float *logits, int64_t stride, int64_t n_vocab, const ls_sampling *s,
+                  int32_t mode, int64_t pos, const int32_t *window, int64_t n_window, ls_workspace *ws,
+                  int32_t *path_out, int32_t *tokens_out, int32_t *err_node) {
+    if (mode == LS_VERIFY_THRESHOLD) return LS_ERR_ARG; /* needs its thresholds: ls_verify_thresholds */
+    return walk(tree, logits, stride, n_vocab, s, mode, 1.0, 1.0, pos, window, n_window, ws, path_out, tokens_out,
+                err_node);
+}
+
+int32_t ls_verify_thresholds(const ls_tree *tree, const float *logits, int64_t stride, int64_t n_vocab,
+                             const ls_sampling *s, double threshold_single, double threshold_acc, int64_t pos,
+                             const int32_t *window, int64_t n_window, ls_workspace *ws, int32_t *path_out,
+                             int32_t *tokens_out, int32_t *err_node) {
+    *err_node = -1;
+    if (!(threshold_single > 0.0 && threshold_single <= 1.0 && threshold_acc > 0.0 && threshold_acc <= 1.0))
+        return LS_ERR_ARG;
+    return walk(tree, logits, stride, n_vocab, s, LS_VERIFY_THRESHOLD, threshold_single, threshold_acc, pos, window,
+                n_window, ws, path_out, tokens_out, err_node);
 }

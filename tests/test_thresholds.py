@@ -4,6 +4,8 @@
   compared with growing bounds): at thresholds 1.0 the thresholded walk's law is the target's
   for every tree of the exact tests (sampled children, duplicates among them, point masses);
   below 1.0 it is not; three plausible mutations of the rule are caught.
+* The C twin (``ls_verify_thresholds``) emits the reference's tokens seed by seed on every
+  enumerated tree, with and without truncation and penalties, and follows the lossy law.
 * The default path is untouched: thresholds 1.0 (or unset) give the same tokens seed by seed as
   before, in both verification modes, C and reference; at temperature 0 they do not apply.
 * Real uniforms follow the exact (lossy) law the oracle computes (chi-square), and the same
@@ -28,6 +30,7 @@ from conftest import chisquare_pvalue, fixed_cost_model
 from localspec import Engine, SamplingParams, native
 from localspec import verify as verify_mod
 from localspec.bench import thresholds as bt
+from localspec.native import verify as native_verify
 from localspec.errors import InvalidRequestError
 from localspec.stats import GenerationStats
 from localspec.verify import threshold_walk, verify, verify_thresholds
@@ -130,15 +133,69 @@ def test_thresholds_one_leave_the_default_path_as_it_was(mode):
     assert n > 500
 
 
+# -- the C twin (ls_verify_thresholds) ------------------------------------------------------------
+
+# plain, then a truncated / penalised distribution (the penalty window moves with every accepted token)
+C_BASES = [tv.SAMPLED, dataclasses.replace(tv.SAMPLED, top_k=5, min_p=0.02, repeat_penalty=1.3, presence_penalty=0.4,
+                                           frequency_penalty=0.2, penalty_last_n=3)]  # fmt: skip
+C_THRESHOLDS = [(1.0, 1.0), (0.6, 0.7), (0.3, 1.0), (1.0, 0.35), (0.05, 0.05)]
+
+
+@pytest.mark.skipif(not native.AVAILABLE, reason="the native library is not built")
+def test_the_c_thresholded_walk_equals_the_reference():
+    """Every enumerated tree of every scenario (duplicated siblings, point masses, sampled
+    children), five threshold pairs, two sampling setups, 6 seeds: the C walk accepts the same
+    path and emits the same tokens as ``threshold_walk`` + ``verify_thresholds``. Guards: the
+    thresholds change what is accepted, and the seeds reach different outcomes."""
+    n = n_moved = n_spread = 0
+    for sc in SCENARIOS:
+        trees = []
+        oracle.enumerate_law(lambda ch: trees.append(tv.build(sc, ch)) or len(trees))
+        for tree, rows in trees[:30]:
+            for base in C_BASES:
+                for ts, ta in C_THRESHOLDS:
+                    outs = set()
+                    for seed in range(6):
+                        p = params(ts, ta, base=base)
+                        ref = verify_thresholds(tree, rows, tv._cursor(p, seed, native_walk=False))
+                        cur = tv._cursor(p, seed, native_walk=True)
+                        w = native_verify.walk(tree, rows, cur.req.processor.native_state(), seed=seed, pos=cur.pos,
+                                               window=cur.window, rejection=False, thresholds=(ts, ta))  # fmt: skip
+                        assert (w.path, w.tokens) == (ref.path, ref.tokens), (sc, ts, ta, seed)
+                        if p.lossy:  # what the engine runs: verify's dispatch (at 1.0 it is the default walk)
+                            c = verify(tree, rows, tv._cursor(p, seed, native_walk=True))
+                            assert (c.path, c.tokens, c.sources) == (ref.path, ref.tokens, ref.sources)
+                        if (ts, ta) != (1.0, 1.0):
+                            one = verify_thresholds(tree, rows, tv._cursor(params(1.0, 1.0, base=base), seed))
+                            n_moved += one.tokens != ref.tokens
+                        outs.add(tuple(ref.tokens))
+                        n += 1
+                    n_spread += len(outs) > 1
+    assert n > 5000
+    assert n_moved > n // 4 and n_spread > n // 12
+
+
+@pytest.mark.skipif(not native.AVAILABLE, reason="the native library is not built")
+@pytest.mark.parametrize("value", [0.0, 1.5, float("nan"), -0.2])
+def test_the_c_thresholded_walk_refuses_thresholds_outside_0_1(value):
+    tree, rows = tv.build("tree-points", None)
+    cur = tv._cursor(params(0.5, 0.5), 0, native_walk=True)
+    state = cur.req.processor.native_state()
+    for pair in [(value, 1.0), (1.0, value)]:
+        with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+            native_verify.walk(tree, rows, state, seed=0, pos=cur.pos, window=None, rejection=False, thresholds=pair)
+
+
 # -- real uniforms against the exact lossy law -----------------------------------------------------
 
 N_CHI = 3000
 
 
-def test_sampled_lossy_steps_follow_the_exact_lossy_law():
-    """3000 steps with the cursor's real streams: the first two tokens follow the lossy law the
-    oracle enumerates (p > 1e-3) and not the target's (p < 1e-6), so the chi-square test sees the
-    shift and the enumerated coin is the coin that runs."""
+@pytest.mark.parametrize("native_walk", [False, True] if native.AVAILABLE else [False], ids=lambda v: "c" if v else "ref")
+def test_sampled_lossy_steps_follow_the_exact_lossy_law(native_walk):
+    """3000 steps with the cursor's real streams, reference and C walk: the first two tokens
+    follow the lossy law the oracle enumerates (p > 1e-3) and not the target's (p < 1e-6), so the
+    chi-square test sees the shift and the enumerated coin is the coin that runs."""
     ts, ta = 0.6, 0.7
     step = exact_law("tree-points", ts, ta)
     lossy2 = oracle.extended_law(step, tv.target_cond, 2)
@@ -148,7 +205,7 @@ def test_sampled_lossy_steps_follow_the_exact_lossy_law():
     counts = np.zeros(len(keys))
     for trial in range(N_CHI):
         tree, rows = tv.build("tree-points", None)
-        toks = verify(tree, rows, tv._cursor(params(ts, ta), seed=trial)).tokens
+        toks = verify(tree, rows, tv._cursor(params(ts, ta), seed=trial, native_walk=native_walk)).tokens
         if len(toks) == 1:
             toks = [toks[0], int(rng.choice(tv.VS, p=tv.target_cond((toks[0],))))]
         counts[keys.index((toks[0], toks[1]))] += 1

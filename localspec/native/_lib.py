@@ -9,7 +9,7 @@ import os
 from ctypes import POINTER, c_double, c_float, c_int8, c_int32, c_int64, c_uint64, c_void_p
 from pathlib import Path
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 # error codes (LS_ERR_*)
 ERR_BANNED = -1
@@ -22,6 +22,7 @@ ERR_ARG = -7
 
 VERIFY_GREEDY = 0
 VERIFY_REJECTION = 1
+VERIFY_THRESHOLD = 2  # LOSSY (ls_verify_thresholds)
 
 _LIB_STEM = "_lsnative"
 
@@ -112,6 +113,11 @@ _SIGNATURES = {
         c_int32,
         [POINTER(Tree), _P, c_int64, c_int64, POINTER(Sampling), c_int32, c_int64, _P, c_int64, c_void_p, _P, _P,
          POINTER(c_int32)],
+    ),
+    "ls_verify_thresholds": (
+        c_int32,
+        [POINTER(Tree), _P, c_int64, c_int64, POINTER(Sampling), c_double, c_double, c_int64, _P, c_int64, c_void_p,
+         _P, _P, POINTER(c_int32)],
     ),
     "ls_ngram_new": (c_void_p, [c_int32]),
     "ls_ngram_free": (None, [c_void_p]),

@@ -1,6 +1,6 @@
-"""Tree verification in C (``ls_verify``): the greedy / seeded Gumbel walk and the
-rejection-sampling walk of ``localspec.verify``, on the same per-position random streams,
-so both give the same accepted path and tokens."""
+"""Tree verification in C (``ls_verify`` / ``ls_verify_thresholds``): the greedy / seeded Gumbel
+walk, the rejection-sampling walk and the LOSSY thresholded walk of ``localspec.verify``, on the
+same per-position random streams, so each gives the reference's accepted path and tokens."""
 
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ class Walk:
     tokens: list[int]
 
 
-def walk(tree, logits: np.ndarray, state, *, seed: int, pos: int, window, rejection: bool) -> Walk:
+def walk(
+    tree, logits: np.ndarray, state, *, seed: int, pos: int, window, rejection: bool, thresholds: tuple | None = None
+) -> Walk:
     """Verify ``tree`` against ``logits``.
 
     Args:
@@ -38,6 +40,9 @@ def walk(tree, logits: np.ndarray, state, *, seed: int, pos: int, window, reject
             successor.
         window: the penalty window before ``pos`` (oldest first), or None.
         rejection: classic rejection sampling instead of the greedy / Gumbel walk.
+        thresholds: ``(threshold_single, threshold_acc)``, each in (0, 1]: SGLang's **LOSSY**
+            thresholded walk (``verify.threshold_walk``) instead of either; draft
+            distributions are not read.
     Raises:
         ValueError: a stochastic child with zero draft probability, or a malformed tree.
         KeyError: a stochastic child whose parent has no draft distribution.
@@ -58,7 +63,7 @@ def walk(tree, logits: np.ndarray, state, *, seed: int, pos: int, window, reject
     t.parents = parents.ctypes.data
     t.draft_probs = draft_probs.ctypes.data
     keep = []  # arrays the C side reads, alive until the call returns
-    if rejection and tree.draft_dists:
+    if rejection and thresholds is None and tree.draft_dists:
         ptrs = (ctypes.c_void_p * n)()
         f64 = (ctypes.c_int8 * n)()
         sparse_ids = None
@@ -92,21 +97,17 @@ def walk(tree, logits: np.ndarray, state, *, seed: int, pos: int, window, reject
     path = np.empty(n, dtype=np.int32)
     tokens = np.empty(n + 1, dtype=np.int32)
     err_node = ctypes.c_int32(-1)
-    rc = lib.ls_verify(
-        ctypes.byref(t),
-        logits.ctypes.data,
-        logits.strides[0] // 4,
-        n_vocab,
-        state.with_seed(seed),
-        _lib.VERIFY_REJECTION if rejection else _lib.VERIFY_GREEDY,
-        int(pos),
-        win.ctypes.data if win is not None and win.size else None,
-        0 if win is None else int(win.size),
-        workspace(n_vocab),
-        path.ctypes.data,
-        tokens.ctypes.data,
-        ctypes.byref(err_node),
-    )
+    win_args = (win.ctypes.data if win is not None and win.size else None, 0 if win is None else int(win.size))
+    out_args = (workspace(n_vocab), path.ctypes.data, tokens.ctypes.data, ctypes.byref(err_node))
+    row_args = (ctypes.byref(t), logits.ctypes.data, logits.strides[0] // 4, n_vocab, state.with_seed(seed))
+    if thresholds is not None:
+        ts, ta = (float(x) for x in thresholds)
+        if not (0.0 < ts <= 1.0 and 0.0 < ta <= 1.0):
+            raise ValueError(f"acceptance thresholds must be in (0, 1], got {ts!r} and {ta!r}")
+        rc = lib.ls_verify_thresholds(*row_args, ts, ta, int(pos), *win_args, *out_args)
+    else:
+        mode = _lib.VERIFY_REJECTION if rejection else _lib.VERIFY_GREEDY
+        rc = lib.ls_verify(*row_args, mode, int(pos), *win_args, *out_args)
     if rc < 0:
         node = int(err_node.value)
         if rc == _lib.ERR_ZERO_DRAFT_PROB:
