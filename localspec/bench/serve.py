@@ -5,8 +5,12 @@ One in-process server (``--parallel`` = the largest concurrency) on 127.0.0.1; f
 concurrency ``c`` the two modes run back to back (order alternating), each with ``c`` client
 threads that send the same Spec-Bench first-turn prompts (``/v1/completions``, T=0) through the
 official ``openai`` client. Aggregate tokens/s = completion tokens of all requests / wall time
-from the first request to the last answer. Also reports whether the speculative and plain
-texts are identical (they must be at T=0).
+from the first request to the last answer: it includes every request's prompt prefill. The
+decode phase alone comes from the responses' ``timings`` (llama.cpp's fields): per request
+``predicted_n / predicted_ms`` (tokens/s from its first to its last token, other requests'
+prefills in the same steps included), and the **decode-phase aggregate** = completion tokens /
+(sum of ``predicted_ms`` / clients), i.e. the rate while ``clients`` requests decode side by
+side. Also reports whether the speculative and plain texts are identical (they must be at T=0).
 """
 
 from __future__ import annotations
@@ -17,23 +21,36 @@ import time
 from ..sampling import SamplingParams
 
 
-def run_clients(client, prompts: list[str], n_clients: int, max_tokens: int) -> tuple[float, int, list[str]]:
-    """Send ``prompts`` from ``n_clients`` threads; returns (seconds, completion tokens, texts)."""
+def run_clients(client, prompts: list[str], n_clients: int, max_tokens: int) -> tuple[float, int, list[str], dict]:
+    """Send ``prompts`` from ``n_clients`` threads; returns (seconds, completion tokens, texts,
+    phases): ``phases`` = ``prompt_ms`` / ``predicted_ms`` summed over the requests (ms) from
+    their ``timings``."""
 
     def one(p: str):
         r = client.completions.create(model="bench", prompt=p, max_tokens=max_tokens, temperature=0)
-        return r.usage.completion_tokens, r.choices[0].text
+        t = (r.model_extra or {}).get("timings") or {}
+        return r.usage.completion_tokens, r.choices[0].text, float(t.get("prompt_ms", 0.0)), float(t.get("predicted_ms", 0.0))
 
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(n_clients) as ex:
         res = list(ex.map(one, prompts))
     dt = time.perf_counter() - t0
-    return dt, sum(n for n, _ in res), [t for _, t in res]
+    phases = {"prompt_ms": sum(r[2] for r in res), "predicted_ms": sum(r[3] for r in res)}
+    return dt, sum(r[0] for r in res), [r[1] for r in res], phases
 
 
 def bench_serve(engine, prompts: list[str], *, clients=(1, 2, 4, 8), per_client: int = 2, max_tokens: int = 64,
-                n_ctx: int = 2048, log=print) -> list[dict]:  # fmt: skip
-    """Rows ``{clients, mode, seconds, tokens, tokens_per_s, identical}``."""
+                n_ctx: int = 2048, same_prompts: int | None = None, log=print) -> list[dict]:  # fmt: skip
+    """Rows ``{clients, mode, seconds, tokens, tokens_per_s, prompt_ms, predicted_ms,
+    decode_tokens_per_s, identical}`` (module docstring).
+
+    Args:
+        prompts: the prompt texts, categories interleaved.
+        per_client: requests per client thread: concurrency ``c`` sends the first
+            ``c * per_client`` prompts (so one client sees only the first ``per_client``).
+        same_prompts: instead, every concurrency sends the same first ``same_prompts`` prompts,
+            spread over its clients (a fairer comparison across concurrencies).
+    """
     import openai
 
     from ..scheduler import BatchScheduler
@@ -48,13 +65,17 @@ def bench_serve(engine, prompts: list[str], *, clients=(1, 2, 4, 8), per_client:
         with AppThread(create_serve_app(oai, max_body_bytes=1 << 20)) as srv:
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=3600)
             for i, c in enumerate(clients):
-                ps = [prompts[(j) % len(prompts)] for j in range(c * per_client)]
+                n_req = same_prompts if same_prompts else c * per_client
+                ps = [prompts[j % len(prompts)] for j in range(n_req)]
                 texts = {}
                 for mode in (("spec", "plain") if i % 2 == 0 else ("plain", "spec")):
                     oai.speculative = mode == "spec"
-                    dt, n, texts[mode] = run_clients(client, ps, c, max_tokens)
-                    rows.append({"clients": c, "mode": mode, "seconds": dt, "tokens": n, "tokens_per_s": n / dt})
-                    log(f"clients {c} {mode}: {n} tokens in {dt:.1f} s = {n / dt:.2f} tokens/s")
+                    dt, n, texts[mode], ph = run_clients(client, ps, c, max_tokens)
+                    dec = n / (ph["predicted_ms"] / 1e3 / c) if ph["predicted_ms"] > 0 else 0.0
+                    rows.append({"clients": c, "mode": mode, "seconds": dt, "tokens": n, "tokens_per_s": n / dt,
+                                 **ph, "decode_tokens_per_s": dec})  # fmt: skip
+                    log(f"clients {c} {mode}: {n} tokens in {dt:.1f} s = {n / dt:.2f} tokens/s "
+                        f"(decode phase {dec:.2f} tokens/s, prefill {ph['prompt_ms'] / 1e3:.1f} s in all)")  # fmt: skip
                 same = texts["spec"] == texts["plain"]
                 for r in rows[-2:]:
                     r["identical"] = same

@@ -22,6 +22,9 @@ def register(bsub) -> None:
     p.add_argument("--dataset", required=True, help="Spec-Bench question.jsonl")
     p.add_argument("--clients", default="1,2,4,8", help="concurrencies (default 1,2,4,8)")
     p.add_argument("--per-client", type=int, default=2, help="requests per client (default 2)")
+    p.add_argument("--prompts", type=int, default=None, metavar="N",
+                   help="send the same N prompts at every concurrency, spread over its clients (default: "
+                   "clients x --per-client prompts, so one client sees only --per-client of them)")
     p.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens per request (default 64)")
     p.add_argument("--out", default="bench-out", help="output directory (default ./bench-out)")
     add_model_args(p)
@@ -35,29 +38,35 @@ def run(a: argparse.Namespace) -> int:
     from ..bench.serve import bench_serve, plot
 
     clients = tuple(int(x) for x in a.clients.split(","))
-    qs = select_prompts(load_questions(a.dataset), None, max(clients) * a.per_client)
+    if a.prompts is not None and a.prompts < 1:
+        raise SystemExit(f"localspec: error: --prompts must be at least 1, got {a.prompts}")
+    n_prompts = a.prompts or max(clients) * a.per_client
+    qs = select_prompts(load_questions(a.dataset), None, n_prompts)
     prompts = [p.text for p in interleave(qs)]
     engine = make_engine(a, "ngram")
     try:
         load = os.getloadavg()
         rows = bench_serve(engine, prompts, clients=clients, per_client=a.per_client, max_tokens=a.max_tokens,
-                           log=lambda s: print(s, file=sys.stderr))  # fmt: skip
+                           same_prompts=a.prompts, log=lambda s: print(s, file=sys.stderr))  # fmt: skip
     finally:
         engine.close()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"loadavg_start": load, "loadavg_end": os.getloadavg(), "cpus": os.cpu_count(), "max_tokens": a.max_tokens,
-            "per_client": a.per_client}  # fmt: skip
+            "per_client": a.per_client, "same_prompts": a.prompts}  # fmt: skip
     (out / "serve.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     try:
         plot(rows, str(out / "serve.png"))
     except ImportError:
         print("localspec: matplotlib missing: no plot", file=sys.stderr)
-    print("| clients | plain tok/s | speculative tok/s | ratio | identical |\n|---|---|---|---|---|")
+    print("| clients | requests | plain tok/s | speculative tok/s | ratio | decode phase: plain | speculative | ratio "
+          "| identical |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for c in clients:
         pl = next(r for r in rows if r["clients"] == c and r["mode"] == "plain")
         sp = next(r for r in rows if r["clients"] == c and r["mode"] == "spec")
-        print(f"| {c} | {pl['tokens_per_s']:.2f} | {sp['tokens_per_s']:.2f} | {sp['tokens_per_s'] / pl['tokens_per_s']:.2f}x "
-              f"| {'yes' if sp['identical'] else 'NO'} |")
+        dr = sp["decode_tokens_per_s"] / pl["decode_tokens_per_s"] if pl["decode_tokens_per_s"] else float("nan")
+        print(f"| {c} | {a.prompts or c * a.per_client} | {pl['tokens_per_s']:.2f} | {sp['tokens_per_s']:.2f} "
+              f"| {sp['tokens_per_s'] / pl['tokens_per_s']:.2f}x | {pl['decode_tokens_per_s']:.2f} "
+              f"| {sp['decode_tokens_per_s']:.2f} | {dr:.2f}x | {'yes' if sp['identical'] else 'NO'} |")
     print(f"machine load (1-min loadavg) {meta['loadavg_start'][0]:.1f} -> {meta['loadavg_end'][0]:.1f} on {meta['cpus']} CPUs")
     return 0

@@ -58,7 +58,7 @@ class _StopAtFinalNorm:
     def _on_eval(self, t_ptr: int, ask: bool, _user_data) -> bool:
         try:
             if ctypes.string_at(t_ptr + self._name_offset) != self.NAME:
-                return True
+                return not ask  # not observed: a True here would split the graph at every node
             if ask:
                 return True
             t = self._tensor.from_address(t_ptr)

@@ -1,0 +1,28 @@
+"""``localspec bench serve`` end to end on the real default model: a real in-process OpenAI
+server, the official ``openai`` client, 1 and 2 clients, speculative and plain batched."""
+
+import json
+
+from localspec.cli.main import main
+
+
+def test_bench_serve_reports_wall_and_decode_phase_rates_on_the_same_prompts(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["bench", "serve", "--dataset", "code", "--clients", "1,2", "--prompts", "3", "-n", "6", "--out", str(out)])
+    assert rc == 0
+    data = json.loads((out / "serve.json").read_text())
+    rows = data["rows"]
+    assert data["meta"]["same_prompts"] == 3
+    assert sorted((r["clients"], r["mode"]) for r in rows) == [(1, "plain"), (1, "spec"), (2, "plain"), (2, "spec")]
+    for r in rows:
+        assert r["tokens"] == 3 * 6  # the same three requests at every concurrency (a base model does not stop)
+        assert r["identical"] is True  # T=0: speculation and batching change nothing
+        assert r["prompt_ms"] > 0 and r["predicted_ms"] > 0
+        # the decode-phase aggregate is the completion tokens over the decode time per client
+        assert abs(r["decode_tokens_per_s"] - r["tokens"] / (r["predicted_ms"] / 1e3 / r["clients"])) < 1e-6
+        # each client thread sends its requests one after another, and a request's prefill and
+        # decode lie inside its round trip: per client they fit in the run's wall time
+        assert (r["prompt_ms"] + r["predicted_ms"]) / 1e3 / r["clients"] <= r["seconds"]
+    table = capsys.readouterr().out
+    assert "| clients | requests | plain tok/s | speculative tok/s | ratio | decode phase: plain |" in table
+    assert "| 1 | 3 |" in table and "| 2 | 3 |" in table
