@@ -179,10 +179,15 @@ class SamplingParams:
         )
 
     @property
+    def acceptance_thresholds(self) -> tuple[float, float]:
+        """``(accept_threshold_single, accept_threshold_acc)`` with None read as 1.0 (lossless)."""
+        return self.accept_threshold_single or 1.0, self.accept_threshold_acc or 1.0
+
+    @property
     def lossy(self) -> bool:
         """Whether the lossy acceptance thresholds are in effect: one of them below 1 at
         temperature > 0 (at temperature 0 greedy verification ignores them)."""
-        return not self.is_greedy and min(self.accept_threshold_single or 1.0, self.accept_threshold_acc or 1.0) < 1.0
+        return not self.is_greedy and min(self.acceptance_thresholds) < 1.0
 
     def with_seed(self, seed: int) -> "SamplingParams":
         return replace(self, seed=int(seed))

@@ -76,8 +76,7 @@ class GenerationStats:
     def set_thresholds(self, params, *, drafted: bool) -> None:
         """Record a request's acceptance thresholds (``SamplingParams``); ``lossy`` when they are
         in effect (``params.lossy``) and a drafter proposed the trees."""
-        self.accept_threshold_single = float(params.accept_threshold_single or 1.0)
-        self.accept_threshold_acc = float(params.accept_threshold_acc or 1.0)
+        self.accept_threshold_single, self.accept_threshold_acc = (float(x) for x in params.acceptance_thresholds)
         self.lossy = bool(params.lossy and drafted)
 
     @property

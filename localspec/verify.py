@@ -323,7 +323,7 @@ def verify_thresholds(tree: TokenTree, logits: np.ndarray, cursor) -> VerifyResu
     ``verify_greedy``; the recovered / bonus token is an inverse-CDF draw with the cursor's
     ``residual_uniform``."""
     params = cursor.req.params
-    w = threshold_walk(tree, logits, cursor, params.accept_threshold_single or 1.0, params.accept_threshold_acc or 1.0)
+    w = threshold_walk(tree, logits, cursor, *params.acceptance_thresholds)
     i = sample_from(w.final_probs, cursor.residual_uniform())
     return _result(tree, w.path, [*w.tokens, int(w.final_ids[i])])
 
@@ -340,7 +340,7 @@ def verify(tree: TokenTree, logits: np.ndarray, cursor) -> VerifyResult:
         check_sampled_siblings(tree)
     state = None if cursor.has_grammar else req.processor.native_state()
     if state is not None:
-        thresholds = (req.params.accept_threshold_single or 1.0, req.params.accept_threshold_acc or 1.0) if lossy else None
+        thresholds = req.params.acceptance_thresholds if lossy else None
         walk = native_verify.walk(
             tree, logits, state, seed=req.seed, pos=cursor.pos, window=cursor.window, rejection=rejection,
             thresholds=thresholds,

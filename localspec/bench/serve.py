@@ -41,7 +41,7 @@ def run_clients(client, prompts: list[str], n_clients: int, max_tokens: int) -> 
 
 def bench_serve(engine, prompts: list[str], *, clients=(1, 2, 4, 8), per_client: int = 2, max_tokens: int = 64,
                 n_ctx: int = 2048, same_prompts: int | None = None, log=print) -> list[dict]:  # fmt: skip
-    """Rows ``{clients, mode, seconds, tokens, tokens_per_s, prompt_ms, predicted_ms,
+    """Rows ``{clients, mode, requests, seconds, tokens, tokens_per_s, prompt_ms, predicted_ms,
     decode_tokens_per_s, identical}`` (module docstring).
 
     Args:
@@ -72,8 +72,8 @@ def bench_serve(engine, prompts: list[str], *, clients=(1, 2, 4, 8), per_client:
                     oai.speculative = mode == "spec"
                     dt, n, texts[mode], ph = run_clients(client, ps, c, max_tokens)
                     dec = n / (ph["predicted_ms"] / 1e3 / c) if ph["predicted_ms"] > 0 else 0.0
-                    rows.append({"clients": c, "mode": mode, "seconds": dt, "tokens": n, "tokens_per_s": n / dt,
-                                 **ph, "decode_tokens_per_s": dec})  # fmt: skip
+                    rows.append({"clients": c, "mode": mode, "requests": len(ps), "seconds": dt, "tokens": n,
+                                 "tokens_per_s": n / dt, **ph, "decode_tokens_per_s": dec})  # fmt: skip
                     log(f"clients {c} {mode}: {n} tokens in {dt:.1f} s = {n / dt:.2f} tokens/s "
                         f"(decode phase {dec:.2f} tokens/s, prefill {ph['prompt_ms'] / 1e3:.1f} s in all)")  # fmt: skip
                 same = texts["spec"] == texts["plain"]

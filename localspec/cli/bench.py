@@ -407,7 +407,7 @@ def run(a: argparse.Namespace) -> int:
         if lossy is not None:
             from ..bench.thresholds import summarize_lossy, synthetic_tvd_report, threshold_grid
 
-            ts, ta = lossy.accept_threshold_single or 1.0, lossy.accept_threshold_acc or 1.0
+            ts, ta = lossy.acceptance_thresholds
             print("localspec: exact TVD on synthetic rows...", file=sys.stderr)
             extra = {"lossy": lossy.lossy, "lossy_categories": summarize_lossy(records),
                      "synthetic_tvd": synthetic_tvd_report(threshold_grid(ts, ta))}  # fmt: skip
@@ -424,8 +424,8 @@ def run(a: argparse.Namespace) -> int:
             "repeats": a.repeats,
             "peer_repeats": a.peer_repeats,
             "lossy": bool(lossy is not None and lossy.lossy),
-            "accept_threshold_single": (lossy.accept_threshold_single or 1.0) if lossy is not None else 1.0,
-            "accept_threshold_acc": (lossy.accept_threshold_acc or 1.0) if lossy is not None else 1.0,
+            "accept_threshold_single": lossy.acceptance_thresholds[0] if lossy is not None else 1.0,
+            "accept_threshold_acc": lossy.acceptance_thresholds[1] if lossy is not None else 1.0,
             "peer_llama_server": a.peer_llama_server,
             "peer_kernels": a.peer_kernels,
             **machine_info(engine),

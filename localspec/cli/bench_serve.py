@@ -65,7 +65,7 @@ def run(a: argparse.Namespace) -> int:
         pl = next(r for r in rows if r["clients"] == c and r["mode"] == "plain")
         sp = next(r for r in rows if r["clients"] == c and r["mode"] == "spec")
         dr = sp["decode_tokens_per_s"] / pl["decode_tokens_per_s"] if pl["decode_tokens_per_s"] else float("nan")
-        print(f"| {c} | {a.prompts or c * a.per_client} | {pl['tokens_per_s']:.2f} | {sp['tokens_per_s']:.2f} "
+        print(f"| {c} | {pl['requests']} | {pl['tokens_per_s']:.2f} | {sp['tokens_per_s']:.2f} "
               f"| {sp['tokens_per_s'] / pl['tokens_per_s']:.2f}x | {pl['decode_tokens_per_s']:.2f} "
               f"| {sp['decode_tokens_per_s']:.2f} | {dr:.2f}x | {'yes' if sp['identical'] else 'NO'} |")
     print(f"machine load (1-min loadavg) {meta['loadavg_start'][0]:.1f} -> {meta['loadavg_end'][0]:.1f} on {meta['cpus']} CPUs")
