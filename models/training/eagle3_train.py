@@ -45,7 +45,10 @@ class TrainConfig:
         lr / warmup / min_lr_frac: AdamW peak rate, linear warm-up steps, cosine floor.
         vocab_size: draft vocabulary size.
         device: ``cpu``, ``cuda``, ``mps`` or ``auto``.
-        bf16: autocast matrix products to bfloat16 (CPU with AVX-512 BF16, CUDA).
+        bf16: autocast matrix products to bfloat16 where the hardware has it (``bf16_capable``:
+            CUDA, or a CPU with AVX-512 BF16 or AMX); elsewhere float32. On a CPU without them
+            (AVX2 only) torch's bfloat16 path is emulated: measured 42 s per training step here
+            against 1.8 s in float32 (2-core AVX2 VM, 2026-12-02).
         val_frac: fraction of sequences held out for the validation accuracies.
         loss_frac: fraction of positions scored per step (``ttt_loss``); 1 = all.
     """
@@ -260,6 +263,17 @@ class StepMetrics:
     count: list[int]
 
 
+def bf16_capable(device) -> bool:
+    """Whether bfloat16 matrix products are native on ``device``: CUDA, or a CPU with AVX-512
+    BF16 or AMX tiles (``torch.cpu`` capability checks)."""
+    if device.type == "cuda":
+        return True
+    if device.type != "cpu":
+        return False
+    cpu = torch.cpu
+    return any(bool(getattr(cpu, f, lambda: False)()) for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
 def ttt_loss(
     model: Eagle3Head, b: Batch, unroll: int, bf16: bool, loss_frac: float = 1.0, gen: torch.Generator | None = None
 ) -> tuple[torch.Tensor, StepMetrics]:
@@ -397,7 +411,7 @@ def train_eagle3(
         raise ValueError("no training data: record shards first (eagle3_data.prepare_data)")
     torch.manual_seed(cfg.seed)
     device = pick_device(cfg.device)
-    bf16 = cfg.bf16 and device.type in ("cpu", "cuda")
+    bf16 = cfg.bf16 and bf16_capable(device)
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     shards = [load_shard(p) for p in shard_files]
