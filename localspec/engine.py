@@ -367,8 +367,9 @@ class Engine:
             raise InvalidRequestError("a drafter reads either target layer features or final hidden states, not both")
         self._tap = make_feature_tap(feature_layers, self.model) if feature_layers else None
         self._norm_tap = FinalNormTap(self.model.n_embd) if final_norm else None
-        cb = self._tap.callback if self._tap else (self._norm_tap.callback if self._norm_tap else None)
-        self.ctx = Context(self.model, cb_eval=cb, **self._ctx_args)
+        tap = self._tap or self._norm_tap
+        cb, ud = (tap.callback, tap.user_data) if tap is not None else (None, None)
+        self.ctx = Context(self.model, cb_eval=cb, cb_eval_user_data=ud, **self._ctx_args)
         if hasattr(self._tap, "bind"):  # NextnTap: llama.cpp's nextn rows, read after each decode
             self._tap.bind(self.ctx)
         self._ctx_generation = self.model.generation

@@ -74,8 +74,9 @@ def main() -> None:
     # the FinalNormTap's own cost: decodes with and without it, interleaved
     from localspec.backend.features import FinalNormTap
 
-    tap = FinalNormTap(e)
-    ctx2 = Context(m, n_ctx=2048, n_batch=512, n_seq_max=1, n_threads=a.threads, cb_eval=tap.callback)
+    tap = FinalNormTap(e, native=False)  # the Python callback: its time inside is measured
+    ctx2 = Context(m, n_ctx=2048, n_batch=512, n_seq_max=1, n_threads=a.threads, cb_eval=tap.callback,
+                   cb_eval_user_data=tap.user_data)
     b.set_sequence(toks, 0, output="last")
     ctx2.decode(b)
     tap.clear()
