@@ -190,9 +190,9 @@ class Engine:
         eagle: the GGUF of an EAGLE-3 head for the target (drafters ``"eagle3"`` and ``"auto"``);
             with no path (and, for ``"auto"``, no draft model), the head shipped for the target
             (default model), if any.
-        medusa: the GGUF of Medusa heads for the target (drafter ``"medusa"``); with no path,
-            the heads shipped for the target (default model), if any.
-        draft_shape: a fixed ``TreeShape`` for every step of the ``"eagle3"`` drafter (e.g.
+        medusa: the GGUF of Medusa heads for the target (drafters ``"medusa"`` and ``"auto"``);
+            for ``"medusa"`` with no path, the heads shipped for the target (default model), if any.
+        draft_shape: a fixed ``TreeShape`` for every step of the ``"eagle3"`` or ``"medusa"`` drafter (e.g.
             ``TreeShape(6, 1, 7)``: chains of 6); default: the policy chooses.
         n_ctx: context size in tokens (default: 8192, at most the model's training context).
         n_threads: CPU threads (default: all CPUs this process may use, at most 16).
@@ -323,13 +323,14 @@ class Engine:
         options = {k: v for k, v in options.items() if v is not None}
         # eagle3 and auto without a head (nor, for auto, a draft model): the head shipped for
         # this target, if any (auto without one drafts n-grams only)
-        if (drafter == "eagle3" and "eagle" not in options) or (drafter == "auto" and not {"eagle", "draft_model"} & set(options)):
+        models = {"eagle", "draft_model", "medusa"}
+        if (drafter == "eagle3" and "eagle" not in options) or (drafter == "auto" and not models & set(options)):
             from .models.eagle3_heads import shipped_head
 
             head = shipped_head(self.model.path)
             if head is not None:
                 options["eagle"] = head
-        if drafter == "auto" and not {"eagle", "draft_model"} & set(options):
+        if drafter == "auto" and not models & set(options):
             from .drafters.mtp import mtp_capable
 
             if mtp_capable(self.model):  # auto on a target with MTP blocks: n-gram + its MTP block
@@ -366,8 +367,9 @@ class Engine:
             raise InvalidRequestError("a drafter reads either target layer features or final hidden states, not both")
         self._tap = make_feature_tap(feature_layers, self.model) if feature_layers else None
         self._norm_tap = FinalNormTap(self.model.n_embd) if final_norm else None
-        cb = self._tap.callback if self._tap else (self._norm_tap.callback if self._norm_tap else None)
-        self.ctx = Context(self.model, cb_eval=cb, **self._ctx_args)
+        tap = self._tap or self._norm_tap
+        cb, ud = (tap.callback, tap.user_data) if tap is not None else (None, None)
+        self.ctx = Context(self.model, cb_eval=cb, cb_eval_user_data=ud, **self._ctx_args)
         if hasattr(self._tap, "bind"):  # NextnTap: llama.cpp's nextn rows, read after each decode
             self._tap.bind(self.ctx)
         self._ctx_generation = self.model.generation

@@ -22,6 +22,7 @@
 #ifndef LOCALSPEC_NATIVE_H
 #define LOCALSPEC_NATIVE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -37,7 +38,7 @@
 extern "C" {
 #endif
 
-#define LS_ABI_VERSION 4
+#define LS_ABI_VERSION 5
 
 /* error codes (negative returns) */
 #define LS_ERR_BANNED (-1)         /* every token is banned (-inf) by logit bias */
@@ -267,6 +268,38 @@ LS_API int32_t ls_gemv_t(const float *wt, int64_t n, int64_t m, const float *x, 
  * returns: 0, or LS_ERR_ARG. */
 LS_API int32_t ls_gemm_t(const float *wt, int64_t n, int64_t m, const float *x, int64_t nr, float *y,
                          int32_t n_threads);
+
+/* ---- graph taps (ls_tap.c) ------------------------------------------------------------ */
+
+/* A ggml_backend_sched_eval_callback (llama.cpp's cb_eval) that copies the rows of named
+ * float32 graph tensors during decodes, in C: backend.features.FeatureTap / FinalNormTap
+ * without a Python call per graph node. The layout of struct ggml_tensor is given by the
+ * caller (byte offsets of `type`, `ne` and `name`), and so is ggml_backend_tensor_get (the
+ * copy works for any backend's buffer), so this library does not link ggml.
+ * The callback answers ask = true with "observe" only for the named tensors; on observe it
+ * appends the tensor's ne[1] rows of ne[0] == width floats to that name's buffer (a decode
+ * split into micro-batches appends once per split, in order). It only reads: the decode
+ * computes the same numbers as without it. A tensor of another type or width, or memory
+ * exhausted, sets the tap's error (ls_tap_error) and is skipped; the decode goes on. */
+typedef void (*ls_tensor_get_fn)(const void *tensor, void *data, size_t offset, size_t size);
+typedef struct ls_tap ls_tap;
+/* names: n_names NUL-terminated names (< 64 bytes each, n_names <= 8); width: floats per row.
+ * returns: a new tap, or NULL (bad arguments or out of memory) */
+LS_API ls_tap *ls_tap_new(int32_t n_names, const char *const *names, int64_t width, int64_t off_type,
+                          int64_t off_ne, int64_t off_name, ls_tensor_get_fn get);
+LS_API void ls_tap_free(ls_tap *tap);
+/* the callback; user_data is the ls_tap * */
+LS_API bool ls_tap_eval(void *tensor, bool ask, void *user_data);
+/* rows captured for name i since the last clear, and their address ([rows, width] float32) */
+LS_API int64_t ls_tap_rows(const ls_tap *tap, int32_t i);
+LS_API const float *ls_tap_data(const ls_tap *tap, int32_t i);
+/* 0, LS_ERR_ARG (a tensor of another type or width) or LS_ERR_NOMEM, since the last clear */
+LS_API int32_t ls_tap_error(const ls_tap *tap);
+/* forget the rows and the error (the buffers are kept) */
+LS_API void ls_tap_clear(ls_tap *tap);
+/* graph nodes the callback was asked about, and tensors it copied, since ls_tap_new */
+LS_API int64_t ls_tap_n_asked(const ls_tap *tap);
+LS_API int64_t ls_tap_n_copied(const ls_tap *tap);
 
 #ifdef __cplusplus
 }

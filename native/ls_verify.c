@@ -191,6 +191,73 @@ static int32_t threshold_node(const ls_tree *tree, const children *ch, int32_t n
     return -1;
 }
 
+/* Rejection sampling at one node (verify.verify_rejection: Leviathan et al. 2023, Chen et al.
+ * 2023; multi-round over siblings as in SpecInfer, Miao et al. 2024): children tried in order,
+ * child k with uniform k of the node's accept stream.
+ * A deterministic child is accepted with its residual probability, else removed from the
+ * residual; a sampled child (draft distribution q at the node) with min(1, res/q), else the
+ * residual becomes max(res - q, 0) renormalised. Sets *accepted (or leaves it -1) and returns 0,
+ * or an LS_ERR_* with *err_node the child at fault. res/ids/tmp as in threshold_node. */
+static int rejection_node(const ls_tree *tree, const children *ch, int32_t node, const int64_t *ids, double *res,
+                          double *tmp, int64_t m, uint64_t akey, int32_t *accepted, int32_t *err_node) {
+    int32_t k = 0;
+    for (int32_t c = ch->first[node]; c >= 0; c = ch->next[c], k++) {
+        int32_t xt = tree->token_ids[c];
+        double u = ls_uniform(akey, k);
+        int64_t at = find_id(ids, m, xt);
+        double r = at >= 0 ? res[at] : 0.0;
+        if (is_stochastic(tree, c)) {
+            if (!tree->draft_dists || !tree->draft_dists[node]) {
+                *err_node = c;
+                return LS_ERR_NO_DRAFT_DIST;
+            }
+            double qx = dist_at(tree, node, xt);
+            if (qx <= 0.0) {
+                *err_node = c;
+                return LS_ERR_ZERO_DRAFT_PROB;
+            }
+            double ratio = r / qx;
+            if (u < (ratio < 1.0 ? ratio : 1.0)) {
+                *accepted = c;
+                return 0;
+            }
+            if (is_sparse(tree, node)) { /* both supports ascending: one merge pass */
+                const int64_t *qi = tree->dist_ids[node];
+                const double *qv = (const double *)tree->draft_dists[node];
+                int64_t nq = tree->dist_len[node], a = 0;
+                for (int64_t j = 0; j < m; j++) {
+                    while (a < nq && qi[a] < ids[j]) a++;
+                    double q = (a < nq && qi[a] == ids[j]) ? qv[a] : 0.0;
+                    double v = res[j] - q;
+                    tmp[j] = v > 0.0 ? v : (v == v ? 0.0 : v);
+                }
+            } else {
+                for (int64_t j = 0; j < m; j++) {
+                    double v = res[j] - dist_at(tree, node, ids[j]);
+                    tmp[j] = v > 0.0 ? v : (v == v ? 0.0 : v);
+                }
+            }
+            double z = ls__sum(tmp, m);
+            if (z > 0.0) { /* all-zero residual: draft == target, keep it */
+                for (int64_t j = 0; j < m; j++) res[j] = tmp[j] / z;
+            }
+        } else {
+            if (u < r) {
+                *accepted = c;
+                return 0;
+            }
+            if (at >= 0) res[at] = 0.0;
+            double z = ls__sum(res, m);
+            if (z > 0.0) {
+                for (int64_t j = 0; j < m; j++) res[j] = res[j] / z;
+            } else if (at >= 0) {
+                res[at] = 1.0; /* the residual was a point mass on this token */
+            }
+        }
+    }
+    return 0;
+}
+
 static int32_t walk(const ls_tree *tree, const float *logits, int64_t stride, int64_t n_vocab, const ls_sampling *s,
                     int32_t mode, double t_single, double t_acc, int64_t pos, const int32_t *window, int64_t n_window,
                     ls_workspace *ws, int32_t *path_out, int32_t *tokens_out, int32_t *err_node) {
@@ -242,64 +309,11 @@ static int32_t walk(const ls_tree *tree, const float *logits, int64_t stride, in
             memcpy(ids, ws->ids, (size_t)m * sizeof *ids);
             ls__sort_ids(ids, res, m, ws->keys, ws->keys2, tmp);
             uint64_t akey = ls_stream_key(s->seed, pos, LS_STREAM_ACCEPT);
-            if (mode == LS_VERIFY_THRESHOLD && ch.first[node] >= 0)
-                accepted = threshold_node(tree, &ch, node, ids, res, tmp, m, ls_uniform(akey, 0), t_single, t_acc);
-            int32_t k = 0;
-            for (int32_t c = mode == LS_VERIFY_THRESHOLD ? -1 : ch.first[node]; c >= 0; c = ch.next[c], k++) {
-                int32_t xt = tree->token_ids[c];
-                double u = ls_uniform(akey, k);
-                int64_t at = find_id(ids, m, xt);
-                double r = at >= 0 ? res[at] : 0.0;
-                if (is_stochastic(tree, c)) {
-                    if (!tree->draft_dists || !tree->draft_dists[node]) {
-                        rc = LS_ERR_NO_DRAFT_DIST;
-                        *err_node = c;
-                        break;
-                    }
-                    double qx = dist_at(tree, node, xt);
-                    if (qx <= 0.0) {
-                        rc = LS_ERR_ZERO_DRAFT_PROB;
-                        *err_node = c;
-                        break;
-                    }
-                    double ratio = r / qx;
-                    if (u < (ratio < 1.0 ? ratio : 1.0)) {
-                        accepted = c;
-                        break;
-                    }
-                    if (is_sparse(tree, node)) { /* both supports ascending: one merge pass */
-                        const int64_t *qi = tree->dist_ids[node];
-                        const double *qv = (const double *)tree->draft_dists[node];
-                        int64_t nq = tree->dist_len[node], a = 0;
-                        for (int64_t j = 0; j < m; j++) {
-                            while (a < nq && qi[a] < ids[j]) a++;
-                            double q = (a < nq && qi[a] == ids[j]) ? qv[a] : 0.0;
-                            double v = res[j] - q;
-                            tmp[j] = v > 0.0 ? v : (v == v ? 0.0 : v);
-                        }
-                    } else {
-                        for (int64_t j = 0; j < m; j++) {
-                            double v = res[j] - dist_at(tree, node, ids[j]);
-                            tmp[j] = v > 0.0 ? v : (v == v ? 0.0 : v);
-                        }
-                    }
-                    double z = ls__sum(tmp, m);
-                    if (z > 0.0) { /* all-zero residual: draft == target, keep it */
-                        for (int64_t j = 0; j < m; j++) res[j] = tmp[j] / z;
-                    }
-                } else {
-                    if (u < r) {
-                        accepted = c;
-                        break;
-                    }
-                    if (at >= 0) res[at] = 0.0;
-                    double z = ls__sum(res, m);
-                    if (z > 0.0) {
-                        for (int64_t j = 0; j < m; j++) res[j] = res[j] / z;
-                    } else if (at >= 0) {
-                        res[at] = 1.0; /* the residual was a point mass on this token */
-                    }
-                }
+            if (mode == LS_VERIFY_THRESHOLD) {
+                if (ch.first[node] >= 0)
+                    accepted = threshold_node(tree, &ch, node, ids, res, tmp, m, ls_uniform(akey, 0), t_single, t_acc);
+            } else {
+                rc = rejection_node(tree, &ch, node, ids, res, tmp, m, akey, &accepted, err_node);
             }
             if (rc) break;
             token = accepted >= 0 ? tree->token_ids[accepted]

@@ -5,8 +5,8 @@
 For each draft-vocabulary size: K heads with a shared readout (the shipped layout) and with
 per-head readouts, random weights of the real shapes (E = the target's hidden size). Each
 round times, interleaved: one target decode of one token with its logits (llama.cpp, the
-engine's thread count) and the heads' whole drafting step (``MedusaDrafter.propose``: the C
-kernels plus the tree's top-k and bookkeeping, width 6). Prints medians and the ratio; then
+engine's thread count) and the heads' whole drafting step (``MedusaDrafter.extend`` with a
+K x 6 tree of at most 64 nodes: the C kernels plus the tree's top-k and bookkeeping). Prints medians and the ratio; then
 the ``FinalNormTap``'s own cost (decodes with and without it, interleaved).
 """
 
@@ -32,6 +32,7 @@ def main() -> None:
     from localspec.drafters.medusa import MedusaDrafter
     from localspec.models import default_model_path
     from localspec.models.medusa_gguf import MedusaWeights
+    from localspec.policy import TreeShape
 
     m = Model(default_model_path())
     ctx = Context(m, n_ctx=2048, n_batch=512, n_seq_max=1, n_threads=a.threads)
@@ -64,7 +65,8 @@ def main() -> None:
                 ctx.seq_rm(0, pos, -1)
                 d.set_final_hidden(len(hist) - 2, rng.standard_normal(e).astype(np.float32) * 3)
                 t0 = time.perf_counter()
-                tree = d.propose(8, 64)
+                d.propose(8, 64)
+                tree = d.extend(TreeShape(depth=k, width=6, max_nodes=64, min_score=0.0))
                 t_heads.append(time.perf_counter() - t0)
             md, mh = np.median(t_dec) * 1e3, np.median(t_heads) * 1e3
             print(f"V={v:5d} readout={'shared' if shared else 'per-head'}: decode {md:6.1f} ms, heads+tree {mh:5.2f} ms "
@@ -72,8 +74,9 @@ def main() -> None:
     # the FinalNormTap's own cost: decodes with and without it, interleaved
     from localspec.backend.features import FinalNormTap
 
-    tap = FinalNormTap(e)
-    ctx2 = Context(m, n_ctx=2048, n_batch=512, n_seq_max=1, n_threads=a.threads, cb_eval=tap.callback)
+    tap = FinalNormTap(e, native=False)  # the Python callback: its time inside is measured
+    ctx2 = Context(m, n_ctx=2048, n_batch=512, n_seq_max=1, n_threads=a.threads, cb_eval=tap.callback,
+                   cb_eval_user_data=tap.user_data)
     b.set_sequence(toks, 0, output="last")
     ctx2.decode(b)
     tap.clear()

@@ -8,7 +8,7 @@ from conftest import fixed_cost_model
 from helpers import (
     REJECTION_SAMPLING, REJECTION_SHAPES, PlainReferences, assert_rejection_sampling_exact, assert_same_as_plain,
 )
-from localspec import Engine, SamplingParams
+from localspec import Engine, SamplingParams, native
 from localspec.backend import Batch, Context, Model, SequenceCache
 from localspec.backend.features import FeatureTap
 from localspec.drafters.eagle3 import Eagle3Drafter, head_target_layers
@@ -51,7 +51,7 @@ def test_feature_rows_equal_an_independent_computation(model, derived_draft):
 
     prompt = model.tokenize(PROMPT)
     tap = FeatureTap([12], n_layer=model.n_layer, n_embd=model.n_embd)
-    ctx = Context(model, n_ctx=256, cb_eval=tap.callback)
+    ctx = Context(model, n_ctx=256, cb_eval=tap.callback, cb_eval_user_data=tap.user_data)
     ref = Context(derived_draft, n_ctx=256, embeddings=True)
     try:
         b = Batch(len(prompt))
@@ -78,7 +78,8 @@ def test_the_tap_only_reads(model):
     out = []
     for with_tap in (False, True):
         tap = FeatureTap([2, 9, 15], model.n_layer, model.n_embd) if with_tap else None
-        ctx = Context(model, n_ctx=256, n_seq_max=4, cb_eval=tap.callback if tap else None)
+        ctx = Context(model, n_ctx=256, n_seq_max=4, cb_eval=tap.callback if tap else None,
+                      cb_eval_user_data=tap.user_data if tap else None)
         cache = SequenceCache(ctx, max_tree_nodes=8)
         try:
             cache.prefill(prompt[:-1])
@@ -93,6 +94,64 @@ def test_the_tap_only_reads(model):
         finally:
             ctx.close()
     assert np.array_equal(out[0], out[1])
+
+
+@pytest.mark.skipif(not native.AVAILABLE, reason="native kernels not built")
+def test_the_c_taps_capture_the_python_taps_rows(model):
+    """The C eval callback (``native.tap``) and the Python one (the reference) capture the
+    same rows, bit for bit and in the same order, in a decode split into micro-batches
+    (4 splits of 16 tokens) and in a tree decode: the three layer inputs of ``FeatureTap``
+    for every token, the final-norm rows of ``FinalNormTap`` for the output rows only. The
+    C callback is asked about every graph node, answers yes only for the named ones, and
+    copies each of them once per split."""
+    from localspec.backend.features import FinalNormTap
+
+    prompt = (model.tokenize(PROMPT) * 8)[:64]
+    got = {}
+    for use_c in (False, True):
+        taps = (FeatureTap([2, 9, 15], model.n_layer, model.n_embd, native=use_c), FinalNormTap(model.n_embd, native=use_c))
+        assert all(t.native == use_c for t in taps)
+        for k, tap in enumerate(taps):
+            ctx = Context(model, n_ctx=256, n_batch=64, n_ubatch=16, n_seq_max=4, cb_eval=tap.callback,
+                          cb_eval_user_data=tap.user_data)  # fmt: skip
+            try:
+                b = Batch(len(prompt))
+                b.set_sequence(prompt, 0, output="all" if k else "none")
+                ctx.decode(b)
+                first = tap.take()
+                b.set_sequence(prompt[:5], len(prompt), output="last")
+                ctx.decode(b)
+                got[use_c, k] = (first, tap.take())
+                if use_c:
+                    c = tap._c
+                    assert c.n_asked > 100 and int(native.lib.ls_tap_n_copied(c._ptr)) == (3 * 5 if k == 0 else 5)
+            finally:
+                ctx.close()
+    for k, n_first in ((0, 64), (1, 64)):
+        (pf, pl), (cf, cl) = got[False, k], got[True, k]
+        assert pf.shape[0] == n_first and pl.shape[0] == (5 if k == 0 else 1)
+        assert np.array_equal(pf, cf) and np.array_equal(pl, cl)
+
+
+def test_a_native_tap_refuses_a_tensor_of_another_width(model):
+    """A named tensor that is not float32 of the tap's width is skipped and reported at
+    ``take`` (the decode itself goes on: the callback never cancels it)."""
+    if not native.AVAILABLE:
+        pytest.skip("native kernels not built")
+    from localspec.backend.features import FinalNormTap
+
+    tap = FinalNormTap(model.n_embd + 1, native=True)
+    ctx = Context(model, n_ctx=256, cb_eval=tap.callback, cb_eval_user_data=tap.user_data)
+    try:
+        b = Batch(4)
+        b.set_sequence(model.tokenize(PROMPT)[:4], 0, output="last")
+        ctx.decode(b)
+        assert ctx.logits().shape[-1] == model.n_vocab
+        with pytest.raises(TypeError, match="not an F32 tensor of width"):
+            tap.take()
+        assert tap.take().shape == (0, model.n_embd + 1)  # the error is cleared with the rows
+    finally:
+        ctx.close()
 
 
 _PLAIN = PlainReferences()

@@ -39,7 +39,7 @@ def target_tensors(model_path):
 def _features(model, tokens):
     """Target features of ``tokens`` ([n, 3 * n_embd] float32) through the runtime's tap."""
     tap = FeatureTap(LAYERS, model.n_layer, model.n_embd)
-    ctx = Context(model, n_ctx=512, n_batch=256, cb_eval=tap.callback)
+    ctx = Context(model, n_ctx=512, n_batch=256, cb_eval=tap.callback, cb_eval_user_data=tap.user_data)
     b = Batch(256)
     b.set_sequence(tokens, 0, output="last")
     ctx.decode(b)

@@ -20,6 +20,7 @@ from localspec.drafters.medusa import MedusaCalibration, MedusaDrafter
 from localspec.engine import Engine as _Engine
 from localspec.errors import ModelLoadError, VocabMismatchError
 from localspec.models.medusa_gguf import MedusaWeights, read_medusa_gguf, untrained_heads, write_medusa_gguf
+from localspec.policy import TreeShape
 from localspec.tree import TokenTree
 from test_propose_rejection import EnumeratedDraftSampler, engine_shim, walk
 from test_verify import VS, target_cond
@@ -204,11 +205,16 @@ HISTORY = [1, 2, 3, 0, 1, 2, 0, 3, 1, 2]
 REJECTION = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, verify="rejection")
 
 
-def synthetic_drafter(seed=3) -> MedusaDrafter:
+FULL_TREE = TreeShape(2, 2, 64, min_score=0.0)
+
+
+def synthetic_drafter(seed=3, shape=FULL_TREE) -> MedusaDrafter:
     """Two heads on a hidden size of 8 over the 4-token world of test_verify, with a draft
-    vocabulary of 2 of the 4 tokens (tokens 1 and 2 cannot be drafted)."""
+    vocabulary of 2 of the 4 tokens (tokens 1 and 2 cannot be drafted); every step drafts
+    the full tree of 2 x 2 children (pruned to the engine's node budget) unless ``shape`` is
+    None (the policy's plan)."""
     rng = np.random.default_rng(seed)
-    d = MedusaDrafter(_synthetic_weights(rng, e=8, v=2, k=2, d2t=[0, 3]), width=2)
+    d = MedusaDrafter(_synthetic_weights(rng, e=8, v=2, k=2, d2t=[0, 3]), width=2, shape=shape)
     d.attach(SimpleNamespace(model=SimpleNamespace(n_embd=8, n_vocab=VS, suppress_tokens=np.zeros(0, np.int32))))
     d.begin(HISTORY)
     d.set_final_hidden(len(HISTORY) - 2, rng.standard_normal(8).astype(np.float32))
@@ -264,6 +270,53 @@ def test_pruning_sampled_children_by_head_probability_is_caught(monkeypatch):
     assert err > 1e-3
 
 
+# -- the policy plans the step before the heads run ------------------------------------------------
+
+
+def _steps_with_heads(costs_us: dict, n_steps: int = 100) -> tuple[int, int]:
+    """``n_steps`` adaptive steps of ``Engine._propose`` with the synthetic heads and a cost
+    model of ``costs_us``, the target accepting the first drafted child of every tree; the
+    head computations made and the steps the drafter counts as drafted."""
+    from localspec.costmodel import CostModel
+    from localspec.policy import SpeculationPolicy
+
+    d = synthetic_drafter(shape=None)
+    cost = CostModel(dict(costs_us))
+    eng = SimpleNamespace(max_tree_nodes=8, adaptive=True, policy=SpeculationPolicy(cost, max_nodes=8),
+                          cost_model=cost, _clip=_Engine._clip)  # fmt: skip
+    calls = []
+    real = d.head_logits
+    d.head_logits = lambda h: (calls.append(1), real(h))[1]
+    g = np.random.default_rng(0)
+    for _ in range(n_steps):
+        p = _Engine._propose(eng, d, d.history[-1], 8, 1000)
+        emitted = ([int(p.tree.token_ids[1])] if p.tree.n_nodes > 1 else []) + [int(g.integers(VS))]
+        d.observe(p.candidate, emitted)
+        d.accept(emitted)
+        d.set_final_hidden(len(d.history) - 2, g.standard_normal(8).astype(np.float32))
+    return len(calls), d.stats.n_steps
+
+
+def test_a_step_the_policy_does_not_draft_runs_no_head():
+    """Where a tree of b nodes costs 2.5 b plain decodes (no tree can pay), the heads run only
+    on the policy's exploration steps -- the first, then one every ``explore_every`` (32)
+    skipped steps: 4 of 100 -- and build no tree on the others (before the two-phase step
+    every step ran the heads: 100). Where a tree costs what one token costs and the target
+    accepts its drafts, they run on every step."""
+    calls, drafted = _steps_with_heads({1: 10_000.0, 2: 25_000.0, 4: 50_000.0, 8: 100_000.0})
+    assert calls == drafted == 4
+    calls, drafted = _steps_with_heads({1: 1e6, 2: 1e6, 4: 1e6, 8: 1e6})
+    assert calls == drafted == 100
+
+
+def test_auto_takes_one_model_drafter():
+    from localspec.drafters import make_drafter
+    from localspec.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="not several"):
+        make_drafter("auto", eagle="head.gguf", medusa="heads.gguf")
+
+
 # -- the real model ------------------------------------------------------------------------------
 
 TEXT = (
@@ -289,12 +342,31 @@ def test_shipped_heads_greedy_equal_plain_over_300_tokens_of_long_context(model)
         prompt = e.tokenize(TEXT * 30)[:620]
         ref = e.generate(prompt, max_tokens=300, sampling=GREEDY, speculative=False)
         e.set_drafter("medusa")
+        e.drafter.fixed_shape = TreeShape(4, 2, 8, min_score=0.0)
         e.reset()
         e.adaptive = False  # verify every tree: the heads' drafts meet the target on every step
         res = e.generate(prompt, max_tokens=300, sampling=GREEDY)
         assert res.stats.n_generated_tokens == 300
         assert res.stats.token_sources.get("medusa", 0) > 0
         assert_same_as_plain(e, prompt, ref.token_ids, res.token_ids)
+    finally:
+        e.close()
+
+
+def test_auto_with_medusa_heads_merges_them_with_ngrams(model):
+    """``--drafter auto --medusa PATH``: the n-gram tree every step and the heads' tree (every
+    step here: not adaptive), merged into one verified tree. Greedy output equals plain
+    decoding, and tokens of both sources are accepted."""
+    e = Engine(model, drafter="auto", medusa=_shipped(model), n_ctx=1024, cost_model=fixed_cost_model(),
+               adaptive=False, max_tree_nodes=16)  # fmt: skip
+    try:
+        assert e.drafter.name == "auto" and e.drafter.model.name == "medusa"
+        prompt = e.tokenize(TEXT * 3)
+        ref = e.generate(prompt, max_tokens=80, sampling=GREEDY, speculative=False)
+        res = e.generate(prompt, max_tokens=80, sampling=GREEDY)
+        assert_same_as_plain(e, prompt, ref.token_ids, res.token_ids)
+        src = res.stats.token_sources
+        assert src.get("medusa", 0) > 0 and src.get("ngram", 0) > 0, src
     finally:
         e.close()
 
@@ -366,6 +438,7 @@ def test_shipped_heads_trees_through_the_engine_propose_path_are_exact(model):
         eng.set_drafter("medusa")
         d = eng.drafter
         d.width = 3
+        d.fixed_shape = TreeShape(1, 3, 3, min_score=0.0)
         eng.adaptive = False
         eng.max_tree_nodes = 3
         prompt = model.tokenize("Question: What is the capital of France?\nAnswer: The capital of France is")

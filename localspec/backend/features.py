@@ -13,13 +13,16 @@ through the scheduler's eval callback instead, for every architecture:
   output (``k == n_layer``) is not available for every token and is refused.
 
 The callback only reads (``ggml_backend_tensor_get``, which also works for GPU buffers), so
-the decode computes exactly the same numbers as without it; the scheduler does call it once
-per graph node, which costs ~1 ms per decode from Python (``t_callback_us`` measures it).
+the decode computes exactly the same numbers as without it. The scheduler calls it once per
+graph node (and again for each node it observes): from Python that costs ~0.6 ms per decode
+of the default model (``t_callback_us`` measures it), so when the C kernels are built the taps
+use a C callback (``native.tap.NativeTap``, ``native/ls_tap.c``) that captures the same rows;
+the Python callback is the reference (``native=False``).
 
 Usage::
 
     tap = FeatureTap([2, 9, 15], n_layer=18, n_embd=640)
-    ctx = Context(model, ..., cb_eval=tap.callback)
+    ctx = Context(model, ..., cb_eval=tap.callback, cb_eval_user_data=tap.user_data)
     ctx.decode(batch)
     rows = tap.take()   # [n_tokens, 3 * 640] float32, layer blocks in the order given
 """
@@ -32,10 +35,25 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .. import native as _native
 from ._llama import ggml_tensor_get, lib
 from .tensor import GGML_TYPE_F32, GgmlTensor
 
 _NAME_OFFSET = GgmlTensor.name.offset
+
+
+def _native_tap(names, width: int, use: bool | None):
+    """A ``NativeTap`` of ``names`` when ``use`` (default: the C kernels are enabled), else None."""
+    if use is None:
+        use = _native.enabled()
+    if not use:
+        return None
+    if not _native.AVAILABLE:
+        raise RuntimeError(f"the native tap needs the C kernels: {_native.LOAD_ERROR}")
+    from ..native.tap import NativeTap
+
+    return NativeTap(names, width, tensor_type=GgmlTensor, tensor_get=ctypes.cast(ggml_tensor_get, ctypes.c_void_p).value,
+                     callback_type=lib.ggml_backend_sched_eval_callback)  # fmt: skip
 
 
 def layer_tensor_name(layer_id: int) -> str:
@@ -51,11 +69,14 @@ class FeatureTap:
             appear in a feature row.
         n_layer: the target's layer count.
         n_embd: the target's hidden size.
+        native: capture in C (``NativeTap``; default: when the C kernels are enabled) or with
+            the Python callback (the reference; ``t_callback_us`` is measured only there).
+    Pass both ``callback`` and ``user_data`` to the context (``cb_eval``, ``cb_eval_user_data``).
     Raises:
         ValueError: a layer id outside ``1 .. n_layer - 1``.
     """
 
-    def __init__(self, layers: Sequence[int], n_layer: int, n_embd: int) -> None:
+    def __init__(self, layers: Sequence[int], n_layer: int, n_embd: int, *, native: bool | None = None) -> None:
         layers = [int(k) for k in layers]
         for k in layers:
             if not 1 <= k < n_layer:
@@ -67,9 +88,18 @@ class FeatureTap:
         self.n_embd = int(n_embd)
         self._index = {layer_tensor_name(k).encode(): i for i, k in enumerate(layers)}
         self._parts: list[list[np.ndarray]] = [[] for _ in layers]
-        self.t_callback_us = 0.0  # time spent in the callback, all decodes
+        self.t_callback_us = 0.0  # time spent in the Python callback, all decodes
         self.n_decodes = 0
-        self.callback = lib.ggml_backend_sched_eval_callback(self._on_eval)
+        self._c = _native_tap([layer_tensor_name(k) for k in layers], self.n_embd, native)
+        if self._c is not None:
+            self.callback, self.user_data = self._c.callback, self._c.user_data
+        else:
+            self.callback, self.user_data = lib.ggml_backend_sched_eval_callback(self._on_eval), None
+
+    @property
+    def native(self) -> bool:
+        """Whether the rows are captured in C."""
+        return self._c is not None
 
     @property
     def width(self) -> int:
@@ -103,20 +133,32 @@ class FeatureTap:
             RuntimeError: the layers captured different numbers of rows (a decode that did
                 not reach every layer, e.g. aborted).
         """
-        counts = {sum(p.shape[0] for p in parts) for parts in self._parts}
+        if self._c is not None:
+            counts = {self._c.n_rows(i) for i in range(len(self.layers))}
+        else:
+            counts = {sum(p.shape[0] for p in parts) for parts in self._parts}
         if len(counts) != 1:
             self.clear()
             raise RuntimeError(f"feature layers captured different row counts {sorted(counts)}")
         n = counts.pop()
         if n == 0:
+            self.clear()
             return np.zeros((0, self.width), dtype=np.float32)
-        out = np.concatenate([np.concatenate(parts, axis=0) for parts in self._parts], axis=1)
+        if self._c is not None:
+            try:
+                out = np.concatenate([self._c.rows(i) for i in range(len(self.layers))], axis=1)
+            finally:
+                self._c.clear()
+        else:
+            out = np.concatenate([np.concatenate(parts, axis=0) for parts in self._parts], axis=1)
         self.clear()
         self.n_decodes += 1
         return out
 
     def clear(self) -> None:
         self._parts = [[] for _ in self.layers]
+        if self._c is not None:
+            self._c.clear()
 
 
 NEXTN_FEATURES = "nextn"
@@ -146,6 +188,7 @@ class NextnTap:
 
     layers = (NEXTN_FEATURES,)
     callback = None
+    user_data = None
 
     def __init__(self, n_embd: int) -> None:
         self.n_embd = int(n_embd)
@@ -210,14 +253,26 @@ class FinalNormTap:
 
     Args:
         n_embd: the target's hidden size.
+        native: capture in C (``NativeTap``; default: when the C kernels are enabled) or with
+            the Python callback (the reference). Pass both ``callback`` and ``user_data`` to
+            the context.
     """
 
-    def __init__(self, n_embd: int) -> None:
+    def __init__(self, n_embd: int, *, native: bool | None = None) -> None:
         self.n_embd = int(n_embd)
         self._name = FINAL_NORM_TENSOR.encode()
         self._parts: list[np.ndarray] = []
         self.t_callback_us = 0.0
-        self.callback = lib.ggml_backend_sched_eval_callback(self._on_eval)
+        self._c = _native_tap([FINAL_NORM_TENSOR], self.n_embd, native)
+        if self._c is not None:
+            self.callback, self.user_data = self._c.callback, self._c.user_data
+        else:
+            self.callback, self.user_data = lib.ggml_backend_sched_eval_callback(self._on_eval), None
+
+    @property
+    def native(self) -> bool:
+        """Whether the rows are captured in C."""
+        return self._c is not None
 
     def _on_eval(self, t_ptr: int, ask: bool, _user_data) -> bool:
         t0 = time.perf_counter()
@@ -240,12 +295,19 @@ class FinalNormTap:
 
     def take(self) -> np.ndarray:
         """Rows captured since the last ``take`` (all decodes): ``[n_out, n_embd] float32``."""
+        if self._c is not None:
+            try:
+                return self._c.rows(0)
+            finally:
+                self._c.clear()
         out = np.concatenate(self._parts) if self._parts else np.zeros((0, self.n_embd), dtype=np.float32)
         self._parts = []
         return out
 
     def clear(self) -> None:
         self._parts = []
+        if self._c is not None:
+            self._c.clear()
 
 
 def make_feature_tap(layers, model):

@@ -235,9 +235,13 @@ def run_features(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps({"features": rows}))
     else:
-        print("| batch | decode µs | with tap µs | overhead µs | in callback µs |\n|---|---|---|---|---|")
+        print("| batch | decode µs | with Python tap µs | overhead µs | in callback µs | with C tap µs | overhead µs |\n"
+              "|---|---|---|---|---|---|---|")  # fmt: skip
         for r in rows:
-            print(f"| {r['batch']} | {r['t_plain_us']:.0f} | {r['t_tap_us']:.0f} | {r['t_overhead_us']:.0f} | {r['t_callback_us']:.0f} |")
+            c = (f"{r['t_tap_native_us']:.0f} | {r['t_overhead_native_us']:.0f}" if "t_tap_native_us" in r
+                 else "(C kernels not built) | -")  # fmt: skip
+            print(f"| {r['batch']} | {r['t_plain_us']:.0f} | {r['t_tap_us']:.0f} | {r['t_overhead_us']:.0f} "
+                  f"| {r['t_callback_us']:.0f} | {c} |")  # fmt: skip
     return 0
 
 

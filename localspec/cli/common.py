@@ -77,14 +77,18 @@ def add_drafter_args(p: argparse.ArgumentParser, default: str = "ngram") -> None
                    help="EAGLE-3 head GGUF for the target (--drafter eagle3|auto; default for both: the head shipped "
                    "for the default model; auto without one, elsewhere, drafts n-grams only)")  # fmt: skip
     g.add_argument("--medusa", default=None, metavar="PATH",
-                   help="Medusa heads GGUF for the target (--drafter medusa; default: the heads shipped for the "
-                   "default model)")  # fmt: skip
+                   help="Medusa heads GGUF for the target (--drafter medusa|auto; default for medusa: the heads "
+                   "shipped for the default model; auto uses them only when given)")  # fmt: skip
     g.add_argument("--draft-shape", default=None, metavar="D,W,N",
-                   help="fixed EAGLE-3 / MTP tree shape: depth, width, node budget (e.g. 6,1,7 = chains of 6)")  # fmt: skip
+                   help="fixed EAGLE-3 / Medusa / MTP tree shape: depth, width, node budget (e.g. 6,1,7 = chains of 6)")  # fmt: skip
 
 
 def add_sampling_args(p: argparse.ArgumentParser, *, greedy_default: bool = False) -> None:
-    d = SamplingParams.greedy() if greedy_default else SamplingParams()
+    """The sampling flags, with llama.cpp's defaults; ``greedy_default``: temperature 0 by
+    default (bench, batch), with the same truncation defaults as every other command, so that
+    ``--temperature 0.8`` alone samples as ``generate --temperature 0.8`` does (truncation
+    changes nothing at temperature 0)."""
+    d = SamplingParams(temperature=0.0) if greedy_default else SamplingParams()
     g = p.add_argument_group("sampling (llama.cpp defaults)")
     g.add_argument("--temperature", "--temp", type=float, default=d.temperature, help=f"0 = greedy (default {d.temperature})")
     g.add_argument("--top-k", type=int, default=d.top_k, help=f"0 = off (default {d.top_k})")

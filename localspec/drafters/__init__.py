@@ -10,12 +10,12 @@ ngram      prompt-lookup n-gram trees (``NgramDrafter``)   --
 draft      a standalone GGUF draft model                   ``draft_model``, ``draft_n_ctx``
 eagle3     an EAGLE-3 head for the target (the shipped     ``eagle``, ``draft_shape``
            head for the default model when none given)
-medusa     Medusa heads on the target's final hidden      ``medusa``
+medusa     Medusa heads on the target's final hidden      ``medusa``, ``draft_shape``
            state (the shipped heads for the default
            model when none given)
-auto       n-gram every step, plus a draft model, an       ``draft_model`` or ``eagle``
-           EAGLE-3 head or the target's MTP block when     (optional)
-           the policy expects it to pay
+auto       n-gram every step, plus a draft model, an       ``draft_model``, ``eagle``
+           EAGLE-3 head, Medusa heads or the target's      or ``medusa`` (optional)
+           MTP block when the policy expects it to pay
 mtp        the target's own MTP / NextN block(s)           ``draft_shape``
            (targets with ``*.nextn_predict_layers > 0``)
 =========  ==============================================  ===========================
@@ -55,7 +55,7 @@ def _eagle3(eagle=None, draft_shape=None) -> Drafter:
     return Eagle3Drafter(eagle, shape=draft_shape)
 
 
-def _medusa(medusa=None) -> Drafter:
+def _medusa(medusa=None, draft_shape=None) -> Drafter:
     from .medusa import MedusaDrafter
 
     if medusa is None:
@@ -64,19 +64,21 @@ def _medusa(medusa=None) -> Drafter:
             "heads ship only for the default model. `localspec train-medusa` trains them from your text "
             "(docs/drafters.md#medusa-heads)"
         )
-    return MedusaDrafter(medusa)
+    return MedusaDrafter(medusa, shape=draft_shape)
 
 
-def _auto(draft_model=None, draft_n_ctx: int | None = None, eagle=None, mtp: bool = False) -> Drafter:
+def _auto(draft_model=None, draft_n_ctx: int | None = None, eagle=None, medusa=None, mtp: bool = False) -> Drafter:
     from .auto import AutoDrafter
 
-    if draft_model is not None and eagle is not None:
-        raise InvalidRequestError("--drafter auto takes a draft model or an EAGLE-3 head, not both")
+    if sum(x is not None for x in (draft_model, eagle, medusa)) > 1:
+        raise InvalidRequestError("--drafter auto takes one of a draft model, an EAGLE-3 head or Medusa heads, not several")
     model = None
     if draft_model is not None:
         model = _draft(draft_model, draft_n_ctx)
     elif eagle is not None:
         model = _eagle3(eagle)
+    elif medusa is not None:
+        model = _medusa(medusa)
     elif mtp:  # the engine sets it for targets with MTP blocks (and no other model given)
         model = _mtp()
     return AutoDrafter(model)

@@ -67,8 +67,8 @@ class AutoDrafter:
     """The n-gram drafter plus, when the policy expects it to pay, a model drafter.
 
     Args:
-        model: a model drafter (``DraftModelDrafter``, ``Eagle3Drafter``, ``MtpDrafter``) or
-            None (n-gram only).
+        model: a model drafter (``DraftModelDrafter``, ``Eagle3Drafter``, ``MedusaDrafter``,
+            ``MtpDrafter``) or None (n-gram only).
         ngram: the n-gram drafter (default: a new ``NgramDrafter``).
     """
 
@@ -79,6 +79,7 @@ class AutoDrafter:
         self.ngram = ngram or NgramDrafter()
         self.model = model
         self.target_feature_layers = getattr(model, "target_feature_layers", None)
+        self.target_final_norm = bool(getattr(model, "target_final_norm", False))  # Medusa heads
         self._ngram_tree: TokenTree | None = None
         self._model_tree: TokenTree | None = None
 
@@ -94,6 +95,10 @@ class AutoDrafter:
 
     def add_target_features(self, first_pos: int, rows) -> None:
         self.model.add_target_features(first_pos, rows)
+
+    def set_final_hidden(self, pos: int, row) -> None:
+        """(Medusa heads) the target's final hidden state at ``pos`` (``MedusaDrafter.set_final_hidden``)."""
+        self.model.set_final_hidden(pos, row)
 
     def check_target(self, model) -> None:
         """The model drafter's ``check_target`` (MTP), if it has one."""

@@ -9,7 +9,7 @@ import os
 from ctypes import POINTER, c_double, c_float, c_int8, c_int32, c_int64, c_uint64, c_void_p
 from pathlib import Path
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 # error codes (LS_ERR_*)
 ERR_BANNED = -1
@@ -129,6 +129,14 @@ _SIGNATURES = {
     "ls_ngram_draft": (c_int32, [c_void_p, POINTER(DraftParams), c_int32, _P, _P, _P, _P, _P, _P, _P]),
     "ls_gemv_t": (c_int32, [_P, c_int64, c_int64, _P, c_void_p, _P, c_int32]),
     "ls_gemm_t": (c_int32, [_P, c_int64, c_int64, _P, c_int64, _P, c_int32]),
+    "ls_tap_new": (c_void_p, [c_int32, c_void_p, c_int64, c_int64, c_int64, c_int64, c_void_p]),
+    "ls_tap_free": (None, [c_void_p]),
+    "ls_tap_rows": (c_int64, [c_void_p, c_int32]),
+    "ls_tap_data": (c_void_p, [c_void_p, c_int32]),
+    "ls_tap_error": (c_int32, [c_void_p]),
+    "ls_tap_clear": (None, [c_void_p]),
+    "ls_tap_n_asked": (c_int64, [c_void_p]),
+    "ls_tap_n_copied": (c_int64, [c_void_p]),
 }  # fmt: skip
 
 

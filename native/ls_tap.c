@@ -1,0 +1,114 @@
+/* Graph taps: llama.cpp's cb_eval in C (see localspec_native.h, "graph taps").
+ *
+ * ggml's scheduler calls the callback twice per graph node it may hand over: with ask = true
+ * ("do you want to observe this node?"), and, for the nodes answered yes, with ask = false
+ * once the node is computed. A Python callback pays a ctypes transition on each of those
+ * calls (~760 per decode of the default model, about 0.6 ms); this one compares a name. */
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "ls_internal.h"
+
+#define LS_TAP_MAX_NAMES 8
+#define LS_TAP_NAME_LEN 64 /* GGML_MAX_NAME */
+#define LS_GGML_TYPE_F32 0
+
+struct ls_tap {
+    int32_t n_names;
+    char names[LS_TAP_MAX_NAMES][LS_TAP_NAME_LEN];
+    int64_t width;
+    int64_t off_type, off_ne, off_name;
+    ls_tensor_get_fn get;
+    float *buf[LS_TAP_MAX_NAMES];
+    int64_t cap[LS_TAP_MAX_NAMES]; /* rows */
+    int64_t rows[LS_TAP_MAX_NAMES];
+    int32_t err;
+    int64_t n_asked, n_copied;
+};
+
+ls_tap *ls_tap_new(int32_t n_names, const char *const *names, int64_t width, int64_t off_type, int64_t off_ne,
+                   int64_t off_name, ls_tensor_get_fn get) {
+    if (n_names < 1 || n_names > LS_TAP_MAX_NAMES || !names || width < 1 || !get || off_type < 0 || off_ne < 0 ||
+        off_name < 0)
+        return NULL;
+    ls_tap *tap = calloc(1, sizeof *tap);
+    if (!tap) return NULL;
+    for (int32_t i = 0; i < n_names; i++) {
+        if (!names[i] || strlen(names[i]) >= LS_TAP_NAME_LEN) {
+            free(tap);
+            return NULL;
+        }
+        strcpy(tap->names[i], names[i]);
+    }
+    tap->n_names = n_names;
+    tap->width = width;
+    tap->off_type = off_type;
+    tap->off_ne = off_ne;
+    tap->off_name = off_name;
+    tap->get = get;
+    return tap;
+}
+
+void ls_tap_free(ls_tap *tap) {
+    if (!tap) return;
+    for (int32_t i = 0; i < tap->n_names; i++) free(tap->buf[i]);
+    free(tap);
+}
+
+static int32_t tap_index(const ls_tap *tap, const char *name) {
+    for (int32_t i = 0; i < tap->n_names; i++)
+        if (strncmp(name, tap->names[i], LS_TAP_NAME_LEN) == 0) return i;
+    return -1;
+}
+
+bool ls_tap_eval(void *tensor, bool ask, void *user_data) {
+    ls_tap *tap = user_data;
+    const char *t = tensor;
+    int32_t i = tap_index(tap, t + tap->off_name);
+    if (ask) {
+        tap->n_asked++;
+        return i >= 0;
+    }
+    if (i < 0) return true; /* never cancel the decode */
+    int32_t type;
+    int64_t ne[2];
+    memcpy(&type, t + tap->off_type, sizeof type);
+    memcpy(ne, t + tap->off_ne, sizeof ne);
+    if (type != LS_GGML_TYPE_F32 || ne[0] != tap->width || ne[1] < 0) {
+        tap->err = LS_ERR_ARG;
+        return true;
+    }
+    int64_t need = tap->rows[i] + ne[1];
+    if (need > tap->cap[i]) {
+        int64_t cap = tap->cap[i] ? tap->cap[i] : 64;
+        while (cap < need) cap *= 2;
+        float *b = realloc(tap->buf[i], (size_t)cap * (size_t)tap->width * sizeof *b);
+        if (!b) {
+            tap->err = LS_ERR_NOMEM;
+            return true;
+        }
+        tap->buf[i] = b;
+        tap->cap[i] = cap;
+    }
+    if (ne[1] > 0)
+        tap->get(tensor, tap->buf[i] + tap->rows[i] * tap->width, 0, (size_t)(ne[1] * tap->width) * sizeof(float));
+    tap->rows[i] = need;
+    tap->n_copied++;
+    return true;
+}
+
+int64_t ls_tap_rows(const ls_tap *tap, int32_t i) { return (i >= 0 && i < tap->n_names) ? tap->rows[i] : -1; }
+
+const float *ls_tap_data(const ls_tap *tap, int32_t i) { return (i >= 0 && i < tap->n_names) ? tap->buf[i] : NULL; }
+
+int32_t ls_tap_error(const ls_tap *tap) { return tap->err; }
+
+void ls_tap_clear(ls_tap *tap) {
+    for (int32_t i = 0; i < tap->n_names; i++) tap->rows[i] = 0;
+    tap->err = 0;
+}
+
+int64_t ls_tap_n_asked(const ls_tap *tap) { return tap->n_asked; }
+
+int64_t ls_tap_n_copied(const ls_tap *tap) { return tap->n_copied; }
