@@ -208,7 +208,7 @@ class FeatureRecorder:
         # a unified KV cache: with one stream per sequence llama.cpp splits a generation step
         # into one micro-batch per sequence (measured ~8x slower here)
         self.ctx = Context(self.model, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq, n_threads=n_threads,
-                           cb_eval=self.tap.callback)  # fmt: skip
+                           cb_eval=self.tap.callback, cb_eval_user_data=self.tap.user_data)  # fmt: skip
         self.batch = Batch(n_batch, 1)
         self.topk = int(topk)
         self.n_seq = int(n_seq)
@@ -308,7 +308,7 @@ class _FinalNormTap:
         from localspec.backend.features import _NAME_OFFSET, FeatureTap
         from localspec.backend.tensor import GgmlTensor
 
-        self.tap = FeatureTap(layers, n_layer, n_embd)
+        self.tap = FeatureTap(layers, n_layer, n_embd, native=False)  # its Python callback, wrapped here
         self._inner = self.tap._on_eval
         self._name_offset, self._tensor, self._get = _NAME_OFFSET, GgmlTensor, _llama.ggml_tensor_get
         self.n_embd = int(n_embd)
