@@ -521,34 +521,22 @@ class SpeculationPolicy:
         cheap step; every ``explore_every`` steps without the model it runs anyway so that
         its estimates stay current.
 
-        The model step verifies the cheap plan's nodes and the model's tree together
-        (``model_budget``: ``cheap.n_nodes + shape.max_nodes - 1`` nodes), so it is credited
-        with the cheap plan's expected tokens plus what the model gets accepted beyond the
-        cheap drafts verified with it (``stats.gain_length``; for a model drafting alone its
-        acceptance length: the cheap plan is then the root, 1 token), at the cost of that
-        larger batch and the drafting time. Tokens both drafters proposed are no gain of the
-        model. Like ``choose``, it must beat the cheap step by ``min_gain``.
-        (History, Spec-Bench 2026-12-01: with the model step verifying only
-        ``shape.max_nodes`` nodes, crediting the whole acceptance length gave ``auto`` 0.86x
-        of ``ngram`` and crediting the cheap tree's expected tokens plus the gain 0.55x: the
-        head then ran with its small budget where the n-grams had long runs, and the step
-        lost those runs. The budget now keeps them.)"""
+        The model step is credited with what the model gets accepted beyond the cheap drafts
+        verified with it (``stats.gain_length``; for a model drafting alone its acceptance
+        length): tokens both drafters proposed are no gain of the model, and the merged
+        step verifies only ``shape.max_nodes`` nodes, so it cannot count on the cheap tree's
+        longer runs either. Like ``choose``, it must beat the cheap step by ``min_gain``.
+        (Measured 2026-12-01 on Spec-Bench: crediting the whole acceptance length gave
+        ``auto`` 0.86x of ``ngram``; crediting the cheap tree's expected tokens plus the gain
+        0.55x, because the head then ran, with its small budget, where the n-grams had long
+        runs.)"""
         if stats.n_steps == 0 or stats.steps_since_run >= self.explore_every:
             return True
-        if shape is not None:
-            b = self.model_budget(cheap, shape, self.max_nodes)
-            t_draft = self.model_step_us(stats, shape)
-        else:
-            b, t_draft = max(2, int(round(stats.n_nodes))), stats.t_draft_us
-        tokens = cheap.expected_tokens + stats.gain_length
+        b = shape.max_nodes if shape is not None else max(2, int(round(stats.n_nodes)))
+        t_draft = self.model_step_us(stats, shape) if shape is not None else stats.t_draft_us
+        tokens = 1.0 + stats.gain_length
         rate = tokens / (t_draft + self.cost.t_decode_us(b) + self.host_us(b))
         return rate > cheap.expected_rate * (1.0 + self.min_gain)
-
-    def model_budget(self, cheap: Choice, shape: TreeShape, max_nodes: int) -> int:
-        """Nodes a model step verifies: the cheap plan's (``cheap.n_nodes``, root included)
-        plus the model tree's budget (``shape.max_nodes - 1`` drafts), at most ``max_nodes``
-        and the policy's ``max_nodes``: the best of the merged tree by score."""
-        return max(1, min(max_nodes, self.max_nodes, cheap.n_nodes + shape.max_nodes - 1))
 
     def plan(
         self,
@@ -583,13 +571,9 @@ class SpeculationPolicy:
             shape = fixed_shape
         else:
             shape = self.tree_shape(model, max_depth=min(max_depth, model.max_depth), max_nodes=max_nodes, max_width=model.max_width)
-        if not adaptive:
-            return StepPlan(c.n_nodes, shape)
-        if fixed_shape is not None:
-            return StepPlan(min(shape.max_nodes, max_nodes), shape)
-        if not self.prefer_model(c, model, shape):
+        if adaptive and fixed_shape is None and not self.prefer_model(c, model, shape):
             return StepPlan(c.n_nodes, None)
-        return StepPlan(self.model_budget(c, shape, max_nodes), shape)
+        return StepPlan(c.n_nodes if not adaptive else min(shape.max_nodes, max_nodes), shape)
 
     def begin_request(self) -> None:
         """A new request: its score calibration starts from the long-run exponent."""

@@ -384,10 +384,10 @@ def test_score_calibration_fits_forgets_and_carries_over():
 
 
 def test_the_model_step_is_credited_only_with_what_it_adds():
-    """``auto`` verifies the head's tree merged with the n-gram tree, with both budgets. A head
-    whose drafts are accepted 3 tokens deep, but only 0.2 tokens beyond what the n-gram tree
-    got, adds its drafting time and a larger batch for little: ``prefer_model`` says no (it
-    used to credit the head with its whole acceptance length, and said yes). With a real gain it says yes, and a model
+    """``auto`` verifies the head's tree merged with the n-gram tree. A head whose drafts are
+    accepted 3 tokens deep, but only 0.2 tokens beyond what the n-gram tree got, adds its
+    drafting time and little else: ``prefer_model`` says no (it used to credit the head with
+    its whole acceptance length, and said yes). With a real gain it says yes, and a model
     drafting alone (the cheap tree is the root: gain = acceptance length) is judged as before."""
     pol = SpeculationPolicy(fixed_cost_model(), max_nodes=64)
     shape = TreeShape(depth=4, width=1, max_nodes=5)
@@ -396,8 +396,7 @@ def test_the_model_step_is_credited_only_with_what_it_adds():
     stats = ModelDraftStats(t_draft_us=2000.0, n_steps=10, t_host_us=200.0)
     stats.accept_length, stats.gain_length = 3.0, 0.2
     assert not pol.prefer_model(cheap, stats, shape)
-    assert pol.model_budget(cheap, shape, 64) == 9  # the cheap plan's 5 nodes + the head's 4 drafts
-    stats.gain_length = 3.5  # 6.5 tokens expected from the model step's 9 nodes, against the cheap step's 3 from 5
+    stats.gain_length = 3.5  # 4.5 tokens expected from the model step, against the cheap step's 3
     assert pol.prefer_model(cheap, stats, shape)
     alone = Choice(1, 1.0, 1.0 / (pol.cost.t_decode_us(1) + pol.host_us(1)))
     stats.accept_length = stats.gain_length = 3.0
