@@ -56,12 +56,30 @@ def _native_tap(names, width: int, use: bool | None):
                      callback_type=lib.ggml_backend_sched_eval_callback)  # fmt: skip
 
 
+class _TapCallback:
+    """The eval callback of a tap: the C one of a ``NativeTap`` of ``names`` (``_c``), or the
+    tap's own Python ``_on_eval`` (``_c`` None); ``callback`` and ``user_data`` go to the
+    context's ``cb_eval`` / ``cb_eval_user_data``."""
+
+    def __init__(self, names, width: int, native: bool | None) -> None:
+        self._c = _native_tap(names, width, native)
+        if self._c is not None:
+            self.callback, self.user_data = self._c.callback, self._c.user_data
+        else:
+            self.callback, self.user_data = lib.ggml_backend_sched_eval_callback(self._on_eval), None
+
+    @property
+    def native(self) -> bool:
+        """Whether the rows are captured in C."""
+        return self._c is not None
+
+
 def layer_tensor_name(layer_id: int) -> str:
     """Name of the graph tensor holding the input of layer ``layer_id``."""
     return f"l_out-{layer_id - 1}"
 
 
-class FeatureTap:
+class FeatureTap(_TapCallback):
     """Captures, for every token a decode processes, the inputs of ``layers``.
 
     Args:
@@ -90,16 +108,7 @@ class FeatureTap:
         self._parts: list[list[np.ndarray]] = [[] for _ in layers]
         self.t_callback_us = 0.0  # time spent in the Python callback, all decodes
         self.n_decodes = 0
-        self._c = _native_tap([layer_tensor_name(k) for k in layers], self.n_embd, native)
-        if self._c is not None:
-            self.callback, self.user_data = self._c.callback, self._c.user_data
-        else:
-            self.callback, self.user_data = lib.ggml_backend_sched_eval_callback(self._on_eval), None
-
-    @property
-    def native(self) -> bool:
-        """Whether the rows are captured in C."""
-        return self._c is not None
+        _TapCallback.__init__(self, [layer_tensor_name(k) for k in layers], self.n_embd, native)
 
     @property
     def width(self) -> int:
@@ -238,7 +247,7 @@ FINAL_NORM_TENSOR = "result_norm"
 the rows the lm_head multiplies (named so by every llama.cpp architecture's graph)."""
 
 
-class FinalNormTap:
+class FinalNormTap(_TapCallback):
     """Captures the target's final hidden states (``result_norm``) of a decode's output rows.
 
     llama.cpp computes ``result_norm`` only for the rows that produce logits (it selects the
@@ -263,16 +272,7 @@ class FinalNormTap:
         self._name = FINAL_NORM_TENSOR.encode()
         self._parts: list[np.ndarray] = []
         self.t_callback_us = 0.0
-        self._c = _native_tap([FINAL_NORM_TENSOR], self.n_embd, native)
-        if self._c is not None:
-            self.callback, self.user_data = self._c.callback, self._c.user_data
-        else:
-            self.callback, self.user_data = lib.ggml_backend_sched_eval_callback(self._on_eval), None
-
-    @property
-    def native(self) -> bool:
-        """Whether the rows are captured in C."""
-        return self._c is not None
+        _TapCallback.__init__(self, [FINAL_NORM_TENSOR], self.n_embd, native)
 
     def _on_eval(self, t_ptr: int, ask: bool, _user_data) -> bool:
         t0 = time.perf_counter()
