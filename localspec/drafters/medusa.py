@@ -68,10 +68,11 @@ import numpy as np
 
 from .. import native
 from ..errors import InvalidRequestError, ModelLoadError, VocabMismatchError
-from ..policy import AcceptanceTracker, ModelDraftStats, TreeShape, accepted_length
+from ..policy import AcceptanceTracker, ModelDraftStats, TreeShape
 from ..sampling import SamplingParams
 from ..tree import TokenSource, TokenTree
 from .base import TargetHandle
+from .model_drafter import ModelDrafter
 from .tree_expand import _N_CONF, _N_STOCH_DEPTH, CONF_EDGES, DraftChildSelector, DraftMode, _conf_prior, expand_tree
 
 DEFAULT_WIDTH = 6
@@ -301,16 +302,11 @@ class MedusaDrafter:
         """Whether this step can draft: the hidden state of the position before the root is here."""
         return self._h is not None and self._h_pos == len(self.history) - 2
 
-    @property
-    def model_stats(self) -> ModelDraftStats | None:
-        """What the policy plans with; None when the heads cannot draft this step."""
-        return self.stats if self.ready() else None
-
-    def propose(self, max_depth: int, max_nodes: int) -> TokenTree:
-        """The cheap phase: no drafts (the root alone) and no head computation; ``extend`` drafts."""
-        self._limits = (max_depth, max_nodes)
-        self._ran = False
-        return TokenTree.root_only(self.history[-1])
+    # the model drafters' two-phase protocol over ``stats``, ``calib``, ``_limits`` and ``_ran``:
+    # the planning statistics, the cheap phase (no drafts, no head computation) and learning
+    model_stats = ModelDrafter.model_stats
+    propose = ModelDrafter.propose
+    observe = ModelDrafter.observe
 
     def extend(self, shape: TreeShape) -> TokenTree:
         """The heads' sparse tree below the root, of ``shape`` clipped to the limits given to
@@ -334,18 +330,6 @@ class MedusaDrafter:
         self.stats.observe_draft((time.perf_counter() - t0) * 1e6, tree.n_nodes)
         self.n_drafted_steps += 1
         return tree
-
-    def observe(self, tree: TokenTree, emitted: Sequence[int], *, baseline: int | None = None) -> None:
-        """Learn from a step: ``tree`` as drafted, the ``emitted`` tokens, and (``AutoDrafter``)
-        ``baseline``, the tokens the cheap drafts verified with it got accepted."""
-        if not self._ran:  # the plan did not run the heads this step
-            self.stats.skipped()
-            return
-        self._ran = False
-        if tree.n_nodes > 1:
-            n = accepted_length(tree, emitted)
-            self.stats.observe_accept(n, None if baseline is None else max(0, n - baseline))
-        self.calib.observe(tree, emitted)
 
     def close(self) -> None:
         pass
