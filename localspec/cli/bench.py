@@ -40,8 +40,9 @@ def register(sub) -> None:
         type=int,
         default=1,
         metavar="R",
-        help="runs of plain and speculative decoding per prompt, in ABBA order; the fastest run of each "
-        "is kept, so that per-prompt ratios on a shared machine are not artefacts of load (default 1)",
+        help="runs of plain and speculative decoding per prompt, in ABBA order; a prompt's ratio is the "
+        "median over its adjacent (plain, speculative) pairs, so that per-prompt ratios on a shared "
+        "machine are not artefacts of load (default 1)",
     )
     p.add_argument(
         "--peer-llama-server",
