@@ -25,6 +25,7 @@ def write_json(path: Path, config: dict, categories: dict, records, extra: dict 
                 "plain": asdict(r.plain),
                 "spec": asdict(r.spec),
                 "peers": r.peers,
+                "pair_ratios": list(r.pair_ratios),
                 **({"spec_lossy": asdict(r.spec_lossy), "lossy_identical": r.lossy_identical}
                    if getattr(r, "spec_lossy", None) is not None else {}),
             }
