@@ -727,7 +727,7 @@ class Engine:
                     stats.t_verify_us += t3 - t2
                     stats.t_other_us += t4 - t3
                     self.policy.observe_step(tree.n_nodes, t2 - t1, (t4 - t0) - (t2 - t1) - prop.t_draft_us)
-                    self.policy.observe_outcome(tree, len(res.path), model_step=prop.model_step)
+                    self.policy.observe_outcome(tree, len(res.path))
                     root = res.tokens[-1]
                     step += 1
                     yield from chunks
@@ -803,11 +803,10 @@ class Engine:
             self.cost_model.observe_draft_levels(model.last_level_us)
         t_draft_us = _now_us() - t0
         n = min(plan.n_nodes, max_nodes)
-        model_step = plan.shape is not None
         if n <= 1:  # a plain step (most steps where matches are weak): no tree surgery
-            return _Proposal(cand, TokenTree.root_only(root), t_draft_us, model_step)
+            return _Proposal(cand, TokenTree.root_only(root), t_draft_us)
         tree = cand.best_subtree(n) if n < cand.n_nodes else cand
-        return _Proposal(cand, tree.best_first_dfs(), t_draft_us, model_step)
+        return _Proposal(cand, tree.best_first_dfs(), t_draft_us)
 
     @staticmethod
     def _clip(drafter: Drafter, cand: TokenTree, root: int, max_depth: int) -> TokenTree:
@@ -860,7 +859,6 @@ class _Proposal:
     candidate: TokenTree
     tree: TokenTree
     t_draft_us: float
-    model_step: bool = False  # the plan ran a model drafter
 
 
 class _Cancelled(Exception):

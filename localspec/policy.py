@@ -189,27 +189,6 @@ class ScoreCalibration:
     unique; it is found on ``log gamma`` in [``lo``, ``hi``] by safeguarded Newton steps from
     the last fit (a handful of evaluations per step). Overconfident
     drafts get ``gamma > 1`` (verified trees shrink or stop), underconfident ones ``< 1``.
-
-    **Loss budget** (``credit``, in plain decodes): calibration corrects the *expected*
-    value of a tree, but on a CPU where one extra verified row costs ~0.8 of a decode a few
-    confident trees that fail in a row make a short request slower than plain decoding
-    before any estimate can react (measured 2026-12-02: a code prompt at 0.85x, one 8-node
-    tree with a 0.96 score and a 20-node tree accepting 2). So a request starts with
-    ``loss_budget`` decodes of credit, earns ``allowance`` per step and what each verified
-    tree saved (accepted draft tokens minus the tree's extra cost, ``r(b) - 1`` plain
-    decodes), and may verify a tree only when its extra cost fits the credit
-    (``affordable``): even if every draft then fails, the credit stays >= 0. ``loss_budget =
-    inf`` turns it off. So over a request the verified trees cost at most ``loss_budget +
-    allowance * steps`` decodes more than they saved (in the cost model's units), whatever
-    the drafter does: a bound on the loss against plain decoding, not an estimate. A request
-    whose drafts are accepted earns credit at once (a 4-node tree accepting 3 tokens adds
-    1.5), so copying requests reach large trees within a few steps. ``loss_budget = 2``
-    decodes and ``allowance = 0.01`` per step bound the loss of a 96-token request at ~3% of
-    its decodes; on this project's 2-core CPU the first tree is then at most 6 nodes
-    (``r(6) - 1 = 1.7``). Simulated (tests/test_policy.py, six seeds): drafts claiming 0.92
-    per node that the target accepts with 0.8 run at 1.08x of plain on average and never
-    below 0.98x (without the budget 1.11x, down to 0.97x); with 0.92 the same 1.53x with or
-    without it. Model drafters' planned steps (``plan``) are not governed by it.
     """
 
     def __init__(
@@ -221,12 +200,9 @@ class ScoreCalibration:
         hi: float = 10.0,
         keep: int = 64,
         first_nodes: int = 8,
-        loss_budget: float = 2.0,
-        allowance: float = 0.01,
     ) -> None:
         self.lam, self.decay, self.lo, self.hi, self.keep = lam, decay, lo, hi, keep
         self.first_nodes = first_nodes
-        self.loss_budget, self.allowance = loss_budget, allowance
         self.log_center = 0.0  # log of the long-run exponent
         self._n_requests = 0
         self.begin_request()
@@ -239,7 +215,6 @@ class ScoreCalibration:
         self._gamma: float | None = None
         self._last_lg = self.log_center  # where the next fit starts
         self._max_accepted = 0
-        self.credit = self.loss_budget  # plain decodes this request may still lose (see the class docstring)
 
     def _fold(self, exponent: float) -> None:
         """Fold a finished request's exponent into the long-run one (a running geometric
@@ -251,8 +226,7 @@ class ScoreCalibration:
         """A calibration for one of several concurrent requests (``BatchScheduler``): fresh,
         starting from this one's long-run exponent; ``end_request`` folds it back."""
         c = ScoreCalibration(lam=self.lam, decay=self.decay, lo=self.lo, hi=self.hi, keep=self.keep,
-                             first_nodes=self.first_nodes, loss_budget=self.loss_budget,
-                             allowance=self.allowance)  # fmt: skip
+                             first_nodes=self.first_nodes)  # fmt: skip
         c.log_center = self.log_center
         return c
 
@@ -273,20 +247,10 @@ class ScoreCalibration:
         64 nodes in three steps; one whose drafts fail never risks more than ``first_nodes``)."""
         return max(self.first_nodes, 2 * (self._max_accepted + 1))
 
-    def affordable(self, extra_cost: float) -> bool:
-        """May a tree whose verification costs ``extra_cost`` plain decodes more than a plain
-        step (``r(b) - 1``) be verified now? (The loss budget, class docstring.)"""
-        return extra_cost <= self.credit
-
-    def observe(self, scores: np.ndarray, accepted: int, extra_cost: float | None = None) -> None:
-        """One step: the draft-node scores of the verified tree (empty for a plain step), how
-        many of its draft tokens the target accepted, and what verifying it cost beyond a
-        plain step (plain decodes, ``r(b) - 1``), or None for a tree the loss budget does not
-        govern (a model drafter's planned step; ``BatchScheduler``'s trees)."""
+    def observe(self, scores: np.ndarray, accepted: int) -> None:
+        """One step: the draft-node scores of the verified tree (empty for a plain step) and
+        how many of its draft tokens the target accepted."""
         self._step += 1
-        self.credit += self.allowance
-        if scores.size and extra_cost is not None:
-            self.credit += float(accepted) - float(extra_cost)
         if scores.size:
             self._max_accepted = max(self._max_accepted, int(accepted))
             self._trees.append((np.asarray(scores, dtype=np.float64), float(accepted), self._step))
@@ -512,8 +476,6 @@ class SpeculationPolicy:
         for b in self.cost.sizes:
             if b > limit:
                 break
-            if not self.calibration.affordable(self.cost.ratio(b) - 1.0):
-                continue  # its failure could cost more than the request's loss budget has left
             e = float(exp_tokens[b - 1])
             rate = e / (t_draft_us + self.cost.t_decode_us(b) + self.host_us(b))
             if rate > best.expected_rate:
@@ -617,12 +579,10 @@ class SpeculationPolicy:
         """A new request: its score calibration starts from the long-run exponent."""
         self.calibration.begin_request()
 
-    def observe_outcome(self, tree: TokenTree, n_accepted: int, *, model_step: bool = False) -> None:
+    def observe_outcome(self, tree: TokenTree, n_accepted: int) -> None:
         """Feed back a verified ``tree`` (as verified, root included) and how many of its
-        draft tokens the target accepted (``ScoreCalibration``); ``model_step``: the plan ran
-        a model drafter (its size was not ``choose``'s, so the loss budget does not count it)."""
-        extra = None if model_step else (self.cost.ratio(tree.n_nodes) - 1.0 if tree.n_nodes > 1 else 0.0)
-        self.calibration.observe(np.asarray(tree.score[1:], dtype=np.float64), int(n_accepted), extra)
+        draft tokens the target accepted (``ScoreCalibration``)."""
+        self.calibration.observe(np.asarray(tree.score[1:], dtype=np.float64), int(n_accepted))
 
     def observe_step(self, b: int, t_decode_us: float, t_host_us: float) -> None:
         """Feed back the measured decode and host time of a step of ``b`` nodes."""

@@ -1,5 +1,4 @@
 import numpy as np
-import pytest
 
 from conftest import fixed_cost_model
 from localspec.policy import AcceptanceTracker, Choice, ModelDraftStats, ScoreCalibration, SpeculationPolicy, TreeShape
@@ -12,10 +11,8 @@ def chain_with(p_each, n):
 
 
 def test_confident_long_chain_is_verified_whole():
-    """A confident chain is verified first at the largest size the request's loss budget
-    affords (4 nodes on this table: r(4) - 1 = 1.29 <= 1.6 decodes, r(8) - 1 > 1.6; the trust
-    region alone would allow 8), and the size grows with every fully accepted tree until the
-    chain is verified whole."""
+    """A confident chain is verified at the trust region's size first (8 nodes), which grows
+    with every fully accepted tree until the chain is verified whole."""
     pol = SpeculationPolicy(fixed_cost_model(), max_nodes=64)
     tree = chain_with(0.999, 40)
     sizes = []
@@ -23,7 +20,7 @@ def test_confident_long_chain_is_verified_whole():
         c = pol.choose(tree)
         sizes.append(c.n_nodes)
         pol.observe_outcome(tree.best_subtree(c.n_nodes), c.n_nodes - 1)  # all accepted
-    assert sizes[0] == 4 and sizes == sorted(sizes) and sizes[-1] >= 24, sizes
+    assert sizes[0] == 8 and sizes == sorted(sizes) and sizes[-1] >= 24, sizes
     assert c.expected_tokens > 20
 
 
@@ -36,7 +33,7 @@ def test_weak_drafts_are_not_verified():
 def test_choice_maximises_expected_rate_over_the_cost_table():
     cm = fixed_cost_model()
     pol = SpeculationPolicy(cm, max_nodes=64, min_gain=0.0)
-    pol.calibration = ScoreCalibration(first_nodes=64, loss_budget=float("inf"))  # no trust region: the table alone
+    pol.calibration = ScoreCalibration(first_nodes=64)  # no trust region: the table alone
     tree = chain_with(0.9, 30)
     c = pol.choose(tree)
     rates = {}
@@ -115,7 +112,7 @@ def test_a_genuinely_cheaper_larger_batch_is_priced_as_measured():
         assert abs(cm.t_decode_us(b) - PARITY_COSTS_US[b]) < 1.0, b
     assert cm.t_decode_us(3) > cm.t_decode_us(4)
     pol = SpeculationPolicy(cm, max_nodes=64)
-    pol.calibration = ScoreCalibration(first_nodes=64, loss_budget=float("inf"))  # no trust region: the table alone
+    pol.calibration = ScoreCalibration(first_nodes=64)  # no trust region: the table alone
     c = pol.choose(chain_with(0.93, 8))
     assert c.n_nodes % 2 == 0 and c.n_nodes >= 4, c  # never a dominated odd size
     shape = pol.tree_shape(ModelDraftStats(), max_depth=6, max_nodes=16, max_width=4)
@@ -343,38 +340,29 @@ def test_verified_trees_that_keep_failing_are_backed_off():
     ratio, drafted, accepted = _simulate_overconfident(pol, 0.5)
     assert ratio >= 0.97, (ratio, drafted, accepted)
     off = SpeculationPolicy(fixed_cost_model())
-    off.calibration = ScoreCalibration(lo=1.0, hi=1.0, loss_budget=float("inf"))  # calibration and loss budget off
+    off.calibration = ScoreCalibration(lo=1.0, hi=1.0)
     ratio_off, drafted_off, _ = _simulate_overconfident(off, 0.5)
     assert ratio_off < 0.9 and drafted_off > 3 * drafted, (ratio_off, drafted_off, ratio, drafted)
 
 
 def test_overconfident_drafts_that_still_pay_keep_smaller_trees():
-    """Claims of 0.92 per node, truth 0.8: verified as claimed the runs are slower than plain
-    (0.95x on average over six seeds, down to 0.89x); the calibrated policy keeps speculating
-    with smaller trees and is not (each run >= 0.97x, 1.08x on average)."""
-    on, off_runs = [], []
-    for seed in range(6):
-        on.append(_simulate_overconfident(SpeculationPolicy(fixed_cost_model()), 0.8, seed=seed))
-        off = SpeculationPolicy(fixed_cost_model())
-        off.calibration = ScoreCalibration(lo=1.0, hi=1.0, loss_budget=float("inf"))  # calibration and loss budget off
-        off_runs.append(_simulate_overconfident(off, 0.8, seed=seed))
-    ratio, ratio_off = np.mean([r[0] for r in on]), np.mean([r[0] for r in off_runs])
-    drafted, drafted_off = sum(r[1] for r in on), sum(r[1] for r in off_runs)
-    assert min(r[0] for r in on) >= 0.97 and ratio > ratio_off + 0.1 and 0 < drafted < drafted_off, (ratio, ratio_off, drafted, drafted_off)
+    """Claims of 0.92 per node, truth 0.8: verified as claimed the run is slower than plain
+    (0.88x); the calibrated policy keeps speculating with smaller trees and is not."""
+    ratio, drafted, _ = _simulate_overconfident(SpeculationPolicy(fixed_cost_model()), 0.8)
+    off = SpeculationPolicy(fixed_cost_model())
+    off.calibration = ScoreCalibration(lo=1.0, hi=1.0)
+    ratio_off, drafted_off, _ = _simulate_overconfident(off, 0.8)
+    assert ratio >= 0.97 and ratio > ratio_off + 0.1 and 0 < drafted < drafted_off, (ratio, ratio_off, drafted, drafted_off)
 
 
 def test_calibration_keeps_speculating_when_the_estimates_hold():
     """Drafts that are as good as they claim keep most of their gain: the calibration (an
-    estimate from few trees), the trust region and the loss budget cost at most 15% of the
-    speed-up here (mean of six seeded runs; one run's path depends on its first tree's size),
-    and the runs stay well above plain decoding."""
-    ratio = np.mean([_simulate_overconfident(SpeculationPolicy(fixed_cost_model()), 0.92, seed=s)[0] for s in range(6)])
-    offs = []
-    for s in range(6):
-        off = SpeculationPolicy(fixed_cost_model())
-        off.calibration = ScoreCalibration(lo=1.0, hi=1.0, loss_budget=float("inf"))  # calibration and loss budget off
-        offs.append(_simulate_overconfident(off, 0.92, seed=s)[0])
-    ratio_off = np.mean(offs)
+    estimate from few trees) and the trust region cost at most 15% of the speed-up here, and
+    the run stays well above plain decoding."""
+    ratio, _, _ = _simulate_overconfident(SpeculationPolicy(fixed_cost_model()), 0.92)
+    off = SpeculationPolicy(fixed_cost_model())
+    off.calibration = ScoreCalibration(lo=1.0, hi=1.0)
+    ratio_off, _, _ = _simulate_overconfident(off, 0.92)
     assert ratio > 1.4 and ratio - 1.0 >= 0.85 * (ratio_off - 1.0), (ratio, ratio_off)
 
 
@@ -442,8 +430,7 @@ def test_the_early_plain_exit_never_changes_the_choice():
         cal = pol.calibration
         for _ in range(int(rng.integers(0, 4))):  # verified trees: over- or underconfident claims
             s = np.sort(rng.random(int(rng.integers(1, 8))))[::-1]
-            a = int(rng.integers(0, s.size + 1))
-            cal.observe(s, a, float(rng.choice([0.0, 1.0, 2.5, 5.0])))  # the loss budget's credit varies
+            cal.observe(s, int(rng.integers(0, s.size + 1)))
         n = int(rng.integers(2, 40))
         p = float(rng.choice([0.2, 0.5, 0.7, 0.85, 0.95]))
         scores = np.cumprod(np.clip(rng.normal(p, 0.1, n), 0.01, 1.0))
@@ -456,7 +443,7 @@ def test_the_early_plain_exit_never_changes_the_choice():
         plain = 1.0 / (t_draft + cm.t_decode_us(1) + pol.host_us(1))
         best_b, best_r = 1, plain
         for b in cm.sizes:
-            if 2 <= b <= limit and cm.ratio(b) - 1.0 <= cal.credit:
+            if 2 <= b <= limit:
                 r = (1.0 + cs[: b - 1].sum()) / (t_draft + cm.t_decode_us(b) + pol.host_us(b))
                 if r > best_r:
                     best_b, best_r = b, r
@@ -505,71 +492,3 @@ def test_the_calibration_exponent_is_the_root_of_its_equation():
                 want, n_in = float(np.exp(0.5 * (lo + hi))), n_in + 1
             assert abs(np.log(got) - np.log(want)) < 1e-9, (got, want)
     assert n_in > 50 and n_lo > 5 and n_hi > 5, (n_in, n_lo, n_hi)
-
-
-# -- the loss budget: a bound on what a request can lose against plain decoding ---------------
-
-
-def _run_failing(pol, n_steps, claim=0.97):
-    """Every step offers a confident 24-node chain (``claim`` per node) that the target
-    rejects at once (the adversarial drafter). Returns the extra cost of the verified trees,
-    in plain decodes of the policy's cost model, and the sizes verified."""
-    lost, sizes = 0.0, []
-    for _ in range(n_steps):
-        cand = chain_with(claim, 23)
-        b = pol.choose(cand).n_nodes
-        tree = cand.best_subtree(b) if b < cand.n_nodes else cand
-        pol.observe_outcome(tree, 0)
-        if b > 1:
-            sizes.append(b)
-            lost += pol.cost.ratio(b) - 1.0
-    return lost, sizes
-
-
-def test_drafts_that_always_fail_lose_at_most_the_loss_budget():
-    """The bound (``ScoreCalibration``'s loss budget): whatever the drafter claims, verified
-    trees that all fail cost at most ``loss_budget + allowance * steps`` plain decodes over a
-    request, on both cost tables. Without the budget (``loss_budget=inf``: what the policy did
-    before) the calibration alone lets such a request lose 2-3x more: checked here as the
-    mutation this test catches."""
-    for cm in (fixed_cost_model(), CostModel(dict(PARITY_COSTS_US))):
-        for steps in (12, 96, 400):
-            pol = SpeculationPolicy(cm)
-            c = pol.calibration
-            lost, sizes = _run_failing(pol, steps)
-            assert sizes, "the first confident tree is tried"
-            assert lost <= c.loss_budget + c.allowance * steps + 1e-9, (lost, sizes, steps)
-            assert c.credit >= -1e-9
-            off = SpeculationPolicy(cm)
-            off.calibration = ScoreCalibration(loss_budget=float("inf"))
-            lost_off, _ = _run_failing(off, steps)
-            if steps == 96:
-                assert lost_off > 2 * (c.loss_budget + c.allowance * steps), (lost_off, lost)
-
-
-def test_the_loss_budget_grows_with_what_the_trees_saved():
-    """A request whose drafts are accepted earns credit at once: the first tree is capped by
-    the budget (4 nodes on the test table), the next ones are not (a copying request reaches
-    the trust region's sizes within three steps); a failure after gains spends the gains,
-    not the budget, so speculation goes on."""
-    pol = SpeculationPolicy(fixed_cost_model(), max_nodes=64)
-    c = pol.calibration
-    tree = chain_with(0.999, 40)
-    sizes = []
-    for _ in range(3):
-        b = pol.choose(tree).n_nodes
-        sizes.append(b)
-        pol.observe_outcome(tree.best_subtree(b), b - 1)
-    assert sizes[0] == 4 and sizes[-1] >= 16, sizes
-    before = c.credit
-    b = pol.choose(tree).n_nodes
-    pol.observe_outcome(tree.best_subtree(b), 0)  # a big tree fails
-    assert c.credit == pytest.approx(before + c.allowance - (pol.cost.ratio(b) - 1.0))
-    assert c.credit > 0 and pol.choose(tree).n_nodes > 1
-    # a model drafter's planned step is not counted (its size is not choose's)
-    before = c.credit
-    pol.observe_outcome(tree.best_subtree(8), 0, model_step=True)
-    assert c.credit == pytest.approx(before + c.allowance)
-    # a new request starts from the budget again
-    pol.begin_request()
-    assert c.credit == c.loss_budget
