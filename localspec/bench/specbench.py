@@ -207,12 +207,16 @@ def _rate(n_tokens: float, t_us: float) -> float:
     return n_tokens / (t_us * 1e-6) if t_us > 0 else 0.0
 
 
-def _run_ratio(plain, spec) -> float | None:
-    """Speculative over plain tokens per second of two runs' ``GenerationStats`` (None when
-    either generated nothing)."""
-    p = _rate(plain.n_generated_tokens, plain.t_generate_us)
-    s = _rate(spec.n_generated_tokens, spec.t_generate_us)
+def _speedup(plain_n: float, plain_us: float, spec_n: float, spec_us: float) -> float | None:
+    """Speculative over plain tokens per second (None when either run generated nothing)."""
+    p = _rate(plain_n, plain_us)
+    s = _rate(spec_n, spec_us)
     return s / p if p > 0 and s > 0 else None
+
+
+def _run_ratio(plain, spec) -> float | None:
+    """``_speedup`` of two runs' ``GenerationStats``."""
+    return _speedup(plain.n_generated_tokens, plain.t_generate_us, spec.n_generated_tokens, spec.t_generate_us)
 
 
 def prompt_speedup(rec: PromptRecord) -> float | None:
@@ -221,9 +225,7 @@ def prompt_speedup(rec: PromptRecord) -> float | None:
     (None when either run generated nothing)."""
     if rec.pair_ratios:
         return float(statistics.median(rec.pair_ratios))
-    p = _rate(rec.plain.n_tokens, rec.plain.t_decode_us)
-    s = _rate(rec.spec.n_tokens, rec.spec.t_decode_us)
-    return s / p if p > 0 and s > 0 else None
+    return _speedup(rec.plain.n_tokens, rec.plain.t_decode_us, rec.spec.n_tokens, rec.spec.t_decode_us)
 
 
 def peer_prompt_speedup(rec: PromptRecord, mode: str) -> float | None:
@@ -231,9 +233,7 @@ def peer_prompt_speedup(rec: PromptRecord, mode: str) -> float | None:
     if mode not in rec.peers or "none" not in rec.peers:
         return None
     base, m = rec.peers["none"], rec.peers[mode]
-    p = _rate(base["n_tokens"], base["t_decode_ms"] * 1e3)
-    s = _rate(m["n_tokens"], m["t_decode_ms"] * 1e3)
-    return s / p if p > 0 and s > 0 else None
+    return _speedup(base["n_tokens"], base["t_decode_ms"] * 1e3, m["n_tokens"], m["t_decode_ms"] * 1e3)
 
 
 def summarize(records: list[PromptRecord]) -> dict:
