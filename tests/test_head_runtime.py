@@ -187,14 +187,57 @@ def test_steps_that_draft_nothing_make_no_head_call(model, random_head_path):
         n_steps = res.stats.n_steps
         assert 2 <= len(log) < n_steps // 2  # the head ran on a few steps only
         assert d.ctx.n_calls - calls0 == sum(c for c, _ in log)  # no head call outside a drafted step
-        first, rest = log[0], log[1:]
-        assert first[0] == first[1] + 1  # after the prompt: its long catch-up, then the levels
-        assert all(c == levels for c, levels in rest)  # one call per level, catch-up in level 0
+        # one call per level, the catch-up in level 0 -- after the prompt too: the head keeps
+        # only the last CONTEXT_WINDOW (16) entries, which fit in the level-0 call
+        assert all(c == levels for c, levels in log)
         # the head KV never runs ahead of the history, and every position it lacks is pending
         assert d.kv_len <= len(d.history) - 1 <= d.n_target_features
         d.check_cache()
     finally:
         e.close()
+
+
+@pytest.mark.parametrize("window", [16, 40, None], ids=["default", "40", "whole"])
+def test_the_heads_catch_up_keeps_its_context_window(model, random_head_path, window):
+    """After a long prompt the head writes entries for the last ``context_window`` positions
+    only (each entry costs a full logits row in llama.cpp's eagle3 graph); ``None`` keeps
+    every position (a long catch-up then needs a call without outputs first). The output is
+    the target's either way, and the cache stays consistent when a later request shares
+    only part of the history."""
+    from localspec.drafters.eagle3 import CONTEXT_WINDOW, Eagle3Drafter
+    from localspec.policy import TreeShape
+
+    assert CONTEXT_WINDOW == 16
+    e = Engine(model, drafter="none", n_ctx=2048, cost_model=fixed_cost_model())
+    try:
+        prompt = e.tokenize(TEXT * 2)
+        assert len(prompt) > 41  # longer than every window below
+        ref = e.generate(prompt, max_tokens=12, sampling=GREEDY, speculative=False)
+        d = Eagle3Drafter(random_head_path, shape=TreeShape(3, 1, 4, 0.0)) if window == 16 else \
+            Eagle3Drafter(random_head_path, shape=TreeShape(3, 1, 4, 0.0), context_window=window)
+        e.set_drafter(d)
+        e.adaptive = False
+        log = count_head_calls(d)
+        e.reset()
+        res = e.generate(prompt, max_tokens=12, sampling=GREEDY)
+        assert_same_as_plain(e, prompt, ref.token_ids, res.token_ids)
+        first_calls, first_levels = log[0]
+        if window is None:
+            assert d.kv_first == 0 and first_calls == first_levels + 1
+        else:
+            assert d.kv_first == len(prompt) - 1 - window and first_calls == first_levels + (window > 16)
+        assert d.kv_len <= len(d.history) - 1 <= d.n_target_features
+        d.check_cache()
+        # a request that shares only the first part of the prompt: the head's window is gone
+        short = prompt[: len(prompt) // 2]
+        ref2 = e.generate(short, max_tokens=8, sampling=GREEDY, speculative=False)
+        res2 = e.generate(short, max_tokens=8, sampling=GREEDY)
+        assert_same_as_plain(e, short, ref2.token_ids, res2.token_ids)
+        d.check_cache()
+    finally:
+        e.close()
+    with pytest.raises(ValueError, match="context_window"):
+        Eagle3Drafter(random_head_path, context_window=0)
 
 
 def test_head_cost_per_level_enters_the_cost_model(model, random_head_path):

@@ -26,8 +26,11 @@ How the engine and the head work together::
 A step whose plan drafts nothing touches the head not at all: its feature rows wait, and
 their entries join the next level-0 call.
 
-Like llama.cpp's own driver (``common/speculative.cpp``) the head's KV holds entries for all
-committed positions; rejected draft entries live only in scratch sequences and are dropped.
+Unlike llama.cpp's own driver (``common/speculative.cpp``), which keeps the head's entries for
+all committed positions, the head's KV holds entries for the last ``context_window`` committed
+positions at most (``CONTEXT_WINDOW``: each entry costs a full logits row in the ``eagle3``
+graph, so catching up a long prompt cost more than the request's drafts could save); rejected
+draft entries live only in scratch sequences and are dropped.
 Entries are decoded with logits for all rows or none, because the ``eagle3`` graph does not
 select output rows (a mixed batch would return the wrong rows) and positions in a batch may
 not decrease: a catch-up of at most ``CATCH_UP_OUTPUTS`` entries is one call with every row
@@ -73,6 +76,14 @@ def head_target_layers(model: Model) -> tuple[int, ...]:
 CATCH_UP_OUTPUTS = 16
 """Longest catch-up decoded in the same call as the root's entry (every row an output)."""
 
+CONTEXT_WINDOW = 16
+"""Default ``context_window``: the head's entries for the last 16 positions at most. The
+``eagle3`` graph computes a full logits row for every entry (it ignores the output
+selection), so an entry costs about as much as a drafting level (~1.6 ms on the development
+CPU): catching up a 634-token prompt took 990 ms of a 2.4 s, 128-token request (measured
+2026-12-02, Spec-Bench rag). The head's features ``g`` come from target layers that
+attended the whole context; only the head's own attention is windowed."""
+
 
 class Eagle3Drafter(ModelDrafter):
     """Drafts dynamic token trees with an EAGLE-3 head (see the module docstring).
@@ -81,7 +92,13 @@ class Eagle3Drafter(ModelDrafter):
         head: the head's GGUF path (architecture ``eagle3``) or a loaded ``Model``.
         n_gpu_layers: offload on CUDA / Metal builds.
         max_depth / max_width / shape / n_threads: see ``ModelDrafter``.
+        context_window: most entries the head's KV keeps before the root (``CONTEXT_WINDOW``;
+            None: every position, as llama.cpp's driver does). A catch-up longer than it
+            (the first step after a prompt, a step after a long run without the head) writes
+            only the last ``context_window`` entries and drops the older ones. Drafts only:
+            the target verifies every token either way.
     Raises:
+        ValueError: ``context_window`` < 1.
         ModelLoadError: not an EAGLE-3 head, or made for another hidden size (at ``attach``).
         VocabMismatchError: (at ``attach``) its tokenizer is not the target's.
     """
@@ -98,7 +115,11 @@ class Eagle3Drafter(ModelDrafter):
         max_width: int = 8,
         shape: TreeShape | None = None,
         n_threads: int | None = None,
+        context_window: int | None = CONTEXT_WINDOW,
     ) -> None:
+        if context_window is not None and context_window < 1:
+            raise ValueError(f"context_window must be at least 1 (or None: the whole context), got {context_window}")
+        self.context_window = context_window
         super().__init__(
             head, n_gpu_layers=n_gpu_layers, max_depth=max_depth, max_width=max_width, shape=shape, n_threads=n_threads
         )
@@ -129,7 +150,8 @@ class Eagle3Drafter(ModelDrafter):
         return np.ascontiguousarray(w.T, dtype=np.float32)  # [3 * n_embd_target, n_embd]
 
     def _reset_state(self) -> None:
-        self.kv_len = 0  # head KV seq 0 holds entries for positions 0 .. kv_len - 1
+        self.kv_first = 0  # head KV seq 0 holds entries for positions kv_first .. kv_len - 1
+        self.kv_len = 0
         self.feat = np.zeros((0, 3 * self.n_embd_target), dtype=np.float32)  # rows of positions kv_len ..
         self.g_last: np.ndarray | None = None  # g of entry kv_len - 1 (to redo it)
         self._state: dict[int, np.ndarray] = {}  # node -> its pre-norm output row
@@ -202,7 +224,7 @@ class Eagle3Drafter(ModelDrafter):
 
     def check_cache(self) -> None:
         lo, hi = self.ctx.pos_min(0), self.ctx.pos_max(0)
-        want = (0, self.kv_len - 1) if self.kv_len else (-1, -1)
+        want = (self.kv_first, self.kv_len - 1) if self.kv_len > self.kv_first else (-1, -1)
         if (lo, hi) != want:
             raise KVCacheError(f"EAGLE-3 head KV holds positions [{lo}, {hi}], expected {list(want)}")
 
@@ -257,8 +279,15 @@ class Eagle3Drafter(ModelDrafter):
             self.feat = self.feat[:0]
             g_new = self.g_last[None, :]
         else:
-            g_new = self._encode(self.feat[: root_pos - self.kv_len])
-            self.feat = self.feat[root_pos - self.kv_len :]
+            n_new = root_pos - self.kv_len
+            w = self.context_window
+            if w is not None and n_new > w:  # keep only the last w entries (CONTEXT_WINDOW)
+                self.ctx.seq_rm(0, 0, -1)
+                self.kv_first = self.kv_len = root_pos - w
+                self.feat = self.feat[n_new - w :]
+                n_new = w
+            g_new = self._encode(self.feat[:n_new])
+            self.feat = self.feat[n_new:]
         first = self.kv_len
         n = g_new.shape[0]
         b = self.batch
@@ -314,4 +343,5 @@ class Eagle3Drafter(ModelDrafter):
     def _truncate_kv(self, n: int) -> None:
         self.ctx.seq_rm(0, n, -1)
         self.kv_len = n
+        self.kv_first = min(self.kv_first, n)  # nothing left below kv_first: empty from n
         self.check_cache()
