@@ -573,7 +573,12 @@ class SpeculationPolicy:
             shape = self.tree_shape(model, max_depth=min(max_depth, model.max_depth), max_nodes=max_nodes, max_width=model.max_width)
         if adaptive and fixed_shape is None and not self.prefer_model(c, model, shape):
             return StepPlan(c.n_nodes, None)
-        return StepPlan(c.n_nodes if not adaptive else min(shape.max_nodes, max_nodes), shape)
+        if not adaptive:
+            return StepPlan(c.n_nodes, shape)
+        # the merged tree's best nodes: the model's budget, and never fewer than the cheap drafts
+        # would have had alone (a model step, e.g. an exploring one, must not cut a long n-gram
+        # run down to the model's few nodes)
+        return StepPlan(max(c.n_nodes, min(shape.max_nodes, max_nodes)), shape)
 
     def begin_request(self) -> None:
         """A new request: its score calibration starts from the long-run exponent."""

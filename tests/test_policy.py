@@ -407,6 +407,23 @@ def test_the_model_step_is_credited_only_with_what_it_adds():
     assert not pol.prefer_model(alone, stats, shape)
 
 
+def test_a_model_step_verifies_at_least_what_the_cheap_drafts_alone_would():
+    """A step that runs the model (here its first: the model always explores then) verifies
+    the merged tree's best nodes, never fewer than the n-gram tree alone would have had: a
+    long confident n-gram run is not cut down to the model's budget (5 nodes here). Where
+    the cheap drafts are weak the model's budget is what is verified."""
+    pol = SpeculationPolicy(fixed_cost_model(), max_nodes=64)
+    pol.calibration = ScoreCalibration(first_nodes=64)
+    stats = ModelDraftStats(t_draft_us=2000.0, n_steps=0, t_host_us=200.0)  # never run: explores
+    long_run = chain_with(0.995, 40)
+    alone = pol.choose(long_run).n_nodes
+    assert alone > 5
+    plan = pol.plan(long_run, stats, max_nodes=64, max_depth=40, fixed_shape=None)
+    assert plan.shape is not None and plan.n_nodes == alone
+    weak = pol.plan(chain_with(0.3, 10), stats, max_nodes=64, max_depth=40)
+    assert weak.shape is not None and weak.n_nodes == weak.shape.max_nodes
+
+
 def test_auto_records_the_heads_gain_beyond_the_ngram_tree():
     """``ModelDraftStats.observe_accept`` with a baseline: accept_length counts the model's
     tree, gain_length only what it got beyond the cheap drafts."""
