@@ -146,6 +146,48 @@ class GenerationStream:
         self.close()
 
 
+class _EngineLock:
+    """A re-entrant lock that the thread finishing a stream may release although another
+    thread started it.
+
+    A ``GenerationStream`` holds the engine's lock from its first chunk to its end, and its
+    consumer may move between threads (a worker thread takes the first token, another reads
+    the rest): ``threading.RLock`` then refuses the release (``RuntimeError: cannot release
+    un-acquired lock``, replacing the stream's own result or error) unless the second thread
+    happens to reuse the first one's ident. Like an RLock, the owning thread may acquire it
+    again (counted); unlike one, the last release may come from any thread.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self._count = 0
+
+    def acquire(self) -> bool:
+        me = threading.get_ident()
+        if self._owner == me:
+            self._count += 1
+            return True
+        self._lock.acquire()
+        self._owner, self._count = me, 1
+        return True
+
+    def release(self) -> None:
+        if self._count <= 0:
+            raise RuntimeError("_EngineLock released more often than acquired")
+        self._count -= 1
+        if self._count == 0:
+            self._owner = None
+            self._lock.release()
+
+    def __enter__(self) -> "_EngineLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 def _now_us() -> float:
     return time.perf_counter() * 1e6
 
@@ -270,7 +312,7 @@ class Engine:
         self.drafter: Drafter | None = None
         self._tap: FeatureTap | None = None
         self._norm_tap: FinalNormTap | None = None
-        self._lock = threading.RLock()
+        self._lock = _EngineLock()  # held by a stream from its first chunk to its end
         self._active_stream: GenerationStream | None = None
         self.adaptive = adaptive
         new = self._new_drafter(

@@ -404,3 +404,42 @@ def test_small_contexts_work_or_are_refused_clearly(model):
         assert e.generate(prompt, max_tokens=2, sampling=GREEDY).finish_reason == "length"  # still usable
     finally:
         e.close()
+
+
+def test_a_stream_started_on_one_thread_can_finish_on_another(eng):
+    """A stream holds the engine's lock from its first chunk to its end; a consumer that takes
+    the first chunk on one thread and the rest on another (both alive, so their idents differ)
+    gets the whole output, and the engine works afterwards. With ``threading.RLock`` the end
+    of the stream raised ``RuntimeError: cannot release un-acquired lock`` (seen under load in
+    tests/test_rpc.py, where it replaced the stream's WorkerLostError)."""
+    import threading
+
+    ref = eng.generate("The capital of France is", max_tokens=12, sampling=GREEDY, speculative=False)
+    stream = eng.stream("The capital of France is", max_tokens=12, sampling=GREEDY, speculative=False)
+    got: list = []
+    first_done, release_first = threading.Event(), threading.Event()
+
+    def first():
+        got.append(next(stream).token)
+        first_done.set()
+        release_first.wait(60)  # stay alive while the other thread finishes the stream
+
+    a = threading.Thread(target=first)
+    a.start()
+    assert first_done.wait(120)
+    box: dict = {}
+
+    def rest():
+        try:
+            box["tokens"] = [c.token for c in stream if c.token >= 0]
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            box["error"] = e
+
+    b = threading.Thread(target=rest)
+    b.start()
+    b.join(120)
+    release_first.set()
+    a.join(60)
+    assert "error" not in box, box.get("error")
+    assert got + box["tokens"] == ref.token_ids
+    assert eng.generate("The capital of France is", max_tokens=12, sampling=GREEDY, speculative=False).token_ids == ref.token_ids
