@@ -204,7 +204,7 @@ def test_the_heads_catch_up_keeps_its_context_window(model, random_head_path, wi
     every position (a long catch-up then needs a call without outputs first). The output is
     the target's either way, and the cache stays consistent when a later request shares
     only part of the history."""
-    from localspec.drafters.eagle3 import CONTEXT_WINDOW, Eagle3Drafter
+    from localspec.drafters.eagle3 import CATCH_UP_OUTPUTS, CONTEXT_WINDOW, Eagle3Drafter
     from localspec.policy import TreeShape
 
     assert CONTEXT_WINDOW == 16
@@ -213,8 +213,8 @@ def test_the_heads_catch_up_keeps_its_context_window(model, random_head_path, wi
         prompt = e.tokenize(TEXT * 2)
         assert len(prompt) > 41  # longer than every window below
         ref = e.generate(prompt, max_tokens=12, sampling=GREEDY, speculative=False)
-        d = Eagle3Drafter(random_head_path, shape=TreeShape(3, 1, 4, 0.0)) if window == 16 else \
-            Eagle3Drafter(random_head_path, shape=TreeShape(3, 1, 4, 0.0), context_window=window)
+        options = {} if window == 16 else {"context_window": window}  # 16: the default, not passed
+        d = Eagle3Drafter(random_head_path, shape=TreeShape(3, 1, 4, 0.0), **options)
         e.set_drafter(d)
         e.adaptive = False
         log = count_head_calls(d)
@@ -225,7 +225,7 @@ def test_the_heads_catch_up_keeps_its_context_window(model, random_head_path, wi
         if window is None:
             assert d.kv_first == 0 and first_calls == first_levels + 1
         else:
-            assert d.kv_first == len(prompt) - 1 - window and first_calls == first_levels + (window > 16)
+            assert d.kv_first == len(prompt) - 1 - window and first_calls == first_levels + (window > CATCH_UP_OUTPUTS)
         assert d.kv_len <= len(d.history) - 1 <= d.n_target_features
         d.check_cache()
         # a request that shares only the first part of the prompt: the head's window is gone
