@@ -69,6 +69,13 @@ BATCH_DRAFTERS = ("ngram", "none")
 
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ
 
+PREFILL_CHUNK = 128
+"""Most prompt tokens one step prefills while other requests decode (``BatchScheduler``)."""
+
+PREFIX_WAIT = 32
+"""A prompt waits for a running request's prefill when that will give it this many more cached
+tokens than it can reuse now."""
+
 
 def _now_us() -> float:
     return time.perf_counter() * 1e6
@@ -143,15 +150,18 @@ class BatchJob:
     ``result`` (a ``GenerationResult``) is set and ``done`` is set when it ends; ``cancel()``
     (thread-safe) ends it after the current step with ``finish_reason == "cancelled"`` and
     frees its slot. ``on_chunk`` (called on the scheduler's thread) receives ``StreamChunk``s.
+    ``cache_prompt=False`` prefills the whole prompt even when the prompt cache holds a prefix
+    of it (llama.cpp's ``cache_prompt`` field; benchmarks use it).
     """
 
     _ids = itertools.count(1)
 
     def __init__(self, prompt: list[int], *, max_tokens: int, sampling: SamplingParams, stop: Sequence[str],
                  speculative: bool, on_chunk: Callable[[StreamChunk], None] | None, tag=None,
-                 on_done: Callable[["BatchJob"], None] | None = None) -> None:  # fmt: skip
+                 on_done: Callable[["BatchJob"], None] | None = None, cache_prompt: bool = True) -> None:  # fmt: skip
         self.id = next(BatchJob._ids)
         self.prompt = prompt
+        self.cache_prompt = cache_prompt
         self.max_tokens = max_tokens
         self.sampling = sampling
         self.stop = list(stop)
@@ -187,6 +197,44 @@ class BatchJob:
 
 
 @dataclass
+class _CacheEntry:
+    """A finished request's KV cells kept for the prompts that follow (``BatchScheduler``'s
+    prompt cache): ``tokens`` are at positions ``0..len-1`` of sequence ``seq``."""
+
+    seq: int
+    tokens: list[int]
+    last_used: int
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x = np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64)
+    i = int(np.argmax(x))
+    return n if not x[i] else i
+
+
+def _share_plan(seqs: Sequence[tuple[int, Sequence[int]]]) -> tuple[list[tuple[int, int, int | None, int]], int]:
+    """How to put ``(seq, tokens)`` sequences back into an empty KV cache with shared prefixes
+    stored once: per sequence, in order, ``(seq, n_tokens, parent, k)``: its first ``k`` cells
+    are the ``parent``'s (an earlier sequence with the longest common prefix; None when
+    ``k == 0``), the rest its own. Also returns the number of cells in all."""
+    out: list[tuple[int, int, int | None, int]] = []
+    cells = 0
+    for i, (seq, toks) in enumerate(seqs):
+        parent, k = None, 0
+        for pseq, ptoks in seqs[:i]:
+            c = common_prefix(toks, ptoks)
+            if c > k:
+                parent, k = pseq, c
+        out.append((seq, len(toks), parent, k))
+        cells += len(toks) - k
+    return out, cells
+
+
+@dataclass
 class _Slot:
     """The state of one active request."""
 
@@ -199,7 +247,10 @@ class _Slot:
     stats: GenerationStats
     calib: ScoreCalibration | None = None  # its verified trees' score calibration (None: no drafter)
     tokens: list[int] = field(default_factory=list)  # committed, in KV (positions 0..n-1)
-    pending: list[int] = field(default_factory=list)  # accepted, decoded again next step
+    # decoded (without logits) before the root next step: the prompt's rest while the request is
+    # prefilling, afterwards the accepted tokens that are decoded again
+    pending: list[int] = field(default_factory=list)
+    prefilling: bool = True  # the prompt is not all in KV yet (no tree decoded so far)
     root: int = 0
     out_tokens: list[int] = field(default_factory=list)
     out_sources: list[TokenSource] = field(default_factory=list)
@@ -227,6 +278,12 @@ class BatchScheduler:
         cost_model: the target's decode cost; default: the engine's calibration (cached).
         n_threads: CPU threads (default: all available, at most 16).
         adaptive: False verifies every proposed tree (``max_tree_nodes``), for tests.
+        prompt_cache: finished requests whose KV cells are kept for later prompts that start
+            with the same tokens (default ``parallel``; 0 keeps none). Running requests'
+            cells are shared as well, whatever this is.
+        prefill_chunk: most prompt tokens prefilled in one step while other requests decode
+            (a long prompt joins the running batch in pieces instead of stopping it); when
+            no request decodes, a prompt is prefilled in steps of the whole batch size.
 
     Use ``submit`` (thread-safe) and either ``start()`` a worker thread (the server) or
     drive it with ``run_until_idle()`` (offline batches). ``close()`` ends it.
@@ -237,7 +294,8 @@ class BatchScheduler:
 
     def __init__(self, model: Model, *, parallel: int = 4, n_ctx: int = 4096, drafter: str | None = "ngram",
                  max_tree_nodes: int = 32, cost_model: CostModel | None = None, n_threads: int | None = None,
-                 adaptive: bool = True, flash_attn: bool | None = None) -> None:  # fmt: skip
+                 adaptive: bool = True, flash_attn: bool | None = None, prompt_cache: int | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK) -> None:  # fmt: skip
         drafter = drafter or "none"
         if drafter not in BATCH_DRAFTERS:
             raise InvalidRequestError(
@@ -248,8 +306,15 @@ class BatchScheduler:
             raise InvalidRequestError(f"parallel must be >= 1, got {parallel}")
         if n_ctx < 16:
             raise InvalidRequestError(f"n_ctx must be at least 16 tokens (got {n_ctx})")
-        # sequence ids: `parallel` blocks of S ids, plus one junk id
-        self.seqs_per_slot = max(1, min((MAX_SEQ - 1) // parallel, max_tree_nodes))
+        if prefill_chunk < 1:
+            raise InvalidRequestError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        n_entries = parallel if prompt_cache is None else int(prompt_cache)
+        if n_entries < 0:
+            raise InvalidRequestError(f"prompt_cache must be >= 0, got {prompt_cache}")
+        # sequence ids: `parallel` blocks of S ids, the prompt cache's entries, one scratch id
+        # (moves) and one junk id
+        n_entries = min(n_entries, max(0, MAX_SEQ - 2 - parallel))
+        self.seqs_per_slot = min((MAX_SEQ - 2 - n_entries) // parallel, max_tree_nodes)
         if self.seqs_per_slot < 1:
             raise InvalidRequestError(f"parallel={parallel} needs more than {MAX_SEQ} sequence ids")
         self.model = model
@@ -258,12 +323,16 @@ class BatchScheduler:
         self.max_tree_nodes = int(min(max_tree_nodes, n_ctx // 2 - 1, 255))
         self.drafter_name = drafter
         self.adaptive = adaptive
-        self.junk_seq = self.parallel * self.seqs_per_slot
+        first_entry = self.parallel * self.seqs_per_slot
+        self._free_entry_seqs = list(range(first_entry + n_entries - 1, first_entry - 1, -1))
+        self.scratch_seq = first_entry + n_entries
+        self.junk_seq = self.scratch_seq + 1
         n_seq_max = self.junk_seq + 1
         step_tokens = self.parallel * 2 * self.max_tree_nodes
         # headroom for junk cells before a compaction; at least one full step after one
         kv = self.parallel * self.n_ctx_slot + max(2 * step_tokens, 1024)
-        n_batch = max(512, step_tokens, n_seq_max)
+        self.prefill_chunk = int(prefill_chunk)
+        n_batch = max(512, step_tokens + self.prefill_chunk, n_seq_max)
         self._ctx_args = dict(n_ctx=kv, n_batch=n_batch, n_seq_max=n_seq_max, n_threads=n_threads, flash_attn=flash_attn)
         self.ctx = Context(model, **self._ctx_args)
         self._ctx_generation = model.generation
@@ -277,20 +346,25 @@ class BatchScheduler:
         self.n_used = 0  # KV cells occupied (append-only between compactions)
         self.n_compactions = 0
         self.slots: list[_Slot | None] = [None] * self.parallel
+        self.cache: list[_CacheEntry] = []  # the prompt cache (finished requests' cells)
+        self._clock = itertools.count(1)  # recency of cache entries
+        self.n_cache_hits = 0
         self._queue: collections.deque[BatchJob] = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
         self.n_steps = 0
-        self.step_log: collections.deque = collections.deque(maxlen=4096)  # (n_requests, n_tokens)
+        # (n_requests decoding, n_tokens, n_prefill_tokens) per step
+        self.step_log: collections.deque = collections.deque(maxlen=4096)
 
     # -- public -------------------------------------------------------------------------------
 
     def submit(self, prompt: Sequence[int], *, max_tokens: int = 256, sampling: SamplingParams | None = None,
                stop: Sequence[str] = (), speculative: bool = True,
                on_chunk: Callable[[StreamChunk], None] | None = None, tag=None,
-               on_done: Callable[[BatchJob], None] | None = None) -> BatchJob:  # fmt: skip
-        """Queue a request (token ids; see ``Engine.tokenize``).
+               on_done: Callable[[BatchJob], None] | None = None, cache_prompt: bool = True) -> BatchJob:  # fmt: skip
+        """Queue a request (token ids; see ``Engine.tokenize``). ``cache_prompt=False``: prefill
+        the whole prompt, reusing no cached prefix.
 
         Raises:
             InvalidRequestError: empty prompt, bad token ids, negative ``max_tokens``, closed.
@@ -312,7 +386,7 @@ class BatchScheduler:
             )
         sampling = sampling or SamplingParams()
         job = BatchJob(tokens, max_tokens=max_tokens, sampling=sampling, stop=stop, speculative=speculative,
-                       on_chunk=on_chunk, tag=tag, on_done=on_done)  # fmt: skip
+                       on_chunk=on_chunk, tag=tag, on_done=on_done, cache_prompt=cache_prompt)  # fmt: skip
         # build the sampler now, so a bad grammar is the caller's error, not the worker's
         job._sampler = RequestState(sampling, self.model, tokens)  # type: ignore[attr-defined]
         with self._cv:
@@ -388,7 +462,7 @@ class BatchScheduler:
                 self._finish(s, "error")
         if self.ctx._ctx is not None:
             self.ctx.clear()
-        self.n_used = 0
+        self._forget_kv()
 
     def _reconnect_if_lost(self) -> None:
         """A lost RPC worker (or the model reloaded by its engine): the requests in slots end with
@@ -429,15 +503,16 @@ class BatchScheduler:
                 fail(e, waiting=True)
                 return
         self.ctx.close()
-        self.n_used = 0
+        self._forget_kv()
         if lost:
             m.reload_if_lost()  # a no-op when another user of the model did it
         self.ctx = Context(m, **self._ctx_args)
         self._ctx_generation = m.generation
 
     def step(self) -> None:
-        """End cancelled / finished requests, admit waiting ones into the free slots, then decode
-        one step of every active request."""
+        """End cancelled / finished requests, admit waiting ones into the free slots, then run
+        one step: every decoding request's pending tokens and tree, and pieces of the prompts
+        still being prefilled, in one ``llama_decode``."""
         self._reconnect_if_lost()
         for s in [s for s in self.slots if s is not None]:  # requests that end before decoding more
             j = s.job
@@ -447,11 +522,8 @@ class BatchScheduler:
                 self._finish(s, "length")
         self._admit()  # a freed slot takes the next waiting request in this very step
         active = [s for s in self.slots if s is not None]
-        if not active:
-            if not self._queue:
-                self._reset_kv()
-            return
-        self._decode_step(active)
+        if active:
+            self._decode_step(active)
 
     def _end_unstarted(self, job: BatchJob, reason: str) -> None:
         sampler = getattr(job, "_sampler", None)
@@ -460,6 +532,8 @@ class BatchScheduler:
         job.result = GenerationResult("", [], reason, None, [], [] if job.sampling.logprobs is not None else None,
                                       GenerationStats(n_prompt_tokens=len(job.prompt)))  # fmt: skip
         job._set_done()
+
+    # -- admission and the prompt cache -------------------------------------------------------
 
     def _admit(self) -> None:
         while True:
@@ -470,28 +544,62 @@ class BatchScheduler:
                 if not free:
                     return
                 job = self._queue[0]
-                need = len(job.prompt) + 2 * self.max_tree_nodes
-                if self.n_used + need > self.kv_size:
-                    if self.n_active == 0:
-                        self._reset_kv()
-                    else:
-                        self.compact()
+                if not (job.cancelled.is_set() or job.max_tokens == 0):
+                    src, k = self._best_prefix(job)
+                    if self._prefix_in_flight(job, k):
+                        return  # a running request is prefilling a longer prefix of it: wait for it
+                    need = len(job.prompt) - k + 2 * self.max_tree_nodes
+                    if self.n_used + need > self.kv_size:
+                        self.compact(need)
                         if self.n_used + need > self.kv_size:
                             return  # waits for a request to end
+                        src, k = self._best_prefix(job)  # the compaction may have dropped entries
                 self._queue.popleft()
             if job.cancelled.is_set():
                 self._end_unstarted(job, "cancelled")
-                continue
-            self._start(job, free[0])
+            elif job.max_tokens == 0:
+                self._end_unstarted(job, "length")
+            else:
+                self._start(job, free[0], src, k)
 
-    def _start(self, job: BatchJob, index: int) -> None:
-        t0 = _now_us()
+    def _best_prefix(self, job: BatchJob) -> tuple[int | None, int]:
+        """The sequence whose KV cells hold the longest prefix of ``job``'s prompt (a prompt-cache
+        entry or a running request's committed tokens) and that length, at most all but the
+        prompt's last token (which is decoded as the first tree's root); ``(None, 0)`` if none."""
+        if not job.cache_prompt:
+            return None, 0
+        head = job.prompt[:-1]
+        best: tuple[int | None, int] = (None, 0)
+        for seq, toks in [(e.seq, e.tokens) for e in self.cache] + [
+            (s.base, s.tokens) for s in self.slots if s is not None
+        ]:  # fmt: skip
+            k = common_prefix(head, toks)
+            if k > best[1]:
+                best = (seq, k)
+        return best
+
+    def _prefix_in_flight(self, job: BatchJob, k: int) -> bool:
+        """True when a request still prefilling will soon hold at least ``PREFIX_WAIT`` more tokens
+        of ``job``'s prompt than ``k``: admitting ``job`` after those are in KV saves prefilling
+        them twice (prompts that share a long header, arriving together)."""
+        if not job.cache_prompt:
+            return False
+        head = job.prompt[:-1]
+        for s in self.slots:
+            if s is not None and s.prefilling and s.pending:
+                k2 = common_prefix(head, s.tokens + s.pending)
+                if k2 > len(s.tokens) and k2 >= k + PREFIX_WAIT:
+                    return True
+        return False
+
+    def _start(self, job: BatchJob, index: int, src: int | None, k: int) -> None:
         base = index * self.seqs_per_slot
         drafter = make_drafter(self.drafter_name) if job.speculative and self.drafter_name != "none" else None
         sampler: RequestState = job._sampler  # type: ignore[attr-defined]
         stats = GenerationStats(drafter=drafter.name if drafter else "none", seed=sampler.seed)
         stats.set_thresholds(sampler.params, drafted=drafter is not None)
         stats.n_prompt_tokens = len(job.prompt)
+        stats.n_cached_tokens = k
         s = _Slot(job=job, index=index, base=base, sampler=sampler, drafter=drafter,
                   assembler=TextAssembler(self.model.token_bytes, job.stop), stats=stats,
                   calib=self.policy.calibration.for_request() if drafter is not None else None)  # fmt: skip
@@ -499,39 +607,93 @@ class BatchScheduler:
             if hasattr(drafter, "set_sampling"):
                 drafter.set_sampling(sampler)
             drafter.begin(job.prompt)
-        self.slots[index] = s
-        self._prefill(s, job.prompt[:-1])
+        if k:
+            # the cells of the shared prefix get this slot's sequence id too (no copy, no compute):
+            # the same tokens at the same positions have the same KV bit for bit (exact kernels)
+            self.ctx.seq_cp(src, base, 0, k)
+            s.tokens = list(job.prompt[:k])
+            self.n_cache_hits += 1
+            for e in self.cache:
+                if e.seq == src:
+                    e.last_used = next(self._clock)
+        s.pending = list(job.prompt[k:-1])  # prefilled by the next steps (``_decode_step``)
         s.root = job.prompt[-1]
-        stats.t_prefill_us = _now_us() - job.t_submit_us
-        s.t_gen0_us = _now_us()
-        log.debug("job %d: slot %d, prompt %d tokens, prefill %.1f ms", job.id, index, len(job.prompt), (s.t_gen0_us - t0) / 1e3)
-
-    def _prefill(self, s: _Slot, tokens: Sequence[int]) -> None:
-        step = self._batch.capacity
-        tokens = list(tokens)
-        for i in range(0, len(tokens), step):
-            chunk = tokens[i : i + step]
-            self._batch.set_sequence(chunk, len(s.tokens), seq_id=s.base, output="none")
-            self.ctx.decode(self._batch)
-            self.n_used += len(chunk)
-            s.tokens.extend(chunk)
+        self.slots[index] = s
         self._check(s)
+        log.debug("job %d: slot %d, prompt %d tokens, %d cached", job.id, index, len(job.prompt), k)
 
-    def compact(self) -> None:
-        """Clear the KV cache and re-prefill every active request's committed tokens (drops
-        the junk cells; each token's KV is computed exactly as before)."""
+    def _store(self, s: _Slot) -> None:
+        """Keep a finished request's committed cells as a prompt-cache entry (before they go to
+        the junk sequence). An entry whose tokens this one extends is replaced; when every entry
+        id is taken, the least recently used entry is dropped."""
+        toks = list(s.tokens)
+        if not toks or (not self.cache and not self._free_entry_seqs):
+            return
+        for e in list(self.cache):
+            k = common_prefix(e.tokens, toks)
+            if k == len(toks):  # an entry already holds all of these (and maybe more)
+                e.last_used = next(self._clock)
+                return
+            if k == len(e.tokens):
+                self._drop_entry(e)
+        if not self._free_entry_seqs:
+            self._drop_entry(min(self.cache, key=lambda e: e.last_used))
+        seq = self._free_entry_seqs.pop()
+        self.ctx.seq_cp(s.base, seq, -1, -1)
+        self.cache.append(_CacheEntry(seq, toks, next(self._clock)))
+
+    def _drop_entry(self, e: _CacheEntry) -> None:
+        """Forget an entry: its cells go to the junk sequence (kept occupied, see the module
+        docstring) unless another sequence holds them."""
+        self.cache.remove(e)
+        if self.ctx._ctx is not None:
+            self.ctx.seq_cp(e.seq, self.junk_seq, -1, -1)
+            self.ctx.seq_rm(e.seq, -1, -1)
+        self._free_entry_seqs.append(e.seq)
+
+    def _forget_kv(self) -> None:
+        """The KV cache is gone (cleared after a failed step, or a new context): no entries."""
+        self._free_entry_seqs.extend(e.seq for e in self.cache)
+        self.cache.clear()
+        self.n_used = 0
+
+    def compact(self, need: int = 0) -> None:
+        """Drop the junk cells: clear the KV cache and put back every running request's cells
+        and the prompt cache's entries, moved (``Context.save_cells`` / ``restore_cells``: K and
+        V bytes copied, nothing recomputed), each sequence in position order, a prefix that
+        several sequences share stored once. The least recently used entries are dropped when
+        keeping them would leave less than ``need`` cells, or less than a quarter of the cache,
+        free.
+
+        Raises:
+            KVCacheError: a sequence could not be saved or put back (the step fails; the
+                server's requests end with the error and the next ones start on a clear cache).
+        """
         self.n_compactions += 1
+        live = [(s.base, s.tokens) for s in self.slots if s is not None]
+        keep = sorted(self.cache, key=lambda e: -e.last_used)
+        while True:
+            order, cells = _share_plan(live + [(e.seq, e.tokens) for e in keep])
+            if not keep or cells + max(need, self.kv_size // 4) <= self.kv_size:
+                break
+            keep.pop()
+        for e in [e for e in self.cache if e not in keep]:
+            self._drop_entry(e)
+        saved = [(seq, parent, k, n, self.ctx.save_cells(seq, k, n, scratch=self.scratch_seq))
+                 for seq, n, parent, k in order]  # fmt: skip
         self.ctx.clear()
         self.n_used = 0
+        for seq, parent, k, n, pieces in saved:
+            if k:
+                self.ctx.seq_cp(parent, seq, 0, k)
+            self.ctx.restore_cells(pieces, seq, scratch=self.scratch_seq)
+            self.n_used += n - k
         for s in self.slots:
             if s is not None:
-                toks, s.tokens = s.tokens, []
-                self._prefill(s, toks)
-
-    def _reset_kv(self) -> None:
-        if self.n_used:
-            self.ctx.clear()
-            self.n_used = 0
+                self._check(s)
+        for e in self.cache:
+            if (self.ctx.pos_min(e.seq), self.ctx.pos_max(e.seq)) != (0, len(e.tokens) - 1):
+                raise KVCacheError(f"prompt-cache entry {e.seq} was not restored whole")
 
     def _check(self, s: _Slot) -> None:
         n = len(s.tokens)
@@ -575,43 +737,71 @@ class BatchScheduler:
 
     def _decode_step(self, active: list[_Slot]) -> None:
         t0 = _now_us()
-        props = [self._propose(s) for s in active]
+        # prompts still prefilling, oldest first: a piece of each within this step's budget (the
+        # whole batch when nobody decodes, so a lone request is not slowed down). A request
+        # whose prompt is all in after this step decodes its first tree in this step too.
+        decoding = [s for s in active if not s.prefilling]
+        n_redecode = sum(len(s.pending) for s in decoding)  # accepted tokens decoded again
+        room = self._batch.capacity - self.parallel * 2 * self.max_tree_nodes
+        budget = min(self.prefill_chunk, room) if decoding else room
+        pieces: list[tuple[_Slot, int]] = []  # (slot, prompt tokens) of requests still prefilling after it
+        for s in sorted((s for s in active if s.prefilling), key=lambda s: s.job.id):
+            n = min(len(s.pending), budget)
+            budget -= n
+            if n == len(s.pending):
+                s.prefilling = False
+                s.stats.t_prefill_us = t0 - s.job.t_submit_us
+                s.t_gen0_us = t0
+                decoding.append(s)
+            elif n:
+                pieces.append((s, n))
+        n_prompt = sum(n for _s, n in pieces) + sum(len(s.pending) for s in decoding) - n_redecode
+        props = [self._propose(s) for s in decoding]
         t_draft = sum(p[1] for p in props)
-        n_pending = sum(len(s.pending) for s in active)
         if self.adaptive:
             policy = self.policy
+            # prompt tokens are fixed work: they do not change what a draft node costs or gains
             sizes = allocate_nodes(
                 [p[0] for p in props],
                 lambda b: self.cost_model.t_decode_us(b) + policy.host_us(b),
-                n_fixed=n_pending,
+                n_fixed=n_redecode,
                 max_nodes=[p[2] for p in props],
                 t_extra_us=t_draft,
                 min_gain=policy.min_gain,
-                calibrations=[s.calib for s in active],
+                calibrations=[s.calib for s in decoding],
             )
         else:
             sizes = [p[2] if p[0] is not None else 1 for p in props]
         trees: list[TokenTree] = []
-        for s, (cand, _dt, _mx), n in zip(active, props, sizes):
+        for s, (cand, _dt, _mx), n in zip(decoding, props, sizes):
             if cand is None or n <= 1:
                 trees.append(TokenTree.root_only(s.root))
                 continue
             tree = cand.best_subtree(n) if n < cand.n_nodes else cand
             trees.append(self._fit_leaves(tree).best_first_dfs())
-        need = sum(len(s.pending) + t.n_nodes for s, t in zip(active, trees))
+        need = sum(len(s.pending) + t.n_nodes for s, t in zip(decoding, trees)) + sum(n for _s, n in pieces)
         if self.n_used + need > self.kv_size:
-            self.compact()
-        # -- one batch: per request its pending tokens (no logits) then its tree -------------
+            self.compact(need)
+        # -- one batch: prompt pieces; per decoding request its pending tokens (no logits) then
+        # its tree; each request's tokens in position order, so its new cells are too
         lays = []
         parts_tok, parts_pos, parts_seq, parts_nseq, parts_out = [], [], [], [], []
         k = 1
-        for s, tree in zip(active, trees):
+        for s, tree in zip(decoding, trees):
             lay = layout_tree(tree, s.root_pos)
             lays.append(lay)
             k = max(k, lay.seq_sets.shape[1])
+        for s, n in pieces:
+            parts_tok.append(np.asarray(s.pending[:n], dtype=np.int32))
+            parts_pos.append(np.arange(len(s.tokens), len(s.tokens) + n, dtype=np.int32))
+            seq = np.zeros((n, k), dtype=np.int32)
+            seq[:, 0] = s.base
+            parts_seq.append(seq)
+            parts_nseq.append(np.ones(n, dtype=np.int32))
+            parts_out.append(np.zeros(n, dtype=np.int8))
         row_off = []
         n_rows = 0
-        for s, tree, lay in zip(active, trees, lays):
+        for s, tree, lay in zip(decoding, trees, lays):
             if not lay.uses_seq0:
                 for j in lay.leaf_seq:
                     self.ctx.seq_cp(s.base, s.base + int(j), -1, -1)
@@ -635,9 +825,13 @@ class BatchScheduler:
         logits = self.ctx.logits()
         t2 = _now_us()
         self.n_steps += 1
-        self.step_log.append((len(active), int(tokens.size)))
+        self.step_log.append((len(decoding), int(tokens.size), n_prompt))
+        for s, n in pieces:
+            s.tokens.extend(s.pending[:n])
+            del s.pending[:n]
+            self._check(s)
         # -- per request: verify, commit, emit ----------------------------------------------
-        for s, tree, lay, off, (cand, dt, _mx) in zip(active, trees, lays, row_off, props):
+        for s, tree, lay, off, (cand, dt, _mx) in zip(decoding, trees, lays, row_off, props):
             rows = logits[off : off + tree.n_nodes]
             cursor = s.sampler.cursor(s.root_pos + 1)
             try:
@@ -662,7 +856,8 @@ class BatchScheduler:
             s.stats.t_draft_us += dt
             s.stats.t_decode_us += t2 - t1
         t3 = _now_us()
-        self.policy.observe_step(int(tokens.size), t2 - t1, max(0.0, (t3 - t0) - (t2 - t1) - t_draft))
+        if n_prompt == 0:  # the cost model prices rows with logits; a step with prompt rows is no sample of it
+            self.policy.observe_step(int(tokens.size), t2 - t1, max(0.0, (t3 - t0) - (t2 - t1) - t_draft))
 
     def _commit(self, s: _Slot, tree: TokenTree, lay, path: Sequence[int]) -> None:
         """Keep the pending tokens, the root and the accepted nodes' leading run in the slot's
@@ -738,11 +933,14 @@ class BatchScheduler:
             s.job.cancel()
 
     def _finish(self, s: _Slot, reason: str) -> None:
-        """End a request: free its slot at once (its cells go to the junk sequence)."""
+        """End a request: free its slot at once (its committed cells become a prompt-cache
+        entry, the rest go to the junk sequence)."""
         job = s.job
         if self.slots[s.index] is s:
             self.slots[s.index] = None
             if self.ctx._ctx is not None:
+                if reason != "error":  # after a failed step its cells may not be what s.tokens says
+                    self._store(s)
                 for k in range(self.seqs_per_slot):
                     self.ctx.seq_cp(s.base + k, self.junk_seq, -1, -1)
                     self.ctx.seq_rm(s.base + k, -1, -1)

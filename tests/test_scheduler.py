@@ -87,7 +87,7 @@ def test_batched_equals_alone_greedy_with_full_trees(model, alone):
     # bit-identical logits rows: the emitted tokens' log-probabilities are equal as floats
     # (a cell of a request placed before its earlier cells would change them in the last bits)
     assert [[lp.logprob for lp in r.logprobs] for r in res] == alone["logprobs"]
-    multi = [(r, n) for r, n in sched.step_log if r > 1 and n > r]
+    multi = [(r, n) for r, n, _p in sched.step_log if r > 1 and n > r]
     assert multi, "no step decoded drafts of several requests together"
     assert sum(r.stats.num_draft_tokens for r in res) > 0
 
@@ -151,3 +151,154 @@ def test_generate_batch_matches_generate(engine, alone):
                                 sampling=SamplingParams.greedy(), n_ctx=256, return_exceptions=True)
     assert isinstance(out[0], ContextOverflowError)  # recorded in its place, the others go on
     assert out[1].token_ids == alone["greedy"][0][:4]
+
+
+# -- the prompt cache, shared prefixes, moved cells and prompts prefilled in pieces ------------
+
+# ~1,000 tokens of plain text: longer than Gemma 3's 512-token sliding window, so a shared or
+# moved prefix must carry the window layers' cells beyond the window too
+LONG = " ".join(
+    f"Note {i}: the {c} box on shelf {i % 7} holds {i * 7 % 13} {t}."
+    for i, (c, t) in enumerate([(c, t) for c in ("red", "green", "blue", "white") for t in ("pens", "cups", "keys", "maps")] * 5)
+)
+GREEDY_LP = dataclasses.replace(SamplingParams.greedy(), logprobs=0)
+
+
+def alone_run(engine, tokens, n=N):
+    """(token ids, log-probabilities) of ``tokens`` decoded alone by a fresh engine context."""
+    engine.reset()
+    r = engine.generate(list(tokens), max_tokens=n, sampling=GREEDY_LP)
+    engine.reset()
+    return r.token_ids, [lp.logprob for lp in r.logprobs]
+
+
+def as_run(result):
+    return result.token_ids, [lp.logprob for lp in result.logprobs]
+
+
+def test_a_prompt_cache_hit_decodes_bit_for_bit_as_alone(model, engine):
+    p1 = model.tokenize(LONG)
+    assert len(p1) > model.n_swa + 100
+    sched = BatchScheduler(model, parallel=2, n_ctx=2048, cost_model=fixed_cost_model())
+    try:
+
+        def run(prompt, **kw):
+            job = sched.submit(prompt, max_tokens=N, sampling=GREEDY_LP, **kw)
+            sched.run_until_idle()
+            return job.wait()
+
+        ra = run(p1)
+        assert ra.stats.n_cached_tokens == 0
+        # the next turn: the prompt, the reply and more text (what a chat client sends)
+        p2 = p1 + ra.token_ids + model.tokenize(" Then the", add_special=False)
+        rb = run(p2)
+        assert rb.stats.n_cached_tokens >= len(p1)  # the first request's cells, reply included
+        n_before = sched.n_compactions
+        sched.compact()  # the entries are moved (K and V bytes copied), not recomputed
+        assert sched.n_compactions == n_before + 1 and sched.cache
+        rc = run(p2)
+        assert rc.stats.n_cached_tokens == len(p2) - 1  # all but the last token, the first root
+        rd = run(p2, cache_prompt=False)
+        assert rd.stats.n_cached_tokens == 0
+    finally:
+        sched.close()
+    ref1, ref2 = alone_run(engine, p1), alone_run(engine, p2)
+    # token for token and log-probability for log-probability (floats): every emitted token's
+    # logits row is bit-identical to the one a fresh prefill gives
+    assert as_run(ra) == ref1
+    assert as_run(rb) == ref2 and as_run(rc) == ref2 and as_run(rd) == ref2
+
+
+def test_prompts_sharing_a_header_prefill_it_once_and_decode_as_alone(model, engine):
+    head = model.tokenize(LONG)
+    tails = [" Question: which box holds keys?", " Question: how many shelves are there?",
+             " Summary: the boxes hold"]  # fmt: skip
+    prompts = [head + model.tokenize(t, add_special=False) for t in tails]
+    sched = BatchScheduler(model, parallel=3, n_ctx=2048, cost_model=fixed_cost_model(), prompt_cache=0)
+    try:
+        jobs = [sched.submit(p, max_tokens=N, sampling=GREEDY_LP) for p in prompts]  # arrive together
+        sched.run_until_idle()
+        res = [j.wait() for j in jobs]
+    finally:
+        sched.close()
+    # the first prefills the header; the others wait for it and share its cells (no prompt cache
+    # entries here: the running request's own cells are shared)
+    assert res[0].stats.n_cached_tokens == 0
+    assert all(r.stats.n_cached_tokens >= len(head) - 1 for r in res[1:])
+    prompt_rows = sum(p for _r, _n, p in sched.step_log)
+    assert prompt_rows < 1.2 * len(head)  # not three times
+    assert [as_run(r) for r in res] == [alone_run(engine, p) for p in prompts]
+
+
+def test_compaction_moves_shared_prefixes_once_and_keeps_outputs(model, engine):
+    head = model.tokenize(LONG)
+    prompts = [head + model.tokenize(t, add_special=False) for t in (" First,", " Second,", " Third,")]
+    sched = BatchScheduler(model, parallel=2, n_ctx=2048, cost_model=fixed_cost_model(), adaptive=False,
+                           max_tree_nodes=8)  # fmt: skip
+    try:
+        first = sched.submit(prompts[0], max_tokens=N, sampling=GREEDY_LP)
+        sched.run_until_idle()  # leaves a prompt-cache entry
+        # a software limit a little above what is used now: compactions while both run, each
+        # moving the shared header once
+        sched.kv_size = sched.n_used + 48
+        jobs = [sched.submit(p, max_tokens=N, sampling=GREEDY_LP) for p in prompts[1:]]
+        n0 = sched.n_compactions
+        sched.run_until_idle()
+        res = [first.wait()] + [j.wait() for j in jobs]
+        assert sched.n_compactions > n0
+        assert sched.n_used < 2 * len(head)  # the header is held once, not once per sequence
+    finally:
+        sched.close()
+    assert [as_run(r) for r in res] == [alone_run(engine, p) for p in prompts]
+
+
+def test_a_long_prompt_joins_the_running_batch_in_pieces(model, engine):
+    short = model.tokenize(PROMPTS[0])
+    long_prompt = model.tokenize(LONG)
+    sched = BatchScheduler(model, parallel=2, n_ctx=2048, cost_model=fixed_cost_model(), prefill_chunk=64)
+    try:
+        got = []
+        a = sched.submit(short, max_tokens=64, sampling=GREEDY_LP, on_chunk=lambda c: got.append(c.token))
+        while len(got) < 2:
+            sched.step()
+        b = sched.submit(long_prompt, max_tokens=N, sampling=GREEDY_LP)
+        sched.step()  # b admitted: its first piece goes in with a's step
+        steps_with_pieces = 0
+        while b.result is None and sched.slots[1] is not None and sched.slots[1].prefilling:
+            n_before = len(got)
+            sched.step()
+            r, _n, p = sched.step_log[-1]
+            if p:
+                steps_with_pieces += 1
+                assert p <= 64 and r >= 1 and len(got) > n_before  # a goes on decoding meanwhile
+        assert steps_with_pieces >= len(long_prompt) // 64 - 2
+        sched.run_until_idle()
+        ra, rb = a.wait(), b.wait()
+    finally:
+        sched.close()
+    assert as_run(ra) == alone_run(engine, short, 64)
+    assert as_run(rb) == alone_run(engine, long_prompt)
+
+
+def test_a_dropped_entry_leaves_no_hole_before_a_running_request(model, engine):
+    # prompt_cache=1: when b ends, a's entry (cells nobody else holds) is dropped while d runs;
+    # freed cells would take d's next tokens before its own earlier cells
+    long_prompt = model.tokenize(LONG)
+    short = [model.tokenize(p) for p in PROMPTS]
+    sched = BatchScheduler(model, parallel=2, n_ctx=2048, cost_model=fixed_cost_model(), prompt_cache=1)
+    try:
+        a = sched.submit(long_prompt, max_tokens=4, sampling=GREEDY_LP)
+        sched.run_until_idle()
+        sched.compact()  # a's entry now holds its cells alone (a finished request's are also junk's)
+        d = sched.submit(short[1], max_tokens=48, sampling=GREEDY_LP)
+        b = sched.submit(short[2], max_tokens=2, sampling=GREEDY_LP)
+        while not b.done.is_set():
+            sched.step()
+        assert [e.tokens[:3] for e in sched.cache] == [short[2][:3]]  # a's entry is gone, d still runs
+        assert not d.done.is_set()
+        sched.run_until_idle()
+        rd = d.wait()
+    finally:
+        sched.close()
+    assert a.wait().stats.n_generated_tokens == 4
+    assert as_run(rd) == alone_run(engine, short[1], 48)

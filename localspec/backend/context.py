@@ -10,12 +10,13 @@ rollback never needs cells that a window cache already dropped).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import threading
 
 import numpy as np
 
-from ..errors import ContextOverflowError, DecodeError, InvalidRequestError, ModelLoadError
+from ..errors import ContextOverflowError, DecodeError, InvalidRequestError, KVCacheError, ModelLoadError
 from ._llama import exact_kernels, lib, recent_errors
 from .batch import Batch
 from .model import Model
@@ -314,6 +315,79 @@ class Context:
     def clear(self) -> None:
         """Empty the whole KV cache."""
         lib.llama_memory_clear(self.mem, True)
+
+    def seq_state(self, seq_id: int) -> bytes:
+        """The KV cells of ``seq_id`` (positions, K and V rows of every layer) as
+        ``llama_state_seq_get_data`` writes them: ``b""`` when it holds none.
+
+        With ``seq_state_set`` this moves a sequence's cells without recomputing them (the K
+        and V bytes are copied, so a restored sequence attends exactly as before).
+
+        Raises:
+            KVCacheError: llama.cpp wrote fewer bytes than it asked for.
+        """
+        if self.pos_max(seq_id) < 0:
+            return b""
+        n = int(lib.llama_state_seq_get_size(self.handle, seq_id))
+        buf = (ctypes.c_uint8 * n)()
+        got = int(lib.llama_state_seq_get_data(self.handle, buf, n, seq_id))
+        if got != n:
+            raise KVCacheError(f"saving sequence {seq_id} wrote {got} of {n} bytes")
+        return bytes(buf)
+
+    def seq_state_set(self, data: bytes, seq_id: int) -> None:
+        """Put cells saved by ``seq_state`` into ``seq_id`` (its old cells are dropped first).
+        llama.cpp places them in the first free cells from its search head, in the saved (cell)
+        order: after a ``clear()`` and other restores, that is after every used cell.
+
+        Raises:
+            KVCacheError: llama.cpp could not place them (no free cells, or a state of another
+                model / cache type).
+        """
+        if not data:
+            self.seq_rm(seq_id, -1, -1)
+            return
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if int(lib.llama_state_seq_set_data(self.handle, buf, len(data), seq_id)) == 0:
+            why = "; ".join(recent_errors()) or "no reason logged"
+            raise KVCacheError(f"restoring sequence {seq_id} failed: {why}")
+
+    def save_cells(self, seq_id: int, p0: int, p1: int, *, scratch: int) -> list[bytes]:
+        """The cells of ``seq_id`` at positions ``p0 <= pos < p1``, saved in pieces (see
+        ``restore_cells``); ``scratch`` is a sequence id that holds nothing (left empty).
+
+        llama.cpp saves a sequence's sliding-window cache only within the window below the
+        sequence's last position (``is_masked_swa``), which would lose older cells that a
+        prefix shared later still needs. So each piece covers positions of one window-aligned
+        block of ``model.n_swa`` positions (the whole range when the model has no window),
+        copied into ``scratch`` first: every cell of the piece is inside its own window.
+        """
+        w = int(self.model.n_swa) or max(1, p1 - p0)
+        out = []
+        a = p0
+        while a < p1:
+            b = min(p1, (a // w + 1) * w)
+            self.seq_cp(seq_id, scratch, a, b)
+            try:
+                out.append(self.seq_state(scratch))
+            finally:
+                self.seq_rm(scratch, -1, -1)
+            a = b
+        return out
+
+    def restore_cells(self, pieces: list[bytes], seq_id: int, *, scratch: int) -> None:
+        """Add cells saved by ``save_cells`` to ``seq_id``, in order, through ``scratch``
+        (left empty). Each piece goes to the first free cells from llama.cpp's search head:
+        when no cell was freed since the last ``clear()``, after every used cell, so the
+        sequence's cells stay in position order.
+
+        Raises:
+            KVCacheError: a piece could not be placed.
+        """
+        for piece in pieces:
+            self.seq_state_set(piece, scratch)
+            self.seq_cp(scratch, seq_id, -1, -1)
+            self.seq_rm(scratch, -1, -1)
 
     def synchronize(self) -> None:
         lib.llama_synchronize(self.handle)
