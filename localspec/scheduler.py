@@ -745,13 +745,13 @@ class BatchScheduler:
         room = self._batch.capacity - self.parallel * 2 * self.max_tree_nodes
         budget = min(self.prefill_chunk, room) if decoding else room
         pieces: list[tuple[_Slot, int]] = []  # (slot, prompt tokens) of requests still prefilling after it
+        first: list[_Slot] = []  # requests whose first tree is in this step
         for s in sorted((s for s in active if s.prefilling), key=lambda s: s.job.id):
             n = min(len(s.pending), budget)
             budget -= n
             if n == len(s.pending):
                 s.prefilling = False
-                s.stats.t_prefill_us = t0 - s.job.t_submit_us
-                s.t_gen0_us = t0
+                first.append(s)
                 decoding.append(s)
             elif n:
                 pieces.append((s, n))
@@ -826,6 +826,9 @@ class BatchScheduler:
         t2 = _now_us()
         self.n_steps += 1
         self.step_log.append((len(decoding), int(tokens.size), n_prompt))
+        for s in first:  # llama.cpp's split: the prompt time ends with the first token's logits
+            s.stats.t_prefill_us = t2 - s.job.t_submit_us
+            s.t_gen0_us = t2
         for s, n in pieces:
             s.tokens.extend(s.pending[:n])
             del s.pending[:n]

@@ -26,3 +26,24 @@ def test_bench_serve_reports_wall_and_decode_phase_rates_on_the_same_prompts(tmp
     table = capsys.readouterr().out
     assert "| clients | requests | plain tok/s | speculative tok/s | ratio | decode phase: plain |" in table
     assert "| 1 | 3 |" in table and "| 2 | 3 |" in table
+
+
+def test_bench_serve_chat_turns_reuse_the_first_turns_cells(tmp_path, capsys):
+    qs = [
+        {"question_id": 1, "category": "writing", "turns": ["Write two sentences about a lighthouse.", "Now make them rhyme."]},
+        {"question_id": 2, "category": "math", "turns": ["What is 12 times 7?", "And 12 times 8?"]},
+    ]
+    data = tmp_path / "q.jsonl"
+    data.write_text("\n".join(json.dumps(q) for q in qs) + "\n")
+    out = tmp_path / "out"
+    rc = main(["bench", "serve", "--dataset", str(data), "--clients", "1", "--prompts", "1", "-n", "12",
+               "--chat-turns", "2", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    chat = json.loads((out / "serve.json").read_text())["chat_turns"]
+    assert len(chat) == 2
+    for r in chat:
+        # turn 2 = turn 1's prompt, its reply and the new question: most of it was in the cache
+        assert 0.5 * r["prompt_tokens"] < r["cached_tokens"] < r["prompt_tokens"]
+        assert r["identical"] is True  # the reused cells change nothing (T=0)
+        assert r["prompt_ms_cached"] > 0 and r["prompt_ms_uncached"] > 0
+    assert "chat turn 2 (2 conversations, T=0)" in capsys.readouterr().out

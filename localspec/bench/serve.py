@@ -27,7 +27,9 @@ def run_clients(client, prompts: list[str], n_clients: int, max_tokens: int) -> 
     their ``timings``."""
 
     def one(p: str):
-        r = client.completions.create(model="bench", prompt=p, max_tokens=max_tokens, temperature=0)
+        # cache_prompt false: each mode prefills its prompts itself (the other mode sent the same ones)
+        r = client.completions.create(model="bench", prompt=p, max_tokens=max_tokens, temperature=0,
+                                      extra_body={"cache_prompt": False})  # fmt: skip
         t = (r.model_extra or {}).get("timings") or {}
         return r.usage.completion_tokens, r.choices[0].text, float(t.get("prompt_ms", 0.0)), float(t.get("predicted_ms", 0.0))
 
@@ -39,10 +41,47 @@ def run_clients(client, prompts: list[str], n_clients: int, max_tokens: int) -> 
     return dt, sum(r[0] for r in res), [r[1] for r in res], phases
 
 
+def chat_turns(client, conversations: list[tuple[str, str]], *, reply_tokens: int, turn2_tokens: int = 16,
+               log=print) -> list[dict]:  # fmt: skip
+    """Two-turn chats through ``/v1/chat/completions`` (T=0): turn 1 (a reply of at most
+    ``reply_tokens``), then turn 2 (the first question, the reply, the second question;
+    ``turn2_tokens``) twice: with the prompt cache (the server kept
+    turn 1's cells) and with ``cache_prompt: false``. Rows ``{prompt_tokens, cached_tokens,
+    prompt_ms_cached, prompt_ms_uncached, seconds_cached, seconds_uncached, identical}`` per
+    conversation; ``prompt_ms`` is the server's ``timings.prompt_ms`` (from arrival to the
+    first decoded token)."""
+
+    def chat(messages, cache: bool, max_tokens: int = turn2_tokens):
+        t0 = time.perf_counter()
+        r = client.chat.completions.create(model="bench", messages=messages, max_tokens=max_tokens, temperature=0,
+                                           extra_body={"cache_prompt": cache})  # fmt: skip
+        return r, time.perf_counter() - t0
+
+    rows = []
+    for q1, q2 in conversations:
+        r1, _ = chat([{"role": "user", "content": q1}], True, reply_tokens)
+        msgs = [{"role": "user", "content": q1}, {"role": "assistant", "content": r1.choices[0].message.content},
+                {"role": "user", "content": q2}]  # fmt: skip
+        hit, dt_hit = chat(msgs, True)
+        miss, dt_miss = chat(msgs, False)
+        th, tm = hit.model_extra["timings"], miss.model_extra["timings"]
+        row = {"prompt_tokens": hit.usage.prompt_tokens, "cached_tokens": hit.usage.prompt_tokens_details.cached_tokens,
+               "prompt_ms_cached": th["prompt_ms"], "prompt_ms_uncached": tm["prompt_ms"],
+               "seconds_cached": dt_hit, "seconds_uncached": dt_miss,
+               "identical": hit.choices[0].message.content == miss.choices[0].message.content}  # fmt: skip
+        rows.append(row)
+        log(f"chat turn 2: {row['prompt_tokens']} prompt tokens, {row['cached_tokens']} cached: prompt "
+            f"{row['prompt_ms_cached']:.0f} ms cached, {row['prompt_ms_uncached']:.0f} ms uncached")  # fmt: skip
+    return rows
+
+
 def bench_serve(engine, prompts: list[str], *, clients=(1, 2, 4, 8), per_client: int = 2, max_tokens: int = 64,
-                n_ctx: int = 2048, same_prompts: int | None = None, log=print) -> list[dict]:  # fmt: skip
+                n_ctx: int = 2048, same_prompts: int | None = None, conversations: list[tuple[str, str]] = (),
+                chat_max_tokens: int = 16, log=print) -> tuple[list[dict], list[dict]]:  # fmt: skip
     """Rows ``{clients, mode, requests, seconds, tokens, tokens_per_s, prompt_ms, predicted_ms,
-    decode_tokens_per_s, identical}`` (module docstring).
+    decode_tokens_per_s, identical}`` (module docstring), and the ``chat_turns`` rows of
+    ``conversations`` (first and second turns; turn 1 decodes ``max_tokens`` tokens, turn 2
+    ``chat_max_tokens``).
 
     Args:
         prompts: the prompt texts, categories interleaved.
@@ -79,9 +118,11 @@ def bench_serve(engine, prompts: list[str], *, clients=(1, 2, 4, 8), per_client:
                 same = texts["spec"] == texts["plain"]
                 for r in rows[-2:]:
                     r["identical"] = same
+            oai.speculative = True
+            chat = chat_turns(client, list(conversations), reply_tokens=max_tokens, turn2_tokens=chat_max_tokens, log=log)
     finally:
         sched.close()
-    return rows
+    return rows, chat
 
 
 def plot(rows: list[dict], path: str) -> None:

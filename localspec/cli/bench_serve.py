@@ -26,9 +26,27 @@ def register(bsub) -> None:
                    help="send the same N prompts at every concurrency, spread over its clients (default: "
                    "clients x --per-client prompts, so one client sees only --per-client of them)")
     p.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    p.add_argument("--chat-turns", type=int, default=8, metavar="N",
+                   help="also run N two-turn chats (the dataset's questions with two turns) and compare the "
+                   "second turn's prompt time with and without the prompt cache (default 8; 0 = skip)")
     p.add_argument("--out", default="bench-out", help="output directory (default ./bench-out)")
     add_model_args(p)
     p.set_defaults(func=run)
+
+
+def two_turn_conversations(questions: list[dict], n: int) -> list[tuple[str, str]]:
+    """The first two turns of up to ``n`` questions that have two, round-robin over their
+    categories (MT-Bench's eight labels in Spec-Bench)."""
+    by_cat: dict[str, list[tuple[str, str]]] = {}
+    for q in questions:
+        if len(q["turns"]) >= 2:
+            by_cat.setdefault(q["category"], []).append((q["turns"][0], q["turns"][1]))
+    out: list[tuple[str, str]] = []
+    i = 0
+    while len(out) < n and any(i < len(v) for v in by_cat.values()):
+        out.extend(v[i] for v in by_cat.values() if i < len(v))
+        i += 1
+    return out[:n]
 
 
 def run(a: argparse.Namespace) -> int:
@@ -43,18 +61,22 @@ def run(a: argparse.Namespace) -> int:
     n_prompts = a.prompts or max(clients) * a.per_client
     qs = select_prompts(load_questions(a.dataset), None, n_prompts)
     prompts = [p.text for p in interleave(qs)]
+    convs = two_turn_conversations(load_questions(a.dataset), a.chat_turns)
+    if a.chat_turns and not convs:
+        print("localspec: the dataset has no two-turn questions: no chat-turn measurement", file=sys.stderr)
     engine = make_engine(a, "ngram")
     try:
         load = os.getloadavg()
-        rows = bench_serve(engine, prompts, clients=clients, per_client=a.per_client, max_tokens=a.max_tokens,
-                           same_prompts=a.prompts, log=lambda s: print(s, file=sys.stderr))  # fmt: skip
+        rows, chat = bench_serve(engine, prompts, clients=clients, per_client=a.per_client, max_tokens=a.max_tokens,
+                                 same_prompts=a.prompts, conversations=convs,
+                                 log=lambda s: print(s, file=sys.stderr))  # fmt: skip
     finally:
         engine.close()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"loadavg_start": load, "loadavg_end": os.getloadavg(), "cpus": os.cpu_count(), "max_tokens": a.max_tokens,
             "per_client": a.per_client, "same_prompts": a.prompts}  # fmt: skip
-    (out / "serve.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (out / "serve.json").write_text(json.dumps({"meta": meta, "rows": rows, "chat_turns": chat}, indent=1))
     try:
         plot(rows, str(out / "serve.png"))
     except ImportError:
@@ -68,5 +90,14 @@ def run(a: argparse.Namespace) -> int:
         print(f"| {c} | {pl['requests']} | {pl['tokens_per_s']:.2f} | {sp['tokens_per_s']:.2f} "
               f"| {sp['tokens_per_s'] / pl['tokens_per_s']:.2f}x | {pl['decode_tokens_per_s']:.2f} "
               f"| {sp['decode_tokens_per_s']:.2f} | {dr:.2f}x | {'yes' if sp['identical'] else 'NO'} |")
+    if chat:
+        import statistics
+
+        med = statistics.median
+        print(f"\nchat turn 2 ({len(chat)} conversations, T=0): median {med(r['prompt_tokens'] for r in chat):.0f} prompt "
+              f"tokens, {med(r['cached_tokens'] for r in chat):.0f} cached; prompt time median "
+              f"{med(r['prompt_ms_cached'] for r in chat):.0f} ms with the prompt cache, "
+              f"{med(r['prompt_ms_uncached'] for r in chat):.0f} ms without; replies identical: "
+              f"{sum(r['identical'] for r in chat)}/{len(chat)}")  # fmt: skip
     print(f"machine load (1-min loadavg) {meta['loadavg_start'][0]:.1f} -> {meta['loadavg_end'][0]:.1f} on {meta['cpus']} CPUs")
     return 0

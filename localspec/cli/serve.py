@@ -27,6 +27,11 @@ def register(sub) -> None:
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body (default 8 MiB)")
     p.add_argument("--max-queue", type=int, default=64, help="most requests waiting for a slot (default 64; more get 503)")
     p.add_argument("--model-name", default=None, help="the model id /v1/models lists (default: the GGUF file name)")
+    p.add_argument("--prompt-cache", type=int, default=None, metavar="N",
+                   help="finished requests whose KV is kept for later prompts with the same start, e.g. the "
+                   "next turn of a chat (default: --parallel; 0 = none; a request may send cache_prompt: false)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="most prompt tokens prefilled per step while other requests decode (default 128)")
     p.add_argument("--drafter", choices=("ngram", "none"), default="ngram", help="drafter (default ngram)")
     p.add_argument("--no-editor", action="store_true", help="do not serve /infill and /completion")
     add_sampling_args(p)
@@ -48,7 +53,7 @@ def _raise_interrupt(_signum, _frame) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
-    from ..scheduler import BatchScheduler
+    from ..scheduler import PREFILL_CHUNK, BatchScheduler
     from ..server import CompletionService, ServiceConfig
     from ..server.http import _uvicorn_server, address_of, bind_socket
     from ..server.openai import OpenAIService, create_serve_app
@@ -59,6 +64,10 @@ def run(a: argparse.Namespace) -> int:
         raise SystemExit(f"localspec: error: listening on {a.host} (not this machine only) needs --api-key KEY")
     if a.parallel < 1:
         raise SystemExit(f"localspec: error: --parallel must be >= 1, got {a.parallel}")
+    if a.prompt_cache is not None and a.prompt_cache < 0:
+        raise SystemExit(f"localspec: error: --prompt-cache must be >= 0, got {a.prompt_cache}")
+    if a.prefill_chunk is not None and a.prefill_chunk < 1:
+        raise SystemExit(f"localspec: error: --prefill-chunk must be >= 1, got {a.prefill_chunk}")
     sampling = sampling_from_args(a)
     try:
         sock = bind_socket(a.host, a.port)  # fail before loading the model when the port is taken
@@ -71,7 +80,8 @@ def run(a: argparse.Namespace) -> int:
     try:
         sched = BatchScheduler(engine.model, parallel=a.parallel, n_ctx=a.ctx_per_request, drafter=a.drafter,
                                max_tree_nodes=min(a.max_tree_nodes, 32), cost_model=engine.cost_model,
-                               n_threads=a.threads, adaptive=not a.no_adaptive).start()  # fmt: skip
+                               n_threads=a.threads, adaptive=not a.no_adaptive, prompt_cache=a.prompt_cache,
+                               prefill_chunk=a.prefill_chunk or PREFILL_CHUNK).start()  # fmt: skip
         name = a.model_name or engine.model.path.name
         oai = OpenAIService(sched, model_name=name, sampling=sampling, max_queue=a.max_queue)
         if not a.no_editor:

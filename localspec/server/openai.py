@@ -95,6 +95,7 @@ class OAIRequest:
     sampling: SamplingParams
     logprobs: int | None  # None = off, n = top-n alternatives
     echo: bool = False
+    cache_prompt: bool = True  # llama.cpp's field: reuse cached KV of a prompt prefix
 
 
 def _grammar(body: dict) -> str | None:
@@ -232,6 +233,9 @@ def parse_oai(kind: str, body: Any, defaults: SamplingParams) -> OAIRequest:
         kw["grammar"] = g
         kw["grammar_root"] = "root"
     kw["logprobs"] = logprobs
+    cache_prompt = body.get("cache_prompt", True)
+    if not isinstance(cache_prompt, bool):
+        raise OAIError("'cache_prompt' must be a boolean", param="cache_prompt")
     for key in ("accept_threshold_single", "accept_threshold_acc"):  # LOSSY below 1 (localspec extension)
         v = body.get(key)
         if v is None:
@@ -243,7 +247,8 @@ def parse_oai(kind: str, body: Any, defaults: SamplingParams) -> OAIRequest:
         sampling = replace(defaults, **kw)
     except (ValueError, TypeError) as e:
         raise OAIError(str(e)) from None
-    return OAIRequest(kind, prompt, max_tokens, stream, bool(so.get("include_usage")), stops, sampling, logprobs, echo)
+    return OAIRequest(kind, prompt, max_tokens, stream, bool(so.get("include_usage")), stops, sampling, logprobs, echo,
+                      cache_prompt)  # fmt: skip
 
 
 # -- the service -----------------------------------------------------------------------------
@@ -302,7 +307,8 @@ class OpenAIService:
         max_tokens = req.max_tokens if req.max_tokens is not None else max(0, n_ctx - len(tokens))
         try:
             job = self.scheduler.submit(tokens, max_tokens=max_tokens, sampling=req.sampling, stop=req.stop + extra_stops,
-                                        speculative=self.speculative, on_chunk=on_chunk, on_done=on_done)  # fmt: skip
+                                        speculative=self.speculative, on_chunk=on_chunk, on_done=on_done,
+                                        cache_prompt=req.cache_prompt)  # fmt: skip
         except LocalSpecError as e:
             code = "context_length_exceeded" if "context" in str(e) else None
             raise OAIError(str(e), param="messages" if req.kind == "chat" else "prompt", code=code) from None
@@ -345,15 +351,17 @@ class OpenAIService:
     @staticmethod
     def usage(stats) -> dict:
         return {"prompt_tokens": stats.n_prompt_tokens, "completion_tokens": stats.n_generated_tokens,
-                "total_tokens": stats.n_prompt_tokens + stats.n_generated_tokens}  # fmt: skip
+                "total_tokens": stats.n_prompt_tokens + stats.n_generated_tokens,
+                "prompt_tokens_details": {"cached_tokens": stats.n_cached_tokens}}  # fmt: skip
 
     @staticmethod
     def timings(stats) -> dict:
         """llama.cpp's ``timings`` object, with the speculation figures."""
         ms = stats.t_generate_us / 1e3
         return {
-            "prompt_n": stats.n_prompt_tokens,
+            "prompt_n": stats.n_prompt_tokens - stats.n_cached_tokens,
             "prompt_ms": stats.t_prefill_us / 1e3,
+            "cache_n": stats.n_cached_tokens,
             "predicted_n": stats.n_generated_tokens,
             "predicted_ms": ms,
             "predicted_per_second": stats.n_generated_tokens / (ms / 1e3) if ms > 0 else 0.0,
