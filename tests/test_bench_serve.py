@@ -8,12 +8,22 @@ from localspec.cli.main import main
 
 def test_bench_serve_reports_wall_and_decode_phase_rates_on_the_same_prompts(tmp_path, capsys):
     out = tmp_path / "out"
-    rc = main(["bench", "serve", "--dataset", "code", "--clients", "1,2", "--prompts", "3", "-n", "6", "--out", str(out)])
+    rc = main(["bench", "serve", "--dataset", "code", "--clients", "1,2", "--prompts", "3", "-n", "6", "--repeats", "2",
+               "--out", str(out)])  # fmt: skip
     assert rc == 0
     data = json.loads((out / "serve.json").read_text())
     rows = data["rows"]
     assert data["meta"]["same_prompts"] == 3
-    assert sorted((r["clients"], r["mode"]) for r in rows) == [(1, "plain"), (1, "spec"), (2, "plain"), (2, "spec")]
+    assert sorted((r["clients"], r["mode"], r["repeat"]) for r in rows) == [
+        (c, m, k) for c in (1, 2) for m in ("plain", "spec") for k in (0, 1)]  # fmt: skip
+    # ABBA: one client runs spec, plain, plain, spec; two clients plain, spec, spec, plain
+    assert [r["mode"] for r in rows if r["clients"] == 1] == ["spec", "plain", "plain", "spec"]
+    assert [r["mode"] for r in rows if r["clients"] == 2] == ["plain", "spec", "spec", "plain"]
+    for summ in data["summary"]:
+        rs = {(r["mode"], r["repeat"]): r["tokens_per_s"] for r in rows if r["clients"] == summ["clients"]}
+        pairs = [rs["spec", k] / rs["plain", k] for k in (0, 1)]
+        assert summ["pair_ratios"] == pairs and summ["ratio"] == (pairs[0] + pairs[1]) / 2  # the median of two
+        assert summ["plain"] == (rs["plain", 0] + rs["plain", 1]) / 2
     for r in rows:
         assert r["tokens"] == 3 * 6  # the same three requests at every concurrency (a base model does not stop)
         assert r["identical"] is True  # T=0: speculation and batching change nothing
@@ -24,7 +34,7 @@ def test_bench_serve_reports_wall_and_decode_phase_rates_on_the_same_prompts(tmp
         # decode lie inside its round trip: per client they fit in the run's wall time
         assert (r["prompt_ms"] + r["predicted_ms"]) / 1e3 / r["clients"] <= r["seconds"]
     table = capsys.readouterr().out
-    assert "| clients | requests | plain tok/s | speculative tok/s | ratio | decode phase: plain |" in table
+    assert "| clients | requests | plain tok/s | speculative tok/s | ratio | pair ratios | decode phase: plain |" in table
     assert "| 1 | 3 |" in table and "| 2 | 3 |" in table
 
 

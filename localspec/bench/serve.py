@@ -77,7 +77,7 @@ def chat_turns(client, conversations: list[tuple[str, str]], *, reply_tokens: in
 
 def bench_serve(engine, prompts: list[str], *, clients=(1, 2, 4, 8), per_client: int = 2, max_tokens: int = 64,
                 n_ctx: int = 2048, same_prompts: int | None = None, conversations: list[tuple[str, str]] = (),
-                chat_max_tokens: int = 16, log=print) -> tuple[list[dict], list[dict]]:  # fmt: skip
+                chat_max_tokens: int = 16, repeats: int = 1, log=print) -> tuple[list[dict], list[dict]]:  # fmt: skip
     """Rows ``{clients, mode, requests, seconds, tokens, tokens_per_s, prompt_ms, predicted_ms,
     decode_tokens_per_s, identical}`` (module docstring), and the ``chat_turns`` rows of
     ``conversations`` (first and second turns; turn 1 decodes ``max_tokens`` tokens, turn 2
@@ -89,6 +89,10 @@ def bench_serve(engine, prompts: list[str], *, clients=(1, 2, 4, 8), per_client:
             ``c * per_client`` prompts (so one client sees only the first ``per_client``).
         same_prompts: instead, every concurrency sends the same first ``same_prompts`` prompts,
             spread over its clients (a fairer comparison across concurrencies).
+        repeats: runs of each mode per concurrency, in ABBA order (spec, plain, plain, spec,
+            ...; each row has its ``repeat``): ``summarize`` takes medians, and the ratio of a
+            concurrency is the median of its adjacent pairs' ratios, so that a drift or a burst
+            of the host's speed falls on both modes.
     """
     import openai
 
@@ -106,23 +110,50 @@ def bench_serve(engine, prompts: list[str], *, clients=(1, 2, 4, 8), per_client:
             for i, c in enumerate(clients):
                 n_req = same_prompts if same_prompts else c * per_client
                 ps = [prompts[j % len(prompts)] for j in range(n_req)]
-                texts = {}
-                for mode in (("spec", "plain") if i % 2 == 0 else ("plain", "spec")):
-                    oai.speculative = mode == "spec"
-                    dt, n, texts[mode], ph = run_clients(client, ps, c, max_tokens)
-                    dec = n / (ph["predicted_ms"] / 1e3 / c) if ph["predicted_ms"] > 0 else 0.0
-                    rows.append({"clients": c, "mode": mode, "requests": len(ps), "seconds": dt, "tokens": n,
-                                 "tokens_per_s": n / dt, **ph, "decode_tokens_per_s": dec})  # fmt: skip
-                    log(f"clients {c} {mode}: {n} tokens in {dt:.1f} s = {n / dt:.2f} tokens/s "
-                        f"(decode phase {dec:.2f} tokens/s, prefill {ph['prompt_ms'] / 1e3:.1f} s in all)")  # fmt: skip
-                same = texts["spec"] == texts["plain"]
-                for r in rows[-2:]:
-                    r["identical"] = same
+                for rep in range(repeats):
+                    texts = {}
+                    for mode in (("spec", "plain") if (i + rep) % 2 == 0 else ("plain", "spec")):
+                        oai.speculative = mode == "spec"
+                        dt, n, texts[mode], ph = run_clients(client, ps, c, max_tokens)
+                        dec = n / (ph["predicted_ms"] / 1e3 / c) if ph["predicted_ms"] > 0 else 0.0
+                        rows.append({"clients": c, "mode": mode, "repeat": rep, "requests": len(ps), "seconds": dt,
+                                     "tokens": n, "tokens_per_s": n / dt, **ph, "decode_tokens_per_s": dec})  # fmt: skip
+                        log(f"clients {c} {mode}: {n} tokens in {dt:.1f} s = {n / dt:.2f} tokens/s "
+                            f"(decode phase {dec:.2f} tokens/s, prefill {ph['prompt_ms'] / 1e3:.1f} s in all)")  # fmt: skip
+                    same = texts["spec"] == texts["plain"]
+                    for r in rows[-2:]:
+                        r["identical"] = same
             oai.speculative = True
             chat = chat_turns(client, list(conversations), reply_tokens=max_tokens, turn2_tokens=chat_max_tokens, log=log)
     finally:
         sched.close()
     return rows, chat
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per concurrency: the median of each mode's runs (``plain`` / ``spec`` tokens/s, and the
+    decode-phase rates), ``pair_ratios`` (speculative over plain, per repeat) and ``ratio``
+    (their median), ``identical`` (every pair)."""
+    import statistics
+
+    out = []
+    for c in sorted({r["clients"] for r in rows}):
+        rs = [r for r in rows if r["clients"] == c]
+        by = {m: sorted((r for r in rs if r["mode"] == m), key=lambda r: r.get("repeat", 0)) for m in ("plain", "spec")}
+        pairs = [sp["tokens_per_s"] / pl["tokens_per_s"] for pl, sp in zip(by["plain"], by["spec"])]
+        dec_pairs = [sp["decode_tokens_per_s"] / pl["decode_tokens_per_s"] for pl, sp in zip(by["plain"], by["spec"])
+                     if pl["decode_tokens_per_s"] > 0]  # fmt: skip
+        med = statistics.median
+        out.append({
+            "clients": c, "requests": rs[0]["requests"], "repeats": len(pairs),
+            "plain": med(r["tokens_per_s"] for r in by["plain"]), "spec": med(r["tokens_per_s"] for r in by["spec"]),
+            "pair_ratios": pairs, "ratio": med(pairs),
+            "decode_plain": med(r["decode_tokens_per_s"] for r in by["plain"]),
+            "decode_spec": med(r["decode_tokens_per_s"] for r in by["spec"]),
+            "decode_ratio": med(dec_pairs) if dec_pairs else float("nan"),
+            "identical": all(r["identical"] for r in rs),
+        })  # fmt: skip
+    return out
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -131,9 +162,10 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    summary = summarize(rows)
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode, style in (("plain", "o--"), ("spec", "o-")):
-        pts = [(r["clients"], r["tokens_per_s"]) for r in rows if r["mode"] == mode]
+        pts = [(r["clients"], r[mode]) for r in summary]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label="speculative (n-gram)" if mode == "spec" else "plain batched")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent clients")

@@ -26,6 +26,9 @@ def register(bsub) -> None:
                    help="send the same N prompts at every concurrency, spread over its clients (default: "
                    "clients x --per-client prompts, so one client sees only --per-client of them)")
     p.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    p.add_argument("--repeats", type=int, default=1, metavar="R",
+                   help="runs of each mode per concurrency, in ABBA order; rates are medians and a ratio is the "
+                   "median of the adjacent pairs' ratios (default 1)")
     p.add_argument("--chat-turns", type=int, default=8, metavar="N",
                    help="also run N two-turn chats (the dataset's questions with two turns) and compare the "
                    "second turn's prompt time with and without the prompt cache (default 8; 0 = skip)")
@@ -53,9 +56,11 @@ def run(a: argparse.Namespace) -> int:
     import os
 
     from ..bench.dataset import interleave, load_questions, select_prompts
-    from ..bench.serve import bench_serve, plot
+    from ..bench.serve import bench_serve, plot, summarize
 
     clients = tuple(int(x) for x in a.clients.split(","))
+    if a.repeats < 1:
+        raise SystemExit(f"localspec: error: --repeats must be at least 1, got {a.repeats}")
     if a.prompts is not None and a.prompts < 1:
         raise SystemExit(f"localspec: error: --prompts must be at least 1, got {a.prompts}")
     n_prompts = a.prompts or max(clients) * a.per_client
@@ -68,28 +73,32 @@ def run(a: argparse.Namespace) -> int:
     try:
         load = os.getloadavg()
         rows, chat = bench_serve(engine, prompts, clients=clients, per_client=a.per_client, max_tokens=a.max_tokens,
-                                 same_prompts=a.prompts, conversations=convs,
+                                 same_prompts=a.prompts, conversations=convs, repeats=a.repeats,
                                  log=lambda s: print(s, file=sys.stderr))  # fmt: skip
     finally:
         engine.close()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"loadavg_start": load, "loadavg_end": os.getloadavg(), "cpus": os.cpu_count(), "max_tokens": a.max_tokens,
-            "per_client": a.per_client, "same_prompts": a.prompts}  # fmt: skip
-    (out / "serve.json").write_text(json.dumps({"meta": meta, "rows": rows, "chat_turns": chat}, indent=1))
+            "per_client": a.per_client, "same_prompts": a.prompts, "repeats": a.repeats}  # fmt: skip
+    summary = summarize(rows)
+    (out / "serve.json").write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary, "chat_turns": chat},
+                                               indent=1))  # fmt: skip
     try:
         plot(rows, str(out / "serve.png"))
     except ImportError:
         print("localspec: matplotlib missing: no plot", file=sys.stderr)
-    print("| clients | requests | plain tok/s | speculative tok/s | ratio | decode phase: plain | speculative | ratio "
-          "| identical |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
-    for c in clients:
-        pl = next(r for r in rows if r["clients"] == c and r["mode"] == "plain")
-        sp = next(r for r in rows if r["clients"] == c and r["mode"] == "spec")
-        dr = sp["decode_tokens_per_s"] / pl["decode_tokens_per_s"] if pl["decode_tokens_per_s"] else float("nan")
-        print(f"| {c} | {pl['requests']} | {pl['tokens_per_s']:.2f} | {sp['tokens_per_s']:.2f} "
-              f"| {sp['tokens_per_s'] / pl['tokens_per_s']:.2f}x | {pl['decode_tokens_per_s']:.2f} "
-              f"| {sp['decode_tokens_per_s']:.2f} | {dr:.2f}x | {'yes' if sp['identical'] else 'NO'} |")
+    print("| clients | requests | plain tok/s | speculative tok/s | ratio | pair ratios | decode phase: plain "
+          "| speculative | ratio | identical |\n|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    for r in summary:
+        pairs = ", ".join(f"{x:.2f}" for x in r["pair_ratios"])
+        print(f"| {r['clients']} | {r['requests']} | {r['plain']:.2f} | {r['spec']:.2f} | {r['ratio']:.2f}x | {pairs} "
+              f"| {r['decode_plain']:.2f} | {r['decode_spec']:.2f} | {r['decode_ratio']:.2f}x "
+              f"| {'yes' if r['identical'] else 'NO'} |")  # fmt: skip
+    one = next((r for r in summary if r["clients"] == 1), None)
+    top = summary[-1]
+    if one is not None and top["clients"] > 1:
+        print(f"\n{top['clients']} clients speculative / one client plain: {top['spec'] / one['plain']:.2f}x (medians)")
     if chat:
         import statistics
 
