@@ -69,8 +69,11 @@ BATCH_DRAFTERS = ("ngram", "none")
 
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ
 
-PREFILL_CHUNK = 128
-"""Most prompt tokens one step prefills while other requests decode (``BatchScheduler``)."""
+PREFILL_CHUNK = 64
+"""Most prompt tokens one step prefills while other requests decode (``BatchScheduler``): on
+the 2-core development CPU a running request's longest gap while a 1,000-token prompt joins is
+0.22 s with 64, 0.43 s with 128, 3.1 s with the whole prompt in one step, for the same time to
+the long prompt's first token (``scripts/prefill_stall.py``, docs/serve.md)."""
 
 PREFIX_WAIT = 32
 """A prompt waits for a running request's prefill when that will give it this many more cached
@@ -332,7 +335,7 @@ class BatchScheduler:
         # headroom for junk cells before a compaction; at least one full step after one
         kv = self.parallel * self.n_ctx_slot + max(2 * step_tokens, 1024)
         self.prefill_chunk = int(prefill_chunk)
-        n_batch = max(512, step_tokens + self.prefill_chunk, n_seq_max)
+        n_batch = max(512, step_tokens, n_seq_max) + self.prefill_chunk
         self._ctx_args = dict(n_ctx=kv, n_batch=n_batch, n_seq_max=n_seq_max, n_threads=n_threads, flash_attn=flash_attn)
         self.ctx = Context(model, **self._ctx_args)
         self._ctx_generation = model.generation
@@ -742,7 +745,7 @@ class BatchScheduler:
         # whose prompt is all in after this step decodes its first tree in this step too.
         decoding = [s for s in active if not s.prefilling]
         n_redecode = sum(len(s.pending) for s in decoding)  # accepted tokens decoded again
-        room = self._batch.capacity - self.parallel * 2 * self.max_tree_nodes
+        room = self._batch.capacity - n_redecode - len(active) * self.max_tree_nodes  # every tree at its largest
         budget = min(self.prefill_chunk, room) if decoding else room
         pieces: list[tuple[_Slot, int]] = []  # (slot, prompt tokens) of requests still prefilling after it
         first: list[_Slot] = []  # requests whose first tree is in this step

@@ -31,7 +31,7 @@ def register(sub) -> None:
                    help="finished requests whose KV is kept for later prompts with the same start, e.g. the "
                    "next turn of a chat (default: --parallel; 0 = none; a request may send cache_prompt: false)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                   help="most prompt tokens prefilled per step while other requests decode (default 128)")
+                   help="most prompt tokens prefilled per step while other requests decode (default 64)")
     p.add_argument("--drafter", choices=("ngram", "none"), default="ngram", help="drafter (default ngram)")
     p.add_argument("--no-editor", action="store_true", help="do not serve /infill and /completion")
     add_sampling_args(p)
