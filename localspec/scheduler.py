@@ -15,12 +15,28 @@ other sequences, and llama.cpp's CPU attention accumulates a request's own cells
 order* - so every request's cells must stay in position order. llama.cpp reuses freed cells
 (the lowest free cell first), which would put a request's new token in a hole left by a
 neighbour's rejected draft, before its own earlier cells. The scheduler therefore never
-frees a cell while requests run: rejected tree nodes and finished requests are re-tagged to
-one *junk* sequence (``llama_memory_seq_cp`` then ``seq_rm``: the cell stays occupied and is
-attended by nobody), so new cells always go after every used cell. When the cache is full,
-``compact()`` clears it and re-prefills every active request's committed tokens (a prefill
-computes each token's KV exactly like the step that first decoded it); when the scheduler is
-idle the cache is simply cleared.
+frees a cell while it holds requests or cached prompts: rejected tree nodes and finished
+requests are re-tagged to one *junk* sequence (``llama_memory_seq_cp`` then ``seq_rm``: the
+cell stays occupied and is attended by nobody), so new cells always go after every used cell.
+
+Prompts are prefilled inside the steps: an admitted request's prompt goes into the batch as
+rows without logits, at most ``prefill_chunk`` tokens per step while others decode (a long
+prompt joins in pieces instead of stalling every running stream), and the step that takes
+its last piece also decodes its first tree.
+
+Prompt cache. The same tokens at the same positions have the same KV bit for bit (exact
+kernels), so a prompt that starts like cells already in the cache shares them: the cells get
+the new request's sequence id too (``seq_cp``: no copy, nothing computed) and only the rest is
+prefilled. Candidates are the running requests' committed cells and up to ``prompt_cache``
+*entries*: a finished request's committed cells (prompt and reply, the next chat turn's
+prefix), least recently used dropped first. A prompt whose longer prefix a running request is
+still prefilling waits for it (prompts that share a header, arriving together).
+
+Compaction. When the cache is full, ``compact()`` clears it and puts back every running
+request's and entry's cells *moved*, not recomputed (``llama_state_seq_get_data`` /
+``set_data``: the K and V bytes copied; ``Context.save_cells`` saves window by window, because
+llama.cpp saves a sliding-window layer's cells only within the window), each sequence in
+position order and a prefix that several share stored once.
 
 Node budget (``allocate_nodes``): one pool of every candidate node's acceptance estimate
 (the drafters' node scores); the step takes the ``k`` best nodes that maximise expected
@@ -1004,6 +1020,9 @@ def generate_batch(engine: Engine, prompts: Sequence[str | Sequence[int]], *, pa
         ``GenerationResult`` per prompt, in order (or exceptions, see ``return_exceptions``).
         At temperature 0, and for a seed above it, each text is the one ``Engine.generate``
         gives for that prompt alone.
+
+    Prompts that start with the same tokens (a shared header) prefill them once: the
+    scheduler's prompt cache shares the cells (``BatchScheduler``, module docstring).
     """
     n = len(prompts)
     mt = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)

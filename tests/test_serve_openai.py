@@ -118,6 +118,7 @@ def test_json_schema_response_parses(client):
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"extra_body": {"cache_prompt": "yes"}}, "cache_prompt"),
 ])
 def test_error_objects(client, kw, param):
     args = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kw}
@@ -125,6 +126,22 @@ def test_error_objects(client, kw, param):
         client.chat.completions.create(**args)
     assert e.value.status_code == 400
     assert e.value.body["param"] == param and e.value.body["type"] == "invalid_request_error"
+
+
+def test_the_next_chat_turn_reuses_the_first_turns_cells(client):
+    first = [{"role": "user", "content": "Describe a lighthouse in two sentences."}]
+    r1 = client.chat.completions.create(model="x", messages=first, max_tokens=24, temperature=0)
+    turn2 = first + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "Now describe its keeper."}]  # fmt: skip
+    hit = client.chat.completions.create(model="x", messages=turn2, max_tokens=12, temperature=0)
+    miss = client.chat.completions.create(model="x", messages=turn2, max_tokens=12, temperature=0,
+                                          extra_body={"cache_prompt": False})  # fmt: skip
+    cached = hit.usage.prompt_tokens_details.cached_tokens
+    assert r1.usage.prompt_tokens <= cached < hit.usage.prompt_tokens  # turn 1's prompt and (most of) its reply
+    t = hit.model_extra["timings"]
+    assert t["cache_n"] == cached and t["prompt_n"] == hit.usage.prompt_tokens - cached
+    assert miss.usage.prompt_tokens_details.cached_tokens == 0 and miss.model_extra["timings"]["cache_n"] == 0
+    assert hit.choices[0].message.content == miss.choices[0].message.content
 
 
 def test_context_overflow_is_a_400(client):

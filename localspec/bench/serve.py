@@ -77,7 +77,8 @@ def chat_turns(client, conversations: list[tuple[str, str]], *, reply_tokens: in
 
 def bench_serve(engine, prompts: list[str], *, clients=(1, 2, 4, 8), per_client: int = 2, max_tokens: int = 64,
                 n_ctx: int = 2048, same_prompts: int | None = None, conversations: list[tuple[str, str]] = (),
-                chat_max_tokens: int = 16, repeats: int = 1, log=print) -> tuple[list[dict], list[dict]]:  # fmt: skip
+                chat_max_tokens: int = 16, repeats: int = 1, prefill_chunk: int | None = None,
+                log=print) -> tuple[list[dict], list[dict]]:  # fmt: skip
     """Rows ``{clients, mode, requests, seconds, tokens, tokens_per_s, prompt_ms, predicted_ms,
     decode_tokens_per_s, identical}`` (module docstring), and the ``chat_turns`` rows of
     ``conversations`` (first and second turns; turn 1 decodes ``max_tokens`` tokens, turn 2
@@ -89,6 +90,7 @@ def bench_serve(engine, prompts: list[str], *, clients=(1, 2, 4, 8), per_client:
             ``c * per_client`` prompts (so one client sees only the first ``per_client``).
         same_prompts: instead, every concurrency sends the same first ``same_prompts`` prompts,
             spread over its clients (a fairer comparison across concurrencies).
+        prefill_chunk: the server's ``--prefill-chunk`` (default ``PREFILL_CHUNK``).
         repeats: runs of each mode per concurrency, in ABBA order (spec, plain, plain, spec,
             ...; each row has its ``repeat``): ``summarize`` takes medians, and the ratio of a
             concurrency is the median of its adjacent pairs' ratios, so that a drift or a burst
@@ -96,12 +98,13 @@ def bench_serve(engine, prompts: list[str], *, clients=(1, 2, 4, 8), per_client:
     """
     import openai
 
-    from ..scheduler import BatchScheduler
+    from ..scheduler import PREFILL_CHUNK, BatchScheduler
     from ..server.http import AppThread
     from ..server.openai import OpenAIService, create_serve_app
 
     sched = BatchScheduler(engine.model, parallel=max(clients), n_ctx=n_ctx, drafter="ngram",
-                           cost_model=engine.cost_model, n_threads=engine.ctx.n_threads).start()  # fmt: skip
+                           cost_model=engine.cost_model, n_threads=engine.ctx.n_threads,
+                           prefill_chunk=prefill_chunk or PREFILL_CHUNK).start()  # fmt: skip
     oai = OpenAIService(sched, model_name="bench", sampling=SamplingParams.greedy())
     rows = []
     try:
@@ -170,7 +173,8 @@ def plot(rows: list[dict], path: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent clients")
     ax.set_ylabel("aggregate tokens/s")
-    ax.set_title("localspec serve throughput")
+    n = min(r["repeats"] for r in summary)
+    ax.set_title("localspec serve throughput" + (f" (medians of {n} ABBA runs)" if n > 1 else ""))
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()

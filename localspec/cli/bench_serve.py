@@ -29,6 +29,8 @@ def register(bsub) -> None:
     p.add_argument("--repeats", type=int, default=1, metavar="R",
                    help="runs of each mode per concurrency, in ABBA order; rates are medians and a ratio is the "
                    "median of the adjacent pairs' ratios (default 1)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="the server's --prefill-chunk (default 64)")
     p.add_argument("--chat-turns", type=int, default=8, metavar="N",
                    help="also run N two-turn chats (the dataset's questions with two turns) and compare the "
                    "second turn's prompt time with and without the prompt cache (default 8; 0 = skip)")
@@ -74,13 +76,15 @@ def run(a: argparse.Namespace) -> int:
         load = os.getloadavg()
         rows, chat = bench_serve(engine, prompts, clients=clients, per_client=a.per_client, max_tokens=a.max_tokens,
                                  same_prompts=a.prompts, conversations=convs, repeats=a.repeats,
+                                 prefill_chunk=a.prefill_chunk,
                                  log=lambda s: print(s, file=sys.stderr))  # fmt: skip
     finally:
         engine.close()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"loadavg_start": load, "loadavg_end": os.getloadavg(), "cpus": os.cpu_count(), "max_tokens": a.max_tokens,
-            "per_client": a.per_client, "same_prompts": a.prompts, "repeats": a.repeats}  # fmt: skip
+            "per_client": a.per_client, "same_prompts": a.prompts, "repeats": a.repeats,
+            "prefill_chunk": a.prefill_chunk}  # fmt: skip
     summary = summarize(rows)
     (out / "serve.json").write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary, "chat_turns": chat},
                                                indent=1))  # fmt: skip
