@@ -3,8 +3,7 @@
     python scripts/prefill_stall.py [--chunks 64,128,256,100000] [--prompt-tokens 1000]
 
 One request decodes (greedy, n-gram drafter); after its 16th token a second request with a
-long prompt (Spec-Bench-like prose from the shipped code dataset's docstrings is not needed:
-the text is synthetic) is submitted. For each ``prefill_chunk`` it prints the first request's
+long prompt (synthetic text) is submitted. For each ``prefill_chunk`` it prints the first request's
 longest gap between two emitted tokens while the second is prefilled, the second request's
 time to first token, and the whole run's wall time. ``prefill_chunk`` >= the prompt is the old
 behaviour: the whole prompt in one step that everybody waits for.
@@ -31,7 +30,7 @@ def main() -> None:
                      for i, c in enumerate(["red", "amber", "green", "white", "blue"] * 60))  # fmt: skip
     long_prompt = m.tokenize(words)[: a.prompt_tokens]
     short = m.tokenize("The history of the lighthouse begins")
-    print(f"| prefill_chunk | running request: longest gap (ms) | its median gap (ms) | long prompt: time to first token (s) | wall (s) |")
+    print("| prefill_chunk | running request: longest gap (ms) | its median gap (ms) | long prompt: time to first token (s) | wall (s) |")
     print("|---|---|---|---|---|")
     for chunk in [int(x) for x in a.chunks.split(",")]:
         sched = BatchScheduler(m, parallel=2, n_ctx=2048, prefill_chunk=chunk, prompt_cache=0)
