@@ -302,3 +302,22 @@ def test_a_dropped_entry_leaves_no_hole_before_a_running_request(model, engine):
         sched.close()
     assert a.wait().stats.n_generated_tokens == 4
     assert as_run(rd) == alone_run(engine, short[1], 48)
+
+
+def test_a_short_prompt_is_not_kept_waiting_by_a_long_one_being_prefilled(model, engine):
+    long_prompt = model.tokenize(LONG)
+    short = model.tokenize(PROMPTS[1])
+    sched = BatchScheduler(model, parallel=2, n_ctx=2048, cost_model=fixed_cost_model(), prefill_chunk=64)
+    try:
+        got = []
+        b = sched.submit(long_prompt, max_tokens=4, sampling=GREEDY_LP)
+        sched.step()  # nobody decodes: a piece of 4 x 64 tokens
+        assert sched.step_log[-1] == (0, 256, 256)
+        a = sched.submit(short, max_tokens=N, sampling=GREEDY_LP, on_chunk=lambda c: got.append(c.token))
+        sched.step()  # shortest first: all of a's prompt and its first tree, then b's next piece
+        assert got and sched.slots[0].prefilling and not b.done.is_set()
+        sched.run_until_idle()
+        ra = a.wait()
+    finally:
+        sched.close()
+    assert as_run(ra) == alone_run(engine, short)

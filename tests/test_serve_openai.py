@@ -16,7 +16,7 @@ from localspec import SamplingParams  # noqa: E402
 from localspec.scheduler import BatchScheduler  # noqa: E402
 from localspec.server import CompletionService, ServiceConfig  # noqa: E402
 from localspec.server.http import AppThread  # noqa: E402
-from localspec.server.openai import OpenAIService, create_serve_app  # noqa: E402
+from localspec.server.openai import OAIError, OpenAIService, create_serve_app, parse_oai  # noqa: E402
 
 PROMPT = "The capital of France is"
 MAX_BODY = 64 * 1024
@@ -144,6 +144,33 @@ def test_the_next_chat_turn_reuses_the_first_turns_cells(client):
     assert hit.choices[0].message.content == miss.choices[0].message.content
 
 
+def test_a_prompt_far_too_long_is_refused_before_it_is_tokenized_whole(client):
+    # the server's context is 512 tokens: 30 KB cannot fit whatever the tokens (Gemma 3's
+    # longest token text has 48 bytes), and 9 KB of "hi\n" overflows in its first 8 x 512 bytes
+    # already; llama.cpp takes seconds to tokenize such text whole
+    for prompt in ("hi\n" * 10_000, "hi\n" * 3_000):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="x", prompt=prompt, max_tokens=2)
+        assert e.value.body["code"] == "context_length_exceeded" and "at least" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}] * 1_500, max_tokens=2)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "messages"
+
+
+def test_waiting_requests_are_counted_beyond_the_free_slots(model):
+    sched = BatchScheduler(model, parallel=2, n_ctx=64, cost_model=fixed_cost_model())  # not started: nothing runs
+    try:
+        svc = OpenAIService(sched, model_name="m", sampling=SamplingParams.greedy(), max_queue=1)
+        req = parse_oai("completion", {"prompt": "Hello", "max_tokens": 1}, svc.sampling)
+        for _ in range(3):  # two take the free slots, one waits
+            svc.submit(req, on_chunk=None, on_done=None)
+        with pytest.raises(OAIError) as e:
+            svc.submit(req, on_chunk=None, on_done=None)
+        assert e.value.status == 503 and "(1)" in e.value.message
+    finally:
+        sched.close()
+
+
 def test_context_overflow_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="x", prompt="word " * 700, max_tokens=2)
@@ -160,6 +187,21 @@ def test_raw_http_malformed_and_oversized(server, client):
         assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
         r = h.get("/v1/nothing")
         assert r.status_code == 404 and "error" in r.json()
+        # JSON can escape a lone UTF-16 surrogate, which no tokenizer can encode: a 400 naming the field
+        for path, body, param in (
+            ("/v1/completions", b'{"prompt": "ab\\ud800c", "max_tokens": 2}', "prompt"),
+            ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\uDC00"}]}', "messages[0].content"),
+            ("/v1/completions", b'{"prompt": "a", "stop": ["\\ud83d"]}', "stop[0]"),
+        ):
+            r = h.post(path, content=body)
+            err = r.json()["error"]
+            assert r.status_code == 400 and "lone UTF-16 surrogate" in err["message"] and err["param"] == param
+        r = h.post("/v1/completions", content=b'{"prompt": "smile \\ud83d\\ude00", "max_tokens": 1, "temperature": 0}')
+        assert r.status_code == 200  # a surrogate pair is one character
+        r = h.post("/v1/completions", content=b"[" * 20_000 + b"]" * 20_000)
+        assert r.status_code == 400 and "too deeply" in r.json()["error"]["message"]
+        r = h.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "cache_prompt": None})
+        assert r.status_code == 200  # null is the default, as for every field
         assert h.get("/health").json()["status"] == "ok"
     assert client.models.list().data  # still serving
 

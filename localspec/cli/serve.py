@@ -25,7 +25,8 @@ def register(sub) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (needed off loopback)")
     p.add_argument("--ctx-per-request", type=int, default=4096, help="tokens one request may hold (default 4096)")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body (default 8 MiB)")
-    p.add_argument("--max-queue", type=int, default=64, help="most requests waiting for a slot (default 64; more get 503)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="most requests waiting for a slot when every slot is busy (default 64; more get 503; 0 = none)")
     p.add_argument("--model-name", default=None, help="the model id /v1/models lists (default: the GGUF file name)")
     p.add_argument("--prompt-cache", type=int, default=None, metavar="N",
                    help="finished requests whose KV is kept for later prompts with the same start, e.g. the "
@@ -64,6 +65,12 @@ def run(a: argparse.Namespace) -> int:
         raise SystemExit(f"localspec: error: listening on {a.host} (not this machine only) needs --api-key KEY")
     if a.parallel < 1:
         raise SystemExit(f"localspec: error: --parallel must be >= 1, got {a.parallel}")
+    if a.ctx_per_request < 16:
+        raise SystemExit(f"localspec: error: --ctx-per-request must be at least 16 tokens, got {a.ctx_per_request}")
+    if a.max_queue < 0:
+        raise SystemExit(f"localspec: error: --max-queue must be >= 0, got {a.max_queue}")
+    if a.max_body_bytes < 1024:
+        raise SystemExit(f"localspec: error: --max-body-bytes must be at least 1024, got {a.max_body_bytes}")
     if a.prompt_cache is not None and a.prompt_cache < 0:
         raise SystemExit(f"localspec: error: --prompt-cache must be >= 0, got {a.prompt_cache}")
     if a.prefill_chunk is not None and a.prefill_chunk < 1:

@@ -119,3 +119,34 @@ def require(d: Mapping[str, Any], key: str) -> Any:
     if _get(d, key) is _MISSING:
         raise RequestError(f'"{key}" is required')
     return d[key]
+
+
+def lone_surrogate_at(v: Any, path: str) -> str | None:
+    """The JSON path of the first string (value or key) under ``v`` that holds a lone UTF-16
+    surrogate (``"\\ud800"`` is valid JSON but no Unicode text), else None. Iterative, so that
+    any depth the JSON parser accepted is walked."""
+
+    def bad(s: str) -> bool:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+
+    stack: list[tuple[Any, str]] = [(v, path)]
+    while stack:
+        x, p = stack.pop()
+        if isinstance(x, str):
+            if bad(x):
+                return p
+        elif isinstance(x, Mapping):
+            items = []
+            for k, y in x.items():
+                sub = f"{p}.{k}" if p else f'"{k}"'
+                if isinstance(k, str) and bad(k):
+                    return sub.encode("utf-8", "backslashreplace").decode("ascii")
+                items.append((y, sub))
+            stack.extend(reversed(items))  # first key first
+        elif isinstance(x, list):
+            stack.extend(reversed([(y, f"{p}[{i}]") for i, y in enumerate(x)]))
+    return None

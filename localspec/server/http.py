@@ -49,7 +49,8 @@ async def read_json(request: Request, max_bytes: int):
     """The decoded JSON body.
 
     Raises:
-        RequestError: 413 when larger than ``max_bytes``; 400 when not UTF-8 JSON.
+        RequestError: 413 when larger than ``max_bytes``; 400 when not UTF-8 JSON, or nested too
+            deeply for Python's parser.
     """
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
@@ -65,9 +66,12 @@ async def read_json(request: Request, max_bytes: int):
     if not raw.strip():
         raise RequestError("the request body is empty; send a JSON object")
     try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+        obj = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError) as e:
         raise RequestError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise RequestError("the request body nests arrays or objects too deeply") from None
+    return obj
 
 
 class JobResponse:

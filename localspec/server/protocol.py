@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .fields import RequestError, get_bool, get_float, get_int, get_str, get_str_list, require
+from .fields import RequestError, get_bool, get_float, get_int, get_str, get_str_list, lone_surrogate_at, require
 from .prompt import ExtraChunk
 from .sampling_fields import SamplerFields, parse_sampler_fields
 
@@ -128,35 +128,10 @@ def parse_request(kind: str, body: Any, *, default_n_predict: int = -1) -> Compl
     return r
 
 
-def _lone_surrogate_at(v: Any, path: str) -> str | None:
-    """The JSON path of the first string (value or key) under ``v`` that holds a lone UTF-16
-    surrogate (``"\\ud800"`` is valid JSON but no Unicode text), else None."""
-    if isinstance(v, str):
-        try:
-            v.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
-    if isinstance(v, Mapping):
-        for k, x in v.items():
-            sub = f'{path}.{k}' if path else f'"{k}"'
-            if _lone_surrogate_at(k, sub) is not None:
-                return sub.encode("utf-8", "backslashreplace").decode("ascii")
-            found = _lone_surrogate_at(x, sub)
-            if found is not None:
-                return found
-    elif isinstance(v, list):
-        for i, x in enumerate(v):
-            found = _lone_surrogate_at(x, f"{path}[{i}]")
-            if found is not None:
-                return found
-    return None
-
-
 def _refuse_lone_surrogates(body: Mapping[str, Any]) -> None:
     """Raises ``RequestError`` (400) naming the field when any string in the request holds a
     lone surrogate: such text cannot be tokenised or echoed back as UTF-8."""
-    path = _lone_surrogate_at(body, "")
+    path = lone_surrogate_at(body, "")
     if path is not None:
         raise RequestError(f"{path} holds a lone UTF-16 surrogate (not valid Unicode text); send UTF-8 text")
 
