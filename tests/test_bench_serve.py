@@ -36,6 +36,9 @@ def test_bench_serve_reports_wall_and_decode_phase_rates_on_the_same_prompts(tmp
     table = capsys.readouterr().out
     assert "| clients | requests | plain tok/s | speculative tok/s | ratio | pair ratios | decode phase: plain |" in table
     assert "| 1 | 3 |" in table and "| 2 | 3 |" in table
+    # rounds over every concurrency (a drift of the host falls on all of them)
+    assert [(r["clients"], r["repeat"]) for r in rows] == [(1, 0), (1, 0), (2, 0), (2, 0), (1, 1), (1, 1), (2, 1), (2, 1)]
+    assert "2 clients speculative / one client plain:" in table and "per round" in table
 
 
 def test_bench_serve_chat_turns_reuse_the_first_turns_cells(tmp_path, capsys):

@@ -91,10 +91,11 @@ def bench_serve(engine, prompts: list[str], *, clients=(1, 2, 4, 8), per_client:
         same_prompts: instead, every concurrency sends the same first ``same_prompts`` prompts,
             spread over its clients (a fairer comparison across concurrencies).
         prefill_chunk: the server's ``--prefill-chunk`` (default ``PREFILL_CHUNK``).
-        repeats: runs of each mode per concurrency, in ABBA order (spec, plain, plain, spec,
-            ...; each row has its ``repeat``): ``summarize`` takes medians, and the ratio of a
-            concurrency is the median of its adjacent pairs' ratios, so that a drift or a burst
-            of the host's speed falls on both modes.
+        repeats: rounds; each round runs every concurrency, both modes in ABBA order (spec,
+            plain, plain, spec, ...; each row has its ``repeat``): ``summarize`` takes medians,
+            the ratio of a concurrency is the median of its adjacent pairs' ratios, and
+            rounds spread every concurrency over the whole run, so that a drift or a burst of
+            the host's speed falls on both modes and on every concurrency.
     """
     import openai
 
@@ -110,10 +111,10 @@ def bench_serve(engine, prompts: list[str], *, clients=(1, 2, 4, 8), per_client:
     try:
         with AppThread(create_serve_app(oai, max_body_bytes=1 << 20)) as srv:
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=3600)
-            for i, c in enumerate(clients):
-                n_req = same_prompts if same_prompts else c * per_client
-                ps = [prompts[j % len(prompts)] for j in range(n_req)]
-                for rep in range(repeats):
+            for rep in range(repeats):  # rounds over every concurrency: a drift of the host falls on all
+                for i, c in enumerate(clients):
+                    n_req = same_prompts if same_prompts else c * per_client
+                    ps = [prompts[j % len(prompts)] for j in range(n_req)]
                     texts = {}
                     for mode in (("spec", "plain") if (i + rep) % 2 == 0 else ("plain", "spec")):
                         oai.speculative = mode == "spec"

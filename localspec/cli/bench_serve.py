@@ -102,7 +102,10 @@ def run(a: argparse.Namespace) -> int:
     one = next((r for r in summary if r["clients"] == 1), None)
     top = summary[-1]
     if one is not None and top["clients"] > 1:
-        print(f"\n{top['clients']} clients speculative / one client plain: {top['spec'] / one['plain']:.2f}x (medians)")
+        rate = {(r["clients"], r["mode"], r["repeat"]): r["tokens_per_s"] for r in rows}
+        rounds = [rate[top["clients"], "spec", k] / rate[1, "plain", k] for k in range(a.repeats)]
+        print(f"\n{top['clients']} clients speculative / one client plain: {top['spec'] / one['plain']:.2f}x (medians); "
+              f"per round {', '.join(f'{x:.2f}' for x in rounds)}")  # fmt: skip
     if chat:
         import statistics
 
