@@ -400,6 +400,48 @@ def test_prompt_beyond_the_context_is_a_400(client, service):
     assert r.status_code == 400 and r.json()["error"]["type"] == "exceed_context_size_error"
 
 
+class TokenizeSpy:
+    """Records the longest text (UTF-8 bytes) the model is asked to tokenize."""
+
+    def __init__(self, model, monkeypatch):
+        self.longest, real = 0, model.tokenize
+
+        def spy(text, *a, **kw):
+            self.longest = max(self.longest, len(text.encode("utf-8")))
+            return real(text, *a, **kw)
+
+        monkeypatch.setattr(model, "tokenize", spy)
+
+
+def test_huge_editor_texts_are_never_tokenized_whole(client, service, monkeypatch):
+    # llama.cpp's tokenizer took 7.7 s for 60 KB of "hi\n" (32 s for 120 KB): a huge /completion
+    # prompt is refused after tokenizing 8 bytes per context token of it, and a huge /infill
+    # request is clipped (the prefix to its end, the suffix to its start; the extra chunks to
+    # their last bytes: test_server_units) before tokenizing; the server answers the next
+    # request as before
+    n_ctx = service.engine.n_ctx
+    spy = TokenizeSpy(service.model, monkeypatch)
+    for prompt, tokenized in (("hi\n" * 400_000, 0), ("hi\n" * 30_000, 8 * n_ctx)):  # 1.2 MB: too long unread
+        r = client.post("/completion", json={"prompt": prompt, "n_predict": 1})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "exceed_context_size_error"
+        assert "at least" in r.json()["error"]["message"] and "--n-ctx" in r.json()["error"]["message"]
+        assert spy.longest == tokenized
+    huge = "hi\n" * 400_000  # 1.2 MB
+    body = vim_request(prefix=CODE_PREFIX * 20 + huge + CODE_PREFIX, suffix=CODE_SUFFIX + huge)
+    body.pop("response_fields")
+    old, service.config.window = service.config.window, 256  # a short prompt: fast to prefill
+    try:
+        spy.longest = 0
+        r = client.post("/infill", json=body)
+    finally:
+        service.config.window = old
+    assert r.status_code == 200, r.text
+    assert spy.longest <= 8 * 256 + len(body["prompt"])  # prefix + typed text; the suffix
+    assert r.json()["tokens_evaluated"] > 128  # the prefix's end fills its part of the window
+    r = client.post("/infill", json=vim_request())
+    assert r.status_code == 200 and r.json()["content"]
+
+
 def test_unknown_paths_and_methods(client):
     r = client.get("/nope")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"

@@ -9,7 +9,14 @@ import pytest
 
 from localspec.sampling import LogitsProcessor, SamplingParams
 from localspec.server.fields import RequestError
-from localspec.server.prompt import SNIPPET_SEPARATOR, ExtraChunk, build_infill_prompt
+from localspec.server.prompt import (
+    SNIPPET_SEPARATOR,
+    ExtraChunk,
+    build_infill_prompt,
+    clip_chunks,
+    clip_head,
+    clip_tail,
+)
 from localspec.server.protocol import parse_request
 from localspec.server.response import dumps, select_fields, sse
 from localspec.server.sampling_fields import canonical_sampler_name, parse_sampler_fields, resolve_sampling
@@ -302,6 +309,39 @@ def test_extra_context_takes_what_the_context_leaves():
     extra = [ExtraChunk("e" * 3000)]
     b = build_infill_prompt(FimVocab(), "p", "s", "", extra, n_ctx=2048, n_predict=100, window=512)
     assert b.n_extra_dropped > 0 and len(b.tokens) <= 2048 - 200 + 8
+
+
+def test_clipping_keeps_line_starts_and_whole_characters():
+    text = "".join(f"line {i}\n" for i in range(1000))
+    assert clip_tail(text, len(text)) == text and clip_head(text, len(text)) == text
+    tail, head = clip_tail(text, 100), clip_head(text, 100)
+    assert text.endswith(tail) and tail.startswith("line ") and 50 <= len(tail) <= 100
+    assert text.startswith(head) and head.endswith("\n") and 50 <= len(head) <= 100
+    assert clip_tail("é" * 100, 51) == "é" * 25 and clip_head("é" * 100, 51) == "é" * 25  # 2-byte characters
+    assert clip_tail("x" * 100, 10) == "x" * 10  # no newline: cut at the byte count
+    chunks = [ExtraChunk("a" * 50, "a"), ExtraChunk("b" * 50, "b"), ExtraChunk("c" * 50, "c")]
+    kept = clip_chunks(chunks, 80)
+    assert [(c.filename, c.text) for c in kept] == [("b", "b" * 30), ("c", "c" * 50)]
+    assert clip_chunks(chunks, 0) == [] and clip_chunks(chunks, 150) == chunks
+
+
+@pytest.mark.parametrize("fim", [("pre", "suf", "mid"), ()], ids=["fim", "prefix-completion"])
+def test_huge_infill_texts_are_clipped_before_they_are_tokenized(fim):
+    class Spy(FimVocab):
+        sizes: list[int] = []
+
+        def tokenize(self, text, add_special=False, parse_special=False):
+            Spy.sizes.append(len(text.encode()))
+            return super().tokenize(text, add_special, parse_special)
+
+    huge = "x\n" * 500_000
+    b = build_infill_prompt(Spy(fim), huge + "end", "start" + huge, "typed", [ExtraChunk(huge), ExtraChunk("e")],
+                            n_ctx=4096, n_predict=16, window=1024)  # fmt: skip
+    # the prefix (+ typed text) and the suffix: 8 bytes per token of the window; the extra chunks
+    # together 8 per token of the context
+    assert max(Spy.sizes) <= 8 * 4096 and sum(n > 2 * 8 * 1024 for n in Spy.sizes) <= 1
+    assert ("endtyped<2>start" if fim else "endtyped") in txt(b.tokens)
+    assert len(b.tokens) > 1024 // 2 and b.n_prefix_dropped > 0
 
 
 # -- editor stops -------------------------------------------------------------------------------

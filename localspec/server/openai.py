@@ -43,13 +43,11 @@ from ..backend.rpc import RPCError
 from ..errors import LocalSpecError
 from ..sampling import SamplingParams
 from .fields import RequestError, lone_surrogate_at
+from .prompt import PromptTooLongError, tokenize_bounded
 from .response import dumps
 
 MAX_LOGPROBS = 20
 MAX_STOPS = 4
-PREFIX_BYTES_PER_TOKEN = 8
-"""``OpenAIService._tokenize`` tokenizes a long text's first ``8 x context`` bytes first
-(English prose is ~4-5 bytes per token)."""
 
 
 def oai_error(status: int, message: str, *, type: str | None = None, param: str | None = None, code=None) -> dict:
@@ -292,33 +290,17 @@ class OpenAIService:
         return self._chat_format
 
     def _tokenize(self, text: str, param: str, *, add_special: bool, parse_special: bool = False) -> list[int]:
-        """``text``'s token ids; a text that surely has more tokens than a request's context is
-        refused before it is tokenized whole. llama.cpp's tokenizer takes time that grows
-        faster than the length on some texts (measured: ``"hi\n" * n`` 0.37 s at 15 KB, 7.5 s
-        at 60 KB), so: more bytes than the context times the longest token's bytes is too long
-        without tokenizing; otherwise a text longer than ``PREFIX_BYTES_PER_TOKEN`` bytes per
-        context token is first tokenized up to there, and refused when that part alone does not
-        fit.
+        """``text``'s token ids (``prompt.tokenize_bounded``: a text that surely has more tokens
+        than a request's context is refused before it is tokenized whole).
 
         Raises:
             OAIError: 400 ``context_length_exceeded``.
         """
-        n_ctx = self.scheduler.n_ctx_slot
-        data = text.encode("utf-8")
-
-        def too_long(at_least: int) -> OAIError:
-            return OAIError(f"the prompt has at least {at_least} tokens but a request's context holds {n_ctx} "
-                            "(serve --ctx-per-request); shorten it", param=param, code="context_length_exceeded")  # fmt: skip
-
-        if len(data) > n_ctx * self.model.max_token_bytes:
-            raise too_long(len(data) // self.model.max_token_bytes)
-        head = PREFIX_BYTES_PER_TOKEN * n_ctx
-        if len(data) > head:
-            part = self.model.tokenize(data[:head].decode("utf-8", errors="ignore"), add_special=add_special,
-                                       parse_special=parse_special)  # fmt: skip
-            if len(part) > n_ctx + 16:  # (tokens near the cut may merge differently in the whole text)
-                raise too_long(len(part) - 16)
-        return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
+        try:
+            return tokenize_bounded(self.model, text, self.scheduler.n_ctx_slot, add_special=add_special,
+                                    parse_special=parse_special, hint=" (serve --ctx-per-request)")  # fmt: skip
+        except PromptTooLongError as e:
+            raise OAIError(str(e), param=param, code="context_length_exceeded") from None
 
     def prompt_tokens(self, req: OAIRequest) -> tuple[list[int], list[str], bool]:
         """Token ids, extra stop strings, and whether the reply's leading space is dropped.

@@ -37,6 +37,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..errors import ContextOverflowError
+
 # "\n\n--- snippet ---\n\n": llama.cpp's chunk separator for models without FIM_SEP
 SNIPPET_SEPARATOR = "\n\n--- snippet ---\n\n"
 REPO_NAME = "myproject\n"  # llama.cpp's fixed project name after FIM_REP
@@ -49,6 +51,84 @@ class ExtraChunk:
 
     text: str
     filename: str = "tmp"
+
+
+BYTES_PER_TOKEN_BOUND = 8
+"""Bytes per token that a long text is clipped or pre-tokenized to (English prose and code are
+~3-5 bytes per token here): llama.cpp's tokenizer takes time that grows faster than the
+text on some texts (measured with Gemma 3's: ``"hi\\n" * n`` 0.37 s at 15 KB, 7.7 s at 60 KB,
+32 s at 120 KB; 400 KB of Python 2.0 s), and editor and API requests are tokenized one after
+another, so a huge request would stall every other."""
+
+
+class PromptTooLongError(ContextOverflowError):
+    """A text has at least ``at_least`` tokens, more than a context of ``n_ctx`` holds."""
+
+    def __init__(self, at_least: int, n_ctx: int, hint: str = "") -> None:
+        super().__init__(f"the prompt has at least {at_least} tokens but the context holds {n_ctx}"
+                         f"{hint}; shorten it")  # fmt: skip
+        self.at_least, self.n_ctx = at_least, n_ctx
+
+
+def tokenize_bounded(model, text: str, n_ctx: int, *, add_special: bool, parse_special: bool = False,
+                     hint: str = "") -> list[int]:  # fmt: skip
+    """``text``'s token ids, refusing a text that surely has more than ``n_ctx`` tokens before it
+    is tokenized whole: more bytes than ``n_ctx x model.max_token_bytes`` (a lower bound of its
+    tokens) is refused without tokenizing; a text longer than ``BYTES_PER_TOKEN_BOUND`` bytes
+    per context token is first tokenized up to there, and refused when that part alone does
+    not fit.
+
+    Raises:
+        PromptTooLongError: the text cannot fit (``hint`` is added to the message, e.g. the
+            option that sets ``n_ctx``).
+    """
+    data = text.encode("utf-8", errors="surrogatepass")
+    if len(data) > n_ctx * model.max_token_bytes:
+        raise PromptTooLongError(len(data) // model.max_token_bytes, n_ctx, hint)
+    head = BYTES_PER_TOKEN_BOUND * n_ctx
+    if len(data) > head:
+        part = model.tokenize(data[:head].decode("utf-8", errors="ignore"), add_special=add_special,
+                              parse_special=parse_special)  # fmt: skip
+        if len(part) > n_ctx + 16:  # (tokens near the cut may merge differently in the whole text)
+            raise PromptTooLongError(len(part) - 16, n_ctx, hint)
+    return model.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+
+def clip_tail(text: str, max_bytes: int) -> str:
+    """The end of ``text``: at most ``max_bytes`` UTF-8 bytes, starting after a newline when the
+    clipped part has one in its first half (a line's start tokenizes as it does in the whole
+    text). ``text`` itself when it is short enough."""
+    data = text.encode("utf-8", errors="surrogatepass")
+    if len(data) <= max_bytes:
+        return text
+    part = data[len(data) - max_bytes :]
+    nl = part.find(b"\n", 0, max_bytes // 2)
+    return part[nl + 1 if nl >= 0 else 0 :].decode("utf-8", errors="ignore")
+
+
+def clip_head(text: str, max_bytes: int) -> str:
+    """The start of ``text``: at most ``max_bytes`` UTF-8 bytes, ending after a newline when the
+    clipped part has one in its second half. ``text`` itself when it is short enough."""
+    data = text.encode("utf-8", errors="surrogatepass")
+    if len(data) <= max_bytes:
+        return text
+    part = data[:max_bytes]
+    nl = part.rfind(b"\n", max_bytes // 2)
+    return part[: nl + 1 if nl >= 0 else max_bytes].decode("utf-8", errors="ignore")
+
+
+def clip_chunks(chunks: Sequence["ExtraChunk"], max_bytes: int) -> list["ExtraChunk"]:
+    """The last chunks whose texts together hold at most ``max_bytes`` bytes; the first one kept
+    may be clipped to its end (``clip_tail``); ``[]`` for ``max_bytes <= 0``."""
+    kept: list[ExtraChunk] = []
+    left = max_bytes
+    for c in reversed(chunks):
+        if left <= 0:
+            break
+        n = len(c.text.encode("utf-8", errors="surrogatepass"))
+        kept.append(c if n <= left else ExtraChunk(clip_tail(c.text, left), c.filename))
+        left -= n
+    return kept[::-1]
 
 
 ANCHOR_TOKENS = 16  # tokens at a cut point that identify it in the next request's text
@@ -148,6 +228,12 @@ def build_infill_prompt(
     block = max(1, window // 16)
     fim = model.fim_tokens()
     use_fim = {"pre", "suf", "mid"} <= set(fim)
+    # Huge texts are clipped before tokenizing (BYTES_PER_TOKEN_BOUND): the prefix and the
+    # typed prompt to their ends, the suffix to its start, the extra chunks to their last
+    # bytes, each to 8 bytes per token it may keep in the prompt or in the draft context.
+    clip = BYTES_PER_TOKEN_BOUND * window
+    prefix, prompt, suffix = clip_tail(prefix, clip), clip_tail(prompt, clip), clip_head(suffix, clip)
+    extra = clip_chunks(extra, BYTES_PER_TOKEN_BOUND * n_ctx)
 
     def tok(text: str) -> list[int]:
         return model.tokenize(text, add_special=False) if text else []
@@ -201,9 +287,15 @@ def build_infill_prompt(
     )
 
 
-def build_completion_prompt(model, prompt: str | Sequence[int]) -> BuiltPrompt:
+def build_completion_prompt(model, prompt: str | Sequence[int], *, n_ctx: int) -> BuiltPrompt:
     """The prompt of a ``/completion`` request: text (BOS added as the model asks, special
-    tokens parsed, as llama.cpp's server does) or token ids as given."""
+    tokens parsed, as llama.cpp's server does) or token ids as given.
+
+    Raises:
+        PromptTooLongError: a text that surely does not fit in ``n_ctx`` tokens (refused
+            before it is tokenized whole: ``tokenize_bounded``).
+    """
     if isinstance(prompt, str):
-        return BuiltPrompt(model.tokenize(prompt, add_special=True, parse_special=True), False)
+        return BuiltPrompt(tokenize_bounded(model, prompt, n_ctx, add_special=True, parse_special=True,
+                                            hint=" (--n-ctx)"), False)  # fmt: skip
     return BuiltPrompt([int(t) for t in prompt], False)

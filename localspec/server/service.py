@@ -340,7 +340,7 @@ class CompletionService:
             if built.anchor is not None:  # kept across uncut prompts (warm-ups, other files)
                 self._cut_anchor = built.anchor
             return built
-        built = build_completion_prompt(self.model, req.prompt)
+        built = build_completion_prompt(self.model, req.prompt, n_ctx=self.engine.n_ctx)
         if not built.tokens:
             raise RequestError('"prompt" is empty (and the model adds no BOS token)')
         return built
