@@ -168,6 +168,38 @@ def test_missing_and_corrupt_gguf(tmp_path):
         Model(tmp_path)
 
 
+FAST_BATCH = """
+from localspec.backend import Batch, Context, Model
+m = Model({path!r})
+ctx = Context(m, n_ctx=256, n_seq_max=1)
+b = Batch(64, 1)
+b.set_sequence(m.tokenize("The history of the printing press begins in the fifteenth century.")[:8], 0, output="all")
+ctx.decode(b)
+print("repack", m.repack)
+"""
+
+
+def test_fast_kernels_never_hand_weights_to_llama_cpps_amx_matmul(model_path):
+    # llama.cpp's AMX matmul segfaults on batched decodes (issue 20824; reproduced here on an
+    # AMX Xeon with this model): LOCALSPEC_KERNELS=fast repacks weights except on such a CPU,
+    # and an explicit repack=True there is a clear error, not a crash
+    import os
+    import subprocess
+    import sys
+
+    from localspec.backend import cpu_amx
+
+    env = {**os.environ, "LOCALSPEC_KERNELS": "fast"}
+    env.pop("GGML_CPU_TILED_MM", None)
+    r = subprocess.run([sys.executable, "-c", FAST_BATCH.format(path=str(model_path))], env=env,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-1] == str(not cpu_amx())
+    if cpu_amx():
+        with pytest.raises(ModelLoadError, match="AMX"):
+            Model(model_path, repack=True)
+
+
 def test_calibration_measures_every_size_in_rounds(ctx):
     """``calibrate`` times every size ``reps`` times, round by round over all sizes, and leaves
     the context empty."""

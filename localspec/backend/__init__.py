@@ -5,7 +5,7 @@
 rollbacks and token-tree commits. Nothing above this package touches a C handle.
 """
 
-from ._llama import ensure_backend, exact_kernels, supports_gpu_offload, system_info
+from ._llama import cpu_amx, ensure_backend, exact_kernels, supports_gpu_offload, system_info
 from .batch import Batch
 from .context import Context, default_threads
 from .kv import SequenceCache
@@ -17,6 +17,7 @@ __all__ = [
     "Model",
     "SequenceCache",
     "check_gguf_file",
+    "cpu_amx",
     "default_threads",
     "ensure_backend",
     "exact_kernels",

@@ -124,6 +124,14 @@ def exact_kernels() -> bool:
     return os.environ.get("GGML_CPU_TILED_MM") == "0"
 
 
+def cpu_amx() -> bool:
+    """True when llama.cpp's CPU backend runs AMX kernels here (``AMX_INT8 = 1`` in
+    ``system_info()``): then repacked weights go to its AMX buffer type, whose matmul
+    segfaults on batches of 2+ rows (llama.cpp issue 20824, open and unfixed; reproduced
+    here 2026-12-03 with Gemma 3 270M Q4_K_M in ``ggml_backend_amx_mul_mat``)."""
+    return "AMX_INT8 = 1" in system_info()
+
+
 def system_info() -> str:
     """llama.cpp's build/system summary (CPU features, GPU backends)."""
     ensure_backend()

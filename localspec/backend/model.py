@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ModelLoadError
-from ._llama import ensure_backend, exact_kernels, lib, recent_errors
+from ._llama import cpu_amx, ensure_backend, exact_kernels, lib, recent_errors
 
 GGUF_MAGIC = b"GGUF"
 
@@ -64,7 +64,9 @@ class Model:
         vocab_only: load only the vocabulary (fast; for tokenisation and compatibility checks).
         repack: let llama.cpp repack weights for its CPU GEMM kernels (``use_extra_bufts``).
             Default: off with exact kernels (the repacked 4-row GEMM rounds differently from
-            the single-row kernel), on otherwise. See ``backend.exact_kernels()``.
+            the single-row kernel), on otherwise, except on a CPU with AMX (``cpu_amx()``:
+            llama.cpp's AMX matmul segfaults there, and ``repack=True`` is refused). See
+            ``backend.exact_kernels()``.
         rpc: llama.cpp RPC workers ``"HOST:PORT"`` (``localspec rpc-worker``) that hold the
             offloaded layers (docs/rpc.md). With ``rpc``, ``n_gpu_layers=0`` means all layers on
             the workers; a positive count keeps the first ``n_layer - n_gpu_layers`` layers on
@@ -143,7 +145,12 @@ class Model:
         params.use_mmap = bool(use_mmap)
         params.vocab_only = bool(vocab_only)
         if repack is None:
-            repack = not exact_kernels()
+            repack = not exact_kernels() and (vocab_only or not cpu_amx())
+        elif repack and not vocab_only and cpu_amx():
+            raise ModelLoadError(
+                "weight repacking would use llama.cpp's AMX kernels on this CPU, which crash on batched "
+                "decodes (llama.cpp issue 20824); load with repack=False"
+            )
         params.use_extra_bufts = bool(repack)
         self.repack = bool(repack)
         params.load_mtp = bool(load_mtp)

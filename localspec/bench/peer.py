@@ -94,6 +94,10 @@ class PeerServer:
             env["GGML_CPU_TILED_MM"] = "0"
         else:
             env.pop("GGML_CPU_TILED_MM", None)
+            from ..backend import cpu_amx
+
+            if cpu_amx():  # llama.cpp's AMX matmul segfaults on batches (backend.cpu_amx)
+                args.append("--no-repack")
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
         self._wait_ready()
