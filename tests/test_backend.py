@@ -168,6 +168,19 @@ def test_missing_and_corrupt_gguf(tmp_path):
         Model(tmp_path)
 
 
+def test_a_tree_batch_token_in_no_sequence_is_refused():
+    # llama.cpp segfaulted on such a batch (a token with n_seq_id 0) instead of failing
+    from localspec.backend import Batch
+
+    b = Batch(8, 2)
+    tok, pos, seqs = np.arange(4, dtype=np.int32), np.arange(4, dtype=np.int32), np.zeros((4, 2), np.int32)
+    for bad in ([1, 1, 0, 1], [1, 3, 1, 1]):
+        with pytest.raises(ValueError, match="sequence ids"):
+            b.set_tree(tok, pos, seqs, np.array(bad, np.int32))
+    b.set_tree(tok, pos, seqs, np.array([1, 2, 1, 1], np.int32))
+    assert b.n_tokens == 4
+
+
 FAST_BATCH = """
 from localspec.backend import Batch, Context, Model
 m = Model({path!r})

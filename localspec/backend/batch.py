@@ -86,6 +86,11 @@ class Batch:
             seq_sets: [n, k] int32 sequence ids of each node (first ``n_seq[i]`` are used).
             n_seq:    [n] int32 number of sequence ids of each node.
             output:   [n] int8 1 = return logits (default: every token).
+
+        Raises:
+            ValueError: more tokens than the capacity, more sequence ids per token than
+                ``n_seq_max``, or a token in no sequence or in more than ``k`` (llama.cpp
+                reads such a batch out of bounds: a segfault, not an error).
         """
         n = len(tokens)
         if n > self.capacity:
@@ -93,6 +98,8 @@ class Batch:
         k = seq_sets.shape[1]
         if k > self.n_seq_max:
             raise ValueError(f"{k} sequences per token exceed n_seq_max {self.n_seq_max}")
+        if n and not (1 <= int(np.min(n_seq)) and int(np.max(n_seq)) <= k):
+            raise ValueError(f"every token needs 1..{k} sequence ids (n_seq), got {int(np.min(n_seq))}..{int(np.max(n_seq))}")
         self.token[:n] = tokens
         self.pos[:n] = pos
         self.n_seq_id[:n] = n_seq
