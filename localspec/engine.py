@@ -1,113 +1,38 @@
-"""The engine: prefill -> (propose -> verify -> commit)* -> stop.
+"""The engine: one target model, one context, one request at a time on the speculative step.
 
-One loop serves plain and speculative decoding: a step verifies a token tree whose root is
-the last emitted token; with no drafter (or when the policy decides drafting does not pay)
-the tree is just the root, and the step is an ordinary decode::
+    prefill the prompt (reusing the previous request's common prefix)
+    while not done:  step([this request])   # propose -> verify -> commit -> emit (localspec.step)
 
-    tree   = policy.plan(drafter.propose(...))          # decided once: root + draft tokens
-    logits = cache.decode_tree(tree)                    # one llama_decode
-    result = verify(tree, logits, sampler.cursor(pos))  # accepted path + recovered/bonus token
-    cache.commit(tree, result.path)                     # keep the accepted KV, checked
-    emit(result.tokens)                                 # stops, max_tokens, stream, stats
-
-The engine owns one target context and keeps the committed token sequence in it between
-requests, so a request that shares a prefix with the previous one (chat turns, editor
-keystrokes) only prefills the new part.
+The step is ``localspec.step.Step``, the same one the batch scheduler runs over many requests.
+The engine keeps the committed token sequence in its context between requests, so a request
+that shares a prefix with the previous one (chat turns, editor keystrokes) only prefills the
+new part.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
-
-import numpy as np
+from dataclasses import replace
 
 from .backend import Context, Model, SequenceCache
 from .costmodel import CostModel, calibrate
 from .backend.features import FeatureTap, FinalNormTap, make_feature_tap
-from . import native
-from .native import rows as native_rows
 from .drafters import Drafter, TargetHandle, make_drafter
 from .errors import ContextOverflowError, DecodeError, InvalidRequestError
+from .generation import Generation, now_us
 from .policy import SpeculationPolicy, TreeShape
 from .request_state import RequestState
+from .results import GenerationResult, StreamChunk, TokenLogprob
 from .sampling import SamplingParams
-from .stats import GenerationStats, count_sources
-from .text import TextAssembler
-from .tree import TokenSource, TokenTree
-from .verify import verify
+from .step import Entry, Step, feature_layers, reads_final_norm
+
+__all__ = ["Engine", "GenerationResult", "GenerationStream", "StreamChunk", "TokenLogprob"]
 
 MIN_N_CTX = 16
 """Smallest context an engine accepts (tokens)."""
 DEFAULT_N_CTX = 8192
-
-
-@dataclass
-class TokenLogprob:
-    """Log-probability of an emitted token under the raw model distribution (softmax of the
-    logits, no sampling transforms), with the ``top`` most likely alternatives."""
-
-    token: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass
-class StreamChunk:
-    """One emitted token and the text it released.
-
-    ``text`` may be empty (a character or a possible stop string still incomplete) or hold
-    text of earlier tokens; the concatenation of all chunks' text is the final text. The
-    last chunk of a stream may carry only held-back text, with ``token == -1``.
-    """
-
-    text: str
-    token: int
-    source: TokenSource
-    step: int
-    logprob: TokenLogprob | None = None
-
-
-@dataclass
-class GenerationResult:
-    """The outcome of a request.
-
-    Attributes:
-        text: generated text (cut before a stop string; no end-of-generation token).
-        token_ids: generated token ids (the same cut).
-        finish_reason: ``"stop"`` (end-of-generation token or stop string), ``"length"``
-            (``max_tokens`` reached or the context is full), ``"time"`` (``max_time_ms``
-            reached), ``"cancelled"``, or ``"error"`` (the generation raised; the exception went
-            to the caller, e.g. ``WorkerLostError``, and this result holds what was emitted before).
-        stop: the stop string matched, ``"<eog>"`` for an end-of-generation token, else None.
-        sources: how each token was produced (``TokenSource``).
-        logprobs: per-token log-probabilities when requested.
-        stats: ``GenerationStats``.
-    """
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    stop: str | None
-    sources: list[TokenSource]
-    logprobs: list[TokenLogprob] | None
-    stats: GenerationStats
-
-    def to_dict(self) -> dict:
-        return {
-            "text": self.text,
-            "token_ids": self.token_ids,
-            "finish_reason": self.finish_reason,
-            "stop": self.stop,
-            "sources": [TokenSource(s).name.lower() for s in self.sources],
-            "logprobs": None
-            if self.logprobs is None
-            else [{"token": lp.token, "logprob": lp.logprob, "top": lp.top} for lp in self.logprobs],
-            "stats": self.stats.to_dict(),
-        }
 
 
 class GenerationStream:
@@ -186,36 +111,6 @@ class _EngineLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
-
-
-def _now_us() -> float:
-    return time.perf_counter() * 1e6
-
-
-def _feature_layers(drafter: Drafter | None) -> tuple[int, ...] | None:
-    """The target layers whose inputs ``drafter`` reads (EAGLE-3), or None."""
-    layers = getattr(drafter, "target_feature_layers", None)
-    # layer ids, or (NEXTN_FEATURES,): the target's nextn hidden states (MTP drafters)
-    return tuple(k if isinstance(k, str) else int(k) for k in layers) if layers else None
-
-
-def _final_norm(drafter: Drafter | None) -> bool:
-    """Whether ``drafter`` reads the target's final hidden states (Medusa heads)."""
-    return bool(getattr(drafter, "target_final_norm", False))
-
-
-@dataclass
-class _Request:
-    """Everything one generation needs, validated."""
-
-    prompt: list[int]
-    sampler: RequestState
-    drafter: Drafter | None
-    max_tokens: int
-    stop: Sequence[str]
-    max_time_ms: float | None
-    draft_context: list[list[int]]
-    t_start_us: float
 
 
 class Engine:
@@ -319,7 +214,7 @@ class Engine:
             drafter, draft_model=draft_model, draft_n_ctx=draft_n_ctx, eagle=eagle, medusa=medusa, draft_shape=draft_shape
         )
         try:
-            self._make_context(_feature_layers(new), _final_norm(new))
+            self._make_context(feature_layers(new), reads_final_norm(new))
             self.cost_model = cost_model or calibrate(self.ctx, max_size=max_tree_nodes)
             if self._tap is not None:
                 self._tap.clear()
@@ -349,14 +244,14 @@ class Engine:
         with self._lock:
             new = self._new_drafter(drafter, **options)
             old = self.drafter
-            if _feature_layers(new) != (self._tap.layers if self._tap else None) or _final_norm(new) != (
+            if feature_layers(new) != (self._tap.layers if self._tap else None) or reads_final_norm(new) != (
                 self._norm_tap is not None
             ):
                 self.drafter = None
                 if old is not None and old is not new:
                     old.close()
                 old = None
-                self._make_context(_feature_layers(new), _final_norm(new))
+                self._make_context(feature_layers(new), reads_final_norm(new))
             self._install_drafter(new)
             if old is not None and old is not new:
                 old.close()
@@ -526,6 +421,7 @@ class Engine:
         add_special: bool = True,
         max_time_ms: float | None = None,
         draft_context: Sequence[str | Sequence[int]] = (),
+        draft_limits=None,
     ) -> GenerationStream:
         """Start a generation; iterate the returned stream for ``StreamChunk``s.
 
@@ -542,6 +438,8 @@ class Engine:
                 has passed since the first generated token; prefill is not limited.
             draft_context: extra texts or token sequences the drafter may draft from (an
                 editor's suffix and other files): the n-gram drafter indexes them too.
+            draft_limits: per-request caps on the drafts (``DraftLimits``: most draft nodes per
+                step, least node score), or None.
         Raises:
             InvalidRequestError: bad parameters or an empty prompt.
             ContextOverflowError: the prompt does not leave room for one generated token.
@@ -550,7 +448,7 @@ class Engine:
             raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
         self.reconnect_if_lost()
         sampling = self.with_thresholds(sampling or SamplingParams())
-        t_start = _now_us()
+        t_start = now_us()
         if isinstance(prompt, str):
             tokens = self.model.tokenize(prompt, add_special=add_special, parse_special=parse_special)
             bos = self.model.bos
@@ -576,19 +474,15 @@ class Engine:
             self.model.tokenize(c, add_special=False) if isinstance(c, str) else [int(t) for t in c]
             for c in draft_context
         ]
-        req = RequestState(sampling, self.model, tokens)
-        request = _Request(
-            prompt=tokens,
-            sampler=req,
-            drafter=self.drafter if speculative else None,
-            max_tokens=max_tokens,
-            stop=list(stop),
-            max_time_ms=max_time_ms,
-            draft_context=extra,
-            t_start_us=t_start,
-        )
+        state = RequestState(sampling, self.model, tokens)
+        drafter = self.drafter if speculative else None
         stream = GenerationStream(self, iter(()))
-        stream._gen = self._run(stream, request)
+        gen = Generation(tokens, state, drafter,
+                         calibration=self.policy.calibration.for_request() if drafter is not None else None,
+                         max_tokens=max_tokens, stop=list(stop), token_bytes=self.model.token_bytes,
+                         is_eog=self.model.is_eog, max_time_ms=max_time_ms, t_start_us=t_start,
+                         draft_limits=draft_limits, cancelled=stream.cancelled)  # fmt: skip
+        stream._gen = self._run(stream, gen, extra)
         return stream
 
     def with_thresholds(self, sampling: SamplingParams) -> SamplingParams:
@@ -617,290 +511,106 @@ class Engine:
         """Estimated plain-decoding speed on this machine now (from the measured cost model)."""
         return 1e6 / self.cost_model.t_decode_us(1)
 
-    def _run(self, stream: GenerationStream, request: _Request) -> Iterator[StreamChunk]:
-        prompt, req, drafter = request.prompt, request.sampler, request.drafter
-        max_tokens, stop, t_start = request.max_tokens, request.stop, request.t_start_us
+    def _prefill(self, gen: Generation, draft_context: list[list[int]]) -> None:
+        """Put the prompt but its last token in the KV cache, reusing the previous request's
+        common prefix, and start the drafter on it."""
+        prompt, drafter, cache = gen.prompt, gen.drafter, self.cache
+        common = 0
+        old = cache.tokens
+        limit = min(len(old), len(prompt) - 1)
+        while common < limit and old[common] == prompt[common]:
+            common += 1
+        features = self._tap if feature_layers(drafter) else None
+        if drafter is not None:
+            if hasattr(drafter, "set_sampling"):
+                drafter.set_sampling(gen.state)
+            if draft_context:
+                drafter.begin(prompt, context=draft_context)
+            else:
+                drafter.begin(prompt)
+            if features is not None:  # re-prefill what the drafter has no target features for
+                common = min(common, drafter.n_target_features)
+        gen.stats.n_cached_tokens = common
+        cache.truncate(common)
+        if gen.cancelled.is_set():
+            raise _Cancelled
+        self._clear_taps()
+
+        def on_chunk(n_done: int, _n_total: int) -> None:
+            rows = self._tap.take()
+            if features is not None:
+                drafter.add_target_features(common + n_done - rows.shape[0], rows)
+
+        try:
+            cache.prefill(prompt[common:-1], on_chunk=on_chunk if self._tap is not None else None)
+        except DecodeError:
+            if gen.cancelled.is_set():
+                raise _Cancelled from None
+            raise
+        if self._norm_tap is not None:
+            self._norm_tap.clear()  # the prefill asks for no logits: no rows
+        gen.stats.t_prefill_us = now_us() - gen.t_start_us
+
+    def _clear_taps(self) -> None:
+        for tap in (self._tap, self._norm_tap):
+            if tap is not None:
+                tap.clear()
+
+    def _run(self, stream: GenerationStream, gen: Generation, draft_context: list[list[int]]) -> Iterator[StreamChunk]:
+        """prefill -> (one step over this request)* -> finish; the KV keeps the prompt and the
+        kept tokens for the next request."""
         with self._lock:
             self._active_stream = stream
-            cache = self.cache
-            model = self.model
-            stats = GenerationStats(drafter=drafter.name if drafter else "none", seed=req.seed)
-            stats.set_thresholds(req.params, drafted=drafter is not None)
-            stats.n_prompt_tokens = len(prompt)
-            want_logprobs = req.params.logprobs
-            assembler = TextAssembler(model.token_bytes, stop)
-            out_tokens: list[int] = []
-            out_sources: list[TokenSource] = []
-            out_depths: list[int] = []
-            out_logprobs: list[TokenLogprob] = []
-            step_drafted: list[int] = []  # max depth of each step's tree
-            finish_reason = "length"
-            stop_name: str | None = None
             self.ctx.clear_abort()
-            redecoded0 = cache.n_redecoded
-            t_gen0 = t_prefill_end = _now_us()
+            redecoded0 = self.cache.n_redecoded
+            entry = Entry(gen, self.cache)
+            step = self._step()
             try:
-                # -- prompt: reuse the common prefix, prefill the rest but the last token -----
-                common = 0
-                old = cache.tokens
-                limit = min(len(old), len(prompt) - 1)
-                while common < limit and old[common] == prompt[common]:
-                    common += 1
-                self.policy.begin_request()
-                if drafter is not None:
-                    if hasattr(drafter, "set_sampling"):
-                        drafter.set_sampling(req)
-                    if request.draft_context:
-                        drafter.begin(prompt, context=request.draft_context)
-                    else:
-                        drafter.begin(prompt)
-                features = self._tap if _feature_layers(drafter) else None
-                if features is not None:  # re-prefill what the drafter has no target features for
-                    common = min(common, drafter.n_target_features)
-                stats.n_cached_tokens = common
-                cache.truncate(common)
-                if stream.cancelled.is_set():
-                    raise _Cancelled
-                if self._tap is not None:
-                    self._tap.clear()
-                norm_tap = self._norm_tap
-                hidden_to = drafter if norm_tap is not None and _final_norm(drafter) else None
-                if norm_tap is not None:
-                    norm_tap.clear()
-
-                def on_chunk(n_done: int, _n_total: int) -> None:
-                    rows = self._tap.take()
-                    if features is not None:
-                        drafter.add_target_features(common + n_done - rows.shape[0], rows)
-
-                try:
-                    cache.prefill(prompt[common:-1], on_chunk=on_chunk if self._tap is not None else None)
-                except DecodeError:
-                    if stream.cancelled.is_set():
-                        raise _Cancelled from None
-                    raise
-                if norm_tap is not None:
-                    norm_tap.clear()  # the prefill asks for no logits: no rows
-                t_prefill_end = _now_us()
-                stats.t_prefill_us = t_prefill_end - t_start
-                root = prompt[-1]
-                t_gen0 = _now_us()
-                step = 0
-                while True:
-                    remaining = max_tokens - len(out_tokens)
-                    if remaining <= 0:
-                        finish_reason = "length"
-                        break
-                    if cache.n_free < 1:
-                        finish_reason = "length"
-                        break
-                    if stream.cancelled.is_set():
-                        raise _Cancelled
-                    if request.max_time_ms is not None and step and (_now_us() - t_gen0) >= 1e3 * request.max_time_ms:
-                        finish_reason = "time"
-                        break
-                    t0 = _now_us()
-                    prop = self._propose(drafter, root, remaining, cache.n_free)
-                    cand, tree = prop.candidate, prop.tree
-                    t1 = _now_us()
-                    n_past0, n_pending0 = cache.n_past, len(cache.pending)
+                self._prefill(gen, draft_context)
+                while (reason := gen.stop_reason(self.cache.n_free)) is None:
                     try:
-                        lay, logits = cache.decode_tree(tree)
+                        chunks = step.run([entry])[0]
                     except DecodeError:
-                        if self._tap is not None:
-                            self._tap.clear()
-                        if norm_tap is not None:
-                            norm_tap.clear()
-                        if stream.cancelled.is_set():
+                        if gen.cancelled.is_set():
                             raise _Cancelled from None
                         raise
-                    rows = self._tap.take() if self._tap is not None else None  # [pending + nodes, F]
-                    h_rows = norm_tap.take() if norm_tap is not None else None  # [nodes, n_embd]
-                    t2 = _now_us()
-                    cursor = req.cursor(cache.root_pos + 1)
-                    try:
-                        res = verify(tree, logits, cursor)
-                    except BaseException:  # e.g. a grammar with no way on: keep the history, drop the drafts
-                        cache.commit(tree, lay, [])
-                        raise
-                    finally:
-                        cursor.close()
-                    lps = self._logprobs(logits, res, want_logprobs) if want_logprobs is not None else None
-                    t3 = _now_us()
-                    cache.commit(tree, lay, res.path)
-                    if features is not None:  # the committed rows: pending tokens, root, accepted path
-                        keep = list(range(n_pending0 + 1)) + [n_pending0 + int(p) for p in res.path]
-                        drafter.add_target_features(n_past0, rows[keep])
-                    if drafter is not None:
-                        drafter.observe(cand, res.tokens)
-                        drafter.accept(res.tokens)
-                    if hidden_to is not None and h_rows is not None and h_rows.shape[0] == tree.n_nodes:
-                        # the row that produced the last emitted token: it predicts the next root
-                        hidden_to.set_final_hidden(cache.root_pos - 1, h_rows[res.rows[-1]])
-                    req.commit(res.tokens)
-                    stats.n_steps += 1
-                    n_draft = tree.n_nodes - 1
-                    if n_draft:
-                        stats.n_spec_steps += 1
-                        stats.num_draft_tokens += n_draft
-                    step_drafted.append(tree.max_depth())
-                    # -- emit, with stops -------------------------------------------------------
-                    done = False
-                    chunks: list[StreamChunk] = []
-                    for i, tok in enumerate(res.tokens):
-                        stats.n_step_tokens += 1
-                        if model.is_eog(tok):
-                            finish_reason, stop_name, done = "stop", "<eog>", True
-                            break
-                        text = assembler.push(tok)
-                        out_tokens.append(tok)
-                        out_sources.append(res.sources[i])
-                        out_depths.append(res.depths[i] if i < len(res.depths) else 0)
-                        lp = lps[i] if lps is not None else None
-                        if lp is not None:
-                            out_logprobs.append(lp)
-                        chunks.append(StreamChunk(text, tok, res.sources[i], step, lp))
-                        if assembler.stop_hit is not None:
-                            finish_reason, stop_name, done = "stop", assembler.stop_hit.stop, True
-                            break
-                    t4 = _now_us()
-                    stats.t_draft_us += t1 - t0
-                    stats.t_decode_us += t2 - t1
-                    stats.t_verify_us += t3 - t2
-                    stats.t_other_us += t4 - t3
-                    self.policy.observe_step(tree.n_nodes, t2 - t1, (t4 - t0) - (t2 - t1) - prop.t_draft_us)
-                    self.policy.observe_outcome(tree, len(res.path))
-                    root = res.tokens[-1]
-                    step += 1
+                    if gen.error is not None:
+                        raise gen.error
                     yield from chunks
-                    if done:
+                    if gen.done:
                         break
+                else:
+                    gen.finish_reason = reason
             except _Cancelled:
-                finish_reason = "cancelled"
+                gen.finish_reason = "cancelled"
             except GeneratorExit:  # the consumer closed the stream early
-                finish_reason = "cancelled"
+                gen.finish_reason = "cancelled"
                 raise
             except BaseException:  # the step failed (the exception goes on to the caller)
-                finish_reason = "error"
+                gen.finish_reason = "error"
                 raise
             finally:
-                t_end = _now_us()
                 self._active_stream = None
                 self.ctx.clear_abort()
-                # -- cut everything at the same point ---------------------------------------------
-                if assembler.stop_hit is not None:
-                    n_keep = assembler.stop_hit.n_tokens
-                    del out_tokens[n_keep:], out_sources[n_keep:], out_depths[n_keep:]
-                    del out_logprobs[n_keep:]
-                tail = assembler.finish()
+                self._clear_taps()
+                tail = gen.finish()
                 # KV: keep the prompt and the kept tokens that were decoded
-                keep_kv = min(cache.n_past, len(prompt) + len(out_tokens))
-                cache.truncate(keep_kv)
-                stats.n_generated_tokens = len(out_tokens)
-                stats.n_redecoded_tokens = cache.n_redecoded - redecoded0
-                stats.token_sources = count_sources(out_sources)
-                stats.num_accepted_tokens = sum(1 for s in out_sources if TokenSource(s).is_draft)
-                max_d = max(step_drafted, default=0)
-                stats.drafted_per_depth = [sum(1 for m in step_drafted if m >= d) for d in range(1, max_d + 1)]
-                stats.accepted_per_depth = [sum(1 for d2 in out_depths if d2 == d) for d in range(1, max_d + 1)]
-                stats.t_generate_us = t_end - t_gen0 if out_tokens or stats.n_steps else 0.0
-                stats.t_total_us = t_end - t_start
-                req.close()
-                stream.result = GenerationResult(
-                    text=assembler.text,
-                    token_ids=out_tokens,
-                    finish_reason=finish_reason,
-                    stop=stop_name,
-                    sources=out_sources,
-                    logprobs=out_logprobs if want_logprobs is not None else None,
-                    stats=stats,
-                )
-            if tail:
-                yield StreamChunk(tail, -1, TokenSource.DECODE, stats.n_steps)
+                self.cache.truncate(min(self.cache.n_past, len(gen.prompt) + len(gen.out_tokens)))
+                gen.stats.n_redecoded_tokens = self.cache.n_redecoded - redecoded0
+                if gen.calibration is not None:
+                    self.policy.calibration.end_request(gen.calibration)
+                stream.result = gen.result
+            if tail is not None:
+                yield tail
 
-    def _propose(self, drafter: Drafter | None, root: int, remaining: int, n_free: int) -> "_Proposal":
-        """The step's drafting, decided once: the cheap drafts (``propose``), the policy's
-        plan (``SpeculationPolicy.plan``: whether a model drafts, in which shape, how much to
-        verify), the model's drafts only if planned (``extend``), then the best nodes to
-        verify, cut to what the remaining token budget and the free context allow."""
-        max_depth = min(remaining - 1, n_free - 1)
-        max_nodes = min(self.max_tree_nodes, n_free)
-        if drafter is None or max_depth <= 0 or max_nodes <= 1:
-            t = TokenTree.root_only(root)
-            return _Proposal(t, t, 0.0)
-        t0 = _now_us()
-        cand = self._clip(drafter, drafter.propose(max_depth, max_nodes), root, max_depth)
-        model = getattr(drafter, "model_stats", None)
-        plan = self.policy.plan(
-            cand,
-            model,
-            max_nodes=max_nodes,
-            max_depth=max_depth,
-            t_draft_us=_now_us() - t0,
-            fixed_shape=getattr(drafter, "fixed_shape", None),
-            adaptive=self.adaptive,
-        )
-        if plan.shape is not None:
-            cand = self._clip(drafter, drafter.extend(plan.shape), root, max_depth)
-            self.cost_model.observe_draft_levels(model.last_level_us)
-        t_draft_us = _now_us() - t0
-        n = min(plan.n_nodes, max_nodes)
-        if n <= 1:  # a plain step (most steps where matches are weak): no tree surgery
-            return _Proposal(cand, TokenTree.root_only(root), t_draft_us)
-        tree = cand.best_subtree(n) if n < cand.n_nodes else cand
-        return _Proposal(cand, tree.best_first_dfs(), t_draft_us)
-
-    @staticmethod
-    def _clip(drafter: Drafter, cand: TokenTree, root: int, max_depth: int) -> TokenTree:
-        if cand.n_nodes > 1 and int(cand.token_ids[0]) != root:
-            raise RuntimeError(f"drafter {drafter.name} proposed a tree rooted at {cand.token_ids[0]}, not {root}")
-        if cand.max_depth() > max_depth:
-            cand = cand.subtree(cand.depth <= max_depth)
-        return cand
-
-    @staticmethod
-    def _logprobs(logits: np.ndarray, res, top_n: int) -> list[TokenLogprob]:
-        """Log-probabilities of the emitted tokens under the target's raw distribution
-        (``log_softmax`` of the raw logits row, as llama.cpp's ``n_probs``), each with the
-        ``top_n`` most likely tokens (value desc, id asc).
-
-        ``logits``: [n_rows, n_vocab] float32; ``res``: the verification result (its ``rows``
-        and ``tokens``). The C kernels (``ls_rows_logsumexp``, ``ls_top_k``) do the work when
-        they are built (about 1 ms per 262k-wide row instead of ~7 ms in numpy); the numpy
-        code below is the reference, with logsumexp in float64 in both."""
-        rows = [int(r) for r in res.rows]
-        if not rows:
-            return []
-        if native.enabled():
-            lse = native_rows.rows_logsumexp(logits, rows)
-            out = []
-            for row, tok, z in zip(rows, res.tokens, lse):
-                x = logits[row]
-                top = [(int(i), float(np.float64(x[i]) - z)) for i in native_rows.top_k(x, top_n)] if top_n else []
-                out.append(TokenLogprob(int(tok), float(np.float64(x[tok]) - z), top))
-            return out
-        out = []
-        for row, tok in zip(rows, res.tokens):
-            x = logits[row].astype(np.float64)
-            m = x.max()
-            lse = m + np.log(np.exp(x - m).sum())
-            top: list[tuple[int, float]] = []
-            if top_n:
-                idx = np.argpartition(-x, top_n - 1)[:top_n]
-                idx = idx[np.lexsort((idx, -x[idx]))]
-                top = [(int(i), float(x[i] - lse)) for i in idx]
-            out.append(TokenLogprob(int(tok), float(x[tok] - lse), top))
-        return out
-
-
-@dataclass
-class _Proposal:
-    """One step's drafting: the drafter's tree (``candidate``), the part to verify (``tree``,
-    renumbered best-first) and what drafting cost (µs)."""
-
-    candidate: TokenTree
-    tree: TokenTree
-    t_draft_us: float
+    def _step(self) -> Step:
+        """The step on the current context (made again when the context is)."""
+        if getattr(self, "_step_obj", None) is None or self._step_obj.ctx is not self.ctx:
+            self._step_obj = Step(self.ctx, self.policy, max_tree_nodes=self.max_tree_nodes,
+                                  capacity=2 * self.max_tree_nodes, n_seq_cols=self.ctx.n_seq_max,
+                                  adaptive=self.adaptive, tap=self._tap, norm_tap=self._norm_tap)  # fmt: skip
+        self._step_obj.adaptive = self.adaptive  # an attribute tests and benchmarks set
+        return self._step_obj
 
 
 class _Cancelled(Exception):

@@ -449,41 +449,60 @@ class SpeculationPolicy:
     def host_us(self, b: int) -> float:
         return self.t_host_base_us + self.t_host_node_us * (b - 1)
 
-    def choose(self, tree: TokenTree, *, max_nodes: int | None = None, t_draft_us: float = 0.0) -> Choice:
-        """Best batch size for ``tree`` (the candidate tree from the drafter).
+    def allocate(
+        self,
+        candidates: Sequence[TokenTree | None],
+        *,
+        max_nodes: Sequence[int],
+        calibrations: Sequence["ScoreCalibration | None"],
+        n_fixed: int = 0,
+        t_draft_us: float = 0.0,
+    ) -> list[int]:
+        """Tree size per request for one step of ``len(candidates)`` requests (``allocate_nodes``
+        with this policy's cost model, host cost, gain margin and bound)."""
+        return allocate_nodes(
+            candidates,
+            lambda b: self.cost.t_decode_us(b) + self.host_us(b),
+            n_fixed=n_fixed,
+            max_nodes=max_nodes,
+            t_extra_us=t_draft_us,
+            min_gain=self.min_gain,
+            calibrations=calibrations,
+            cost_floor=self._cost_floor,
+        ).sizes
+
+    def _cost_floor(self, lo: int, hi: int) -> float:
+        """No step of ``lo..hi`` tokens costs less than this (µs): the cheapest decode of that
+        range (``CostModel.min_ratio``) plus the host time of ``lo`` tokens."""
+        return self.cost.t1_us() * self.cost.min_ratio(lo, hi) + self.host_us(lo)
+
+    def choose(
+        self,
+        tree: TokenTree,
+        *,
+        max_nodes: int | None = None,
+        t_draft_us: float = 0.0,
+        calibration: "ScoreCalibration | None" = None,
+    ) -> Choice:
+        """Best batch size for ``tree`` (the candidate tree from the drafter): ``allocate_nodes``
+        for one request, within its calibration's trust region (``calibration``: the request's,
+        default the policy's own).
 
         ``t_draft_us`` is what drafting this tree cost: already spent, it is part of this
         step's time whatever size is verified.
         """
-        limit = min(self.max_nodes, tree.n_nodes, max_nodes or self.max_nodes, self.calibration.trust_nodes())
-        plain = Choice(1, 1.0, 1.0 / (t_draft_us + self.cost.t_decode_us(1) + self.host_us(1)))
-        if limit <= 1:
-            return plain
-        raw = np.sort(np.asarray(tree.score[1:], dtype=np.float64))[::-1]
-        # an upper bound first: no calibration raises a score above ``score ** lo``, and no
-        # tree of 2..limit nodes costs less than the cheapest of those sizes; where even that
-        # cannot beat plain decoding by ``min_gain`` (weak matches: most steps on prompts
-        # where nothing pays), the step is plain without fitting the calibration (the same
-        # choice, sooner)
-        bound = 1.0 + float(np.power(np.clip(raw[: limit - 1], 0.0, 1.0), self.calibration.lo).sum())
-        t_min = t_draft_us + self.cost.t1_us() * self.cost.min_ratio(2, limit) + self.host_us(2)
-        if bound / t_min < plain.expected_rate * (1.0 + self.min_gain):
-            return plain
-        # the scores as calibrated on the trees verified so far (ScoreCalibration)
-        scores = self.calibration.calibrate(raw)
-        exp_tokens = 1.0 + np.concatenate([[0.0], np.cumsum(scores)])  # index b-1 -> E(b)
-        best = plain
-        for b in self.cost.sizes:
-            if b > limit:
-                break
-            e = float(exp_tokens[b - 1])
-            rate = e / (t_draft_us + self.cost.t_decode_us(b) + self.host_us(b))
-            if rate > best.expected_rate:
-                best = Choice(b, e, rate)
-        # estimates are noisy: speculate only for a clear expected gain over plain decoding
-        if best.expected_rate < plain.expected_rate * (1.0 + self.min_gain):
-            return plain
-        return best
+        calibration = calibration or self.calibration
+        limit = min(self.max_nodes, tree.n_nodes, max_nodes or self.max_nodes, calibration.trust_nodes())
+        a = allocate_nodes(
+            [tree],
+            lambda b: self.cost.t_decode_us(b) + self.host_us(b),
+            max_nodes=[limit],
+            t_extra_us=t_draft_us,
+            min_gain=self.min_gain,
+            calibrations=[calibration],
+            cost_floor=self._cost_floor,
+        )
+        return Choice(a.sizes[0], a.expected_tokens, a.expected_rate)
 
     # -- model drafters -----------------------------------------------------------------------
 
@@ -548,6 +567,7 @@ class SpeculationPolicy:
         t_draft_us: float = 0.0,
         fixed_shape: TreeShape | None = None,
         adaptive: bool = True,
+        calibration: "ScoreCalibration | None" = None,
     ) -> "StepPlan":
         """The step's one decision, made before any model call.
 
@@ -559,9 +579,10 @@ class SpeculationPolicy:
             t_draft_us: what the cheap drafts cost (already spent).
             fixed_shape: always draft with this shape (a drafter made with one).
             adaptive: False verifies everything drafted (tests, experiments).
+            calibration: the request's ``ScoreCalibration`` (default: the policy's own).
         """
         if adaptive:
-            c = self.choose(cheap, max_nodes=max_nodes, t_draft_us=t_draft_us)
+            c = self.choose(cheap, max_nodes=max_nodes, t_draft_us=t_draft_us, calibration=calibration)
         else:
             n = min(max_nodes, self.max_nodes)
             c = Choice(n, float("nan"), float("nan"))
@@ -598,3 +619,90 @@ class SpeculationPolicy:
         else:
             per_node = max(0.0, (t_host_us - self.t_host_base_us) / (b - 1))
             self.t_host_node_us += a * (per_node - self.t_host_node_us)
+
+
+@dataclass
+class Allocation:
+    """``allocate_nodes``' answer: the tree size per request (root included, 1 = plain), and
+    the expected emitted tokens and rate (tokens per µs) of the step it chose."""
+
+    sizes: list[int]
+    expected_tokens: float
+    expected_rate: float
+
+
+def allocate_nodes(
+    candidates: Sequence[TokenTree | None],
+    cost,
+    *,
+    n_fixed: int = 0,
+    max_nodes: Sequence[int] | int = 64,
+    t_extra_us: float = 0.0,
+    min_gain: float = 0.05,
+    calibrations: Sequence["ScoreCalibration | None"] | None = None,
+    cost_floor=None,
+) -> Allocation:
+    """The one rule that sizes verified trees: split one step's node budget across requests
+    (one request is the case ``SpeculationPolicy.choose``).
+
+    Args:
+        candidates: per request, the drafter's candidate tree (node ``score`` = estimated
+            probability that the target accepts the path to the node) or None (no draft).
+        cost: ``b -> µs`` of one step whose batch holds ``b`` tokens (decode + host).
+        n_fixed: tokens the batch holds besides the trees (pending re-decodes).
+        max_nodes: per request (or for all) the largest tree, root included.
+        t_extra_us: time already spent this step whatever is verified (drafting).
+        min_gain: draft only for an expected rate this fraction above no drafts at all.
+        calibrations: per request, the ``ScoreCalibration`` of its verified trees so far (or
+            None): its candidates' scores become ``score ** gamma`` before pooling. Order is
+            preserved, so each request's chosen nodes are still its best subtree.
+        cost_floor: ``(lo, hi) -> µs`` no step of ``lo..hi`` tokens costs less than, for a
+            bound that skips the calibration fit when even uncalibrated-at-best scores
+            (``score ** lo``) cannot beat plain decoding (most steps where matches are weak).
+
+    The expected emitted tokens of a step are ``R + sum of the chosen scores`` (every request
+    emits at least one token); the rate is that over ``t_extra_us + cost(n_fixed + R + k)``,
+    maximised over ``k``, the pooled nodes taken best first. Scores along a path never
+    increase, so the best ``k`` pooled nodes of each request are its best subtree.
+    """
+    R = len(candidates)
+    if isinstance(max_nodes, int):
+        max_nodes = [max_nodes] * R
+    base = n_fixed + R
+    plain_rate = R / (t_extra_us + cost(base)) if R else 0.0
+    out = Allocation([1] * R, float(R), plain_rate)
+    raws: list[tuple[int, np.ndarray]] = []
+    for r, c in enumerate(candidates):
+        if c is None or c.n_nodes <= 1 or max_nodes[r] <= 1:
+            continue
+        s = np.sort(np.asarray(c.score[1:], dtype=np.float64))[::-1][: max_nodes[r] - 1]
+        if s.size:
+            raws.append((r, s))
+    if not raws:
+        return out
+    if cost_floor is not None:
+        lo_exp = min((c.lo for c in calibrations or () if c is not None), default=1.0)
+        n_all = sum(s.size for _r, s in raws)
+        bound = R + sum(float(np.power(np.clip(s, 0.0, 1.0), lo_exp).sum()) for _r, s in raws)
+        if bound / (t_extra_us + cost_floor(base + 1, base + n_all)) < plain_rate * (1.0 + min_gain):
+            return out
+    pool: list[tuple[float, int]] = []
+    for r, s in raws:
+        if calibrations is not None and calibrations[r] is not None:
+            s = calibrations[r].calibrate(s)
+        pool.extend((float(x), r) for x in s if x > 0)
+    if not pool:
+        return out
+    pool.sort(key=lambda t: -t[0])
+    best_k, best_rate, best_e = 0, plain_rate, float(R)
+    e = float(R)
+    for k, (x, _r) in enumerate(pool, start=1):
+        e += x
+        rate = e / (t_extra_us + cost(base + k))
+        if rate > best_rate:
+            best_k, best_rate, best_e = k, rate, e
+    if best_rate < plain_rate * (1.0 + min_gain):
+        return out
+    for _x, r in pool[:best_k]:
+        out.sizes[r] += 1
+    return Allocation(out.sizes, best_e, best_rate)

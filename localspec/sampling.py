@@ -574,6 +574,16 @@ class LogitsProcessor:
         return int(c.ids[int(np.argmax(z))])
 
 
+def top_k(x: np.ndarray, k: int) -> np.ndarray:
+    """[<= k] int64 indices of the ``k`` largest finite values of ``x`` ([n] float), sorted by
+    (value desc, index asc); fewer when fewer values are finite. The one top-k rule: float32
+    rows go through the C kernel (``ls_top_k``) when it is built, everything else through
+    ``_top_sorted``, its reference (tests/test_native.py compares them, ties included)."""
+    if x.dtype == np.float32 and native.enabled():
+        return native_rows.top_k(x, k)
+    return _top_sorted(x, k)
+
+
 def _top_sorted(x: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest finite values of ``x``, sorted descending (ties: lower index)."""
     n = x.shape[0]

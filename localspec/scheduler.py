@@ -2,12 +2,11 @@
 
 Each active request owns a *slot*: a block of ``S`` sequence ids of one shared target
 context (its committed tokens in the block's first id, its token tree's leaves in the
-others). Every step proposes a tree per request, splits one node budget across the requests
-(``allocate_nodes``), decodes every request's pending tokens and tree in **one**
-``llama_decode``, then verifies and commits each request with the engine's own pieces
-(``verify.verify``, ``Engine._logprobs``, ``TextAssembler``, ``RequestState``)::
+others). Every step is the engine's own (``localspec.step.Step``): a tree per request, one
+node budget across the requests, every request's pending tokens and tree (and prompt pieces)
+in **one** ``llama_decode``, then verify, commit and emit per request::
 
-    step:  propose (per request) -> allocate_nodes -> ONE decode -> verify + commit (per request)
+    step:  propose (per request) -> allocate -> ONE decode -> verify + commit + emit (per request)
 
 Output does not depend on the neighbours. Each row of a batch is computed bit for bit like a
 single-token decode (the exact kernels, docs/architecture.md), attention skips the cells of
@@ -38,18 +37,12 @@ request's and entry's cells *moved*, not recomputed (``llama_state_seq_get_data`
 llama.cpp saves a sliding-window layer's cells only within the window), each sequence in
 position order and a prefix that several share stored once.
 
-Node budget (``allocate_nodes``): one pool of every candidate node's acceptance estimate
-(the drafters' node scores); the step takes the ``k`` best nodes that maximise expected
-emitted tokens per µs, ``(n_requests + sum of the k scores) / (t(b) + host(b))``, where ``t(b)``
-is the measured decode cost (``CostModel``) of the whole batch of ``b`` tokens. With one
-request this is the engine's policy (with its per-request ``ScoreCalibration`` of the verified
-trees and its trust region, one per slot); as the batch fills, ``t(b)`` grows and drafts stop
-paying, so speculation fades, and it returns when the batch empties (the design notes:
-speculation is a low-concurrency optimisation).
-
-Drafters: one fresh drafter per request (``"ngram"`` or ``"none"``). Model drafters and
-EAGLE-3 heads keep per-request draft contexts / target features and are not supported here
-(a clear ``InvalidRequestError``).
+The step itself is ``localspec.step.Step``, the engine's: every decoding request's tree
+sized by one node budget (``SpeculationPolicy.allocate``: as the batch fills, ``t(b)`` grows
+and drafts stop paying, so speculation fades, and it returns when the batch empties),
+decoded in one ``llama_decode`` with the prompt pieces, then verified, committed and emitted
+per request. The scheduler keeps only admission, prompt pieces, the prompt cache and
+compaction.
 """
 
 from __future__ import annotations
@@ -58,25 +51,26 @@ import collections
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .backend import Batch, Context, Model
+from .backend import Context, Model, SequenceCache
 from .costmodel import CostModel, calibrate
 from .drafters import make_drafter
-from .engine import GenerationResult, StreamChunk, TokenLogprob, Engine
-from .errors import ContextOverflowError, InvalidRequestError, KVCacheError
-from .policy import ScoreCalibration, SpeculationPolicy
+from .errors import ContextOverflowError, InvalidRequestError
+from .generation import Generation, now_us
+from .policy import SpeculationPolicy
 from .request_state import RequestState
+from .results import GenerationResult, StreamChunk
 from .sampling import SamplingParams
-from .stats import GenerationStats, count_sources
-from .text import TextAssembler
-from .backend.tree_layout import layout_tree
-from .tree import TokenSource, TokenTree
-from .verify import verify
+from .stats import GenerationStats
+from .step import Entry, Piece, Step
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import Engine
 
 log = logging.getLogger("localspec.scheduler")
 
@@ -97,73 +91,6 @@ IDLE_PREFILL_PIECES = 4
 PREFIX_WAIT = 32
 """A prompt waits for a running request's prefill when that will give it this many more cached
 tokens than it can reuse now."""
-
-
-def _now_us() -> float:
-    return time.perf_counter() * 1e6
-
-
-def allocate_nodes(
-    candidates: Sequence[TokenTree | None],
-    cost: Callable[[int], float],
-    *,
-    n_fixed: int = 0,
-    max_nodes: Sequence[int] | int = 64,
-    t_extra_us: float = 0.0,
-    min_gain: float = 0.05,
-    calibrations: Sequence[ScoreCalibration | None] | None = None,
-) -> list[int]:
-    """Split one step's node budget across requests.
-
-    Args:
-        candidates: per request, the drafter's candidate tree (node ``score`` = estimated
-            probability that the target accepts the path to the node) or None (no draft).
-        cost: ``b -> µs`` of one step whose batch holds ``b`` tokens (decode + host).
-        n_fixed: tokens the batch holds besides the trees (pending re-decodes).
-        max_nodes: per request (or for all) the largest tree, root included.
-        t_extra_us: time already spent this step whatever is verified (drafting).
-        min_gain: draft only for an expected rate this fraction above no drafts at all.
-        calibrations: per request, the ``ScoreCalibration`` of its verified trees so far (or
-            None): its candidates' scores become ``score ** gamma`` before pooling, as in the
-            single-request policy (``SpeculationPolicy.choose``). Order is preserved, so each
-            request's chosen nodes are still its best subtree.
-
-    Returns:
-        per request the tree size ``n >= 1`` to verify (1 = root only, a plain decode).
-
-    The expected emitted tokens of a step are ``R + sum of the chosen scores`` (every request
-    emits at least one token); the rate is that over ``cost(n_fixed + R + k)``. Scores along a
-    path never increase, so the best ``k`` pooled nodes of each request are its best subtree.
-    """
-    R = len(candidates)
-    if isinstance(max_nodes, int):
-        max_nodes = [max_nodes] * R
-    pool: list[tuple[float, int]] = []
-    for r, c in enumerate(candidates):
-        if c is None or c.n_nodes <= 1 or max_nodes[r] <= 1:
-            continue
-        s = np.sort(np.asarray(c.score[1:], dtype=np.float64))[::-1][: max_nodes[r] - 1]
-        if calibrations is not None and calibrations[r] is not None:
-            s = calibrations[r].calibrate(s)
-        pool.extend((float(x), r) for x in s if x > 0)
-    out = [1] * R
-    if not pool or R == 0:
-        return out
-    pool.sort(key=lambda t: -t[0])
-    base = n_fixed + R
-    plain_rate = R / (t_extra_us + cost(base))
-    best_k, best_rate = 0, plain_rate
-    e = float(R)
-    for k, (s, _r) in enumerate(pool, start=1):
-        e += s
-        rate = e / (t_extra_us + cost(base + k))
-        if rate > best_rate:
-            best_k, best_rate = k, rate
-    if best_rate < plain_rate * (1.0 + min_gain):
-        return out
-    for _s, r in pool[:best_k]:
-        out[r] += 1
-    return out
 
 
 class BatchJob:
@@ -195,7 +122,7 @@ class BatchJob:
         self.error: BaseException | None = None
         self.done = threading.Event()
         self.cancelled = threading.Event()
-        self.t_submit_us = _now_us()
+        self.t_submit_us = now_us()
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -258,34 +185,23 @@ def _share_plan(seqs: Sequence[tuple[int, Sequence[int]]]) -> tuple[list[tuple[i
 
 @dataclass
 class _Slot:
-    """The state of one active request."""
+    """One active request: its job, its place (``index``, first sequence id ``base``) and its
+    state on the step (``entry``: the ``Generation`` and its ``SequenceCache``, whose pending
+    tokens are the prompt's rest while ``prefilling``, afterwards accepted tokens decoded again)."""
 
     job: BatchJob
     index: int
-    base: int  # first sequence id of the slot (the committed tokens)
-    sampler: RequestState
-    drafter: object | None
-    assembler: TextAssembler
-    stats: GenerationStats
-    calib: ScoreCalibration | None = None  # its verified trees' score calibration (None: no drafter)
-    tokens: list[int] = field(default_factory=list)  # committed, in KV (positions 0..n-1)
-    # decoded (without logits) before the root next step: the prompt's rest while the request is
-    # prefilling, afterwards the accepted tokens that are decoded again
-    pending: list[int] = field(default_factory=list)
+    base: int
+    entry: Entry
     prefilling: bool = True  # the prompt is not all in KV yet (no tree decoded so far)
-    root: int = 0
-    out_tokens: list[int] = field(default_factory=list)
-    out_sources: list[TokenSource] = field(default_factory=list)
-    out_depths: list[int] = field(default_factory=list)
-    out_logprobs: list[TokenLogprob] = field(default_factory=list)
-    step_drafted: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_name: str | None = None
-    t_gen0_us: float = 0.0
 
     @property
-    def root_pos(self) -> int:
-        return len(self.tokens) + len(self.pending)
+    def gen(self) -> Generation:
+        return self.entry.gen
+
+    @property
+    def kv(self) -> SequenceCache:
+        return self.entry.kv
 
 
 class BatchScheduler:
@@ -359,12 +275,13 @@ class BatchScheduler:
         self.ctx = Context(model, **self._ctx_args)
         self._ctx_generation = model.generation
         self.kv_size = self.ctx.n_ctx
-        self._batch = Batch(self.ctx.n_batch, max(self.seqs_per_slot, 1))
+        self.n_batch = n_batch
         if cost_model is None:
             cost_model = calibrate(self.ctx, max_size=64)
             self.ctx.clear()
         self.cost_model = cost_model
         self.policy = SpeculationPolicy(self.cost_model, max_nodes=self.max_tree_nodes)
+        self._step_obj: Step | None = None
         self.n_used = 0  # KV cells occupied (append-only between compactions)
         self.n_compactions = 0
         self.slots: list[_Slot | None] = [None] * self.parallel
@@ -541,8 +458,8 @@ class BatchScheduler:
             j = s.job
             if j.cancelled.is_set():
                 self._finish(s, "cancelled")
-            elif len(s.out_tokens) >= j.max_tokens or self.n_ctx_slot - s.root_pos < 1:
-                self._finish(s, "length")
+            elif (reason := s.gen.stop_reason(s.kv.n_free)) is not None:
+                self._finish(s, reason)
         self._admit()  # a freed slot takes the next waiting request in this very step
         active = [s for s in self.slots if s is not None]
         if active:
@@ -594,7 +511,7 @@ class BatchScheduler:
         head = job.prompt[:-1]
         best: tuple[int | None, int] = (None, 0)
         for seq, toks in [(e.seq, e.tokens) for e in self.cache] + [
-            (s.base, s.tokens) for s in self.slots if s is not None
+            (s.base, s.kv.tokens) for s in self.slots if s is not None
         ]:  # fmt: skip
             k = common_prefix(head, toks)
             if k > best[1]:
@@ -609,47 +526,48 @@ class BatchScheduler:
             return False
         head = job.prompt[:-1]
         for s in self.slots:
-            if s is not None and s.prefilling and s.pending:
-                k2 = common_prefix(head, s.tokens + s.pending)
-                if k2 > len(s.tokens) and k2 >= k + PREFIX_WAIT:
+            if s is not None and s.prefilling and s.kv.pending:
+                k2 = common_prefix(head, s.kv.tokens + s.kv.pending)
+                if k2 > s.kv.n_past and k2 >= k + PREFIX_WAIT:
                     return True
         return False
 
     def _start(self, job: BatchJob, index: int, src: int | None, k: int) -> None:
         base = index * self.seqs_per_slot
         drafter = make_drafter(self.drafter_name) if job.speculative and self.drafter_name != "none" else None
-        sampler: RequestState = job._sampler  # type: ignore[attr-defined]
-        stats = GenerationStats(drafter=drafter.name if drafter else "none", seed=sampler.seed)
-        stats.set_thresholds(sampler.params, drafted=drafter is not None)
-        stats.n_prompt_tokens = len(job.prompt)
-        stats.n_cached_tokens = k
-        s = _Slot(job=job, index=index, base=base, sampler=sampler, drafter=drafter,
-                  assembler=TextAssembler(self.model.token_bytes, job.stop), stats=stats,
-                  calib=self.policy.calibration.for_request() if drafter is not None else None)  # fmt: skip
+        state: RequestState = job._sampler  # type: ignore[attr-defined]
+        gen = Generation(job.prompt, state, drafter,
+                         calibration=self.policy.calibration.for_request() if drafter is not None else None,
+                         max_tokens=job.max_tokens, stop=job.stop, token_bytes=self.model.token_bytes,
+                         is_eog=self.model.is_eog, t_start_us=job.t_submit_us,
+                         draft_limits=getattr(job, "draft_limits", None), cancelled=job.cancelled)  # fmt: skip
+        gen.stats.n_cached_tokens = k
+        kv = SequenceCache(self.ctx, base=base, n_scratch=self.seqs_per_slot - 1, junk=self.junk_seq,
+                           n_ctx=self.n_ctx_slot, max_tree_nodes=self.max_tree_nodes)  # fmt: skip
+        s = _Slot(job=job, index=index, base=base, entry=Entry(gen, kv))
         if drafter is not None:
             if hasattr(drafter, "set_sampling"):
-                drafter.set_sampling(sampler)
+                drafter.set_sampling(state)
             drafter.begin(job.prompt)
         if k:
             # the cells of the shared prefix get this slot's sequence id too (no copy, no compute):
             # the same tokens at the same positions have the same KV bit for bit (exact kernels)
             self.ctx.seq_cp(src, base, 0, k)
-            s.tokens = list(job.prompt[:k])
+            kv.tokens = list(job.prompt[:k])
             self.n_cache_hits += 1
             for e in self.cache:
                 if e.seq == src:
                     e.last_used = next(self._clock)
-        s.pending = list(job.prompt[k:-1])  # prefilled by the next steps (``_decode_step``)
-        s.root = job.prompt[-1]
+        kv.pending = list(job.prompt[k:-1])  # prefilled by the next steps (``_decode_step``)
         self.slots[index] = s
-        self._check(s)
+        kv.check()
         log.debug("job %d: slot %d, prompt %d tokens, %d cached", job.id, index, len(job.prompt), k)
 
     def _store(self, s: _Slot) -> None:
         """Keep a finished request's committed cells as a prompt-cache entry (before they go to
         the junk sequence). An entry whose tokens this one extends is replaced; when every entry
         id is taken, the least recently used entry is dropped."""
-        toks = list(s.tokens)
+        toks = list(s.kv.tokens)
         if not toks or (not self.cache and not self._free_entry_seqs):
             return
         for e in list(self.cache):
@@ -693,7 +611,7 @@ class BatchScheduler:
                 server's requests end with the error and the next ones start on a clear cache).
         """
         self.n_compactions += 1
-        live = [(s.base, s.tokens) for s in self.slots if s is not None]
+        live = [(s.base, s.kv.tokens) for s in self.slots if s is not None]
         keep = sorted(self.cache, key=lambda e: -e.last_used)
         while True:
             order, cells = _share_plan(live + [(e.seq, e.tokens) for e in keep])
@@ -713,247 +631,68 @@ class BatchScheduler:
             self.n_used += n - k
         for s in self.slots:
             if s is not None:
-                self._check(s)
+                s.kv.check()
         for e in self.cache:
-            if (self.ctx.pos_min(e.seq), self.ctx.pos_max(e.seq)) != (0, len(e.tokens) - 1):
-                raise KVCacheError(f"prompt-cache entry {e.seq} was not restored whole")
-
-    def _check(self, s: _Slot) -> None:
-        n = len(s.tokens)
-        lo, hi = self.ctx.pos_min(s.base), self.ctx.pos_max(s.base)
-        want = (0, n - 1) if n else (-1, -1)
-        if (lo, hi) != want:
-            raise KVCacheError(f"slot {s.index}: sequence {s.base} holds positions [{lo}, {hi}], expected {list(want)}")
-        for k in range(1, self.seqs_per_slot):
-            if self.ctx.pos_max(s.base + k) != -1:
-                raise KVCacheError(f"slot {s.index}: scratch sequence {s.base + k} still holds cells")
+            self.ctx.expect_positions(e.seq, len(e.tokens), f"prompt-cache entry {e.seq} after a compaction")
 
     # -- one step -----------------------------------------------------------------------------
 
-    def _propose(self, s: _Slot) -> tuple[TokenTree | None, float, int]:
-        """The candidate tree (or None), drafting µs and the request's node limit (with the
-        adaptive policy, at most its calibration's trust region: ``ScoreCalibration.trust_nodes``)."""
-        remaining = s.job.max_tokens - len(s.out_tokens)
-        n_free = self.n_ctx_slot - s.root_pos
-        max_depth = min(remaining - 1, n_free - 1)
-        max_nodes = min(self.max_tree_nodes, n_free)
-        if self.adaptive and s.calib is not None:
-            max_nodes = min(max_nodes, s.calib.trust_nodes())
-        if s.drafter is None or max_depth <= 0 or max_nodes <= 1:
-            return None, 0.0, 1
-        t0 = _now_us()
-        cand = s.drafter.propose(max_depth, max_nodes)
-        dt = _now_us() - t0
-        if cand.n_nodes > 1 and int(cand.token_ids[0]) != s.root:
-            raise RuntimeError(f"drafter proposed a tree rooted at {cand.token_ids[0]}, not {s.root}")
-        if cand.max_depth() > max_depth:
-            cand = cand.subtree(cand.depth <= max_depth)
-        return cand, dt, max_nodes
-
-    def _fit_leaves(self, tree: TokenTree) -> TokenTree:
-        """``tree`` cut until its leaves fit in the slot's scratch sequences."""
-        n = tree.n_nodes
-        while n > 1 and not tree.is_chain() and tree.leaves().size > self.seqs_per_slot - 1:
-            n -= 1
-            tree = tree.best_subtree(n)
-        return tree
+    def _step(self) -> Step:
+        """The step on the current context (made again when the context is)."""
+        if self._step_obj is None or self._step_obj.ctx is not self.ctx:
+            self._step_obj = Step(self.ctx, self.policy, max_tree_nodes=self.max_tree_nodes, capacity=self.n_batch,
+                                  n_seq_cols=max(self.seqs_per_slot, 1), adaptive=self.adaptive)  # fmt: skip
+        return self._step_obj
 
     def _decode_step(self, active: list[_Slot]) -> None:
-        t0 = _now_us()
-        # prompts still prefilling, oldest first: a piece of each within this step's budget (the
+        # prompts still prefilling, shortest first: a piece of each within this step's budget (the
         # whole batch when nobody decodes, so a lone request is not slowed down). A request
         # whose prompt is all in after this step decodes its first tree in this step too.
         decoding = [s for s in active if not s.prefilling]
-        n_redecode = sum(len(s.pending) for s in decoding)  # accepted tokens decoded again
+        n_redecode = sum(len(s.kv.pending) for s in decoding)  # accepted tokens decoded again
         # Nobody waiting on a decode: larger pieces (on the 2-core CPU a prompt token costs no
         # less in pieces of 512 than of 64), but not so large that a prompt arriving meanwhile
         # waits long for the step to end. Shortest prompt first: a short prompt arriving while a
         # long one is prefilled gets its first token without waiting for the long one.
-        room = self._batch.capacity - n_redecode - len(active) * self.max_tree_nodes  # every tree at its largest
+        room = self.n_batch - n_redecode - len(active) * self.max_tree_nodes  # every tree at its largest
         budget = min(self.prefill_chunk if decoding else IDLE_PREFILL_PIECES * self.prefill_chunk, room)
-        pieces: list[tuple[_Slot, int]] = []  # (slot, prompt tokens) of requests still prefilling after it
+        pieces: list[Piece] = []  # prompt tokens of requests still prefilling after this step
         first: list[_Slot] = []  # requests whose first tree is in this step
-        for s in sorted((s for s in active if s.prefilling), key=lambda s: (len(s.pending), s.job.id)):
-            n = min(len(s.pending), budget)
+        for s in sorted((s for s in active if s.prefilling), key=lambda s: (len(s.kv.pending), s.job.id)):
+            n = min(len(s.kv.pending), budget)
             budget -= n
-            if n == len(s.pending):
+            if n == len(s.kv.pending):
                 s.prefilling = False
                 first.append(s)
                 decoding.append(s)
             elif n:
-                pieces.append((s, n))
-        n_prompt = sum(n for _s, n in pieces) + sum(len(s.pending) for s in decoding) - n_redecode
-        props = [self._propose(s) for s in decoding]
-        t_draft = sum(p[1] for p in props)
-        if self.adaptive:
-            policy = self.policy
-            # prompt tokens are fixed work: they do not change what a draft node costs or gains
-            sizes = allocate_nodes(
-                [p[0] for p in props],
-                lambda b: self.cost_model.t_decode_us(b) + policy.host_us(b),
-                n_fixed=n_redecode,
-                max_nodes=[p[2] for p in props],
-                t_extra_us=t_draft,
-                min_gain=policy.min_gain,
-                calibrations=[s.calib for s in decoding],
-            )
-        else:
-            sizes = [p[2] if p[0] is not None else 1 for p in props]
-        trees: list[TokenTree] = []
-        for s, (cand, _dt, _mx), n in zip(decoding, props, sizes):
-            if cand is None or n <= 1:
-                trees.append(TokenTree.root_only(s.root))
-                continue
-            tree = cand.best_subtree(n) if n < cand.n_nodes else cand
-            trees.append(self._fit_leaves(tree).best_first_dfs())
-        need = sum(len(s.pending) + t.n_nodes for s, t in zip(decoding, trees)) + sum(n for _s, n in pieces)
+                pieces.append(Piece(s.entry, n))
+        n_prompt = sum(p.n for p in pieces) + sum(len(s.kv.pending) for s in decoding) - n_redecode
+        # room for every tree at its largest: a compaction must come before the trees' cells
+        need = sum(len(s.kv.pending) + self.max_tree_nodes for s in decoding) + sum(p.n for p in pieces)
         if self.n_used + need > self.kv_size:
             self.compact(need)
-        # -- one batch: prompt pieces; per decoding request its pending tokens (no logits) then
-        # its tree; each request's tokens in position order, so its new cells are too
-        lays = []
-        parts_tok, parts_pos, parts_seq, parts_nseq, parts_out = [], [], [], [], []
-        k = 1
-        for s, tree in zip(decoding, trees):
-            lay = layout_tree(tree, s.root_pos)
-            lays.append(lay)
-            k = max(k, lay.seq_sets.shape[1])
-        for s, n in pieces:
-            parts_tok.append(np.asarray(s.pending[:n], dtype=np.int32))
-            parts_pos.append(np.arange(len(s.tokens), len(s.tokens) + n, dtype=np.int32))
-            seq = np.zeros((n, k), dtype=np.int32)
-            seq[:, 0] = s.base
-            parts_seq.append(seq)
-            parts_nseq.append(np.ones(n, dtype=np.int32))
-            parts_out.append(np.zeros(n, dtype=np.int8))
-        row_off = []
-        n_rows = 0
-        for s, tree, lay in zip(decoding, trees, lays):
-            if not lay.uses_seq0:
-                for j in lay.leaf_seq:
-                    self.ctx.seq_cp(s.base, s.base + int(j), -1, -1)
-            m = len(s.pending)
-            seq = np.zeros((m + tree.n_nodes, k), dtype=np.int32)
-            seq[:m, : lay.seq_sets.shape[1]] = lay.seq_sets[:1] + s.base
-            seq[m:, : lay.seq_sets.shape[1]] = lay.seq_sets + s.base
-            parts_tok.append(np.concatenate([np.asarray(s.pending, dtype=np.int32), tree.token_ids.astype(np.int32)]))
-            parts_pos.append(np.concatenate([np.arange(len(s.tokens), len(s.tokens) + m, dtype=np.int32), lay.pos]))
-            parts_seq.append(seq)
-            parts_nseq.append(np.concatenate([np.repeat(lay.n_seq[:1], m), lay.n_seq]).astype(np.int32))
-            parts_out.append(np.concatenate([np.zeros(m, dtype=np.int8), np.ones(tree.n_nodes, dtype=np.int8)]))
-            row_off.append(n_rows)
-            n_rows += tree.n_nodes
-        tokens = np.concatenate(parts_tok)
-        self._batch.set_tree(tokens, np.concatenate(parts_pos), np.concatenate(parts_seq), np.concatenate(parts_nseq),
-                             np.concatenate(parts_out))  # fmt: skip
-        t1 = _now_us()
-        self.ctx.decode(self._batch)
-        self.n_used += int(tokens.size)
-        logits = self.ctx.logits()
-        t2 = _now_us()
+
+        def decoded(t_us: float) -> None:  # llama.cpp's split: the prompt time ends with the first token's logits
+            for s in first:
+                s.gen.stats.t_prefill_us = t_us - s.job.t_submit_us
+                s.gen.t_gen0_us = t_us
+
+        step = self._step()
+        chunks = step.run([s.entry for s in decoding], pieces, on_decoded=decoded)
+        n_tokens = int(step.batch.n_tokens)
+        self.n_used += n_tokens
         self.n_steps += 1
-        self.step_log.append((len(decoding), int(tokens.size), n_prompt))
-        for s in first:  # llama.cpp's split: the prompt time ends with the first token's logits
-            s.stats.t_prefill_us = t2 - s.job.t_submit_us
-            s.t_gen0_us = t2
-        for s, n in pieces:
-            s.tokens.extend(s.pending[:n])
-            del s.pending[:n]
-            self._check(s)
-        # -- per request: verify, commit, emit ----------------------------------------------
-        for s, tree, lay, off, (cand, dt, _mx) in zip(decoding, trees, lays, row_off, props):
-            rows = logits[off : off + tree.n_nodes]
-            cursor = s.sampler.cursor(s.root_pos + 1)
-            try:
-                res = verify(tree, rows, cursor)
-            except Exception as e:  # e.g. a grammar with no way on: this request ends, the others go on
-                cursor.close()
-                self._commit(s, tree, lay, [])
-                s.job.error = e
+        self.step_log.append((len(decoding), n_tokens, n_prompt))
+        for s, cs in zip(decoding, chunks):
+            if s.job.on_chunk is not None:
+                for c in cs:
+                    self._call_sink(s, c)
+            if s.gen.error is not None:
+                s.job.error = s.gen.error
                 self._finish(s, "error")
-                continue
-            cursor.close()
-            want = s.sampler.params.logprobs
-            lps = Engine._logprobs(rows, res, want) if want is not None else None
-            self._commit(s, tree, lay, res.path)
-            if s.calib is not None:  # every step, so that plain steps age the evidence
-                s.calib.observe(np.asarray(tree.score[1:], dtype=np.float64), len(res.path))
-            if s.drafter is not None and cand is not None:
-                s.drafter.observe(cand, res.tokens)
-                s.drafter.accept(res.tokens)
-            s.sampler.commit(res.tokens)
-            self._emit(s, tree, res, lps)
-            s.stats.t_draft_us += dt
-            s.stats.t_decode_us += t2 - t1
-        t3 = _now_us()
-        if n_prompt == 0:  # the cost model prices rows with logits; a step with prompt rows is no sample of it
-            self.policy.observe_step(int(tokens.size), t2 - t1, max(0.0, (t3 - t0) - (t2 - t1) - t_draft))
-
-    def _commit(self, s: _Slot, tree: TokenTree, lay, path: Sequence[int]) -> None:
-        """Keep the pending tokens, the root and the accepted nodes' leading run in the slot's
-        sequence; re-tag every other cell of the step to the junk sequence (never freed, so
-        no later token lands before a request's own cells). Checked afterwards."""
-        path = [int(x) for x in path]
-        n_contig = 0
-        while n_contig < len(path) and path[n_contig] == n_contig + 1:
-            n_contig += 1
-        n_past = len(s.tokens)
-        keep_len = n_past + len(s.pending) + 1 + n_contig
-        ctx, junk = self.ctx, self.junk_seq
-        if lay.uses_seq0:
-            ctx.seq_cp(s.base, junk, keep_len, -1)
-            ctx.seq_rm(s.base, keep_len, -1)
-        else:
-            last = path[-1] if path else 0
-            seq = s.base + int(lay.node_leaf_seq[last])
-            ctx.seq_cp(seq, s.base, n_past, keep_len)
-            for j in lay.leaf_seq:
-                sj = s.base + int(j)
-                ctx.seq_cp(sj, junk, n_past, -1)
-                ctx.seq_rm(sj, -1, -1)
-        s.tokens.extend(s.pending)
-        s.tokens.append(int(tree.token_ids[0]))
-        s.tokens.extend(int(tree.token_ids[i]) for i in path[:n_contig])
-        s.pending = [int(tree.token_ids[i]) for i in path[n_contig:]]
-        s.stats.n_redecoded_tokens += len(s.pending)
-        self._check(s)
-
-    def _emit(self, s: _Slot, tree: TokenTree, res, lps) -> None:
-        st = s.stats
-        st.n_steps += 1
-        n_draft = tree.n_nodes - 1
-        if n_draft:
-            st.n_spec_steps += 1
-            st.num_draft_tokens += n_draft
-        s.step_drafted.append(tree.max_depth())
-        done = None
-        chunks: list[StreamChunk] = []
-        for i, tok in enumerate(res.tokens):
-            if self.model.is_eog(tok):
-                s.stop_name, done = "<eog>", "stop"
-                break
-            if len(s.out_tokens) >= s.job.max_tokens:
-                done = "length"
-                break
-            text = s.assembler.push(tok)
-            s.out_tokens.append(tok)
-            s.out_sources.append(res.sources[i])
-            s.out_depths.append(res.depths[i] if i < len(res.depths) else 0)
-            lp = lps[i] if lps is not None else None
-            if lp is not None:
-                s.out_logprobs.append(lp)
-            chunks.append(StreamChunk(text, tok, res.sources[i], st.n_steps - 1, lp))
-            if s.assembler.stop_hit is not None:
-                s.stop_name, done = s.assembler.stop_hit.stop, "stop"
-                break
-        s.root = int(res.tokens[-1])
-        if done is None and len(s.out_tokens) >= s.job.max_tokens:
-            done = "length"
-        if s.job.on_chunk is not None:
-            for c in chunks:
-                self._call_sink(s, c)
-        if done is not None:
-            self._finish(s, done)
+            elif s.gen.done:
+                self._finish(s, s.gen.finish_reason)
 
     def _call_sink(self, s: _Slot, chunk: StreamChunk) -> None:
         try:
@@ -969,45 +708,25 @@ class BatchScheduler:
         if self.slots[s.index] is s:
             self.slots[s.index] = None
             if self.ctx._ctx is not None:
-                if reason != "error":  # after a failed step its cells may not be what s.tokens says
+                if reason != "error":  # after a failed step its cells may not be what the slot says
                     self._store(s)
                 for k in range(self.seqs_per_slot):
                     self.ctx.seq_cp(s.base + k, self.junk_seq, -1, -1)
                     self.ctx.seq_rm(s.base + k, -1, -1)
-        st = s.stats
-        if s.assembler.stop_hit is not None:
-            n_keep = s.assembler.stop_hit.n_tokens
-            del s.out_tokens[n_keep:], s.out_sources[n_keep:], s.out_depths[n_keep:], s.out_logprobs[n_keep:]
-        tail = s.assembler.finish()
-        t_end = _now_us()
-        st.n_generated_tokens = len(s.out_tokens)
-        st.token_sources = count_sources(s.out_sources)
-        st.num_accepted_tokens = sum(1 for x in s.out_sources if TokenSource(x).is_draft)
-        max_d = max(s.step_drafted, default=0)
-        st.drafted_per_depth = [sum(1 for m in s.step_drafted if m >= d) for d in range(1, max_d + 1)]
-        st.accepted_per_depth = [sum(1 for d2 in s.out_depths if d2 == d) for d in range(1, max_d + 1)]
-        st.t_generate_us = t_end - s.t_gen0_us if s.t_gen0_us else 0.0
-        st.t_total_us = t_end - job.t_submit_us
-        if s.drafter is not None:
-            s.drafter.close()
-        if s.calib is not None:
-            self.policy.calibration.end_request(s.calib)
-        s.sampler.close()
-        job.result = GenerationResult(
-            text=s.assembler.text,
-            token_ids=list(s.out_tokens),
-            finish_reason=reason,
-            stop=s.stop_name,
-            sources=list(s.out_sources),
-            logprobs=list(s.out_logprobs) if s.sampler.params.logprobs is not None else None,
-            stats=st,
-        )
-        if tail and job.on_chunk is not None:
-            self._call_sink(s, StreamChunk(tail, -1, TokenSource.DECODE, st.n_steps))
+        g = s.gen
+        g.stats.n_redecoded_tokens = s.kv.n_redecoded
+        tail = g.finish(reason)
+        if g.drafter is not None:
+            g.drafter.close()
+        if g.calibration is not None:
+            self.policy.calibration.end_request(g.calibration)
+        job.result = g.result
+        if tail is not None and job.on_chunk is not None:
+            self._call_sink(s, tail)
         job._set_done()
 
 
-def generate_batch(engine: Engine, prompts: Sequence[str | Sequence[int]], *, parallel: int = 4,
+def generate_batch(engine: "Engine", prompts: Sequence[str | Sequence[int]], *, parallel: int = 4,
                    max_tokens: int | Sequence[int] = 256, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                    stop: Sequence[str] = (), speculative: bool = True, n_ctx: int | None = None,
                    return_exceptions: bool = False,

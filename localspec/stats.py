@@ -116,6 +116,25 @@ class GenerationStats:
         """Everything in the generation loop except target decodes."""
         return self.t_draft_us + self.t_verify_us + self.t_other_us
 
+    def finalise(self, sources, depths, step_drafted, *, t_gen0_us: float, t_end_us: float, t_start_us: float) -> None:
+        """Fill the per-request totals at the end of a generation.
+
+        Args:
+            sources: ``TokenSource`` of each emitted token (after any stop cut).
+            depths: depth of each emitted token (0 unless an accepted draft).
+            step_drafted: the depth of each step's verified tree.
+            t_gen0_us / t_end_us / t_start_us: first step, end, arrival (µs; ``t_gen0_us``
+                0 when no step ran).
+        """
+        self.n_generated_tokens = len(sources)
+        self.token_sources = count_sources(sources)
+        self.num_accepted_tokens = sum(1 for s in sources if TokenSource(s).is_draft)
+        max_d = max(step_drafted, default=0)
+        self.drafted_per_depth = [sum(1 for m in step_drafted if m >= d) for d in range(1, max_d + 1)]
+        self.accepted_per_depth = [sum(1 for x in depths if x == d) for d in range(1, max_d + 1)]
+        self.t_generate_us = t_end_us - t_gen0_us if t_gen0_us and (sources or self.n_steps) else 0.0
+        self.t_total_us = t_end_us - t_start_us
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(

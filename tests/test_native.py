@@ -437,23 +437,43 @@ def test_plain_c_loops_give_the_same_answers(tmp_path):
 
 
 @needs_native
-def test_engine_logprobs_match_the_numpy_reference(rng):
-    """Engine._logprobs on the C kernels (rows_logsumexp, top_k) equals the numpy reference:
+def test_token_logprobs_match_the_numpy_reference(rng):
+    """token_logprobs on the C kernels (rows_logsumexp, top_k) equals the numpy reference:
     the same top ids in the same order (ties by id), values to 1e-9."""
-    from types import SimpleNamespace
-
-    from localspec.engine import Engine
+    from localspec.results import token_logprobs
 
     logits = gemma_like_rows(rng, 4, 262_144)  # [4, n_vocab] float32
     logits[2, 7] = logits[2, 9] = logits[2].max() + 1.0  # a tie at the top
-    res = SimpleNamespace(rows=[0, 2, 3], tokens=[5, 9, 11])
+    rows, tokens = [0, 2, 3], [5, 9, 11]
     with native.use(True):
-        fast = Engine._logprobs(logits, res, 5)
+        fast = token_logprobs(logits, rows, tokens, 5)
     with native.use(False):
-        ref = Engine._logprobs(logits, res, 5)
+        ref = token_logprobs(logits, rows, tokens, 5)
     for a, b in zip(fast, ref, strict=True):
         assert a.token == b.token
         assert a.logprob == pytest.approx(b.logprob, abs=1e-9)
         assert [i for i, _ in a.top] == [i for i, _ in b.top]
         assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-9)
     assert [i for i, _ in ref[1].top][:2] == [7, 9]
+
+
+@needs_native
+def test_one_top_k_rule_with_ties_at_the_kth_place():
+    """Logits tied at the k-th place: the C kernel and the numpy reference both keep the lower
+    ids (a plain argpartition + lexsort keeps whichever of the tied ids the partition left in,
+    the defect this rule replaced); the logprobs' top lists agree with both."""
+    from localspec.results import token_logprobs
+    from localspec.sampling import _top_sorted, top_k
+
+    x = np.full(1000, -5.0, dtype=np.float32)
+    x[[3, 10]] = 4.0
+    x[[900, 17, 500, 42]] = 2.0  # four ids tied at places 3..6
+    want = [3, 10, 17, 42]  # top-4: the two largest, then the lowest tied ids
+    with native.use(True):
+        assert top_k(x, 4).tolist() == want
+        fast = token_logprobs(x[None, :], [0], [3], 4)
+    with native.use(False):
+        assert top_k(x, 4).tolist() == want
+        ref = token_logprobs(x[None, :], [0], [3], 4)
+    assert _top_sorted(x, 4).tolist() == want
+    assert [i for i, _ in fast[0].top] == [i for i, _ in ref[0].top] == want

@@ -8,7 +8,8 @@ import pytest
 from conftest import fixed_cost_model
 from localspec import SamplingParams
 from localspec.errors import ContextOverflowError, InvalidRequestError
-from localspec.scheduler import BatchScheduler, allocate_nodes
+from localspec.policy import allocate_nodes as _allocate
+from localspec.scheduler import BatchScheduler
 from localspec.tree import TokenTree
 
 PROMPTS = [
@@ -30,6 +31,10 @@ def cost(b: int) -> float:
 def saturating(b: int) -> float:
     """A GPU-like step cost: flat up to 8 tokens (the hardware is not full), then linear."""
     return 10000.0 * max(1.0, b / 8) + 1000.0
+
+
+def allocate_nodes(*args, **kwargs) -> list[int]:
+    return _allocate(*args, **kwargs).sizes
 
 
 def test_speculation_fades_as_the_batch_fills():

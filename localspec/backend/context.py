@@ -312,6 +312,21 @@ class Context:
         """Largest position held for ``seq_id`` (-1 when it holds none)."""
         return int(lib.llama_memory_seq_pos_max(self.mem, seq_id))
 
+    def expect_positions(self, seq_id: int, n: int, what: str, *, lo: int = 0) -> None:
+        """The one KV range check: raise ``KVCacheError`` unless ``seq_id`` holds exactly the
+        positions ``[lo, lo + n)`` (nothing when ``n == 0``); ``what`` names the sequence in
+        the message. llama.cpp's own return values are not trusted (``seq_rm`` returns true
+        even when a window-sized SWA cache has already dropped the cells a rollback needs)."""
+        got = (self.pos_min(seq_id), self.pos_max(seq_id))
+        want = (lo, lo + n - 1) if n else (-1, -1)
+        if got != want:
+            from ..errors import KVCacheError
+
+            raise KVCacheError(
+                f"{what}: KV positions [{got[0]}, {got[1]}] held, expected [{want[0]}, {want[1]}]; "
+                "a rollback lost cells (is the context created with swa_full=True?)"
+            )
+
     def clear(self) -> None:
         """Empty the whole KV cache."""
         lib.llama_memory_clear(self.mem, True)

@@ -17,7 +17,6 @@ its own) and checks through ``llama_memory_seq_pos_max`` that nothing is left.
 
 from __future__ import annotations
 
-from ..errors import KVCacheError
 from .context import Context
 
 
@@ -59,6 +58,5 @@ class SeqSlots:
         for seq in self._used:
             self.ctx.seq_rm(seq, -1, -1)
         for seq in self._used:
-            if self.ctx.pos_max(seq) != -1:
-                raise KVCacheError(f"draft slot {seq} still holds cells after release")
+            self.ctx.expect_positions(seq, 0, f"draft slot {seq} after release")
         self._used = []

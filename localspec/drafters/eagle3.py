@@ -55,7 +55,7 @@ from ..backend import Model
 from ..backend.model import gguf_tensor
 from ..backend._llama import ext, model_target_layer_ids, model_target_layer_ids_n
 from ..backend.batch_ext import ExtBatch
-from ..errors import KVCacheError, ModelLoadError
+from ..errors import ModelLoadError
 from ..policy import TreeShape
 from ..tree import TokenSource, TreeBuilder
 from .base import TargetHandle
@@ -223,10 +223,8 @@ class Eagle3Drafter(ModelDrafter):
         return self.ctx is not None and root_pos >= 1 and self.n_target_features >= root_pos
 
     def check_cache(self) -> None:
-        lo, hi = self.ctx.pos_min(0), self.ctx.pos_max(0)
-        want = (self.kv_first, self.kv_len - 1) if self.kv_len > self.kv_first else (-1, -1)
-        if (lo, hi) != want:
-            raise KVCacheError(f"EAGLE-3 head KV holds positions [{lo}, {hi}], expected {list(want)}")
+        n = max(0, self.kv_len - self.kv_first)
+        self.ctx.expect_positions(0, n, "the EAGLE-3 head's KV", lo=self.kv_first if n else 0)
 
     def close(self) -> None:
         if getattr(self, "batch", None) is not None:

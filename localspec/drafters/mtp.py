@@ -69,7 +69,7 @@ from ..backend import Model
 from ..backend._llama import ext, lib
 from ..backend.batch_ext import ExtBatch
 from ..backend.features import NEXTN_FEATURES
-from ..errors import KVCacheError, ModelLoadError
+from ..errors import ModelLoadError
 from ..policy import ModelDraftStats, TreeShape
 from ..tree import TokenSource, TreeBuilder
 from .base import TargetHandle
@@ -289,10 +289,7 @@ class MtpDrafter(ModelDrafter):
 
     def check_cache(self) -> None:
         """Raise ``KVCacheError`` unless the MTP KV seq 0 holds exactly ``[0, kv_len)``."""
-        lo, hi = self.ctx.pos_min(0), self.ctx.pos_max(0)
-        want = (0, self.kv_len - 1) if self.kv_len else (-1, -1)
-        if (lo, hi) != want:
-            raise KVCacheError(f"MTP KV holds positions [{lo}, {hi}], expected {list(want)}")
+        self.ctx.expect_positions(0, self.kv_len, "the MTP block's KV")
 
     def close(self) -> None:
         if getattr(self, "batch", None) is not None:

@@ -41,7 +41,7 @@ from typing import Protocol
 import numpy as np
 
 from ..policy import AcceptanceTracker, TreeShape
-from ..sampling import STREAM_DRAFT, LogitsProcessor, SamplingParams, gumbel_noise, stream_key, uniforms
+from ..sampling import STREAM_DRAFT, LogitsProcessor, SamplingParams, gumbel_noise, stream_key, top_k, uniforms
 from .. import native
 from ..native import rows as native_rows
 from ..tree import SparseDist, TokenSource, TokenTree, TreeBuilder
@@ -194,28 +194,16 @@ class DraftChildSelector:
 
 
 def _top_k_children(z: np.ndarray, k: int) -> Children:
-    """Top-k of ``z`` ([m] float, ``-inf`` = impossible; ties: lower index) with softmax(z) as
-    confidence. float32 rows go through the C kernels (``native.rows.top_k`` and
-    ``logsumexp``) when they are on; the numpy code below is their reference."""
-    if native.enabled() and z.dtype == np.float32:
-        top = native_rows.top_k(z, k)
-        if top.size == 0:
-            return Children(np.zeros(0, dtype=np.int64), np.zeros(0))
-        lse = native_rows.logsumexp(z)
-        return Children(top, np.exp(z[top].astype(np.float64) - lse))
-    if k == 1:
-        top = np.array([int(np.argmax(z))])
-    else:
-        k = min(k, z.size)
-        thr = z[np.argpartition(-z, k - 1)[k - 1]]  # the k-th largest value
-        above = np.flatnonzero(z > thr)
-        top = np.concatenate([above, np.flatnonzero(z == thr)[: k - above.size]])  # ties: lower ids
-        top = top[np.lexsort((top, -z[top]))]
-    top = top[np.isfinite(z[top])]
+    """Top-k of ``z`` ([m] float, ``-inf`` = impossible; ties: lower index, ``sampling.top_k``)
+    with softmax(z) as confidence (logsumexp in float64, by the C kernel when it is built)."""
+    top = top_k(z, k)
     if top.size == 0:
         return Children(np.zeros(0, dtype=np.int64), np.zeros(0))
-    m = float(z[top[0]])
-    lse = m + float(np.log(np.sum(np.exp(z - m), dtype=np.float64)))  # exp(-inf) = 0
+    if native.enabled() and z.dtype == np.float32:
+        lse = native_rows.logsumexp(z)
+    else:
+        m = float(z[top[0]])
+        lse = m + float(np.log(np.sum(np.exp(z - m), dtype=np.float64)))  # exp(-inf) = 0
     return Children(top.astype(np.int64), np.exp(z[top].astype(np.float64) - lse))
 
 

@@ -1,0 +1,334 @@
+"""The speculative step, written once, for one request or many.
+
+::
+
+    for each request:  cheap drafts -> the policy's plan -> the model's drafts, if planned
+    all requests:      one node budget (SpeculationPolicy.allocate)
+    ONE llama_decode:  every request's pending tokens and tree (+ prompt pieces)
+    for each request:  verify -> commit its KV -> feed the drafter back -> emit
+
+``Engine`` runs it over a list of one request, ``BatchScheduler`` over its active slots with
+the prompt pieces of the requests still prefilling in the same batch. A request is a
+``Generation`` (its state) with a ``SequenceCache`` (its KV sequence); neither caller
+verifies, commits or emits by itself.
+
+Drafters that read the target (EAGLE-3 heads and MTP blocks: ``target_feature_layers``; Medusa
+heads: ``target_final_norm``) get their rows here: the context's tap captures one row per
+batch token (``FeatureTap``, ``NextnTap``) or per logits row (``FinalNormTap``), and each
+request receives the rows of its own committed tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .backend import Batch, Context, SequenceCache
+from .backend.features import FeatureTap, FinalNormTap
+from .backend.kv import TreeRows
+from .drafters import Drafter
+from .generation import Generation, now_us
+from .policy import SpeculationPolicy
+from .results import StreamChunk, token_logprobs
+from .tree import TokenTree
+from .verify import verify
+
+
+def feature_layers(drafter: Drafter | None) -> tuple | None:
+    """The target layers whose inputs ``drafter`` reads (EAGLE-3; ``(NEXTN_FEATURES,)``: MTP),
+    or None."""
+    layers = getattr(drafter, "target_feature_layers", None)
+    return tuple(k if isinstance(k, str) else int(k) for k in layers) if layers else None
+
+
+def reads_final_norm(drafter: Drafter | None) -> bool:
+    """Whether ``drafter`` reads the target's final hidden states (Medusa heads)."""
+    return bool(getattr(drafter, "target_final_norm", False))
+
+
+@dataclass
+class Entry:
+    """A request on the step: its state and its KV sequence."""
+
+    gen: Generation
+    kv: SequenceCache
+
+
+@dataclass
+class Piece:
+    """Prompt tokens of a request still prefilling, decoded (without logits) in a step's batch."""
+
+    entry: Entry
+    n: int
+
+
+@dataclass
+class Proposal:
+    """One request's drafting for a step.
+
+    Attributes:
+        candidate: the drafter's tree as proposed (what ``observe`` learns from); the root
+            alone when nothing was drafted; None without a drafter.
+        tree: the tree to verify (root included, best-first DFS order).
+        t_draft_us: what drafting cost (µs).
+        plan_nodes: the size the request's own plan chose (root included).
+        max_nodes: the largest tree it may verify.
+        model_step: True when a model drafted this step (its plan's size is kept).
+    """
+
+    candidate: TokenTree | None
+    tree: TokenTree
+    t_draft_us: float = 0.0
+    plan_nodes: int = 1
+    max_nodes: int = 1
+    model_step: bool = False
+
+
+@dataclass
+class StepTimes:
+    """Where one step's time went (µs): drafting, the decode, verification per request."""
+
+    t_start: float = 0.0
+    t_decode0: float = 0.0
+    t_decode1: float = 0.0
+    verify_us: list[float] = field(default_factory=list)
+
+
+class Step:
+    """Runs steps over lists of requests on one target context.
+
+    Args:
+        ctx: the target context.
+        policy: the ``SpeculationPolicy`` (cost model, allocation, calibration).
+        max_tree_nodes: largest tree of one request (root included).
+        capacity: most tokens one batch holds.
+        n_seq_cols: most sequence ids one token of a batch carries.
+        adaptive: False verifies every proposed tree up to its limits (tests, experiments).
+        tap: the context's ``FeatureTap`` / ``NextnTap`` (drafters reading layer features).
+        norm_tap: the context's ``FinalNormTap`` (Medusa heads).
+    """
+
+    def __init__(self, ctx: Context, policy: SpeculationPolicy, *, max_tree_nodes: int, capacity: int,
+                 n_seq_cols: int, adaptive: bool = True, tap: FeatureTap | None = None,
+                 norm_tap: FinalNormTap | None = None) -> None:  # fmt: skip
+        self.ctx = ctx
+        self.policy = policy
+        self.max_tree_nodes = int(max_tree_nodes)
+        self.adaptive = adaptive
+        self.tap = tap
+        self.norm_tap = norm_tap
+        self.batch = Batch(capacity, max(1, n_seq_cols))
+
+    # -- propose ------------------------------------------------------------------------------
+
+    def propose(self, entries: Sequence[Entry], *, n_fixed: int = 0) -> list[Proposal]:
+        """Every request's tree for this step: its drafts, then one node budget across them."""
+        props = [self._propose_one(e) for e in entries]
+        if len(props) > 1 and self.adaptive:
+            cands = [p.candidate if p.candidate is not None and not p.model_step else None for p in props]
+            sizes = self.policy.allocate(
+                cands,
+                max_nodes=[p.max_nodes for p in props],
+                calibrations=[e.gen.calibration for e in entries],
+                n_fixed=n_fixed,
+                t_draft_us=sum(p.t_draft_us for p in props),
+            )
+            sizes = [p.plan_nodes if p.model_step else n for p, n in zip(props, sizes)]
+        else:
+            sizes = [p.plan_nodes for p in props]
+        for e, p, n in zip(entries, props, sizes):
+            p.tree = self._verified_tree(e, p.candidate, n)
+        return props
+
+    def _propose_one(self, e: Entry) -> Proposal:
+        """The request's drafting, decided once: the cheap drafts (``propose``), its plan
+        (``SpeculationPolicy.plan``: whether a model drafts, in which shape, how much to
+        verify), the model's drafts only if planned (``extend``), cut to what the remaining
+        token budget and the free context allow."""
+        g = e.gen
+        d = g.drafter
+        root = g.root
+        max_depth, max_nodes = g.limits(e.kv.n_free, self.max_tree_nodes)
+        if d is None:
+            return Proposal(None, TokenTree.root_only(root))
+        if max_depth <= 0 or max_nodes <= 1:
+            t = TokenTree.root_only(root)
+            return Proposal(t, t)
+        t0 = now_us()
+        cand = self._clip(d, d.propose(max_depth, max_nodes), root, max_depth, g.draft_limits)
+        model = getattr(d, "model_stats", None)
+        plan = self.policy.plan(
+            cand,
+            model,
+            max_nodes=max_nodes,
+            max_depth=max_depth,
+            t_draft_us=now_us() - t0,
+            fixed_shape=getattr(d, "fixed_shape", None),
+            adaptive=self.adaptive,
+            calibration=g.calibration,
+        )
+        if plan.shape is not None:
+            cand = self._clip(d, d.extend(plan.shape), root, max_depth, g.draft_limits)
+            self.policy.cost.observe_draft_levels(model.last_level_us)
+        cap = max_nodes
+        if self.adaptive and g.calibration is not None:
+            cap = min(cap, g.calibration.trust_nodes())
+        return Proposal(cand, cand, now_us() - t0, min(plan.n_nodes, max_nodes), cap, plan.shape is not None)
+
+    @staticmethod
+    def _clip(drafter: Drafter, cand: TokenTree, root: int, max_depth: int, limits) -> TokenTree:
+        if cand.n_nodes > 1 and int(cand.token_ids[0]) != root:
+            raise RuntimeError(f"drafter {drafter.name} proposed a tree rooted at {cand.token_ids[0]}, not {root}")
+        if cand.max_depth() > max_depth:
+            cand = cand.subtree(cand.depth <= max_depth)
+        if limits is not None:
+            cand = limits.apply(cand)
+        return cand
+
+    def _verified_tree(self, e: Entry, cand: TokenTree | None, n: int) -> TokenTree:
+        """The best ``n`` nodes of ``cand`` (root included), cut until their leaves fit in the
+        request's scratch sequences, in best-first DFS order; the root alone when ``n <= 1``."""
+        if cand is None or n <= 1 or cand.n_nodes <= 1:
+            return TokenTree.root_only(e.gen.root)
+        tree = cand.best_subtree(n) if n < cand.n_nodes else cand
+        while tree.n_nodes > 1 and not tree.is_chain() and tree.leaves().size > e.kv.n_scratch:
+            tree = tree.best_subtree(tree.n_nodes - 1)
+        return tree.best_first_dfs() if tree.n_nodes > 1 else TokenTree.root_only(e.gen.root)
+
+    # -- one batch ----------------------------------------------------------------------------
+
+    def run(self, entries: Sequence[Entry], pieces: Sequence[Piece] = (), *, on_decoded=None) -> list[list[StreamChunk]]:
+        """One step: propose for every request of ``entries``, decode their trees and the
+        prompt ``pieces`` in one batch, then verify, commit, feed back and emit each.
+
+        Returns the chunks each request emitted (a request whose verification raised ends
+        with ``finish("error")`` and its ``gen.error`` set; the others go on).
+        ``on_decoded(t_us)``, when given, is called right after the decode.
+
+        Raises:
+            DecodeError / KVCacheError: the batch failed (every request's KV is as before the
+                step; the prompt pieces were not decoded).
+        """
+        times = StepTimes(t_start=now_us())
+        n_fixed = sum(len(e.kv.pending) for e in entries)
+        props = self.propose(entries, n_fixed=n_fixed)
+        rows: list[TreeRows] = []
+        try:
+            for e, p in zip(entries, props):
+                rows.append(e.kv.rows(p.tree))
+            n_tokens = self._fill(pieces, rows)
+            times.t_decode0 = now_us()
+            self.ctx.decode(self.batch)
+        except BaseException:
+            for e, r in zip(entries, rows):
+                e.kv.drop(r.lay)
+            self._clear_taps()
+            raise
+        logits = self.ctx.logits()
+        times.t_decode1 = now_us()
+        if on_decoded is not None:
+            on_decoded(times.t_decode1)
+        f_rows = self.tap.take() if self.tap is not None else None  # [n_tokens, F], batch order
+        h_rows = self.norm_tap.take() if self.norm_tap is not None else None  # [n_outputs, n_embd]
+        tok_off = 0
+        for pc in pieces:
+            self._feed_prompt(pc.entry, pc.n, f_rows, tok_off)
+            pc.entry.kv.advance(pc.n)
+            tok_off += pc.n
+        out: list[list[StreamChunk]] = []
+        row_off = 0
+        for e, p, r in zip(entries, props, rows):
+            n = p.tree.n_nodes
+            f = f_rows[tok_off : tok_off + r.n_pending + n] if f_rows is not None else None
+            h = h_rows[row_off : row_off + n] if h_rows is not None and h_rows.shape[0] >= row_off + n else None
+            out.append(self._finish_one(e, p, r, logits[row_off : row_off + n], f, h, times))
+            tok_off += r.n_pending + n
+            row_off += n
+        if not pieces:  # the cost model prices rows with logits; a step with prompt rows is no sample of it
+            t_end = now_us()
+            t_decode = times.t_decode1 - times.t_decode0
+            t_draft = sum(p.t_draft_us for p in props)
+            self.policy.observe_step(n_tokens, t_decode, max(0.0, (t_end - times.t_start) - t_decode - t_draft))
+        return out
+
+    def _fill(self, pieces: Sequence[Piece], rows: Sequence[TreeRows]) -> int:
+        """Put the prompt pieces (sequence ``base``, no logits) and every request's rows into
+        the batch; returns the number of tokens."""
+        k = max([r.seq_sets.shape[1] for r in rows] + [1])
+        toks, pos, seqs, nseq, outp = [], [], [], [], []
+        for pc in pieces:
+            t, p = pc.entry.kv.prompt_rows(pc.n)
+            s = np.zeros((pc.n, k), dtype=np.int32)
+            s[:, 0] = pc.entry.kv.base
+            toks.append(t), pos.append(p), seqs.append(s)
+            nseq.append(np.ones(pc.n, dtype=np.int32)), outp.append(np.zeros(pc.n, dtype=np.int8))
+        for r in rows:
+            s = np.zeros((r.tokens.size, k), dtype=np.int32)
+            s[:, : r.seq_sets.shape[1]] = r.seq_sets
+            toks.append(r.tokens), pos.append(r.pos), seqs.append(s), nseq.append(r.n_seq), outp.append(r.output)
+        if len(toks) == 1:
+            self.batch.set_tree(toks[0], pos[0], seqs[0], nseq[0], outp[0])
+        else:
+            self.batch.set_tree(np.concatenate(toks), np.concatenate(pos), np.concatenate(seqs), np.concatenate(nseq),
+                                np.concatenate(outp))  # fmt: skip
+        return int(self.batch.n_tokens)
+
+    def _clear_taps(self) -> None:
+        if self.tap is not None:
+            self.tap.clear()
+        if self.norm_tap is not None:
+            self.norm_tap.clear()
+
+    # -- per request --------------------------------------------------------------------------
+
+    def _finish_one(self, e: Entry, p: Proposal, r: TreeRows, logits: np.ndarray, f_rows, h_rows,
+                    times: StepTimes) -> list[StreamChunk]:  # fmt: skip
+        """Verify the request's tree against its logits rows ([n_nodes, n_vocab] float32),
+        commit its KV, feed its drafter back and emit its tokens."""
+        g, kv, tree = e.gen, e.kv, p.tree
+        t2 = now_us()
+        if not g.t_gen0_us:
+            g.t_gen0_us = times.t_start
+        n_past0 = kv.n_past
+        cursor = g.state.cursor(kv.root_pos + 1)
+        try:
+            res = verify(tree, logits, cursor)
+        except Exception as err:  # e.g. a grammar with no way on: keep the history, drop the drafts
+            kv.commit(tree, r.lay, [])
+            g.error = err
+            g.finish("error")
+            return []
+        finally:
+            cursor.close()
+        want = g.want_logprobs
+        lps = token_logprobs(logits, res.rows, res.tokens, want) if want is not None else None
+        t3 = now_us()
+        kv.commit(tree, r.lay, res.path)
+        d = g.drafter
+        if d is not None:
+            if f_rows is not None and feature_layers(d):  # the committed rows: pending tokens, root, accepted path
+                keep = list(range(r.n_pending + 1)) + [r.n_pending + int(x) for x in res.path]
+                d.add_target_features(n_past0, f_rows[keep])
+            d.observe(p.candidate, res.tokens)
+            d.accept(res.tokens)
+            if h_rows is not None and reads_final_norm(d):
+                # the row that produced the last emitted token: it predicts the next root
+                d.set_final_hidden(kv.root_pos - 1, h_rows[res.rows[-1]])
+        g.state.commit(res.tokens)
+        if g.calibration is not None:  # every step, so that plain steps age the evidence
+            g.calibration.observe(np.asarray(tree.score[1:], dtype=np.float64), len(res.path))
+        chunks = g.emit(tree, res, lps)
+        st = g.stats
+        st.t_draft_us += p.t_draft_us
+        st.t_decode_us += times.t_decode1 - times.t_decode0
+        st.t_verify_us += t3 - t2
+        st.t_other_us += now_us() - t3
+        return chunks
+
+    def _feed_prompt(self, e: Entry, n: int, f_rows, off: int) -> None:
+        """A drafter reading layer features gets the rows of the prompt tokens just decoded."""
+        d = e.gen.drafter
+        if f_rows is not None and d is not None and feature_layers(d):
+            d.add_target_features(e.kv.n_past, f_rows[off : off + n])
