@@ -19,7 +19,7 @@ from dataclasses import replace
 from .backend import Context, Model, SequenceCache
 from .costmodel import CostModel, calibrate
 from .backend.features import FeatureTap, FinalNormTap, make_feature_tap
-from .drafters import Drafter, TargetHandle, make_drafter
+from .drafters import Drafter, TargetHandle, resolve_drafter
 from .errors import ContextOverflowError, DecodeError, InvalidRequestError
 from .generation import Generation, now_us
 from .policy import SpeculationPolicy, TreeShape
@@ -257,42 +257,22 @@ class Engine:
                 old.close()
 
     def _new_drafter(self, drafter: str | Drafter | None, **options) -> Drafter | None:
-        options = {k: v for k, v in options.items() if v is not None}
-        # eagle3 and auto without a head (nor, for auto, a draft model): the head shipped for
-        # this target, if any (auto without one drafts n-grams only)
-        models = {"eagle", "draft_model", "medusa"}
-        if (drafter == "eagle3" and "eagle" not in options) or (drafter == "auto" and not models & set(options)):
-            from .models.eagle3_heads import shipped_head
-
-            head = shipped_head(self.model.path)
-            if head is not None:
-                options["eagle"] = head
-        if drafter == "auto" and not models & set(options):
-            from .drafters.mtp import mtp_capable
-
-            if mtp_capable(self.model):  # auto on a target with MTP blocks: n-gram + its MTP block
-                options["mtp"] = True
-        if drafter == "medusa" and "medusa" not in options:
-            from .models.eagle3_heads import shipped_head
-
-            heads = shipped_head(self.model.path, kind="medusa")
-            if heads is not None:
-                options["medusa"] = heads
+        """A drafter by name (``resolve_drafter``, remembered in ``drafter_spec`` so that
+        batches make the same drafter per request) or the object itself."""
         if isinstance(drafter, (str, type(None))):
-            new = make_drafter(drafter, **options)
-        elif options:
-            raise InvalidRequestError(f"options {', '.join(sorted(options))} apply to drafter names, not to a drafter object")
-        else:
-            new = drafter
-        check = getattr(new, "check_target", None)  # e.g. MTP: refuse a target without MTP blocks
-        if check is not None:  # before anything changes, so a refused drafter loses nothing
-            try:
-                check(self.model)
-            except BaseException:
-                if new is not drafter:
-                    new.close()
-                raise
-        return new
+            new = resolve_drafter(drafter, self.model, **options)
+            self._next_spec = (drafter, {k: v for k, v in options.items() if v is not None})
+            return new
+        if any(v is not None for v in options.values()):
+            raise InvalidRequestError(
+                f"options {', '.join(sorted(k for k, v in options.items() if v is not None))} apply to drafter names, "
+                "not to a drafter object"
+            )
+        check = getattr(drafter, "check_target", None)
+        if check is not None:
+            check(self.model)
+        self._next_spec = None
+        return drafter
 
     def _make_context(self, feature_layers: tuple[int, ...] | None, final_norm: bool = False) -> None:
         """(Re)create the target context, with a ``FeatureTap`` when ``feature_layers`` is set,
@@ -330,6 +310,7 @@ class Engine:
                 drafter.close()
                 raise
         self.drafter = drafter
+        self.drafter_spec = getattr(self, "_next_spec", None)
         self.cost_model.reset_draft()  # the draft levels measured were the old drafter's
 
     @property

@@ -59,7 +59,8 @@ import numpy as np
 
 from .backend import Context, Model, SequenceCache
 from .costmodel import CostModel, calibrate
-from .drafters import make_drafter
+from .backend.features import FinalNormTap, make_feature_tap
+from .drafters import TargetHandle, resolve_drafter
 from .errors import ContextOverflowError, InvalidRequestError
 from .generation import Generation, now_us
 from .policy import SpeculationPolicy
@@ -67,15 +68,13 @@ from .request_state import RequestState
 from .results import GenerationResult, StreamChunk
 from .sampling import SamplingParams
 from .stats import GenerationStats
-from .step import Entry, Piece, Step
+from .step import Entry, Piece, Step, feature_layers, reads_final_norm
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine
 
 log = logging.getLogger("localspec.scheduler")
 
-BATCH_DRAFTERS = ("ngram", "none")
-"""Drafters the batched scheduler runs (one fresh instance per request)."""
 
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ
 
@@ -211,7 +210,10 @@ class BatchScheduler:
         model: a loaded ``Model`` (shared, not closed here).
         parallel: most requests decoded together (slots).
         n_ctx: tokens one request may hold (prompt + generated).
-        drafter: ``"ngram"`` or ``"none"`` (one fresh drafter per request).
+        drafter: a drafter name (``localspec.drafters``: ``"none"``, ``"ngram"``, ``"draft"``,
+            ``"eagle3"``, ``"medusa"``, ``"mtp"``, ``"auto"``); each slot makes its own with
+            ``drafter_options`` (``resolve_drafter``) and keeps it from request to request.
+        drafter_options: the drafter's options (``draft_model``, ``eagle``, ``medusa``, ...).
         max_tree_nodes: largest tree of one request (root included).
         cost_model: the target's decode cost; default: the engine's calibration (cached).
         n_threads: CPU threads (default: all available, at most 16).
@@ -227,19 +229,15 @@ class BatchScheduler:
     drive it with ``run_until_idle()`` (offline batches). ``close()`` ends it.
 
     Raises:
-        InvalidRequestError: a drafter the scheduler does not run, or bad sizes.
+        InvalidRequestError / ModelLoadError / VocabMismatchError: a drafter that cannot be
+            made for this target, or bad sizes.
     """
 
     def __init__(self, model: Model, *, parallel: int = 4, n_ctx: int = 4096, drafter: str | None = "ngram",
                  max_tree_nodes: int = 32, cost_model: CostModel | None = None, n_threads: int | None = None,
                  adaptive: bool = True, flash_attn: bool | None = None, prompt_cache: int | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK) -> None:  # fmt: skip
+                 prefill_chunk: int = PREFILL_CHUNK, drafter_options: dict | None = None) -> None:  # fmt: skip
         drafter = drafter or "none"
-        if drafter not in BATCH_DRAFTERS:
-            raise InvalidRequestError(
-                f"drafter {drafter!r} cannot serve batched requests (it keeps per-request draft contexts); "
-                f"use one of {', '.join(BATCH_DRAFTERS)}, or --parallel 1 with `localspec generate`"
-            )
         if parallel < 1:
             raise InvalidRequestError(f"parallel must be >= 1, got {parallel}")
         if n_ctx < 16:
@@ -272,8 +270,14 @@ class BatchScheduler:
         self.prefill_chunk = int(prefill_chunk)
         n_batch = max(512, step_tokens, n_seq_max) + self.prefill_chunk
         self._ctx_args = dict(n_ctx=kv, n_batch=n_batch, n_seq_max=n_seq_max, n_threads=n_threads, flash_attn=flash_attn)
-        self.ctx = Context(model, **self._ctx_args)
-        self._ctx_generation = model.generation
+        self.drafter_options = dict(drafter_options or {})
+        self._drafters: list = [None] * self.parallel  # each slot's drafter, kept between requests
+        probe = resolve_drafter(drafter, model, **self.drafter_options) if drafter != "none" else None
+        self._reads = (feature_layers(probe), reads_final_norm(probe))  # what the context must tap
+        if probe is not None:
+            probe.close()
+        self._tap = self._norm_tap = None
+        self._make_context()
         self.kv_size = self.ctx.n_ctx
         self.n_batch = n_batch
         if cost_model is None:
@@ -372,6 +376,7 @@ class BatchScheduler:
         for s in list(self.slots):
             if s is not None:
                 self._finish(s, "cancelled")
+        self._close_drafters()
         self.ctx.close()
 
     def __enter__(self) -> "BatchScheduler":
@@ -446,8 +451,8 @@ class BatchScheduler:
         self._forget_kv()
         if lost:
             m.reload_if_lost()  # a no-op when another user of the model did it
-        self.ctx = Context(m, **self._ctx_args)
-        self._ctx_generation = m.generation
+        self._close_drafters()  # model drafters may borrow the old context's tensors
+        self._make_context()
 
     def step(self) -> None:
         """End cancelled / finished requests, admit waiting ones into the free slots, then run
@@ -534,7 +539,7 @@ class BatchScheduler:
 
     def _start(self, job: BatchJob, index: int, src: int | None, k: int) -> None:
         base = index * self.seqs_per_slot
-        drafter = make_drafter(self.drafter_name) if job.speculative and self.drafter_name != "none" else None
+        drafter = self._slot_drafter(index) if job.speculative else None
         state: RequestState = job._sampler  # type: ignore[attr-defined]
         gen = Generation(job.prompt, state, drafter,
                          calibration=self.policy.calibration.for_request() if drafter is not None else None,
@@ -549,6 +554,9 @@ class BatchScheduler:
             if hasattr(drafter, "set_sampling"):
                 drafter.set_sampling(state)
             drafter.begin(job.prompt)
+            if feature_layers(drafter):  # target features exist for what the slot's drafter has seen
+                k = min(k, drafter.n_target_features)
+                gen.stats.n_cached_tokens = k
         if k:
             # the cells of the shared prefix get this slot's sequence id too (no copy, no compute):
             # the same tokens at the same positions have the same KV bit for bit (exact kernels)
@@ -641,8 +649,48 @@ class BatchScheduler:
         """The step on the current context (made again when the context is)."""
         if self._step_obj is None or self._step_obj.ctx is not self.ctx:
             self._step_obj = Step(self.ctx, self.policy, max_tree_nodes=self.max_tree_nodes, capacity=self.n_batch,
-                                  n_seq_cols=max(self.seqs_per_slot, 1), adaptive=self.adaptive)  # fmt: skip
+                                  n_seq_cols=max(self.seqs_per_slot, 1), adaptive=self.adaptive, tap=self._tap,
+                                  norm_tap=self._norm_tap)  # fmt: skip
         return self._step_obj
+
+    def _make_context(self) -> None:
+        """(Re)create the target context with the tap its drafters read (``FeatureTap`` /
+        ``NextnTap`` for EAGLE-3 heads and MTP blocks, ``FinalNormTap`` for Medusa heads)."""
+        layers, norm = self._reads
+        self._tap = make_feature_tap(layers, self.model) if layers else None
+        self._norm_tap = FinalNormTap(self.model.n_embd) if norm else None
+        tap = self._tap or self._norm_tap
+        cb, ud = (tap.callback, tap.user_data) if tap is not None else (None, None)
+        self.ctx = Context(self.model, cb_eval=cb, cb_eval_user_data=ud, **self._ctx_args)
+        if hasattr(self._tap, "bind"):  # NextnTap: llama.cpp's nextn rows, read after each decode
+            self._tap.bind(self.ctx)
+        self._ctx_generation = self.model.generation
+
+    def _slot_drafter(self, index: int):
+        """Slot ``index``'s drafter, made and attached to the target on its first request (it
+        keeps its state from request to request, as the engine's drafter does), or None."""
+        if self.drafter_name == "none":
+            return None
+        d = self._drafters[index]
+        if d is None:
+            d = resolve_drafter(self.drafter_name, self.model, **self.drafter_options)
+            attach = getattr(d, "attach", None)
+            try:
+                if attach is not None:
+                    attach(TargetHandle(self.model, n_ctx=self.n_ctx_slot, n_threads=self.ctx.n_threads,
+                                        tensor_source=self.ctx, features=self._tap))  # fmt: skip
+            except BaseException:
+                d.close()
+                raise
+            self._drafters[index] = d
+        return d
+
+    def _close_drafters(self) -> None:
+        """Close every slot's drafter (made again on demand)."""
+        for i, d in enumerate(self._drafters):
+            if d is not None:
+                d.close()
+            self._drafters[i] = None
 
     def _decode_step(self, active: list[_Slot]) -> None:
         # prompts still prefilling, shortest first: a piece of each within this step's budget (the
@@ -716,8 +764,6 @@ class BatchScheduler:
         g = s.gen
         g.stats.n_redecoded_tokens = s.kv.n_redecoded
         tail = g.finish(reason)
-        if g.drafter is not None:
-            g.drafter.close()
         if g.calibration is not None:
             self.policy.calibration.end_request(g.calibration)
         job.result = g.result
@@ -735,7 +781,8 @@ def generate_batch(engine: "Engine", prompts: Sequence[str | Sequence[int]], *, 
     """``Engine.generate_batch``: generate every prompt, ``parallel`` at a time in one batch.
 
     Args:
-        engine: supplies the model, the drafter choice (``ngram`` or none) and the cost model.
+        engine: supplies the model, the drafter (its name and options: every slot makes its own)
+            and the cost model.
         prompts: texts (tokenised like ``Engine.generate``) or token-id lists.
         max_tokens / sampling: one value for all prompts, or one per prompt.
         n_ctx: tokens one request may hold (default: the engine's context, at most 4096).
@@ -757,14 +804,19 @@ def generate_batch(engine: "Engine", prompts: Sequence[str | Sequence[int]], *, 
     sp = [engine.with_thresholds(x or SamplingParams()) for x in sp]  # the engine's acceptance thresholds
     if len(mt) != n or len(sp) != n:
         raise InvalidRequestError("max_tokens / sampling lists must have one entry per prompt")
-    name = engine.drafter_name if speculative else "none"
-    if name not in BATCH_DRAFTERS:
-        raise InvalidRequestError(
-            f"generate_batch runs the n-gram drafter or none, not {name!r}; set_drafter('ngram') or speculative=False"
-        )
+    name, options = "none", {}
+    if speculative and engine.drafter is not None:
+        spec = engine.drafter_spec
+        if spec is None or spec[0] != engine.drafter_name:
+            raise InvalidRequestError(
+                f"generate_batch makes a drafter per request from a drafter name, and this engine's drafter "
+                f"{engine.drafter_name!r} is an object; set_drafter(NAME, ...) or speculative=False"
+            )
+        name, options = spec
     sched = BatchScheduler(engine.model, parallel=parallel, n_ctx=n_ctx or min(engine.n_ctx, 4096), drafter=name,
-                           max_tree_nodes=min(engine.max_tree_nodes, 32), cost_model=engine.cost_model,
-                           n_threads=engine.ctx.n_threads, adaptive=engine.adaptive)  # fmt: skip
+                           drafter_options=options, max_tree_nodes=min(engine.max_tree_nodes, 32),
+                           cost_model=engine.cost_model, n_threads=engine.ctx.n_threads,
+                           adaptive=engine.adaptive)  # fmt: skip
     out: list = [None] * n
     jobs: dict[int, BatchJob] = {}
     try:

@@ -124,7 +124,9 @@ class Step:
     # -- propose ------------------------------------------------------------------------------
 
     def propose(self, entries: Sequence[Entry], *, n_fixed: int = 0) -> list[Proposal]:
-        """Every request's tree for this step: its drafts, then one node budget across them."""
+        """Every request's tree for this step: its drafts and its own plan (``propose_one``),
+        then, for several requests, one node budget across them (``SpeculationPolicy.allocate``;
+        a request whose model drafted keeps its plan's size)."""
         props = [self._propose_one(e) for e in entries]
         if len(props) > 1 and self.adaptive:
             cands = [p.candidate if p.candidate is not None and not p.model_step else None for p in props]
@@ -135,67 +137,19 @@ class Step:
                 n_fixed=n_fixed,
                 t_draft_us=sum(p.t_draft_us for p in props),
             )
-            sizes = [p.plan_nodes if p.model_step else n for p, n in zip(props, sizes)]
-        else:
-            sizes = [p.plan_nodes for p in props]
-        for e, p, n in zip(entries, props, sizes):
-            p.tree = self._verified_tree(e, p.candidate, n)
+            for e, p, n in zip(entries, props, sizes):
+                if not p.model_step and n != p.plan_nodes:
+                    p.tree = self._verified_tree(e, p.candidate, n)
         return props
 
     def _propose_one(self, e: Entry) -> Proposal:
-        """The request's drafting, decided once: the cheap drafts (``propose``), its plan
-        (``SpeculationPolicy.plan``: whether a model drafts, in which shape, how much to
-        verify), the model's drafts only if planned (``extend``), cut to what the remaining
-        token budget and the free context allow."""
         g = e.gen
-        d = g.drafter
-        root = g.root
         max_depth, max_nodes = g.limits(e.kv.n_free, self.max_tree_nodes)
-        if d is None:
-            return Proposal(None, TokenTree.root_only(root))
-        if max_depth <= 0 or max_nodes <= 1:
-            t = TokenTree.root_only(root)
-            return Proposal(t, t)
-        t0 = now_us()
-        cand = self._clip(d, d.propose(max_depth, max_nodes), root, max_depth, g.draft_limits)
-        model = getattr(d, "model_stats", None)
-        plan = self.policy.plan(
-            cand,
-            model,
-            max_nodes=max_nodes,
-            max_depth=max_depth,
-            t_draft_us=now_us() - t0,
-            fixed_shape=getattr(d, "fixed_shape", None),
-            adaptive=self.adaptive,
-            calibration=g.calibration,
-        )
-        if plan.shape is not None:
-            cand = self._clip(d, d.extend(plan.shape), root, max_depth, g.draft_limits)
-            self.policy.cost.observe_draft_levels(model.last_level_us)
-        cap = max_nodes
-        if self.adaptive and g.calibration is not None:
-            cap = min(cap, g.calibration.trust_nodes())
-        return Proposal(cand, cand, now_us() - t0, min(plan.n_nodes, max_nodes), cap, plan.shape is not None)
-
-    @staticmethod
-    def _clip(drafter: Drafter, cand: TokenTree, root: int, max_depth: int, limits) -> TokenTree:
-        if cand.n_nodes > 1 and int(cand.token_ids[0]) != root:
-            raise RuntimeError(f"drafter {drafter.name} proposed a tree rooted at {cand.token_ids[0]}, not {root}")
-        if cand.max_depth() > max_depth:
-            cand = cand.subtree(cand.depth <= max_depth)
-        if limits is not None:
-            cand = limits.apply(cand)
-        return cand
+        return propose_one(self.policy, g.drafter, g.root, max_depth, max_nodes, adaptive=self.adaptive,
+                           calibration=g.calibration, limits=g.draft_limits, n_scratch=e.kv.n_scratch)  # fmt: skip
 
     def _verified_tree(self, e: Entry, cand: TokenTree | None, n: int) -> TokenTree:
-        """The best ``n`` nodes of ``cand`` (root included), cut until their leaves fit in the
-        request's scratch sequences, in best-first DFS order; the root alone when ``n <= 1``."""
-        if cand is None or n <= 1 or cand.n_nodes <= 1:
-            return TokenTree.root_only(e.gen.root)
-        tree = cand.best_subtree(n) if n < cand.n_nodes else cand
-        while tree.n_nodes > 1 and not tree.is_chain() and tree.leaves().size > e.kv.n_scratch:
-            tree = tree.best_subtree(tree.n_nodes - 1)
-        return tree.best_first_dfs() if tree.n_nodes > 1 else TokenTree.root_only(e.gen.root)
+        return verified_tree(cand, n, e.gen.root, e.kv.n_scratch)
 
     # -- one batch ----------------------------------------------------------------------------
 
@@ -332,3 +286,67 @@ class Step:
         d = e.gen.drafter
         if f_rows is not None and d is not None and feature_layers(d):
             d.add_target_features(e.kv.n_past, f_rows[off : off + n])
+
+
+def propose_one(policy: SpeculationPolicy, drafter: Drafter | None, root: int, max_depth: int, max_nodes: int, *,
+                adaptive: bool = True, calibration=None, limits=None, n_scratch: int | None = None) -> Proposal:  # fmt: skip
+    """One request's drafting for a step, decided once: the cheap drafts (``propose``), its
+    plan (``SpeculationPolicy.plan``: whether a model drafts, in which shape, how much to
+    verify), the model's drafts only if planned (``extend``), cut to ``max_depth`` and to
+    ``limits`` (``DraftLimits``); ``tree`` is what the request would verify alone.
+
+    Args:
+        policy: the step's policy; ``calibration`` the request's ``ScoreCalibration``.
+        drafter: the request's drafter (None: a plain step).
+        root: the last emitted token (the tree's root).
+        max_depth / max_nodes: what the step may verify (tokens still to emit, free cells).
+        n_scratch: the request's scratch sequences (leaves a tree may have).
+    """
+    if drafter is None:
+        return Proposal(None, TokenTree.root_only(root))
+    if max_depth <= 0 or max_nodes <= 1:
+        t = TokenTree.root_only(root)
+        return Proposal(t, t)
+    t0 = now_us()
+    cand = _clip(drafter, drafter.propose(max_depth, max_nodes), root, max_depth, limits)
+    model = getattr(drafter, "model_stats", None)
+    plan = policy.plan(
+        cand,
+        model,
+        max_nodes=max_nodes,
+        max_depth=max_depth,
+        t_draft_us=now_us() - t0,
+        fixed_shape=getattr(drafter, "fixed_shape", None),
+        adaptive=adaptive,
+        calibration=calibration,
+    )
+    if plan.shape is not None:
+        cand = _clip(drafter, drafter.extend(plan.shape), root, max_depth, limits)
+        policy.cost.observe_draft_levels(model.last_level_us)
+    cap = max_nodes
+    if adaptive and calibration is not None:
+        cap = min(cap, calibration.trust_nodes())
+    n = min(plan.n_nodes, max_nodes)
+    return Proposal(cand, verified_tree(cand, n, root, n_scratch), now_us() - t0, n, cap, plan.shape is not None)
+
+
+def _clip(drafter: Drafter, cand: TokenTree, root: int, max_depth: int, limits) -> TokenTree:
+    if cand.n_nodes > 1 and int(cand.token_ids[0]) != root:
+        raise RuntimeError(f"drafter {drafter.name} proposed a tree rooted at {cand.token_ids[0]}, not {root}")
+    if cand.max_depth() > max_depth:
+        cand = cand.subtree(cand.depth <= max_depth)
+    if limits is not None:
+        cand = limits.apply(cand)
+    return cand
+
+
+def verified_tree(cand: TokenTree | None, n: int, root: int, n_scratch: int | None = None) -> TokenTree:
+    """The best ``n`` nodes of ``cand`` (root included), cut until their leaves fit in
+    ``n_scratch`` scratch sequences, in best-first DFS order; the root alone when ``n <= 1``."""
+    if cand is None or n <= 1 or cand.n_nodes <= 1:
+        return TokenTree.root_only(root)
+    tree = cand.best_subtree(n) if n < cand.n_nodes else cand
+    if n_scratch is not None:
+        while tree.n_nodes > 1 and not tree.is_chain() and tree.leaves().size > n_scratch:
+            tree = tree.best_subtree(tree.n_nodes - 1)
+    return tree.best_first_dfs() if tree.n_nodes > 1 else TokenTree.root_only(root)

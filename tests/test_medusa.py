@@ -17,12 +17,11 @@ from conftest import fixed_cost_model
 from helpers import assert_same_as_plain
 from localspec import Engine, SamplingParams, native
 from localspec.drafters.medusa import MedusaCalibration, MedusaDrafter
-from localspec.engine import Engine as _Engine
 from localspec.errors import ModelLoadError, VocabMismatchError
 from localspec.models.medusa_gguf import MedusaWeights, read_medusa_gguf, untrained_heads, write_medusa_gguf
 from localspec.policy import TreeShape
 from localspec.tree import TokenTree
-from test_propose_rejection import EnumeratedDraftSampler, engine_shim, walk
+from test_propose_rejection import EnumeratedDraftSampler, engine_propose, engine_shim, walk
 from test_verify import VS, target_cond
 
 needs_native = pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels not built: {native.LOAD_ERROR}")
@@ -223,7 +222,7 @@ def synthetic_drafter(seed=3, shape=FULL_TREE) -> MedusaDrafter:
 
 def proposed(d, chooser, max_nodes):
     d.sampler = EnumeratedDraftSampler(REJECTION.with_seed(0), VS, (), chooser, d.d2t)
-    return _Engine._propose(engine_shim(max_nodes), d, HISTORY[-1], 8, 1000)
+    return engine_propose(engine_shim(max_nodes), d, HISTORY[-1], 8, 1000)
 
 
 def law_error(d, max_nodes):
@@ -274,7 +273,7 @@ def test_pruning_sampled_children_by_head_probability_is_caught(monkeypatch):
 
 
 def _steps_with_heads(costs_us: dict, n_steps: int = 100) -> tuple[int, int]:
-    """``n_steps`` adaptive steps of ``Engine._propose`` with the synthetic heads and a cost
+    """``n_steps`` adaptive steps of the step's ``propose_one`` with the synthetic heads and a cost
     model of ``costs_us``, the target accepting the first drafted child of every tree; the
     head computations made and the steps the drafter counts as drafted."""
     from localspec.costmodel import CostModel
@@ -283,13 +282,13 @@ def _steps_with_heads(costs_us: dict, n_steps: int = 100) -> tuple[int, int]:
     d = synthetic_drafter(shape=None)
     cost = CostModel(dict(costs_us))
     eng = SimpleNamespace(max_tree_nodes=8, adaptive=True, policy=SpeculationPolicy(cost, max_nodes=8),
-                          cost_model=cost, _clip=_Engine._clip)  # fmt: skip
+                          cost_model=cost)  # fmt: skip
     calls = []
     real = d.head_logits
     d.head_logits = lambda h: (calls.append(1), real(h))[1]
     g = np.random.default_rng(0)
     for _ in range(n_steps):
-        p = _Engine._propose(eng, d, d.history[-1], 8, 1000)
+        p = engine_propose(eng, d, d.history[-1], 8, 1000)
         emitted = ([int(p.tree.token_ids[1])] if p.tree.n_nodes > 1 else []) + [int(g.integers(VS))]
         d.observe(p.candidate, emitted)
         d.accept(emitted)
@@ -420,7 +419,7 @@ MEDUSA_SAMPLING = SamplingParams(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0,
 
 def test_shipped_heads_trees_through_the_engine_propose_path_are_exact(model):
     """The shipped heads draft 3 i.i.d. children of the root from head 1 at temperature 1
-    (top-k 2, classic rejection sampling) through ``Engine._propose`` with a node budget that
+    (top-k 2, classic rejection sampling) through the step's ``propose_one`` with a node budget that
     keeps 2 of them; every draw enumerated (8 trees), each verified on the target's real rows
     (restricted to the tokens with probability > 0, which changes no decision): the step's
     tokens, extended by plain decoding, follow the target's law to 1e-12 (as the EAGLE-3
@@ -456,7 +455,7 @@ def test_shipped_heads_trees_through_the_engine_propose_path_are_exact(model):
 
         def build(ch):
             d.sampler = EnumeratedDraftSampler(MEDUSA_SAMPLING.with_seed(0), model.n_vocab, model.suppress_tokens, ch, d.d2t)
-            prop = eng._propose(d, prompt[-1], 2, 256)  # depth 1
+            prop = engine_propose(eng, d, prompt[-1], 2, 256)  # depth 1
             assert prop.tree.n_nodes == 3 and prop.tree.is_stochastic(1)
             return prop.tree
 
@@ -522,7 +521,7 @@ def test_chi_square_of_sampled_steps_through_the_propose_path(rng):
     for seed in range(n):
         req = RequestState(REJECTION.with_seed(seed), FakeModel(VS, eog=()), [])
         d.set_sampling(req)
-        p = _Engine._propose(engine_shim(5), d, HISTORY[-1], 8, 1000)
+        p = engine_propose(engine_shim(5), d, HISTORY[-1], 8, 1000)
         cur = req.cursor(10)
         toks = verify_mod.verify(p.tree, rows_of(p.tree), cur).tokens
         cur.close()

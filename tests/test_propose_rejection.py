@@ -1,6 +1,6 @@
 """Rejection sampling through the engine's own propose path, exactly.
 
-The trees here are not built by hand: the engine's ``Engine._propose`` asks a real drafter
+The trees here are not built by hand: the engine's the step's ``propose_one`` asks a real drafter
 (``AutoDrafter``: the n-gram drafter's point masses plus a model drafter's sampled children,
 merged by ``merge_trees``; or a real EAGLE-3 head on the default model), cuts the proposal
 with ``TokenTree.best_subtree`` and renumbers it with ``best_first_dfs``. Every draft draw
@@ -27,6 +27,7 @@ from localspec.drafters.model_drafter import ModelDrafter
 from localspec.drafters.ngram import NgramDrafter
 from localspec.drafters.tree_expand import Children, DraftMode, DraftChildSelector
 from localspec.engine import Engine
+from localspec.step import propose_one
 from localspec.policy import ModelDraftStats, SpeculationPolicy, TreeShape
 from localspec.request_state import RequestState
 from localspec.sampling import SamplingParams
@@ -106,11 +107,18 @@ HISTORY = [1, 2, 3, 0, 1, 2, 0, 3, 1, 2]  # "1 2" was followed by 3 and by 0: n-
 
 
 def engine_shim(max_tree_nodes):
-    """What ``Engine._propose`` reads of its engine (non-adaptive: the policy's node count is
-    replaced by ``max_tree_nodes``, so that ``best_subtree`` always prunes)."""
+    """What the step's ``propose_one`` needs of its engine (non-adaptive: the policy's node
+    count is replaced by ``max_tree_nodes``, so that ``best_subtree`` always prunes)."""
     cost = fixed_cost_model()
     return SimpleNamespace(max_tree_nodes=max_tree_nodes, adaptive=False, policy=SpeculationPolicy(cost, max_nodes=max_tree_nodes),
-                           cost_model=cost, _clip=Engine._clip)  # fmt: skip
+                           cost_model=cost)  # fmt: skip
+
+
+def engine_propose(shim, drafter, root, remaining, n_free):
+    """One request's proposal as the engine's step makes it (``step.propose_one``) with
+    ``remaining`` tokens to emit and ``n_free`` free KV cells."""
+    return propose_one(shim.policy, drafter, root, min(remaining - 1, n_free - 1), min(shim.max_tree_nodes, n_free),
+                       adaptive=shim.adaptive, calibration=getattr(shim, "calibration", None))  # fmt: skip
 
 
 def auto_drafter():
@@ -124,7 +132,7 @@ def auto_drafter():
 def proposed_tree(auto, chooser, max_tree_nodes):
     auto.model.stats = ModelDraftStats()  # a fresh drafter: the policy lets it run
     auto.model.sampler = EnumeratedDraftSampler(REJECTION.with_seed(0), VS, (), chooser)
-    prop = Engine._propose(engine_shim(max_tree_nodes), auto, HISTORY[-1], 8, 1000)
+    prop = engine_propose(engine_shim(max_tree_nodes), auto, HISTORY[-1], 8, 1000)
     return prop
 
 
@@ -235,7 +243,7 @@ def compress(tree, ids):
 
 def test_eagle3_trees_through_the_engine_propose_path_are_exact(model):
     """The shipped EAGLE-3 head for the default model drafts 3 i.i.d. children of the root at
-    temperature 1 (top-k 2, classic rejection sampling), through ``Engine._propose`` with a
+    temperature 1 (top-k 2, classic rejection sampling), through the step's ``propose_one`` with a
     node budget that makes ``best_subtree`` keep 2 of them. Every draw is enumerated (8
     trees); the step's tokens, on the target's real rows (restricted to the few tokens with
     probability > 0, which changes no decision), follow the target's law exactly. The
@@ -261,7 +269,7 @@ def test_eagle3_trees_through_the_engine_propose_path_are_exact(model):
 
         def build(ch):
             d.sampler = EnumeratedDraftSampler(EAGLE_SAMPLING.with_seed(0), model.n_vocab, model.suppress_tokens, ch, d.d2t)
-            prop = eng._propose(d, prompt[-1], 8, 256)
+            prop = engine_propose(eng, d, prompt[-1], 8, 256)
             assert prop.tree.n_nodes == 3 and prop.tree.is_stochastic(1)
             return prop.tree
 

@@ -146,7 +146,7 @@ def test_bad_requests(model):
     finally:
         sched.close()
     with pytest.raises(InvalidRequestError):
-        BatchScheduler(model, drafter="eagle3")
+        BatchScheduler(model, drafter="no-such-drafter")
 
 
 def test_generate_batch_matches_generate(engine, alone):

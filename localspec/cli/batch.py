@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from .common import add_model_args, add_sampling_args, make_engine, sampling_from_args
+from .common import add_drafter_args, add_model_args, add_sampling_args, make_engine, sampling_from_args
 
 
 def register(sub) -> None:
@@ -32,6 +32,7 @@ def register(sub) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--no-spec", action="store_true", help="plain batched decoding (no drafter)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_drafter_args(p)
     add_sampling_args(p, greedy_default=True)
     add_model_args(p)
     p.set_defaults(func=run, n_ctx=None)
@@ -110,7 +111,7 @@ def run(a) -> int:
     if not todo:
         return 0
     base = sampling_from_args(a)
-    engine = make_engine(a, None if a.no_spec else "ngram")
+    engine = make_engine(a, None if a.no_spec or a.drafter == "none" else a.drafter)
     try:
         f = out_path.open("a", encoding="utf-8")
     except OSError as e:

@@ -8,7 +8,7 @@ import ipaddress
 import signal
 import sys
 
-from .common import add_model_args, add_sampling_args, make_engine, sampling_from_args
+from .common import _draft_shape, add_drafter_args, add_model_args, add_sampling_args, make_engine, sampling_from_args
 
 
 def register(sub) -> None:
@@ -33,8 +33,8 @@ def register(sub) -> None:
                    "next turn of a chat (default: --parallel; 0 = none; a request may send cache_prompt: false)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="most prompt tokens prefilled per step while other requests decode (default 64)")
-    p.add_argument("--drafter", choices=("ngram", "none"), default="ngram", help="drafter (default ngram)")
     p.add_argument("--no-editor", action="store_true", help="do not serve /infill and /completion")
+    add_drafter_args(p)
     add_sampling_args(p)
     add_model_args(p)
     p.set_defaults(func=run)
@@ -76,6 +76,7 @@ def run(a: argparse.Namespace) -> int:
     if a.prefill_chunk is not None and a.prefill_chunk < 1:
         raise SystemExit(f"localspec: error: --prefill-chunk must be >= 1, got {a.prefill_chunk}")
     sampling = sampling_from_args(a)
+    _draft_shape(a.draft_shape)  # a bad --draft-shape before the model loads
     try:
         sock = bind_socket(a.host, a.port)  # fail before loading the model when the port is taken
     except OSError as e:
@@ -85,8 +86,10 @@ def run(a: argparse.Namespace) -> int:
     sched = None
     editor = None
     try:
-        sched = BatchScheduler(engine.model, parallel=a.parallel, n_ctx=a.ctx_per_request, drafter=a.drafter,
-                               max_tree_nodes=min(a.max_tree_nodes, 32), cost_model=engine.cost_model,
+        sampling = engine.with_thresholds(sampling)  # --accept-threshold-*: the requests' default
+        spec = engine.drafter_spec or ("none", {})
+        sched = BatchScheduler(engine.model, parallel=a.parallel, n_ctx=a.ctx_per_request, drafter=spec[0],
+                               drafter_options=spec[1], max_tree_nodes=min(a.max_tree_nodes, 32), cost_model=engine.cost_model,
                                n_threads=a.threads, adaptive=not a.no_adaptive, prompt_cache=a.prompt_cache,
                                prefill_chunk=a.prefill_chunk or PREFILL_CHUNK).start()  # fmt: skip
         name = a.model_name or engine.model.path.name

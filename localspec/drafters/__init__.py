@@ -133,6 +133,48 @@ def make_drafter(name: str | None, **options) -> Drafter | None:
     return factory(**options)
 
 
+def resolve_drafter(name: str | None, target, **options) -> Drafter | None:
+    """``make_drafter`` for the target ``Model`` ``target``, as the engine and the batch
+    scheduler make drafters: ``eagle3`` (and ``auto`` without a model) without a head gets the
+    head shipped for the target, if any; ``auto`` on a target with MTP blocks and no other
+    model drafts with them; ``medusa`` without heads gets the shipped ones. Options set to
+    None are left out. The drafter's ``check_target`` has passed (else it is closed and the
+    error raised).
+
+    Raises:
+        ValueError / InvalidRequestError / ModelLoadError: see ``make_drafter``; a drafter
+            that cannot work with ``target`` (e.g. MTP on a model without MTP blocks).
+    """
+    options = {k: v for k, v in options.items() if v is not None}
+    models = {"eagle", "draft_model", "medusa"}
+    if (name == "eagle3" and "eagle" not in options) or (name == "auto" and not models & set(options)):
+        from ..models.eagle3_heads import shipped_head
+
+        head = shipped_head(target.path)
+        if head is not None:
+            options["eagle"] = head
+    if name == "auto" and not models & set(options):
+        from .mtp import mtp_capable
+
+        if mtp_capable(target):  # auto on a target with MTP blocks: n-gram + its MTP block
+            options["mtp"] = True
+    if name == "medusa" and "medusa" not in options:
+        from ..models.eagle3_heads import shipped_head
+
+        heads = shipped_head(target.path, kind="medusa")
+        if heads is not None:
+            options["medusa"] = heads
+    new = make_drafter(name, **options)
+    check = getattr(new, "check_target", None)  # e.g. MTP: refuse a target without MTP blocks
+    if check is not None:  # before anything changes, so a refused drafter loses nothing
+        try:
+            check(target)
+        except BaseException:
+            new.close()
+            raise
+    return new
+
+
 __all__ = [
     "Drafter",
     "NgramDrafter",
@@ -141,4 +183,5 @@ __all__ = [
     "drafter_names",
     "make_drafter",
     "register_drafter",
+    "resolve_drafter",
 ]

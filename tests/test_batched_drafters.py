@@ -1,0 +1,118 @@
+"""Every drafter on the batched step: the same texts alone and batched.
+
+For each drafter (n-gram, a draft model, the shipped EAGLE-3 head, the shipped Medusa heads,
+an MTP block of a test-written model, auto), four requests with different sampling
+parameters (greedy, and three seeded samplers) run alone on an ``Engine`` and together on a
+``BatchScheduler`` with three slots, so that the fourth waits in the queue first and then
+takes a slot whose drafter served another request. Every text must be the engine's, token
+for token, and the batch must really have verified and accepted drafts (a drafter that
+drafted nothing would pass the equality trivially).
+
+Trees are verified without the adaptive policy (``adaptive=False``: every drafted node up to
+the limits), so the model drafters run at every step.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import fixed_cost_model
+from localspec.engine import Engine
+from localspec.sampling import SamplingParams
+from localspec.scheduler import BatchScheduler
+
+PROMPTS = [
+    "Question: What is the capital of France?\nAnswer: The capital of France is Paris.\n"
+    "Question: What is the capital of France?\nAnswer:",
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+]
+SAMPLINGS = [
+    SamplingParams.greedy(),
+    SamplingParams(temperature=0.8, seed=11),
+    SamplingParams(temperature=1.0, top_k=20, seed=12, verify="rejection"),
+    SamplingParams(temperature=0.7, top_p=0.9, repeat_penalty=1.1, seed=13),
+]
+N = 24
+
+
+def run_alone(eng: Engine, prompts, samplings) -> list[list[int]]:
+    out = []
+    for p, sp in zip(prompts, samplings):
+        eng.reset()
+        out.append(eng.generate(p, max_tokens=N, sampling=sp).token_ids)
+    return out
+
+
+def run_batched(model, tokenize, prompts, samplings, **kw) -> list:
+    sched = BatchScheduler(model, parallel=3, n_ctx=512, cost_model=fixed_cost_model(), adaptive=False,
+                           max_tree_nodes=16, **kw)  # fmt: skip
+    try:
+        jobs = [sched.submit(tokenize(p), max_tokens=N, sampling=sp) for p, sp in zip(prompts, samplings)]
+        sched.run_until_idle()
+        return [j.wait(0) for j in jobs]
+    finally:
+        sched.close()
+
+
+def check_same(eng: Engine, name: str, prompts=PROMPTS, samplings=SAMPLINGS, **options) -> None:
+    alone = run_alone(eng, prompts, samplings)
+    batched = run_batched(eng.model, eng.tokenize, prompts, samplings, drafter=name, drafter_options=options)
+    assert [r.token_ids for r in batched] == alone
+    assert all(r.stats.drafter != "none" for r in batched)
+    assert sum(r.stats.num_accepted_tokens for r in batched) > 0, "the batch accepted no draft"
+
+
+@pytest.fixture(scope="module")
+def shared_model(model):
+    return model
+
+
+def engine_for(model, name, **options) -> Engine:
+    return Engine(model, drafter=name, n_ctx=1024, cost_model=fixed_cost_model(), adaptive=False,
+                  max_tree_nodes=16, **options)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["ngram", "eagle3", "medusa", "auto"])
+def test_every_drafter_gives_the_same_texts_alone_and_batched(shared_model, name):
+    eng = engine_for(shared_model, name)
+    try:
+        check_same(eng, name)
+    finally:
+        eng.close()
+
+
+def test_a_draft_model_gives_the_same_texts_alone_and_batched(shared_model, derived_draft_path):
+    eng = engine_for(shared_model, "draft", draft_model=derived_draft_path)
+    try:
+        check_same(eng, "draft", draft_model=derived_draft_path)
+    finally:
+        eng.close()
+
+
+def test_an_mtp_block_gives_the_same_texts_alone_and_batched(tmp_path):
+    from mtp_gguf import write_tiny_glm4moe
+
+    path = write_tiny_glm4moe(tmp_path / "tiny-glm4moe-mtp.gguf")
+    eng = Engine(path, drafter="mtp", n_ctx=1024, n_threads=1, cost_model=fixed_cost_model(), adaptive=False,
+                 max_tree_nodes=16)  # fmt: skip
+    try:
+        prompts = ["abcabcabc", "hello hello", "0123456789", "zzz yyy zzz"]
+        check_same(eng, "mtp", prompts=prompts)
+    finally:
+        eng.close()
+
+
+def test_generate_batch_runs_the_engines_model_drafter(shared_model):
+    """``Engine.generate_batch`` makes each slot a drafter like the engine's (name and options):
+    the shipped EAGLE-3 head drafts in the batch too, with the engine's texts."""
+    eng = engine_for(shared_model, "eagle3")
+    try:
+        alone = run_alone(eng, PROMPTS[:2], SAMPLINGS[:2])
+        res = eng.generate_batch(PROMPTS[:2], parallel=2, max_tokens=N, sampling=SAMPLINGS[:2], n_ctx=512)
+        assert [r.token_ids for r in res] == alone
+        assert all(r.stats.drafter == "eagle3" for r in res)
+        assert sum(r.stats.token_sources.get("eagle3", 0) for r in res) > 0
+    finally:
+        eng.close()
