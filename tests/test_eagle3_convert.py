@@ -1,0 +1,154 @@
+"""EAGLE-3 heads as people have them: Hugging Face checkpoints in the upstream layouts (the
+EAGLE repo's ``midlayer.*``, SpecForge's ``model.layers.0.*`` with its own token embeddings),
+converted with the vendored llama.cpp's ``convert_hf_to_gguf.py HEAD_DIR --target-model-dir
+TARGET_DIR``, for a tiny random Llama target converted by the same script. No downloads: the
+checkpoints are written here (``hf_eagle3``), the converter comes from the llama-cpp-python
+sdist in build/sdist."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import fixed_cost_model
+from hf_eagle3 import LAYOUTS, TargetSpec, convert, converter, sdist_path, write_head, write_target
+from helpers import assert_same_as_plain
+from localspec import Engine, SamplingParams
+from localspec.backend import Model
+from localspec.drafters.eagle3 import Eagle3Drafter
+from localspec.errors import ModelLoadError, VocabMismatchError
+from localspec.policy import TreeShape
+from localspec.tree import TreeBuilder
+
+GREEDY = SamplingParams.greedy()
+PROMPT = "The red apple and the blue river. The green garden and the"
+MISFITS = {  # a head converted for another target -> what the refusal names
+    "wide": (TargetSpec(hidden=96), ModelLoadError, r"features of hidden size 96 \(the target has 64\)"),
+    "deep": (TargetSpec(layers=16), ModelLoadError, r"target layers 8, 13 of \[2, 8, 13\] \(the target has 8 layers"),
+    "vocab": (TargetSpec(vocab=400, tokenizer_seed=1), ModelLoadError, r"a vocabulary of 400 tokens \(the target has 320\)"),
+    "tokenizer": (TargetSpec(tokenizer_seed=1), VocabMismatchError, r"token \d+ differs: .*carries another tokenizer"),
+}
+
+
+@pytest.fixture(scope="module")
+def conv(tmp_path_factory):
+    """The target GGUF, both layouts' heads, and the misfit heads, all converted."""
+    if not sdist_path().exists():
+        pytest.skip(f"no llama-cpp-python sdist at {sdist_path()} (make env downloads it): the converter comes from it")
+    d = tmp_path_factory.mktemp("hf")
+    script = converter(d / "llama.cpp")
+    target = write_target(d / "target")
+    heads = {lay: write_head(d / f"head-{lay}", target, lay, aux_layers=(1, 4, 6) if lay == "specforge" else None)
+             for lay in LAYOUTS}  # fmt: skip
+    jobs = [[target, "--outfile", d / "target.gguf", "--outtype", "f32"]]
+    jobs += [[h.path, "--outfile", d / f"head-{lay}.gguf", "--target-model-dir", target] for lay, h in heads.items()]
+    for name, (spec, _, _) in MISFITS.items():
+        other = write_target(d / f"target-{name}", spec, weights=False)
+        h = write_head(d / f"head-{name}", other, "eagle")
+        jobs.append([h.path, "--outfile", d / f"misfit-{name}.gguf", "--target-model-dir", other])
+    convert(script, *jobs)
+    return d, heads
+
+
+@pytest.fixture(scope="module")
+def target(conv):
+    m = Model(conv[0] / "target.gguf")
+    yield m
+    m.close()
+
+
+def engine(target, head, shape=None, **kw):
+    return Engine(target, drafter="eagle3", eagle=head, n_ctx=512, cost_model=fixed_cost_model(),
+                  adaptive=shape is None, draft_shape=shape, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_converted_head_loads_with_its_layers_and_vocabulary_map(conv, target, layout):
+    """The feature layers and ``d2t`` come from the converted GGUF: the config's
+    ``eagle_aux_hidden_state_layer_ids`` (SpecForge) or the converter's default
+    ``(2, n // 2, n - 3)`` (EAGLE repo), and the checkpoint's ``d2t`` offsets as absolute ids,
+    which llama.cpp's rows agree with (finite exactly there)."""
+    d, heads = conv
+    info = heads[layout]
+    e = engine(target, d / f"head-{layout}.gguf")
+    try:
+        h = e.drafter
+        assert isinstance(h, Eagle3Drafter)
+        assert h.target_feature_layers == info.target_layers == ((1, 4, 6) if layout == "specforge" else (2, 4, 5))
+        assert tuple(e._tap.layers) == info.target_layers  # the target context captures them
+        assert np.array_equal(h.d2t, info.d2t)
+        assert h.own_token_embd == (layout == "specforge") and h.target_vocab_size == target.n_vocab == 320
+        prompt = target.tokenize(PROMPT)
+        h.begin(prompt)
+        e.cache.prefill(prompt[:-1])
+        h.add_target_features(0, e._tap.take())
+        rows = h.decode_level(TreeBuilder(prompt[-1]), [0])
+        raw = h.ctx.logits()[-1]  # llama.cpp's target-wide row: -inf outside the draft vocabulary
+        assert rows.shape == (1, info.d2t.size)
+        assert np.array_equal(np.flatnonzero(np.isfinite(raw)), info.d2t)
+        assert np.array_equal(raw[info.d2t], rows[0])
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", [TreeShape(4, 1, 5, 0.0), TreeShape(3, 3, 10, 0.0)], ids=["chain", "tree"])
+def test_a_converted_head_drafts_losslessly_greedy(conv, target, layout, shape):
+    d, _ = conv
+    e = engine(target, d / f"head-{layout}.gguf", shape)
+    try:
+        prompt = target.tokenize(PROMPT)
+        spec = e.generate(prompt, max_tokens=40, sampling=GREEDY)
+        e.drafter.check_cache()
+        e.reset()
+        plain = e.generate(prompt, max_tokens=40, sampling=GREEDY, speculative=False)
+        assert len(plain.token_ids) == 40
+        assert_same_as_plain(e, prompt, plain.token_ids, spec.token_ids)
+        assert spec.stats.num_draft_tokens >= 3 * spec.stats.n_steps  # the head drafted at every step
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_converted_head_drafts_losslessly_seeded_sampling(conv, target, layout):
+    """Seeded sampling (temperature 0.8, top-k 0): the speculative output is the plain one,
+    token for token, as the exact kernels guarantee (``assert_same_as_plain``)."""
+    d, _ = conv
+    sp = SamplingParams(temperature=0.8, top_k=0, seed=11)
+    e = engine(target, d / f"head-{layout}.gguf", TreeShape(3, 2, 7, 0.0))
+    try:
+        prompt = target.tokenize(PROMPT)
+        spec = e.generate(prompt, max_tokens=40, sampling=sp)
+        e.reset()
+        plain = e.generate(prompt, max_tokens=40, sampling=sp, speculative=False)
+        assert len(set(plain.token_ids)) > 5  # sampled, not a greedy loop
+        assert_same_as_plain(e, prompt, plain.token_ids, spec.token_ids, sampling=sp)
+        assert spec.stats.num_draft_tokens > 0
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("misfit", MISFITS)
+def test_a_head_converted_for_another_target_is_refused_in_one_line(conv, target, misfit):
+    d, _ = conv
+    _, err, msg = MISFITS[misfit]
+    with pytest.raises(err, match=msg) as ex:
+        engine(target, d / f"misfit-{misfit}.gguf")
+    text = str(ex.value)
+    assert "\n" not in text and "--target-model-dir" in text
+
+
+def test_the_documented_commands(conv, target, capsys):
+    """``localspec generate ... -m target.gguf --drafter eagle3 --eagle head.gguf``, as
+    docs/drafters.md gives it, and its one-line refusal of a misfit head."""
+    from localspec.cli.main import main
+
+    d, _ = conv
+    args = ["generate", PROMPT, "-m", str(d / "target.gguf"), "--drafter", "eagle3", "-n", "24", "--temperature", "0"]
+    assert main([*args, "--eagle", str(d / "head-eagle.gguf"), "--compare", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["identical_to_plain"] is True and len(out["token_ids"]) == 24
+    assert main([*args, "--eagle", str(d / "misfit-deep.gguf")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()  # a progress line, then the error
+    assert err[-1].startswith("localspec: error: the EAGLE-3 head") and "target layers 8, 13" in err[-1]
+    assert not any(line.startswith(("Traceback", "  File")) for line in err)
