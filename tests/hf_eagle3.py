@@ -245,3 +245,61 @@ def write_head(
     _save(dest / "model.safetensors", t)
     layers = aux_layers or (2, n_layer // 2, n_layer - 3)
     return HeadInfo(dest, tuple(layers), ids.astype(np.int64))
+
+
+def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * w
+
+
+def _rope_hf(x: np.ndarray, pos: np.ndarray, theta: float) -> np.ndarray:
+    """Hugging Face Llama rotary embedding (``rotate_half``: the two halves of each head are
+    the pairs) of ``x`` [n, heads, head_dim] at positions ``pos`` [n]."""
+    hd = x.shape[-1]
+    inv = 1.0 / theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
+    ang = pos[:, None].astype(np.float64) * inv[None, :]  # [n, hd / 2]
+    cos = np.concatenate([np.cos(ang)] * 2, axis=-1)[:, None, :]
+    sin = np.concatenate([np.sin(ang)] * 2, axis=-1)[:, None, :]
+    rot = np.concatenate([-x[..., hd // 2 :], x[..., : hd // 2]], axis=-1)
+    return x * cos + rot * sin
+
+
+def reference_head_logits(head_dir: Path, target_dir: Path, features: np.ndarray, tokens: list[int]) -> np.ndarray:
+    """The EAGLE-3 head of the checkpoint ``head_dir`` as the upstream trainers define it, in
+    float64 numpy, straight from its safetensors (no GGUF, no llama.cpp): entries at positions
+    ``0 .. n - 1`` with ``g = fc(features)`` ([n, 3 * hidden]) and the tokens ``tokens`` ([n]:
+    the token after each position), causal attention over all of them.
+
+    Returns:
+        [n, draft_vocab] float64 logits over the draft vocabulary.
+    """
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((head_dir / "config.json").read_text())
+    w = {k: v.astype(np.float64) for k, v in load_file(str(head_dir / "model.safetensors")).items() if k not in ("d2t", "t2d")}
+    p = "midlayer." if any(k.startswith("midlayer.") for k in w) else "model.layers.0."
+    emb = w.get("model.embed_tokens.weight")
+    if emb is None:
+        emb = load_file(str(target_dir / "model.safetensors"))["model.embed_tokens.weight"].astype(np.float64)
+    eps, theta = cfg["rms_norm_eps"], cfg.get("rope_theta", 10000.0)
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg["hidden_size"] // nh
+    n = len(tokens)
+    g = features.astype(np.float64) @ w["fc.weight"].T
+    x = np.concatenate([_rms(emb[tokens], w[p + "input_layernorm.weight"], eps), _rms(g, w[p + "hidden_norm.weight"], eps)], axis=-1)
+    pos = np.arange(n)
+    q = _rope_hf((x @ w[p + "self_attn.q_proj.weight"].T).reshape(n, nh, hd), pos, theta)
+    k = _rope_hf((x @ w[p + "self_attn.k_proj.weight"].T).reshape(n, nkv, hd), pos, theta)
+    v = (x @ w[p + "self_attn.v_proj.weight"].T).reshape(n, nkv, hd)
+    rep = nh // nkv
+    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+    s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd)
+    s = np.where(np.tril(np.ones((n, n), dtype=bool))[None], s, -np.inf)
+    a = np.exp(s - s.max(axis=-1, keepdims=True))
+    a /= a.sum(axis=-1, keepdims=True)
+    o = np.einsum("hqk,khd->qhd", a, v).reshape(n, nh * hd) @ w[p + "self_attn.o_proj.weight"].T
+    h = o + g  # the residual is the raw fused feature row (norm_before_residual off)
+    y = _rms(h, w[p + "post_attention_layernorm.weight"], eps)
+    gate = y @ w[p + "mlp.gate_proj.weight"].T
+    h = h + ((gate / (1.0 + np.exp(-gate))) * (y @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+    norm = w.get("norm.weight", w.get("model.norm.weight"))
+    return _rms(h, norm, eps) @ w["lm_head.weight"].T

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from conftest import fixed_cost_model
-from hf_eagle3 import LAYOUTS, TargetSpec, convert, converter, sdist_path, write_head, write_target
+from hf_eagle3 import (
+    LAYOUTS, TargetSpec, convert, converter, reference_head_logits, sdist_path, write_head, write_target,
+)
 from helpers import assert_same_as_plain
 from localspec import Engine, SamplingParams
 from localspec.backend import Model
@@ -22,6 +24,7 @@ from localspec.tree import TreeBuilder
 
 GREEDY = SamplingParams.greedy()
 PROMPT = "The red apple and the blue river. The green garden and the"
+OUTTYPE = {"eagle": "f16", "specforge": "bf16"}  # fc on the host (F16) / in llama.cpp's encoder (BF16)
 MISFITS = {  # a head converted for another target -> what the refusal names
     "wide": (TargetSpec(hidden=96), ModelLoadError, r"features of hidden size 96 \(the target has 64\)"),
     "deep": (TargetSpec(layers=16), ModelLoadError, r"target layers 8, 13 of \[2, 8, 13\] \(the target has 8 layers"),
@@ -41,7 +44,8 @@ def conv(tmp_path_factory):
     heads = {lay: write_head(d / f"head-{lay}", target, lay, aux_layers=(1, 4, 6) if lay == "specforge" else None)
              for lay in LAYOUTS}  # fmt: skip
     jobs = [[target, "--outfile", d / "target.gguf", "--outtype", "f32"]]
-    jobs += [[h.path, "--outfile", d / f"head-{lay}.gguf", "--target-model-dir", target] for lay, h in heads.items()]
+    jobs += [[h.path, "--outfile", d / f"head-{lay}.gguf", "--target-model-dir", target, "--outtype", OUTTYPE[lay]]
+             for lay, h in heads.items()]  # fmt: skip
     for name, (spec, _, _) in MISFITS.items():
         other = write_target(d / f"target-{name}", spec, weights=False)
         h = write_head(d / f"head-{name}", other, "eagle")
@@ -78,6 +82,7 @@ def test_a_converted_head_loads_with_its_layers_and_vocabulary_map(conv, target,
         assert tuple(e._tap.layers) == info.target_layers  # the target context captures them
         assert np.array_equal(h.d2t, info.d2t)
         assert h.own_token_embd == (layout == "specforge") and h.target_vocab_size == target.n_vocab == 320
+        assert (h.fc is None) == (OUTTYPE[layout] == "bf16")  # a BF16 fc stays in llama.cpp
         prompt = target.tokenize(PROMPT)
         h.begin(prompt)
         e.cache.prefill(prompt[:-1])
@@ -87,6 +92,35 @@ def test_a_converted_head_loads_with_its_layers_and_vocabulary_map(conv, target,
         assert rows.shape == (1, info.d2t.size)
         assert np.array_equal(np.flatnonzero(np.isfinite(raw)), info.d2t)
         assert np.array_equal(raw[info.d2t], rows[0])
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_converted_head_computes_the_upstream_head(conv, target, layout):
+    """The head's level-0 rows (the catch-up entries decoded with outputs, the root's last)
+    equal the EAGLE-3 layer computed in float64 numpy from the Hugging Face checkpoint
+    (``reference_head_logits``: Hugging Face RoPE, GQA, the raw-feature residual) on the same
+    target features, to the rounding of the GGUF's matrices (F16: 1%, BF16: 3% of the largest
+    logit; measured here 0.07% and 0.5%). Feeding each entry the token at its own position instead
+    of the next one is off by ~9% of it."""
+    d, heads = conv
+    h = Eagle3Drafter(d / f"head-{layout}.gguf", context_window=None)  # every entry, as the reference
+    e = Engine(target, drafter=h, n_ctx=512, cost_model=fixed_cost_model())
+    try:
+        prompt = target.tokenize(PROMPT)
+        assert len(prompt) > 20  # a catch-up longer than CATCH_UP_OUTPUTS: two calls
+        h.begin(prompt)
+        e.cache.prefill(prompt[:-1])
+        feats = e._tap.take()
+        h.add_target_features(0, feats)
+        root = h.decode_level(TreeBuilder(prompt[-1]), [0])[0]
+        got = h._draft_rows(h.ctx.logits())  # the entries decoded with outputs, the root's last
+        ref = reference_head_logits(heads[layout].path, d / "target", feats, prompt[1:])[-got.shape[0] :]
+        tol = {"f16": 0.01, "bf16": 0.03}[OUTTYPE[layout]] * np.abs(ref).max()
+        assert np.array_equal(root, got[-1])
+        assert np.abs(got - ref).max() < tol
+        assert np.argmax(root) == np.argmax(ref[-1])
     finally:
         e.close()
 
