@@ -14,13 +14,14 @@ from conftest import fixed_cost_model
 from hf_eagle3 import (
     LAYOUTS, TargetSpec, convert, converter, reference_head_logits, sdist_path, write_head, write_target,
 )
-from helpers import assert_same_as_plain
+from helpers import REJECTION_SAMPLING, REJECTION_SHAPES, assert_rejection_sampling_exact, assert_same_as_plain
 from localspec import Engine, SamplingParams
 from localspec.backend import Model
 from localspec.drafters.eagle3 import Eagle3Drafter
 from localspec.errors import ModelLoadError, VocabMismatchError
 from localspec.policy import TreeShape
-from localspec.tree import TreeBuilder
+from localspec.request_state import RequestState
+from localspec.tree import TokenSource, TreeBuilder
 
 GREEDY = SamplingParams.greedy()
 PROMPT = "The red apple and the blue river. The green garden and the"
@@ -158,6 +159,46 @@ def test_a_converted_head_drafts_losslessly_seeded_sampling(conv, target, layout
         assert len(set(plain.token_ids)) > 5  # sampled, not a greedy loop
         assert_same_as_plain(e, prompt, plain.token_ids, spec.token_ids, sampling=sp)
         assert spec.stats.num_draft_tokens > 0
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_converted_head_rejection_sampling_is_exact(conv, target, layout):
+    """Drafts sampled from the converted head's own draft-vocabulary distribution (a tree),
+    verified by classic rejection sampling on the target's real rows: chi-square on the
+    first two emitted tokens (``assert_rejection_sampling_exact``)."""
+    d, _ = conv
+    e = engine(target, d / f"head-{layout}.gguf", REJECTION_SHAPES[1])
+    h = e.drafter
+    try:
+        prompt = target.tokenize(PROMPT)
+        h.begin(prompt)
+        e.cache.prefill(prompt[:-1])
+        h.add_target_features(0, e._tap.take())
+        b = TreeBuilder(prompt[-1])
+        root_row = h.target_rows(h.decode_level(b, [0]))[0]
+        support = RequestState(REJECTION_SAMPLING.with_seed(0), target, prompt).processor.candidates(root_row).ids
+        kids = [b.add(0, int(t), source=TokenSource.EAGLE3) for t in support]
+        after = h.target_rows(h.decode_level(b, kids))
+        draft_after = {int(t): after[i].copy() for i, t in enumerate(support)}
+        h.slots.release()
+        assert set(support) <= set(h.d2t.tolist())
+
+        def target_rows(p, toks):
+            e.cache.truncate(len(p) - 1)
+            t = TreeBuilder(p[-1])
+            for tok in toks:
+                t.add(0, int(tok), source=TokenSource.NGRAM)
+            tree = t.build()
+            lay, lg = e.cache.decode_tree(tree)
+            rows = lg.copy()
+            e.cache.commit(tree, lay, [])
+            e.cache.truncate(len(p) - 1)
+            e._tap.clear()
+            return rows[0], {int(tree.token_ids[i]): rows[i] for i in range(1, tree.n_nodes)}
+
+        assert_rejection_sampling_exact(target, prompt, root_row, draft_after, REJECTION_SHAPES[1], target_rows)
     finally:
         e.close()
 
