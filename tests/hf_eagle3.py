@@ -206,6 +206,8 @@ def write_head(
     *,
     draft_vocab: int = 96,
     aux_layers: tuple[int, int, int] | None = None,
+    norm_before_fc: bool = False,
+    norm_before_residual: bool = False,
     seed: int = 1,
 ) -> HeadInfo:
     """A random EAGLE-3 head for the target folder ``target`` in checkpoint ``layout`` (``LAYOUTS``).
@@ -213,7 +215,10 @@ def write_head(
     ``d2t`` holds offsets (target id - draft id) and ``t2d`` a boolean mask over the target
     vocabulary, as the upstream trainers save them. ``aux_layers`` goes into the config as
     ``eagle_aux_hidden_state_layer_ids`` (SpecForge's key); without it the converter uses
-    ``(2, n_layer // 2, n_layer - 3)``.
+    ``(2, n_layer // 2, n_layer - 3)``. ``norm_before_fc`` (an RMSNorm ``input_norm`` over the
+    fused features before ``fc``, as in NVIDIA's EAGLE-3.1 heads) and ``norm_before_residual``
+    (the residual around attention is the normed feature row, as in speculators' heads) go
+    into the config.
     """
     tcfg = json.loads((target / "config.json").read_text())
     hidden, vocab, n_layer = tcfg["hidden_size"], tcfg["vocab_size"], tcfg["num_hidden_layers"]
@@ -223,6 +228,10 @@ def write_head(
     extra = {"draft_vocab_size": draft_vocab, "num_hidden_layers": 1}
     if aux_layers is not None:
         extra["eagle_aux_hidden_state_layer_ids"] = list(aux_layers)
+    if norm_before_fc:
+        extra["norm_before_fc"] = True
+    if norm_before_residual:
+        extra["norm_before_residual"] = True
     cfg = _config(TargetSpec(hidden=hidden, layers=1, heads=heads, kv_heads=kv, ff=ff, vocab=vocab), **extra)
     cfg["architectures"] = ["LlamaForCausalLMEagle3"]
     (dest / "config.json").write_text(json.dumps(cfg, indent=1))
@@ -234,6 +243,8 @@ def write_head(
     t = _decoder_layer(rng, prefix, hidden, heads, kv, ff, 2 * hidden)
     t[prefix + "hidden_norm.weight"] = (1.0 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
     t["fc.weight"] = (rng.standard_normal((hidden, 3 * hidden)) * 0.1).astype(np.float32)
+    if norm_before_fc:
+        t["input_norm.weight"] = (1.0 + 0.1 * rng.standard_normal(3 * hidden)).astype(np.float32)
     t["norm.weight" if layout == "eagle" else "model.norm.weight"] = np.ones(hidden, dtype=np.float32)
     t["lm_head.weight"] = (rng.standard_normal((draft_vocab, hidden)) * 0.5).astype(np.float32)
     t["d2t"] = (ids - np.arange(draft_vocab)).astype(np.int64)
@@ -284,8 +295,12 @@ def reference_head_logits(head_dir: Path, target_dir: Path, features: np.ndarray
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg["hidden_size"] // nh
     n = len(tokens)
-    g = features.astype(np.float64) @ w["fc.weight"].T
-    x = np.concatenate([_rms(emb[tokens], w[p + "input_layernorm.weight"], eps), _rms(g, w[p + "hidden_norm.weight"], eps)], axis=-1)
+    f = features.astype(np.float64)
+    if cfg.get("norm_before_fc"):
+        f = _rms(f, w["input_norm.weight"], eps)
+    g = f @ w["fc.weight"].T
+    g_norm = _rms(g, w[p + "hidden_norm.weight"], eps)
+    x = np.concatenate([_rms(emb[tokens], w[p + "input_layernorm.weight"], eps), g_norm], axis=-1)
     pos = np.arange(n)
     q = _rope_hf((x @ w[p + "self_attn.q_proj.weight"].T).reshape(n, nh, hd), pos, theta)
     k = _rope_hf((x @ w[p + "self_attn.k_proj.weight"].T).reshape(n, nkv, hd), pos, theta)
@@ -297,7 +312,7 @@ def reference_head_logits(head_dir: Path, target_dir: Path, features: np.ndarray
     a = np.exp(s - s.max(axis=-1, keepdims=True))
     a /= a.sum(axis=-1, keepdims=True)
     o = np.einsum("hqk,khd->qhd", a, v).reshape(n, nh * hd) @ w[p + "self_attn.o_proj.weight"].T
-    h = o + g  # the residual is the raw fused feature row (norm_before_residual off)
+    h = o + (g_norm if cfg.get("norm_before_residual") else g)  # the residual around attention
     y = _rms(h, w[p + "post_attention_layernorm.weight"], eps)
     gate = y @ w[p + "mlp.gate_proj.weight"].T
     h = h + ((gate / (1.0 + np.exp(-gate))) * (y @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T

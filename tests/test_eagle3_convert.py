@@ -12,7 +12,7 @@ import pytest
 
 from conftest import fixed_cost_model
 from hf_eagle3 import (
-    LAYOUTS, TargetSpec, convert, converter, reference_head_logits, sdist_path, write_head, write_target,
+    TargetSpec, convert, converter, reference_head_logits, sdist_path, write_head, write_target,
 )
 from helpers import REJECTION_SAMPLING, REJECTION_SHAPES, assert_rejection_sampling_exact, assert_same_as_plain
 from localspec import Engine, SamplingParams
@@ -25,7 +25,11 @@ from localspec.tree import TokenSource, TreeBuilder
 
 GREEDY = SamplingParams.greedy()
 PROMPT = "The red apple and the blue river. The green garden and the"
-OUTTYPE = {"eagle": "f16", "specforge": "bf16"}  # fc on the host (F16) / in llama.cpp's encoder (BF16)
+HEADS = {  # name -> (checkpoint layout, write_head options, converter --outtype)
+    "eagle": ("eagle", {}, "f16"),  # fc on the host (F16)
+    "specforge": ("specforge", {"aux_layers": (1, 4, 6)}, "bf16"),  # own embeddings; fc in llama.cpp (BF16)
+    "norms": ("eagle", {"norm_before_fc": True, "norm_before_residual": True}, "f16"),  # fc in llama.cpp (norm)
+}
 MISFITS = {  # a head converted for another target -> what the refusal names
     "wide": (TargetSpec(hidden=96), ModelLoadError, r"features of hidden size 96 \(the target has 64\)"),
     "deep": (TargetSpec(layers=16), ModelLoadError, r"target layers 8, 13 of \[2, 8, 13\] \(the target has 8 layers"),
@@ -36,17 +40,16 @@ MISFITS = {  # a head converted for another target -> what the refusal names
 
 @pytest.fixture(scope="module")
 def conv(tmp_path_factory):
-    """The target GGUF, both layouts' heads, and the misfit heads, all converted."""
+    """The target GGUF, the ``HEADS``, and the misfit heads, all converted."""
     if not sdist_path().exists():
         pytest.skip(f"no llama-cpp-python sdist at {sdist_path()} (make env downloads it): the converter comes from it")
     d = tmp_path_factory.mktemp("hf")
     script = converter(d / "llama.cpp")
     target = write_target(d / "target")
-    heads = {lay: write_head(d / f"head-{lay}", target, lay, aux_layers=(1, 4, 6) if lay == "specforge" else None)
-             for lay in LAYOUTS}  # fmt: skip
+    heads = {name: write_head(d / f"head-{name}", target, layout, **opts) for name, (layout, opts, _) in HEADS.items()}
     jobs = [[target, "--outfile", d / "target.gguf", "--outtype", "f32"]]
-    jobs += [[h.path, "--outfile", d / f"head-{lay}.gguf", "--target-model-dir", target, "--outtype", OUTTYPE[lay]]
-             for lay, h in heads.items()]  # fmt: skip
+    jobs += [[h.path, "--outfile", d / f"head-{name}.gguf", "--target-model-dir", target, "--outtype", HEADS[name][2]]
+             for name, h in heads.items()]  # fmt: skip
     for name, (spec, _, _) in MISFITS.items():
         other = write_target(d / f"target-{name}", spec, weights=False)
         h = write_head(d / f"head-{name}", other, "eagle")
@@ -67,7 +70,7 @@ def engine(target, head, shape=None, **kw):
                   adaptive=shape is None, draft_shape=shape, **kw)  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", HEADS)
 def test_a_converted_head_loads_with_its_layers_and_vocabulary_map(conv, target, layout):
     """The feature layers and ``d2t`` come from the converted GGUF: the config's
     ``eagle_aux_hidden_state_layer_ids`` (SpecForge) or the converter's default
@@ -79,11 +82,11 @@ def test_a_converted_head_loads_with_its_layers_and_vocabulary_map(conv, target,
     try:
         h = e.drafter
         assert isinstance(h, Eagle3Drafter)
-        assert h.target_feature_layers == info.target_layers == ((1, 4, 6) if layout == "specforge" else (2, 4, 5))
+        assert h.target_feature_layers == info.target_layers == HEADS[layout][1].get("aux_layers", (2, 4, 5))
         assert tuple(e._tap.layers) == info.target_layers  # the target context captures them
         assert np.array_equal(h.d2t, info.d2t)
         assert h.own_token_embd == (layout == "specforge") and h.target_vocab_size == target.n_vocab == 320
-        assert (h.fc is None) == (OUTTYPE[layout] == "bf16")  # a BF16 fc stays in llama.cpp
+        assert (h.fc is None) == (layout != "eagle")  # a BF16 fc, or a norm before it, stays in llama.cpp
         prompt = target.tokenize(PROMPT)
         h.begin(prompt)
         e.cache.prefill(prompt[:-1])
@@ -97,14 +100,14 @@ def test_a_converted_head_loads_with_its_layers_and_vocabulary_map(conv, target,
         e.close()
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", HEADS)
 def test_a_converted_head_computes_the_upstream_head(conv, target, layout):
     """The head's level-0 rows (the catch-up entries decoded with outputs, the root's last)
     equal the EAGLE-3 layer computed in float64 numpy from the Hugging Face checkpoint
-    (``reference_head_logits``: Hugging Face RoPE, GQA, the raw-feature residual) on the same
-    target features, to the rounding of the GGUF's matrices (F16: 1%, BF16: 3% of the largest
-    logit; measured here 0.07% and 0.5%). Feeding each entry the token at its own position instead
-    of the next one is off by ~9% of it."""
+    (``reference_head_logits``: Hugging Face RoPE, GQA, the norms and residual the config
+    names) on the same target features, to the rounding of the GGUF's matrices (F16: 1%, BF16:
+    3% of the largest logit; measured 0.05-0.09% and 0.3%). Feeding each entry the token at
+    its own position instead of the next one is off by 9-18% of it."""
     d, heads = conv
     h = Eagle3Drafter(d / f"head-{layout}.gguf", context_window=None)  # every entry, as the reference
     e = Engine(target, drafter=h, n_ctx=512, cost_model=fixed_cost_model())
@@ -118,7 +121,7 @@ def test_a_converted_head_computes_the_upstream_head(conv, target, layout):
         root = h.decode_level(TreeBuilder(prompt[-1]), [0])[0]
         got = h._draft_rows(h.ctx.logits())  # the entries decoded with outputs, the root's last
         ref = reference_head_logits(heads[layout].path, d / "target", feats, prompt[1:])[-got.shape[0] :]
-        tol = {"f16": 0.01, "bf16": 0.03}[OUTTYPE[layout]] * np.abs(ref).max()
+        tol = {"f16": 0.01, "bf16": 0.03}[HEADS[layout][2]] * np.abs(ref).max()
         assert np.array_equal(root, got[-1])
         assert np.abs(got - ref).max() < tol
         assert np.argmax(root) == np.argmax(ref[-1])
@@ -126,7 +129,7 @@ def test_a_converted_head_computes_the_upstream_head(conv, target, layout):
         e.close()
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", HEADS)
 @pytest.mark.parametrize("shape", [TreeShape(4, 1, 5, 0.0), TreeShape(3, 3, 10, 0.0)], ids=["chain", "tree"])
 def test_a_converted_head_drafts_losslessly_greedy(conv, target, layout, shape):
     d, _ = conv
@@ -144,7 +147,7 @@ def test_a_converted_head_drafts_losslessly_greedy(conv, target, layout, shape):
         e.close()
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", HEADS)
 def test_a_converted_head_drafts_losslessly_seeded_sampling(conv, target, layout):
     """Seeded sampling (temperature 0.8, top-k 0): the speculative output is the plain one,
     token for token, as the exact kernels guarantee (``assert_same_as_plain``)."""
@@ -163,7 +166,7 @@ def test_a_converted_head_drafts_losslessly_seeded_sampling(conv, target, layout
         e.close()
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", HEADS)
 def test_a_converted_head_rejection_sampling_is_exact(conv, target, layout):
     """Drafts sampled from the converted head's own draft-vocabulary distribution (a tree),
     verified by classic rejection sampling on the target's real rows: chi-square on the
