@@ -144,7 +144,7 @@ def _config(spec: TargetSpec, **extra) -> dict:
 def _save(path: Path, tensors: dict[str, np.ndarray]) -> None:
     from safetensors.numpy import save_file
 
-    save_file({k: np.ascontiguousarray(v, dtype=v.dtype) for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
 
 
 def _decoder_layer(rng, prefix: str, hidden: int, heads: int, kv_heads: int, ff: int, d_in: int) -> dict:
@@ -286,7 +286,8 @@ def reference_head_logits(head_dir: Path, target_dir: Path, features: np.ndarray
     from safetensors.numpy import load_file
 
     cfg = json.loads((head_dir / "config.json").read_text())
-    w = {k: v.astype(np.float64) for k, v in load_file(str(head_dir / "model.safetensors")).items() if k not in ("d2t", "t2d")}
+    raw = load_file(str(head_dir / "model.safetensors"))
+    w = {k: v.astype(np.float64) for k, v in raw.items() if k not in ("d2t", "t2d")}
     p = "midlayer." if any(k.startswith("midlayer.") for k in w) else "model.layers.0."
     emb = w.get("model.embed_tokens.weight")
     if emb is None:

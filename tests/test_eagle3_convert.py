@@ -33,7 +33,7 @@ HEADS = {  # name -> (checkpoint layout, write_head options, converter --outtype
 MISFITS = {  # a head converted for another target -> what the refusal names
     "wide": (TargetSpec(hidden=96), ModelLoadError, r"features of hidden size 96 \(the target has 64\)"),
     "deep": (TargetSpec(layers=16), ModelLoadError, r"target layers 8, 13 of \[2, 8, 13\] \(the target has 8 layers"),
-    "vocab": (TargetSpec(vocab=400, tokenizer_seed=1), ModelLoadError, r"a vocabulary of 400 tokens \(the target has 320\)"),
+    "vocab": (TargetSpec(vocab=400, tokenizer_seed=1), ModelLoadError, r"a vocabulary of 400 tokens \(the target has 320"),
     "tokenizer": (TargetSpec(tokenizer_seed=1), VocabMismatchError, r"token \d+ differs: .*carries another tokenizer"),
 }
 

@@ -197,9 +197,10 @@ class Eagle3Drafter(ModelDrafter):
             out.append(f"the target's {borrowed} at hidden size {self.n_embd} (the target has {model.n_embd})")
         bad = [k for k in self.target_feature_layers if not 1 <= k < model.n_layer]
         if bad:
+            n = model.n_layer
             out.append(
                 f"target layer{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} of "
-                f"{list(self.target_feature_layers)} (the target has {model.n_layer} layers; 1..{model.n_layer - 1} can be read)"
+                f"{list(self.target_feature_layers)} (the target has {n} layers; 1..{n - 1} can be read)"
             )
         if self.target_vocab_size is not None and self.target_vocab_size != model.n_vocab:
             out.append(f"a vocabulary of {self.target_vocab_size} tokens (the target has {model.n_vocab})")
@@ -225,7 +226,8 @@ class Eagle3Drafter(ModelDrafter):
                 f"the EAGLE-3 head {self.model.path} was made for another target: it expects {'; '.join(bad)}. "
                 f"{_RECONVERT}"
             )
-        check_vocab(model, self.model, advice=f"The EAGLE-3 head {self.model.path} carries another tokenizer. {_RECONVERT}")
+        advice = f"The EAGLE-3 head {self.model.path} carries another tokenizer. {_RECONVERT}"
+        check_vocab(model, self.model, advice=advice)
         self._checked_for = model
 
     def attach(self, target: TargetHandle) -> None:
