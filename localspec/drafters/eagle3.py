@@ -1,12 +1,18 @@
 """EAGLE-3 heads (Li et al. 2025) on llama.cpp's ``eagle3`` architecture.
 
 An EAGLE-3 head is one decoder layer that drafts from the target's own hidden states. Its
-GGUF (``models/eagle3_gguf.py`` writes them) has an encoder ``fc`` that fuses the inputs of
-three target layers (``eagle3.target_layers``) into one row ``g_P`` per position, and a
-decoder whose entry at position ``P`` reads the token at ``P + 1`` and ``g_P`` and predicts
-the token at ``P + 2``. Its context borrows the target's token embeddings through
-``ctx_other``; a reduced draft vocabulary is mapped back to target ids by ``d2t`` inside
-llama.cpp (logits rows are target-vocabulary wide, ``-inf`` outside the draft vocabulary).
+GGUF has an encoder ``fc`` that fuses the inputs of three target layers
+(``eagle3.target_layers``) into one row ``g_P`` per position, and a decoder whose entry at
+position ``P`` reads the token at ``P + 1`` and ``g_P`` and predicts the token at ``P + 2``.
+Two writers make such GGUFs, and both load here: the project's (``models/eagle3_gguf.py``:
+trained or random heads) and llama.cpp's ``convert_hf_to_gguf.py HEAD_DIR --target-model-dir
+TARGET_DIR`` (public EAGLE-repo, SpecForge or speculators checkpoints; it adds
+``eagle3.vocab_size``, ``eagle3.norm_before_fc`` and, for some heads, their own
+``token_embd``). Without its own token embeddings the head's context borrows the target's
+through ``ctx_other``; a reduced draft vocabulary is mapped back to target ids by ``d2t``
+(absolute target ids in both writers) inside llama.cpp (logits rows are target-vocabulary
+wide, ``-inf`` outside the draft vocabulary). ``check_target`` refuses a head made for another
+target (``target_mismatches``) before anything changes.
 
 How the engine and the head work together::
 
@@ -73,6 +79,11 @@ def head_target_layers(model: Model) -> tuple[int, ...]:
     return tuple(int(ptr[i]) for i in range(n))
 
 
+_RECONVERT = (
+    "Use the head made for this target, or convert the head's checkpoint for it: python convert_hf_to_gguf.py "
+    "HEAD_DIR --target-model-dir TARGET_DIR (docs/drafters.md, 'Use a public head')"
+)
+
 CATCH_UP_OUTPUTS = 16
 """Longest catch-up decoded in the same call as the root's entry (every row an output)."""
 
@@ -99,8 +110,9 @@ class Eagle3Drafter(ModelDrafter):
             the target verifies every token either way.
     Raises:
         ValueError: ``context_window`` < 1.
-        ModelLoadError: not an EAGLE-3 head, or made for another hidden size (at ``attach``).
-        VocabMismatchError: (at ``attach``) its tokenizer is not the target's.
+        ModelLoadError: not an EAGLE-3 head, or (at ``check_target`` / ``attach``) made for
+            another target: hidden size, feature layers, vocabulary size.
+        VocabMismatchError: (at ``check_target`` / ``attach``) its tokenizer is not the target's.
     """
 
     name = "eagle3"
@@ -131,7 +143,16 @@ class Eagle3Drafter(ModelDrafter):
         self.n_embd_target = int(self.model.meta("eagle3.target_hidden_size") or self.model.n_embd)
         self.n_embd = self.model.n_embd
         d2t = gguf_tensor(self.model.path, "d2t")
-        self.d2t = None if d2t is None else np.ascontiguousarray(d2t, dtype=np.int64)
+        self.d2t = None if d2t is None else np.ascontiguousarray(d2t, dtype=np.int64).reshape(-1)
+        # llama.cpp's converter writes the head's config vocab_size (the target's); the
+        # project's writer does not
+        vocab = self.model.meta("eagle3.vocab_size")
+        self.target_vocab_size = int(vocab) if vocab is not None else None
+        from ..models.gguf_index import GGUFIndex
+
+        tensors = GGUFIndex(self.model.path).tensors
+        self.own_token_embd = "token_embd.weight" in tensors  # else it borrows the target's
+        self.own_output = "output.weight" in tensors  # else it borrows the target's lm_head
         self.fc = self._host_fc()
         self._checked_for: Model | None = None  # the target check_target passed for
         self._reset_state()
@@ -161,23 +182,52 @@ class Eagle3Drafter(ModelDrafter):
         """Positions ``0 .. n - 1`` of the history whose target features the head has."""
         return self.kv_len + self.feat.shape[0]
 
+    def target_mismatches(self, model: Model) -> list[str]:
+        """What of the head does not fit the target ``model`` (empty when all fits): the
+        hidden size of the features it reads (``eagle3.target_hidden_size``), its feature
+        layers (``eagle3.target_layers``: inputs of layers ``1 .. n_layer - 1``, what
+        ``FeatureTap`` captures), its vocabulary (``eagle3.vocab_size`` when present, and the
+        ``d2t`` target ids), and, when it borrows the target's token embeddings or lm_head,
+        its own hidden size. Each entry reads "<what the head expects> (the target has <...>)"."""
+        out = []
+        if self.n_embd_target != model.n_embd:
+            out.append(f"features of hidden size {self.n_embd_target} (the target has {model.n_embd})")
+        elif (not self.own_token_embd or not self.own_output) and self.n_embd != model.n_embd:
+            borrowed = "token embeddings" if not self.own_token_embd else "lm_head"
+            out.append(f"the target's {borrowed} at hidden size {self.n_embd} (the target has {model.n_embd})")
+        bad = [k for k in self.target_feature_layers if not 1 <= k < model.n_layer]
+        if bad:
+            n = model.n_layer
+            out.append(
+                f"target layer{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} of "
+                f"{list(self.target_feature_layers)} (the target has {n} layers; 1..{n - 1} can be read)"
+            )
+        if self.target_vocab_size is not None and self.target_vocab_size != model.n_vocab:
+            out.append(f"a vocabulary of {self.target_vocab_size} tokens (the target has {model.n_vocab})")
+        elif self.d2t is not None and self.d2t.size and int(self.d2t.max()) >= model.n_vocab:
+            out.append(f"draft tokens up to id {int(self.d2t.max())} (the target has {model.n_vocab} tokens)")
+        return out
+
     def check_target(self, model: Model) -> None:
-        """Check the head against the target ``model``: its tokenizer and hidden size (the
-        engine calls this before it changes anything, so a refused head loses nothing).
-        Checked once per target model.
+        """Check the head against the target ``model`` (``target_mismatches``, then its
+        tokenizer against the target's, id by id). The engine calls this before it changes
+        anything, so a refused head loses nothing. Checked once per target model.
 
         Raises:
+            ModelLoadError: the head was made for another target (one line naming every
+                mismatch: hidden size, feature layers, vocabulary).
             VocabMismatchError: the head's tokenizer is not the target's.
-            ModelLoadError: the head reads features of another hidden size.
         """
         if self._checked_for is model:
             return
-        check_vocab(model, self.model)
-        if model.n_embd != self.n_embd_target:
+        bad = self.target_mismatches(model)
+        if bad:
             raise ModelLoadError(
-                f"this EAGLE-3 head reads features of hidden size {self.n_embd_target}, the target has "
-                f"{model.n_embd}: it was made for another model"
+                f"the EAGLE-3 head {self.model.path} was made for another target: it expects {'; '.join(bad)}. "
+                f"{_RECONVERT}"
             )
+        advice = f"The EAGLE-3 head {self.model.path} carries another tokenizer. {_RECONVERT}"
+        check_vocab(model, self.model, advice=advice)
         self._checked_for = model
 
     def attach(self, target: TargetHandle) -> None:

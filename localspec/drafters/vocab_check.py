@@ -94,23 +94,24 @@ def _describe(model: Model, token: int) -> str:
     return f"{token} ({model.token_text(token)!r})"
 
 
-def _check_tail(model: Model, start: int, which: str) -> int:
+def _check_tail(model: Model, start: int, which: str, advice: str) -> int:
     attrs = _attrs(model, model.n_vocab)
     for i in range(start, model.n_vocab):
         if not attrs[i] & TOKEN_ATTR_UNUSED:
             raise VocabMismatchError(
                 f"the {which} vocabulary has {model.n_vocab} tokens, the other {start}; its extra "
-                f"token {i} ({model.token_text(i)!r}) is not an unused padding token. {_ADVICE}"
+                f"token {i} ({model.token_text(i)!r}) is not an unused padding token. {advice}"
             )
     return model.n_vocab - start
 
 
-def check_vocab(target: Model, draft: Model) -> VocabCheck:
+def check_vocab(target: Model, draft: Model, advice: str = _ADVICE) -> VocabCheck:
     """Check that ``draft`` can propose ids for ``target`` (see the module docstring).
 
     Args:
         target: the target model (``vocab_only`` loads suffice).
         draft: the draft model (or an EAGLE-3 head, which carries a tokenizer too).
+        advice: what to do, the end of the error message (default: for draft models).
     Returns:
         a ``VocabCheck`` with the number of common ids.
     Raises:
@@ -123,28 +124,28 @@ def check_vocab(target: Model, draft: Model) -> VocabCheck:
         if a != b:
             raise VocabMismatchError(
                 f"special token {name.upper()} differs: target id {_describe(target, a)}, draft id "
-                f"{_describe(draft, b)}. {_ADVICE}"
+                f"{_describe(draft, b)}. {advice}"
             )
     ka, kb = _special_id_keys(target), _special_id_keys(draft)
     for key in sorted(set(ka) | set(kb)):
         if ka.get(key) != kb.get(key):
             raise VocabMismatchError(
-                f"{key} differs: target {ka.get(key, 'unset')}, draft {kb.get(key, 'unset')}. {_ADVICE}"
+                f"{key} differs: target {ka.get(key, 'unset')}, draft {kb.get(key, 'unset')}. {advice}"
             )
     ta, da = _texts(target, n_common), _texts(draft, n_common)
     i = _first_difference(ta, da)
     if i >= 0:
-        raise VocabMismatchError(f"token {i} differs: target {_text(ta[i])!r}, draft {_text(da[i])!r}. {_ADVICE}")
+        raise VocabMismatchError(f"token {i} differs: target {_text(ta[i])!r}, draft {_text(da[i])!r}. {advice}")
     tt, dt = _attrs(target, n_common), _attrs(draft, n_common)
     i = _first_difference(tt, dt)
     if i >= 0:
         raise VocabMismatchError(
             f"token {i} ({_text(ta[i])!r}) has attributes {tt[i]:#x} in the target but {dt[i]:#x} in "
-            f"the draft (token types differ). {_ADVICE}"
+            f"the draft (token types differ). {advice}"
         )
     res = VocabCheck(n_common)
     if target.n_vocab > n_common:
-        res.n_padded_target = _check_tail(target, n_common, "target")
+        res.n_padded_target = _check_tail(target, n_common, "target", advice)
     if draft.n_vocab > n_common:
-        res.n_padded_draft = _check_tail(draft, n_common, "draft")
+        res.n_padded_draft = _check_tail(draft, n_common, "draft", advice)
     return res
