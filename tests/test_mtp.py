@@ -268,7 +268,7 @@ def test_rejection_step_law_is_exact_through_the_propose_path(mtp_path):
     import oracle
     import localspec.verify as verify_mod
     from localspec.verify import verify_rejection
-    from test_propose_rejection import EnumeratedDraftSampler, subtree_keeping_likely_draws
+    from test_propose_rejection import EnumeratedDraftSampler, engine_propose, subtree_keeping_likely_draws
 
     eng = Engine(mtp_path, drafter="none", n_ctx=512, n_threads=1, cost_model=fixed_cost_model(), adaptive=False)
     d = MtpDrafter(shape=TreeShape(2, 2, 7, 0.0))
@@ -295,7 +295,7 @@ def test_rejection_step_law_is_exact_through_the_propose_path(mtp_path):
 
         def build(ch):
             d.sampler = EnumeratedDraftSampler(EXACT.with_seed(0), model.n_vocab, model.suppress_tokens, ch)
-            prop = eng._propose(d, prompt[-1], 8, 256)
+            prop = engine_propose(eng, d, prompt[-1], 8, 256)
             assert prop.tree.n_nodes == 5 and prop.tree.max_depth() == 2
             return prop.tree
 

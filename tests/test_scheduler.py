@@ -145,7 +145,7 @@ def test_bad_requests(model):
             sched.submit([model.n_vocab])
     finally:
         sched.close()
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(ValueError, match="unknown drafter"):
         BatchScheduler(model, drafter="no-such-drafter")
 
 
