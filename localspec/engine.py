@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from .backend import Context, Model, SequenceCache
 from .costmodel import CostModel, calibrate
-from .backend.features import FeatureTap, FinalNormTap, make_feature_tap
+from .backend.features import FeatureTap, FinalNormTap
 from .drafters import Drafter, TargetHandle, resolve_drafter
 from .errors import ContextOverflowError, DecodeError, InvalidRequestError
 from .generation import Generation, now_us
@@ -26,7 +26,7 @@ from .policy import SpeculationPolicy, TreeShape
 from .request_state import RequestState
 from .results import GenerationResult, StreamChunk, TokenLogprob
 from .sampling import SamplingParams
-from .step import Entry, Step, feature_layers, reads_final_norm
+from .step import Entry, Step, feature_layers, reads_final_norm, tapped_context
 
 __all__ = ["Engine", "GenerationResult", "GenerationStream", "StreamChunk", "TokenLogprob"]
 
@@ -280,15 +280,7 @@ class Engine:
         old = getattr(self, "ctx", None)
         if old is not None:
             old.close()
-        if feature_layers and final_norm:
-            raise InvalidRequestError("a drafter reads either target layer features or final hidden states, not both")
-        self._tap = make_feature_tap(feature_layers, self.model) if feature_layers else None
-        self._norm_tap = FinalNormTap(self.model.n_embd) if final_norm else None
-        tap = self._tap or self._norm_tap
-        cb, ud = (tap.callback, tap.user_data) if tap is not None else (None, None)
-        self.ctx = Context(self.model, cb_eval=cb, cb_eval_user_data=ud, **self._ctx_args)
-        if hasattr(self._tap, "bind"):  # NextnTap: llama.cpp's nextn rows, read after each decode
-            self._tap.bind(self.ctx)
+        self.ctx, self._tap, self._norm_tap = tapped_context(self.model, feature_layers, final_norm, **self._ctx_args)
         self._ctx_generation = self.model.generation
         self.cache = SequenceCache(self.ctx, max_tree_nodes=self.max_tree_nodes)
 

@@ -57,9 +57,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .backend import Context, Model, SequenceCache
+from .backend import Model, SequenceCache
 from .costmodel import CostModel, calibrate
-from .backend.features import FinalNormTap, make_feature_tap
 from .drafters import TargetHandle, resolve_drafter
 from .errors import ContextOverflowError, InvalidRequestError
 from .generation import Generation, now_us
@@ -68,7 +67,7 @@ from .request_state import RequestState
 from .results import GenerationResult, StreamChunk
 from .sampling import SamplingParams
 from .stats import GenerationStats
-from .step import Entry, Piece, Step, feature_layers, reads_final_norm
+from .step import Entry, Piece, Step, feature_layers, reads_final_norm, tapped_context
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine
@@ -656,14 +655,7 @@ class BatchScheduler:
     def _make_context(self) -> None:
         """(Re)create the target context with the tap its drafters read (``FeatureTap`` /
         ``NextnTap`` for EAGLE-3 heads and MTP blocks, ``FinalNormTap`` for Medusa heads)."""
-        layers, norm = self._reads
-        self._tap = make_feature_tap(layers, self.model) if layers else None
-        self._norm_tap = FinalNormTap(self.model.n_embd) if norm else None
-        tap = self._tap or self._norm_tap
-        cb, ud = (tap.callback, tap.user_data) if tap is not None else (None, None)
-        self.ctx = Context(self.model, cb_eval=cb, cb_eval_user_data=ud, **self._ctx_args)
-        if hasattr(self._tap, "bind"):  # NextnTap: llama.cpp's nextn rows, read after each decode
-            self._tap.bind(self.ctx)
+        self.ctx, self._tap, self._norm_tap = tapped_context(self.model, *self._reads, **self._ctx_args)
         self._ctx_generation = self.model.generation
 
     def _slot_drafter(self, index: int):

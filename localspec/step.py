@@ -48,6 +48,29 @@ def reads_final_norm(drafter: Drafter | None) -> bool:
     return bool(getattr(drafter, "target_final_norm", False))
 
 
+def tapped_context(model, layers: tuple | None, final_norm: bool, **ctx_args):
+    """A target ``Context`` with the tap its drafters read: ``(ctx, tap, norm_tap)``, where
+    ``tap`` is a ``FeatureTap`` / ``NextnTap`` for ``layers`` (EAGLE-3 heads, MTP blocks) or
+    None, and ``norm_tap`` a ``FinalNormTap`` when ``final_norm`` (Medusa heads) or None.
+
+    Raises:
+        InvalidRequestError: both asked (one ``cb_eval`` per context).
+    """
+    from .backend.features import make_feature_tap
+    from .errors import InvalidRequestError
+
+    if layers and final_norm:
+        raise InvalidRequestError("a drafter reads either target layer features or final hidden states, not both")
+    tap = make_feature_tap(layers, model) if layers else None
+    norm_tap = FinalNormTap(model.n_embd) if final_norm else None
+    cb_tap = tap or norm_tap
+    cb, ud = (cb_tap.callback, cb_tap.user_data) if cb_tap is not None else (None, None)
+    ctx = Context(model, cb_eval=cb, cb_eval_user_data=ud, **ctx_args)
+    if hasattr(tap, "bind"):  # NextnTap: llama.cpp's nextn rows, read after each decode
+        tap.bind(ctx)
+    return ctx, tap, norm_tap
+
+
 @dataclass
 class Entry:
     """A request on the step: its state and its KV sequence."""

@@ -25,7 +25,7 @@ from localspec.scheduler import BatchScheduler  # noqa: E402
 from localspec.server.http import AppThread  # noqa: E402
 from localspec.server.openai import OpenAIService, create_serve_app  # noqa: E402
 
-PROMPT = "Question: Name the planets of the solar system.\nAnswer: Mercury, Venus, Earth, Mars, Jupiter,"
+PROMPT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,"
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}  # fmt: skip
 N = 24
@@ -46,7 +46,7 @@ def check_client(client, plain_engine: Engine, drafter: str) -> None:
     ref = plain_engine.generate(PROMPT, max_tokens=N, sampling=SamplingParams.greedy())
     assert r.choices[0].text == ref.text
     t = r.model_extra["timings"]
-    assert t["draft_n"] > 0 and t["draft_n_accepted"] > 0, t  # the drafter really drafted
+    assert t["drafter"] == drafter and t["draft_n"] > 0, t  # the drafter really drafted (adaptive off)
 
     msgs = [{"role": "user", "content": "List four fruits, comma separated."}]
     chat = client.chat.completions.create(model="m", messages=msgs, max_tokens=N, temperature=0)
