@@ -42,6 +42,7 @@ from starlette.responses import Response
 from ..backend.rpc import RPCError
 from ..errors import LocalSpecError
 from ..sampling import SamplingParams
+from ..text import ReleaseTracker, token_offsets
 from .fields import RequestError, lone_surrogate_at
 from .prompt import PromptTooLongError, tokenize_bounded
 from .response import dumps
@@ -366,19 +367,20 @@ class OpenAIService:
             content.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
         return {"content": content}
 
-    def logprobs_completion(self, lps, offset0: int = 0) -> dict | None:
+    def logprobs_completion(self, lps, offsets: list[int] | None = None) -> dict | None:
+        """The ``logprobs`` object of a completion choice for ``lps`` (``TokenLogprob``s);
+        ``offsets``: each token's character offset in the completion (default: counted from
+        the tokens themselves, ``text.token_offsets``)."""
         if lps is None:
             return None
-        tokens, values, tops, offsets = [], [], [], []
-        off = offset0
+        if offsets is None:
+            offsets = token_offsets(self.model.token_bytes, [lp.token for lp in lps])
+        tokens, values, tops = [], [], []
         for lp in lps:
-            text, _ = self._token_text(lp.token)
-            tokens.append(text)
+            tokens.append(self._token_text(lp.token)[0])
             values.append(lp.logprob)
             tops.append({self._token_text(t)[0]: v for t, v in lp.top})
-            offsets.append(off)
-            off += len(text)
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": list(offsets)}
 
     @staticmethod
     def usage(stats) -> dict:
@@ -423,7 +425,7 @@ class OpenAIService:
         return {**base, "object": obj, "choices": [choice], "usage": self.usage(r.stats), "timings": self.timings(r.stats)}
 
     def chunk(self, req: OAIRequest, rid: str, *, text: str | None = None, lps=None, finish: str | None = None,
-              role: bool = False, offset: int = 0) -> dict:  # fmt: skip
+              role: bool = False, offsets: list[int] | None = None) -> dict:  # fmt: skip
         base = {"id": rid, "created": int(time.time()), "model": self.model_name, "system_fingerprint": "localspec"}
         if req.kind == "chat":
             delta: dict[str, Any] = {}
@@ -433,7 +435,7 @@ class OpenAIService:
                 delta["content"] = text
             choice = {"index": 0, "delta": delta, "logprobs": self.logprobs_chat(lps), "finish_reason": finish}
             return {**base, "object": "chat.completion.chunk", "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "logprobs": self.logprobs_completion(lps, offset), "finish_reason": finish}
+        choice = {"index": 0, "text": text or "", "logprobs": self.logprobs_completion(lps, offsets), "finish_reason": finish}
         return {**base, "object": "text_completion", "choices": [choice]}
 
 
@@ -526,16 +528,29 @@ class OAIResponse:
 
         if req.kind == "chat":
             await event(svc.chunk(req, rid, text="", role=True))
-        offset = 0
+        # a token's logprob goes out with the chunk that completes its text: none for text held
+        # back (a possible stop string, a split character), none for tokens a stop string cuts
+        track = ReleaseTracker(svc.model.token_bytes)
+        want = req.logprobs is not None
+
+        def lp_chunk(text: str, out) -> dict:
+            lps = [lp for lp, _o in out] if want else None
+            return svc.chunk(req, rid, text=text, lps=lps, offsets=[o for _lp, o in out])
+
         while True:
             kind, item = await q.get()
             if kind == "done":
                 break
+            if item.token >= 0:
+                track.add(item.token, item.logprob)
+            out = track.release(item.text)
             text = strip(item.text)
-            if text or item.logprob is not None:
-                await event(svc.chunk(req, rid, text=text, lps=[item.logprob] if item.logprob is not None else None,
-                                      offset=offset))  # fmt: skip
-                offset += len(text)
+            if text or (want and out):
+                await event(lp_chunk(text, out))
+        if job.error is None:
+            out = track.flush(len(job.result.token_ids))
+            if want and out:
+                await event(lp_chunk("", out))
         if job.error is not None:
             await event(oai_error(500, f"generation failed: {job.error}"))
         else:

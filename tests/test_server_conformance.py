@@ -1,0 +1,100 @@
+"""Server conformance (issue 31): a streamed response carries exactly the text, tokens,
+logprobs and offsets of the non-streamed one, on the OpenAI endpoints (official `openai`
+client) and on llama.cpp's ``/completion``; per-request speculation fields; ``/health``; the
+per-request log line. Real default model, real servers on 127.0.0.1."""
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+import httpx  # noqa: E402
+
+from conftest import fixed_cost_model  # noqa: E402
+from localspec import SamplingParams  # noqa: E402
+from localspec.scheduler import BatchScheduler  # noqa: E402
+from localspec.server import CompletionService, ServiceConfig  # noqa: E402
+from localspec.server.http import AppThread  # noqa: E402
+from localspec.server.openai import OpenAIService, create_serve_app  # noqa: E402
+
+# Gemma 3 has no tokens for these mathematical letters: each is four byte tokens, and the
+# model continues them the same way (greedy)
+FRAKTUR = "Rare: 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𝔣𝔬𝔫𝔱𝔰 𝔞𝔯𝔢"
+CASES = [  # prompt, stop
+    ("1, 2, 3, 4,", [" 7"]),  # " " is held back as the start of " 7", then " 7" cuts two tokens
+    (FRAKTUR, None),  # tokens that end inside a character
+    (FRAKTUR, ["𝔡"]),  # a stop string completed by the last byte token of a character
+]
+
+
+@pytest.fixture(scope="module")
+def server(model, engine):
+    sched = BatchScheduler(model, parallel=2, n_ctx=512, cost_model=fixed_cost_model()).start()
+    oai = OpenAIService(sched, model_name="gemma-test", sampling=SamplingParams.greedy())
+    editor = CompletionService(engine, ServiceConfig(sampling=SamplingParams.greedy()))
+    with AppThread(create_serve_app(oai, editor, max_body_bytes=1 << 20)) as srv:
+        srv.sched = sched
+        yield srv
+    editor.close()
+    sched.close()
+    engine.reset()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+def prefix_chars(model, tokens) -> list[int]:
+    """The oracle for ``text_offset``: characters completed by the tokens before each one."""
+    return [len(b"".join(model.token_bytes(t) for t in tokens[:i]).decode("utf-8", "ignore"))
+            for i in range(len(tokens))]  # fmt: skip
+
+
+def streamed_completion(client, **kw) -> dict:
+    out = {"text": "", "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": [], "finish": None}
+    with client.completions.create(stream=True, **kw) as stream:
+        for ch in stream:
+            c = ch.choices[0]
+            out["text"] += c.text
+            if c.logprobs is not None:
+                for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    out[k] += getattr(c.logprobs, k)
+            out["finish"] = c.finish_reason or out["finish"]
+    return out
+
+
+@pytest.mark.parametrize("prompt,stop", CASES)
+@pytest.mark.parametrize("speculative", [True, False], ids=["spec", "plain"])
+def test_streamed_completion_equals_non_streamed(client, model, engine, prompt, stop, speculative):
+    kw = dict(model="x", prompt=prompt, max_tokens=24, temperature=0, stop=stop, logprobs=2,
+              extra_body={"speculative": speculative})  # fmt: skip
+    r = client.completions.create(**kw)
+    c = r.choices[0]
+    engine.reset()
+    ref = engine.generate(prompt, max_tokens=24, sampling=SamplingParams.greedy(), stop=stop or ())
+    assert c.text == ref.text and r.usage.completion_tokens == len(ref.token_ids)
+    assert len(c.logprobs.tokens) == len(ref.token_ids)
+    assert c.logprobs.text_offset == prefix_chars(model, ref.token_ids)
+    assert all(o <= len(c.text) for o in c.logprobs.text_offset)
+    once = {"text": c.text, "finish": c.finish_reason,
+            **{k: getattr(c.logprobs, k) for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}}  # fmt: skip
+    assert streamed_completion(client, **kw) == once
+
+
+def test_streamed_chat_logprobs_equal_non_streamed(client):
+    # the plain transcript's stop strings ("\nUser:") cut this reply
+    kw = dict(model="x", messages=[{"role": "user", "content": "Say hello, then ask me a question."}],
+              max_tokens=60, temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    r = client.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert len(c.logprobs.content) == r.usage.completion_tokens
+    text, entries, finish = "", [], None
+    with client.chat.completions.create(stream=True, **kw) as stream:
+        for ch in stream:
+            if ch.choices:
+                text += ch.choices[0].delta.content or ""
+                if ch.choices[0].logprobs is not None:
+                    entries += ch.choices[0].logprobs.content or []
+                finish = ch.choices[0].finish_reason or finish
+    assert (text, finish) == (c.message.content, c.finish_reason)
+    assert [e.model_dump() for e in entries] == [e.model_dump() for e in c.logprobs.content]
