@@ -98,3 +98,26 @@ def test_streamed_chat_logprobs_equal_non_streamed(client):
                 finish = ch.choices[0].finish_reason or finish
     assert (text, finish) == (c.message.content, c.finish_reason)
     assert [e.model_dump() for e in entries] == [e.model_dump() for e in c.logprobs.content]
+
+
+def sse_events(resp) -> list[dict]:
+    import json
+
+    return [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("prompt,stop", CASES)
+def test_streamed_llama_completion_equals_non_streamed(server, engine, prompt, stop):
+    body = {"prompt": prompt, "n_predict": 24, "stop": stop or [], "return_tokens": True}
+    with httpx.Client(base_url=server.url, timeout=600) as h:
+        once = h.post("/completion", json=body).json()
+        with h.stream("POST", "/completion", json={**body, "stream": True}) as resp:
+            events = sse_events(resp)
+    engine.reset()
+    ref = engine.generate(prompt, max_tokens=24, sampling=SamplingParams.greedy(), stop=stop or ())
+    assert (once["content"], once["tokens"], once["tokens_predicted"]) == (ref.text, ref.token_ids, len(ref.token_ids))
+    partials, final = events[:-1], events[-1]
+    assert final["stop"] and not any(e["stop"] for e in partials)
+    assert "".join(e["content"] for e in partials) == once["content"]
+    assert [t for e in partials for t in e["tokens"]] == once["tokens"]
+    assert [e["tokens_predicted"] for e in partials] == sorted(e["tokens_predicted"] for e in partials)

@@ -34,6 +34,7 @@ from ..backend.rpc import RPCError
 from ..errors import ContextOverflowError, InvalidRequestError, LocalSpecError
 from ..sampling import SamplingParams
 from ..stats import GenerationStats
+from ..text import ReleaseTracker
 from .fields import EXCEED_CONTEXT, SERVER_ERROR, UNAVAILABLE, RequestError, error_body
 from .prompt import BuiltPrompt, build_completion_prompt, build_infill_prompt
 from .protocol import CompletionRequest
@@ -365,11 +366,19 @@ class CompletionService:
             return self._final(job, plan=plan, built=built, result=None, content="", tokens=[], reason=None,
                                queue_ms=queue_ms).data  # fmt: skip
         stops = EditorStops(req.n_indent, req.t_max_predict_ms)
+        # a token goes out (streamed, and in the final tokens) once its text has: none for text
+        # held back as a possible stop prefix, none for tokens a stop string cuts
+        track = ReleaseTracker(self.model.token_bytes)
         parts: list[str] = []
         tokens: list[int] = []
         t_first: float | None = None
         reason: str | None = None
         n_prompt = len(built.tokens)
+
+        def partial(piece: str, out: list[int]) -> None:
+            job.emit(Event("partial", partial_response(piece, out if req.return_tokens else [], id_slot=req.id_slot,
+                                                       n_predicted=len(tokens), n_prompt=n_prompt)))  # fmt: skip
+
         try:
             for chunk in stream:
                 now = time.perf_counter()
@@ -379,25 +388,21 @@ class CompletionService:
                 if piece:
                     parts.append(piece)
                 if chunk.token >= 0 and (piece or not check.stop):
-                    tokens.append(chunk.token)
-                if req.stream and piece:
-                    job.emit(
-                        Event(
-                            "partial",
-                            partial_response(
-                                piece,
-                                [chunk.token] if req.return_tokens and chunk.token >= 0 else [],
-                                id_slot=req.id_slot,
-                                n_predicted=len(tokens),
-                                n_prompt=n_prompt,
-                            ),
-                        )
-                    )
+                    track.add(chunk.token, chunk.token)
+                out = [t for t, _o in track.release(piece)]
+                tokens += out
+                if req.stream and (piece or (req.return_tokens and out)):
+                    partial(piece, out)
                 if check.stop:
                     reason = check.reason
                     break
         finally:
             stream.close()
+        result = stream.result
+        out = [t for t, _o in track.flush(len(result.token_ids) if result is not None else 0)]
+        tokens += out
+        if req.stream and req.return_tokens and out:
+            partial("", out)
         return self._final(job, plan=plan, built=built, result=stream.result, content="".join(parts),
                            tokens=tokens, reason=reason, queue_ms=queue_ms, params=params).data  # fmt: skip
 
