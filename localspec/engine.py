@@ -27,6 +27,7 @@ import numpy as np
 
 from .backend import Context, Model, SequenceCache
 from .costmodel import CostModel, calibrate
+from .draft_limits import DraftLimits
 from .backend.features import FeatureTap, FinalNormTap, make_feature_tap
 from . import native
 from .native import rows as native_rows
@@ -216,6 +217,7 @@ class _Request:
     max_time_ms: float | None
     draft_context: list[list[int]]
     t_start_us: float
+    draft_limits: DraftLimits | None = None
 
 
 class Engine:
@@ -526,6 +528,7 @@ class Engine:
         add_special: bool = True,
         max_time_ms: float | None = None,
         draft_context: Sequence[str | Sequence[int]] = (),
+        draft_limits: DraftLimits | None = None,
     ) -> GenerationStream:
         """Start a generation; iterate the returned stream for ``StreamChunk``s.
 
@@ -542,6 +545,7 @@ class Engine:
                 has passed since the first generated token; prefill is not limited.
             draft_context: extra texts or token sequences the drafter may draft from (an
                 editor's suffix and other files): the n-gram drafter indexes them too.
+            draft_limits: cuts each draft tree of this request (``DraftLimits``).
         Raises:
             InvalidRequestError: bad parameters or an empty prompt.
             ContextOverflowError: the prompt does not leave room for one generated token.
@@ -586,6 +590,7 @@ class Engine:
             max_time_ms=max_time_ms,
             draft_context=extra,
             t_start_us=t_start,
+            draft_limits=draft_limits,
         )
         stream = GenerationStream(self, iter(()))
         stream._gen = self._run(stream, request)
@@ -700,7 +705,7 @@ class Engine:
                         finish_reason = "time"
                         break
                     t0 = _now_us()
-                    prop = self._propose(drafter, root, remaining, cache.n_free)
+                    prop = self._propose(drafter, root, remaining, cache.n_free, request.draft_limits)
                     cand, tree = prop.candidate, prop.tree
                     t1 = _now_us()
                     n_past0, n_pending0 = cache.n_past, len(cache.pending)
@@ -818,7 +823,8 @@ class Engine:
             if tail:
                 yield StreamChunk(tail, -1, TokenSource.DECODE, stats.n_steps)
 
-    def _propose(self, drafter: Drafter | None, root: int, remaining: int, n_free: int) -> "_Proposal":
+    def _propose(self, drafter: Drafter | None, root: int, remaining: int, n_free: int,
+                 limits: DraftLimits | None = None) -> "_Proposal":
         """The step's drafting, decided once: the cheap drafts (``propose``), the policy's
         plan (``SpeculationPolicy.plan``: whether a model drafts, in which shape, how much to
         verify), the model's drafts only if planned (``extend``), then the best nodes to
@@ -829,7 +835,7 @@ class Engine:
             t = TokenTree.root_only(root)
             return _Proposal(t, t, 0.0)
         t0 = _now_us()
-        cand = self._clip(drafter, drafter.propose(max_depth, max_nodes), root, max_depth)
+        cand = self._clip(drafter, drafter.propose(max_depth, max_nodes), root, max_depth, limits)
         model = getattr(drafter, "model_stats", None)
         plan = self.policy.plan(
             cand,
@@ -841,7 +847,7 @@ class Engine:
             adaptive=self.adaptive,
         )
         if plan.shape is not None:
-            cand = self._clip(drafter, drafter.extend(plan.shape), root, max_depth)
+            cand = self._clip(drafter, drafter.extend(plan.shape), root, max_depth, limits)
             self.cost_model.observe_draft_levels(model.last_level_us)
         t_draft_us = _now_us() - t0
         n = min(plan.n_nodes, max_nodes)
@@ -851,11 +857,13 @@ class Engine:
         return _Proposal(cand, tree.best_first_dfs(), t_draft_us)
 
     @staticmethod
-    def _clip(drafter: Drafter, cand: TokenTree, root: int, max_depth: int) -> TokenTree:
+    def _clip(drafter: Drafter, cand: TokenTree, root: int, max_depth: int, limits: DraftLimits | None = None) -> TokenTree:
         if cand.n_nodes > 1 and int(cand.token_ids[0]) != root:
             raise RuntimeError(f"drafter {drafter.name} proposed a tree rooted at {cand.token_ids[0]}, not {root}")
         if cand.max_depth() > max_depth:
             cand = cand.subtree(cand.depth <= max_depth)
+        if limits is not None:
+            cand = limits.apply(cand)
         return cand
 
     @staticmethod

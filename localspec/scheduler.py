@@ -67,6 +67,7 @@ import numpy as np
 from .backend import Batch, Context, Model
 from .costmodel import CostModel, calibrate
 from .drafters import make_drafter
+from .draft_limits import DraftLimits
 from .engine import GenerationResult, StreamChunk, TokenLogprob, Engine
 from .errors import ContextOverflowError, InvalidRequestError, KVCacheError
 from .policy import ScoreCalibration, SpeculationPolicy
@@ -173,15 +174,18 @@ class BatchJob:
     (thread-safe) ends it after the current step with ``finish_reason == "cancelled"`` and
     frees its slot. ``on_chunk`` (called on the scheduler's thread) receives ``StreamChunk``s.
     ``cache_prompt=False`` prefills the whole prompt even when the prompt cache holds a prefix
-    of it (llama.cpp's ``cache_prompt`` field; benchmarks use it).
+    of it (llama.cpp's ``cache_prompt`` field; benchmarks use it). ``draft_limits`` cuts each
+    of its draft trees (``DraftLimits``: llama.cpp's per-request ``speculative.n_max`` / ``p_min``).
     """
 
     _ids = itertools.count(1)
 
     def __init__(self, prompt: list[int], *, max_tokens: int, sampling: SamplingParams, stop: Sequence[str],
                  speculative: bool, on_chunk: Callable[[StreamChunk], None] | None, tag=None,
-                 on_done: Callable[["BatchJob"], None] | None = None, cache_prompt: bool = True) -> None:  # fmt: skip
+                 on_done: Callable[["BatchJob"], None] | None = None, cache_prompt: bool = True,
+                 draft_limits: DraftLimits | None = None) -> None:  # fmt: skip
         self.id = next(BatchJob._ids)
+        self.draft_limits = draft_limits
         self.prompt = prompt
         self.cache_prompt = cache_prompt
         self.max_tokens = max_tokens
@@ -384,7 +388,8 @@ class BatchScheduler:
     def submit(self, prompt: Sequence[int], *, max_tokens: int = 256, sampling: SamplingParams | None = None,
                stop: Sequence[str] = (), speculative: bool = True,
                on_chunk: Callable[[StreamChunk], None] | None = None, tag=None,
-               on_done: Callable[[BatchJob], None] | None = None, cache_prompt: bool = True) -> BatchJob:  # fmt: skip
+               on_done: Callable[[BatchJob], None] | None = None, cache_prompt: bool = True,
+               draft_limits: DraftLimits | None = None) -> BatchJob:  # fmt: skip
         """Queue a request (token ids; see ``Engine.tokenize``). ``cache_prompt=False``: prefill
         the whole prompt, reusing no cached prefix.
 
@@ -409,7 +414,8 @@ class BatchScheduler:
             )
         sampling = sampling or SamplingParams()
         job = BatchJob(tokens, max_tokens=max_tokens, sampling=sampling, stop=stop, speculative=speculative,
-                       on_chunk=on_chunk, tag=tag, on_done=on_done, cache_prompt=cache_prompt)  # fmt: skip
+                       on_chunk=on_chunk, tag=tag, on_done=on_done, cache_prompt=cache_prompt,
+                       draft_limits=draft_limits)  # fmt: skip
         # build the sampler now, so a bad grammar is the caller's error, not the worker's
         job._sampler = RequestState(sampling, self.model, tokens)  # type: ignore[attr-defined]
         with self._cv:
@@ -748,6 +754,8 @@ class BatchScheduler:
             raise RuntimeError(f"drafter proposed a tree rooted at {cand.token_ids[0]}, not {s.root}")
         if cand.max_depth() > max_depth:
             cand = cand.subtree(cand.depth <= max_depth)
+        if s.job.draft_limits is not None:
+            cand = s.job.draft_limits.apply(cand)
         return cand, dt, max_nodes
 
     def _fit_leaves(self, tree: TokenTree) -> TokenTree:

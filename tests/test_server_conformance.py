@@ -121,3 +121,39 @@ def test_streamed_llama_completion_equals_non_streamed(server, engine, prompt, s
     assert "".join(e["content"] for e in partials) == once["content"]
     assert [t for e in partials for t in e["tokens"]] == once["tokens"]
     assert [e["tokens_predicted"] for e in partials] == sorted(e["tokens_predicted"] for e in partials)
+
+
+REPEATS = "alpha beta gamma delta epsilon zeta eta theta, " * 6 + "alpha beta"  # the n-gram drafter's ground
+
+
+def test_speculation_fields_on_the_openai_endpoints(client):
+    kw = dict(model="x", prompt=REPEATS, max_tokens=32, temperature=0)
+    free = client.completions.create(**kw)
+    assert free.model_extra["timings"]["draft_n"] > 0
+    for extra in ({"speculative": False}, {"speculative.n_max": 0}, {"speculative": {"p_min": 1.0}}):
+        r = client.completions.create(**kw, extra_body=extra)
+        assert r.choices[0].text == free.choices[0].text
+        assert r.model_extra["timings"]["draft_n"] == 0, extra
+        assert "localspec" not in r.model_extra  # nothing ignored: no notes
+    r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": REPEATS}], max_tokens=8,
+                                       temperature=0, extra_body={"speculative.n_min": 2, "speculative.n_max": 0})
+    assert r.model_extra["timings"]["draft_n"] == 0
+    assert any("speculative.n_min" in n for n in r.model_extra["localspec"]["notes"])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**kw, extra_body={"speculative.p_min": 2})
+    assert e.value.body["param"] == "speculative" and "speculative.p_min" in e.value.body["message"]
+
+
+def test_speculation_fields_on_completion(server):
+    body = {"prompt": REPEATS, "n_predict": 32}
+    with httpx.Client(base_url=server.url, timeout=600) as h:
+        free = h.post("/completion", json=body).json()
+        assert free["localspec"]["num_draft_tokens"] > 0
+        for extra in ({"speculative.n_max": 0}, {"speculative": {"p_min": 1.0}}, {"speculative.p_min": 1}):
+            r = h.post("/completion", json={**body, **extra}).json()
+            assert r["content"] == free["content"] and r["localspec"]["num_draft_tokens"] == 0, extra
+            assert "draft_n" not in r["timings"] and r["localspec"]["notes"] == []
+        r = h.post("/completion", json={**body, "speculative.n_min": 4}).json()
+        assert any("speculative.n_min" in n for n in r["localspec"]["notes"])
+        r = h.post("/completion", json={**body, "speculative.n_max": -1})
+        assert r.status_code == 400 and "speculative.n_max" in r.json()["error"]["message"]

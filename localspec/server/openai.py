@@ -43,7 +43,8 @@ from ..backend.rpc import RPCError
 from ..errors import LocalSpecError
 from ..sampling import SamplingParams
 from ..text import ReleaseTracker, token_offsets
-from .fields import RequestError, lone_surrogate_at
+from ..draft_limits import DraftLimits
+from .fields import RequestError, get_speculation, lone_surrogate_at
 from .prompt import PromptTooLongError, tokenize_bounded
 from .response import dumps
 
@@ -98,6 +99,9 @@ class OAIRequest:
     logprobs: int | None  # None = off, n = top-n alternatives
     echo: bool = False
     cache_prompt: bool = True  # llama.cpp's field: reuse cached KV of a prompt prefix
+    speculative: bool | None = None  # False: no drafter for this request
+    draft_limits: DraftLimits | None = None  # llama.cpp's speculative.n_max / p_min
+    notes: tuple[str, ...] = ()  # request fields that change nothing here
 
 
 def _grammar(body: dict) -> str | None:
@@ -252,11 +256,15 @@ def parse_oai(kind: str, body: Any, defaults: SamplingParams) -> OAIRequest:
             raise OAIError(f"'{key}' must be a number in (0, 1] (1 = lossless), got {json.dumps(v)}", param=key)
         kw[key] = float(v)
     try:
+        spec = get_speculation(body)
+    except RequestError as e:
+        raise OAIError(e.message, param="speculative") from None
+    try:
         sampling = replace(defaults, **kw)
     except (ValueError, TypeError) as e:
         raise OAIError(str(e)) from None
     return OAIRequest(kind, prompt, max_tokens, stream, bool(so.get("include_usage")), stops, sampling, logprobs, echo,
-                      cache_prompt)  # fmt: skip
+                      cache_prompt, spec.enabled, spec.limits, spec.notes)  # fmt: skip
 
 
 # -- the service -----------------------------------------------------------------------------
@@ -340,8 +348,9 @@ class OpenAIService:
         max_tokens = req.max_tokens if req.max_tokens is not None else max(0, n_ctx - len(tokens))
         try:
             job = self.scheduler.submit(tokens, max_tokens=max_tokens, sampling=req.sampling, stop=req.stop + extra_stops,
-                                        speculative=self.speculative, on_chunk=on_chunk, on_done=on_done,
-                                        cache_prompt=req.cache_prompt)  # fmt: skip
+                                        speculative=self.speculative and req.speculative is not False,
+                                        on_chunk=on_chunk, on_done=on_done, cache_prompt=req.cache_prompt,
+                                        draft_limits=req.draft_limits)  # fmt: skip
         except LocalSpecError as e:
             code = "context_length_exceeded" if "context" in str(e) else None
             raise OAIError(str(e), param="messages" if req.kind == "chat" else "prompt", code=code) from None
@@ -422,7 +431,15 @@ class OpenAIService:
             choice = {"index": 0, "text": text, "logprobs": self.logprobs_completion(r.logprobs),
                       "finish_reason": self.finish_reason(r)}  # fmt: skip
             obj = "text_completion"
-        return {**base, "object": obj, "choices": [choice], "usage": self.usage(r.stats), "timings": self.timings(r.stats)}
+        out = {**base, "object": obj, "choices": [choice], "usage": self.usage(r.stats), "timings": self.timings(r.stats)}
+        return self.with_notes(req, out)
+
+    @staticmethod
+    def with_notes(req: OAIRequest, obj: dict) -> dict:
+        """``obj`` with ``localspec.notes`` (request fields that changed nothing) when there are any."""
+        if req.notes:
+            obj["localspec"] = {"notes": list(req.notes)}
+        return obj
 
     def chunk(self, req: OAIRequest, rid: str, *, text: str | None = None, lps=None, finish: str | None = None,
               role: bool = False, offsets: list[int] | None = None) -> dict:  # fmt: skip
@@ -558,6 +575,7 @@ class OAIResponse:
             if req.kind == "chat":
                 last["choices"][0]["delta"] = {}
             last["timings"] = svc.timings(job.result.stats)
+            svc.with_notes(req, last)
             await event(last)
             if req.include_usage:
                 await event({"id": rid, "object": last["object"], "created": last["created"], "model": svc.model_name,

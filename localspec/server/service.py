@@ -360,6 +360,7 @@ class CompletionService:
             stop=req.stop,
             speculative=spec,
             draft_context=built.draft_context,
+            draft_limits=req.draft_limits,
         )
         if not job._attach(stream):
             stream.close()
@@ -466,6 +467,7 @@ class CompletionService:
             notes.append(f"n_cmpl {req.n_cmpl} asked with streaming: localspec streams one completion")
         if req.not_implemented:
             notes.append(f"ignored (not implemented): {', '.join(req.not_implemented)}")
+        notes.extend(req.speculation_notes)
         info: dict[str, Any] = {
             "fim": bool(built.fim) if built is not None else None,
             "speculative": stats.drafter != "none",
