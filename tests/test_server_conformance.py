@@ -157,3 +157,17 @@ def test_speculation_fields_on_completion(server):
         assert any("speculative.n_min" in n for n in r["localspec"]["notes"])
         r = h.post("/completion", json={**body, "speculative.n_max": -1})
         assert r.status_code == 400 and "speculative.n_max" in r.json()["error"]["message"]
+
+
+def test_one_log_line_per_request(client, server, caplog):
+    caplog.set_level("INFO", logger="localspec.server")
+    client.completions.create(model="x", prompt="One, two,", max_tokens=3, temperature=0)
+    list(client.completions.create(model="x", prompt="One, two,", max_tokens=3, temperature=0, stream=True))
+    with httpx.Client(base_url=server.url, timeout=600) as h:
+        h.post("/completion", json={"prompt": "One, two,", "n_predict": 3})
+    lines = [r.getMessage() for r in caplog.records if r.name == "localspec.server"]
+    assert len(lines) == 3, lines
+    assert [ln.split(": ")[0].split()[-1] for ln in lines] == ["/v1/completions", "/v1/completions", "/completion"]
+    for ln in lines:
+        assert ln.startswith("request ") and "completion 3 tokens" in ln and "drafted " in ln and "accepted " in ln
+        assert " ms, length" in ln

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 
@@ -64,6 +65,8 @@ def run(a: argparse.Namespace) -> int:
         except OSError as e:
             print(f"localspec: error: {e}", file=sys.stderr)
             return 1
+    if a.serve:  # one line per request (as llama-server logs each task), whatever --verbose says
+        logging.getLogger("localspec.server").setLevel(logging.INFO)
     engine = make_engine(a, a.drafter)
     service = CompletionService(engine, config)
     fim = has_fim(engine.model)

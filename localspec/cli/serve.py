@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
 import signal
 import sys
 
@@ -81,6 +82,8 @@ def run(a: argparse.Namespace) -> int:
     except OSError as e:
         print(f"localspec: error: {e}", file=sys.stderr)
         return 1
+    # one line per request (as llama-server logs each task), whatever --verbose says
+    logging.getLogger("localspec.server").setLevel(logging.INFO)
     engine = make_engine(a, None if a.drafter == "none" else a.drafter)
     sched = None
     editor = None

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 import uuid
@@ -46,7 +47,9 @@ from ..text import ReleaseTracker, token_offsets
 from ..draft_limits import DraftLimits
 from .fields import RequestError, get_speculation, lone_surrogate_at
 from .prompt import PromptTooLongError, tokenize_bounded
-from .response import dumps
+from .response import dumps, request_log_line
+
+log = logging.getLogger("localspec.server")
 
 MAX_LOGPROBS = 20
 MAX_STOPS = 4
@@ -520,6 +523,12 @@ class OAIResponse:
                     job.cancel()
                 tg.cancel_scope.cancel()
 
+    def _log(self, job, rid: str) -> None:
+        r = job.result
+        if r is not None:
+            path = "/v1/chat/completions" if self.req.kind == "chat" else "/v1/completions"
+            log.info("%s", request_log_line(rid, path, r.stats, r.finish_reason, r.stats.t_total_us / 1e3))
+
     async def _once(self, send, q, job, rid, strip) -> None:
         parts = []
         while True:
@@ -528,6 +537,7 @@ class OAIResponse:
                 parts.append(item.text)
             else:
                 break
+        self._log(job, rid)
         if job.error is not None:
             # a lost / unreachable RPC worker is the server's trouble, not the request's
             status = 503 if isinstance(job.error, RPCError) else 400 if isinstance(job.error, LocalSpecError) else 500
@@ -557,6 +567,7 @@ class OAIResponse:
         while True:
             kind, item = await q.get()
             if kind == "done":
+                self._log(job, rid)
                 break
             if item.token >= 0:
                 track.add(item.token, item.logprob)

@@ -38,7 +38,7 @@ from ..text import ReleaseTracker
 from .fields import EXCEED_CONTEXT, SERVER_ERROR, UNAVAILABLE, RequestError, error_body
 from .prompt import BuiltPrompt, build_completion_prompt, build_infill_prompt
 from .protocol import CompletionRequest
-from .response import Outcome, final_response, generation_settings, partial_response, stop_type_of
+from .response import Outcome, final_response, generation_settings, partial_response, request_log_line, stop_type_of
 from .sampling_fields import SamplingPlan, resolve_sampling
 from .stops import EditorStops
 
@@ -400,6 +400,9 @@ class CompletionService:
         finally:
             stream.close()
         result = stream.result
+        if result is not None:
+            log.info("%s", request_log_line(job.id, f"/{req.kind}", result.stats, reason or result.finish_reason,
+                                            (time.perf_counter() - job.t_submit) * 1e3))  # fmt: skip
         out = [t for t, _o in track.flush(len(result.token_ids) if result is not None else 0)]
         tokens += out
         if req.stream and req.return_tokens and out:
