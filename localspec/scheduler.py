@@ -380,6 +380,7 @@ class BatchScheduler:
         self._closed = False
         self._thread: threading.Thread | None = None
         self.n_steps = 0
+        self.t_last_step_us: float | None = None  # when the last step ended (``_now_us``)
         # (n_requests decoding, n_tokens, n_prefill_tokens) per step
         self.step_log: collections.deque = collections.deque(maxlen=4096)
 
@@ -553,6 +554,7 @@ class BatchScheduler:
         active = [s for s in self.slots if s is not None]
         if active:
             self._decode_step(active)
+            self.t_last_step_us = _now_us()  # /health: the age of the last completed step
 
     def _end_unstarted(self, job: BatchJob, reason: str) -> None:
         sampler = getattr(job, "_sampler", None)

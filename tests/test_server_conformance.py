@@ -3,6 +3,9 @@ logprobs and offsets of the non-streamed one, on the OpenAI endpoints (official 
 client) and on llama.cpp's ``/completion``; per-request speculation fields; ``/health``; the
 per-request log line. Real default model, real servers on 127.0.0.1."""
 
+import threading
+import time
+
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -13,7 +16,7 @@ from conftest import fixed_cost_model  # noqa: E402
 from localspec import SamplingParams  # noqa: E402
 from localspec.scheduler import BatchScheduler  # noqa: E402
 from localspec.server import CompletionService, ServiceConfig  # noqa: E402
-from localspec.server.http import AppThread  # noqa: E402
+from localspec.server.http import AppThread, create_app  # noqa: E402
 from localspec.server.openai import OpenAIService, create_serve_app  # noqa: E402
 
 # Gemma 3 has no tokens for these mathematical letters: each is four byte tokens, and the
@@ -171,3 +174,53 @@ def test_one_log_line_per_request(client, server, caplog):
     for ln in lines:
         assert ln.startswith("request ") and "completion 3 tokens" in ln and "drafted " in ln and "accepted " in ln
         assert " ms, length" in ln
+
+
+def test_health_shows_a_stuck_scheduler(model, monkeypatch):
+    sched = BatchScheduler(model, parallel=1, n_ctx=256, cost_model=fixed_cost_model())
+    release = threading.Event()
+    entered = threading.Event()
+    real_step = sched._decode_step
+
+    def hanging_step(active):  # the second step hangs until the test releases it
+        if sched.n_steps >= 1:
+            entered.set()
+            release.wait()
+        return real_step(active)
+
+    monkeypatch.setattr(sched, "_decode_step", hanging_step)
+    oai = OpenAIService(sched.start(), model_name="m", sampling=SamplingParams.greedy(), stall_s=0.05)
+    with AppThread(create_serve_app(oai, max_body_bytes=1 << 20)) as srv, httpx.Client(base_url=srv.url, timeout=600) as h:
+        r = h.get("/health")
+        assert r.status_code == 200 and r.json() == {"status": "ok", "slots_idle": 1, "slots_processing": 0,
+                                                     "requests_waiting": 0, "last_step_age_s": None}  # fmt: skip
+        done = {}
+        t = threading.Thread(target=lambda: done.update(r=h.post("/v1/completions", json={"prompt": "One, two,",
+                                                                                        "max_tokens": 4})))  # fmt: skip
+        t.start()
+        assert entered.wait(600)
+        deadline = time.monotonic() + 600
+        while (r := h.get("/health")).status_code != 503:  # until the hang outlasts stall_s
+            assert time.monotonic() < deadline
+        body = r.json()
+        assert body["status"] == "error" and body["slots_processing"] == 1 and body["last_step_age_s"] > 0.05
+        assert "no scheduler step" in body["error"]
+        release.set()
+        t.join(600)
+        assert done["r"].status_code == 200
+        r = h.get("/health")
+        assert r.status_code == 200 and r.json()["slots_processing"] == 0 and r.json()["last_step_age_s"] >= 0
+    sched.close()
+
+
+def test_editor_health_shows_the_running_request(service):
+    with AppThread(create_app(service)) as srv, httpx.Client(base_url=srv.url, timeout=600) as h:
+        body = {"prompt": "Once upon a time", "n_predict": 400, "ignore_eos": True, "stream": True}
+        with h.stream("POST", "/completion", json=body) as resp:
+            next(resp.iter_lines())  # the first piece: the request runs
+            st = h.get("/health").json()
+        assert st["slots_processing"] == 1 and st["requests_waiting"] == 0 and st["last_step_age_s"] >= 0
+        deadline = time.monotonic() + 600
+        while h.get("/health").json()["slots_processing"]:  # the disconnect cancels it
+            assert time.monotonic() < deadline
+        assert h.get("/health").json()["last_step_age_s"] is None

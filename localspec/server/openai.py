@@ -53,6 +53,8 @@ log = logging.getLogger("localspec.server")
 
 MAX_LOGPROBS = 20
 MAX_STOPS = 4
+HEALTH_STALL_S = 60.0
+"""``/health`` answers 503 once requests have waited this long (s) with no scheduler step completed."""
 
 
 def oai_error(status: int, message: str, *, type: str | None = None, param: str | None = None, code=None) -> dict:
@@ -281,18 +283,43 @@ class OpenAIService:
         model_name: the id ``/v1/models`` lists (requests may name any model: there is one).
         sampling: defaults for fields a request leaves out.
         max_queue: most requests waiting for a slot; more get 503.
+        stall_s: ``health`` is 503 once requests have waited this long (s) with no step.
     """
 
     def __init__(self, scheduler, *, model_name: str, sampling: SamplingParams | None = None, max_queue: int = 64,
-                 speculative: bool = True) -> None:  # fmt: skip
+                 speculative: bool = True, stall_s: float = HEALTH_STALL_S) -> None:  # fmt: skip
         self.scheduler = scheduler
         self.model = scheduler.model
         self.model_name = model_name
         self.sampling = sampling or SamplingParams()
         self.max_queue = max_queue
         self.speculative = speculative
+        self.stall_s = stall_s
         self.created = int(time.time())
         self._chat_format = None
+
+    def health(self) -> tuple[int, dict]:
+        """``/health``: HTTP status and body. ``slots_idle`` / ``slots_processing`` (requests
+        in slots), ``requests_waiting`` (queued for a slot), ``last_step_age_s`` (seconds since
+        the scheduler's last step ended; null before the first). 503 with ``"status": "error"``
+        when requests are present and neither a step has ended nor a request arrived for
+        ``stall_s`` seconds (a stuck scheduler); else 200 ``"status": "ok"``."""
+        sched = self.scheduler
+        now = time.perf_counter() * 1e6  # the scheduler's clock (scheduler._now_us)
+        jobs = [s.job for s in list(sched.slots) if s is not None] + list(sched._queue)
+        last = sched.t_last_step_us
+        n_proc = sum(s is not None for s in list(sched.slots))
+        body: dict[str, Any] = {"status": "ok", "slots_idle": sched.parallel - n_proc, "slots_processing": n_proc,
+                                "requests_waiting": sched.n_waiting,
+                                "last_step_age_s": None if last is None else round((now - last) / 1e6, 3)}  # fmt: skip
+        if jobs:
+            stalled = (now - max(min(j.t_submit_us for j in jobs), last or 0.0)) / 1e6
+            if stalled > self.stall_s:
+                body["status"] = "error"
+                body["error"] = (f"no scheduler step has ended for {stalled:.1f} s while {len(jobs)} requests are "
+                                 f"present (threshold {self.stall_s:g} s)")  # fmt: skip
+                return 503, body
+        return 200, body
 
     def chat_format(self):
         if self._chat_format is None:
@@ -676,17 +703,18 @@ def create_serve_app(service: OpenAIService, completion_service=None, *, max_bod
     async def server_error(_request, exc: Exception):
         return json_response(oai_error(500, f"internal error: {exc}"), 500)
 
+    from starlette.routing import Route
+
     routes = openai_routes(service, max_body_bytes=max_body_bytes)
     if completion_service is not None:
         editor = create_app(completion_service, max_body_bytes=max_body_bytes)
-        routes += [r for r in editor.routes if getattr(r, "path", "") not in ("/v1/models",)]
-    else:
-        from starlette.routing import Route
+        routes += [r for r in editor.routes if getattr(r, "path", "") not in ("/v1/models", "/health", "/v1/health")]
 
-        async def health(_request):
-            return json_response({"status": "ok"})
+    async def health(_request):
+        status, body = service.health()
+        return json_response(body, status)
 
-        routes.append(Route("/health", health, methods=["GET"]))
+    routes += [Route("/health", health, methods=["GET"]), Route("/v1/health", health, methods=["GET"])]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
     if api_key:
         return APIKeyMiddleware(app, api_key)

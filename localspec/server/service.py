@@ -162,6 +162,8 @@ class CompletionService:
         self._live: set[Job] = set()
         self._by_client: dict[str, set[Job]] = {}
         self._n_waiting = 0
+        self._running: Job | None = None  # the job on the worker (for /health)
+        self._t_progress = time.perf_counter()  # when it started or last emitted a token
         self._closed = False
         self.counters = {"requests": 0, "cancelled": 0, "errors": 0}
         self._cut_anchor = None  # where the last truncated infill prefix was cut (worker thread)
@@ -210,7 +212,15 @@ class CompletionService:
         return c.future.result(timeout)
 
     def health(self) -> dict:
-        return {"status": "ok"}
+        """``/health`` of the editor server: ``slots_processing`` (0 or 1: requests run one at a
+        time), ``requests_waiting``, ``last_step_age_s`` (seconds since the running request
+        last emitted a token or started; null when none runs)."""
+        with self._lock:
+            running = self._running
+            n_waiting = self._n_waiting
+        age = None if running is None else round(time.perf_counter() - self._t_progress, 3)
+        return {"status": "ok", "slots_idle": 0 if running else 1, "slots_processing": int(running is not None),
+                "requests_waiting": n_waiting, "last_step_age_s": age}  # fmt: skip
 
     def stop_accepting(self, reason: str = "the server is shutting down") -> None:
         """Refuse new requests (503) and cancel every queued or running one; each is still
@@ -246,6 +256,8 @@ class CompletionService:
                 continue
             with self._lock:
                 self._n_waiting -= 1
+                self._running = item
+                self._t_progress = time.perf_counter()
             try:
                 self._run(item)
             except Exception as e:  # never let one request stop the server
@@ -256,6 +268,8 @@ class CompletionService:
                 if not item.done.is_set():
                     item.emit(Event("error", error_body(500, "internal error: no response", SERVER_ERROR), 500))
                 self._forget(item)
+                with self._lock:
+                    self._running = None
 
     def _forget(self, job: Job) -> None:
         with self._lock:
@@ -382,7 +396,7 @@ class CompletionService:
 
         try:
             for chunk in stream:
-                now = time.perf_counter()
+                now = self._t_progress = time.perf_counter()
                 t_first = now if t_first is None else t_first
                 check = stops.push(chunk.text, (now - t_first) * 1e3)
                 piece = chunk.text[: check.keep]
