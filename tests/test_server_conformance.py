@@ -224,3 +224,76 @@ def test_editor_health_shows_the_running_request(service):
         while h.get("/health").json()["slots_processing"]:  # the disconnect cancels it
             assert time.monotonic() < deadline
         assert h.get("/health").json()["last_step_age_s"] is None
+
+
+def test_health_says_loading_model_until_the_model_is_loaded(server):
+    """``serve_while_loading`` (what `serve` and `complete --serve` run): the socket answers
+    while ``load()`` runs, held here on an Event."""
+    from localspec.errors import ModelLoadError
+    from localspec.server.http import address_of, bind_socket, serve_while_loading
+
+    go, stop, ready = threading.Event(), threading.Event(), []
+    oai = OpenAIService(server.sched, model_name="m", sampling=SamplingParams.greedy())
+
+    def load():
+        go.wait()
+        return create_serve_app(oai, max_body_bytes=1 << 20), None
+
+    sock = bind_socket("127.0.0.1", 0)
+    url = address_of(sock)
+    t = threading.Thread(target=serve_while_loading, args=(sock, load), kwargs={"on_ready": ready.append, "stop": stop})
+    t.start()
+    try:
+        with httpx.Client(base_url=url, timeout=600) as h:
+            r = h.get("/health")
+            assert (r.status_code, r.json()) == (503, {"status": "loading model"})
+            r = h.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+            assert r.status_code == 503 and r.json()["error"]["message"] == "Loading model"
+            assert ready == []
+            go.set()
+            deadline = time.monotonic() + 600
+            while (r := h.get("/health")).status_code != 200:
+                assert r.json() == {"status": "loading model"} and time.monotonic() < deadline
+            assert r.json()["status"] == "ok" and ready == [url]
+            assert h.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}).status_code == 200
+    finally:
+        go.set()
+        stop.set()
+        t.join(60)
+    assert not t.is_alive()
+
+    def broken():
+        raise ModelLoadError("model file not found: x.gguf")
+
+    with pytest.raises(ModelLoadError, match="not found"):
+        serve_while_loading(bind_socket("127.0.0.1", 0), broken)
+
+
+def test_serve_cli_logs_each_request_and_stops_on_sigterm(model_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "localspec", "serve", "--port", "0", "--drafter", "none", "--parallel", "1",
+           "--ctx-per-request", "256", "-m", str(model_path), "-t", "1", "--no-editor"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        assert "listening on " in line, line
+        url = line.split("listening on ", 1)[1].split()[0]
+        with httpx.Client(base_url=url, timeout=600) as h:
+            assert h.get("/health").json()["status"] == "ok"
+            r = h.post("/v1/completions", json={"prompt": "One, two,", "max_tokens": 3, "temperature": 0})
+            assert r.status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    logged = [ln for ln in err.splitlines() if ln.startswith("localspec.server: request ")]
+    assert len(logged) == 1 and "/v1/completions: prompt " in logged[0] and "completion 3 tokens" in logged[0], err
+    assert "localspec serve: stopped" in err and "Traceback" not in err
