@@ -257,28 +257,6 @@ def _uvicorn_server(app, *, log_level: str, on_ready=None, on_shutdown=None):
     return _Server(config)
 
 
-def serve(service: CompletionService, sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-          log_level: str = "warning", on_ready=None) -> None:  # fmt: skip
-    """Serve on ``sock`` (see ``bind_socket``) until interrupted (SIGINT / SIGTERM);
-    ``on_ready(address)`` once listening. Closes the socket.
-
-    On SIGINT / SIGTERM the service stops accepting (503) and cancels the requests queued or
-    running; each client still gets its answer (a cancelled response, or the end of its
-    stream) before the connections close, so the process exits without cutting a response.
-    """
-    addr = address_of(sock)
-    server = _uvicorn_server(
-        create_app(service, max_body_bytes=max_body_bytes),
-        log_level=log_level,
-        on_ready=(lambda: on_ready(addr)) if on_ready else None,
-        on_shutdown=service.stop_accepting,
-    )
-    try:
-        server.run(sockets=[sock])
-    finally:
-        sock.close()
-
-
 class LoadingGate:
     """ASGI app that answers while the model loads, as llama-server does: ``/health`` (and
     ``/v1/health``) 503 ``{"status": "loading model"}``, every other path 503 with an
