@@ -857,7 +857,8 @@ class Engine:
         return _Proposal(cand, tree.best_first_dfs(), t_draft_us)
 
     @staticmethod
-    def _clip(drafter: Drafter, cand: TokenTree, root: int, max_depth: int, limits: DraftLimits | None = None) -> TokenTree:
+    def _clip(drafter: Drafter, cand: TokenTree, root: int, max_depth: int,
+              limits: DraftLimits | None = None) -> TokenTree:  # fmt: skip
         if cand.n_nodes > 1 and int(cand.token_ids[0]) != root:
             raise RuntimeError(f"drafter {drafter.name} proposed a tree rooted at {cand.token_ids[0]}, not {root}")
         if cand.max_depth() > max_depth:

@@ -519,15 +519,20 @@ class OAIResponse:
             except RuntimeError:  # the loop is gone (shutting down)
                 pass
 
+        rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+
+        def on_done(j) -> None:  # on the scheduler's thread; a client that left is logged too
+            self._log(j, rid)
+            put(("done", j))
+
         try:
             # tokenizing a long prompt takes a while: not on the event loop, which serves every
             # other client's stream meanwhile
             job = await anyio.to_thread.run_sync(
-                lambda: svc.submit(req, on_chunk=lambda c: put(("chunk", c)), on_done=lambda j: put(("done", j))))
+                lambda: svc.submit(req, on_chunk=lambda c: put(("chunk", c)), on_done=on_done))
         except OAIError as e:
             await _send_json(send, e.status, e.body())
             return
-        rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         strip = _SpaceStripper(getattr(job, "strip_space", False))
         async with anyio.create_task_group() as tg:
 
@@ -564,7 +569,6 @@ class OAIResponse:
                 parts.append(item.text)
             else:
                 break
-        self._log(job, rid)
         if job.error is not None:
             # a lost / unreachable RPC worker is the server's trouble, not the request's
             status = 503 if isinstance(job.error, RPCError) else 400 if isinstance(job.error, LocalSpecError) else 500
@@ -594,7 +598,6 @@ class OAIResponse:
         while True:
             kind, item = await q.get()
             if kind == "done":
-                self._log(job, rid)
                 break
             if item.token >= 0:
                 track.add(item.token, item.logprob)
