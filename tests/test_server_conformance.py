@@ -90,6 +90,7 @@ def test_streamed_chat_logprobs_equal_non_streamed(client):
               max_tokens=60, temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
     r = client.chat.completions.create(**kw)
     c = r.choices[0]
+    assert c.finish_reason == "stop" and r.usage.completion_tokens < 60  # the transcript's stop string
     assert len(c.logprobs.content) == r.usage.completion_tokens
     text, entries, finish = "", [], None
     with client.chat.completions.create(stream=True, **kw) as stream:
