@@ -60,6 +60,7 @@ import numpy as np
 from .backend import Model, SequenceCache
 from .costmodel import CostModel, calibrate
 from .drafters import TargetHandle, resolve_drafter
+from .draft_limits import DraftLimits
 from .errors import ContextOverflowError, InvalidRequestError
 from .generation import Generation, now_us
 from .policy import SpeculationPolicy
@@ -98,15 +99,18 @@ class BatchJob:
     (thread-safe) ends it after the current step with ``finish_reason == "cancelled"`` and
     frees its slot. ``on_chunk`` (called on the scheduler's thread) receives ``StreamChunk``s.
     ``cache_prompt=False`` prefills the whole prompt even when the prompt cache holds a prefix
-    of it (llama.cpp's ``cache_prompt`` field; benchmarks use it).
+    of it (llama.cpp's ``cache_prompt`` field; benchmarks use it). ``draft_limits`` cuts each
+    of its draft trees (``DraftLimits``: llama.cpp's per-request ``speculative.n_max`` / ``p_min``).
     """
 
     _ids = itertools.count(1)
 
     def __init__(self, prompt: list[int], *, max_tokens: int, sampling: SamplingParams, stop: Sequence[str],
                  speculative: bool, on_chunk: Callable[[StreamChunk], None] | None, tag=None,
-                 on_done: Callable[["BatchJob"], None] | None = None, cache_prompt: bool = True) -> None:  # fmt: skip
+                 on_done: Callable[["BatchJob"], None] | None = None, cache_prompt: bool = True,
+                 draft_limits: DraftLimits | None = None) -> None:  # fmt: skip
         self.id = next(BatchJob._ids)
+        self.draft_limits = draft_limits
         self.prompt = prompt
         self.cache_prompt = cache_prompt
         self.max_tokens = max_tokens
@@ -296,6 +300,7 @@ class BatchScheduler:
         self._closed = False
         self._thread: threading.Thread | None = None
         self.n_steps = 0
+        self.t_last_step_us: float | None = None  # when the last step ended (``now_us``)
         # (n_requests decoding, n_tokens, n_prefill_tokens) per step
         self.step_log: collections.deque = collections.deque(maxlen=4096)
 
@@ -304,7 +309,8 @@ class BatchScheduler:
     def submit(self, prompt: Sequence[int], *, max_tokens: int = 256, sampling: SamplingParams | None = None,
                stop: Sequence[str] = (), speculative: bool = True,
                on_chunk: Callable[[StreamChunk], None] | None = None, tag=None,
-               on_done: Callable[[BatchJob], None] | None = None, cache_prompt: bool = True) -> BatchJob:  # fmt: skip
+               on_done: Callable[[BatchJob], None] | None = None, cache_prompt: bool = True,
+               draft_limits: DraftLimits | None = None) -> BatchJob:  # fmt: skip
         """Queue a request (token ids; see ``Engine.tokenize``). ``cache_prompt=False``: prefill
         the whole prompt, reusing no cached prefix.
 
@@ -329,7 +335,8 @@ class BatchScheduler:
             )
         sampling = sampling or SamplingParams()
         job = BatchJob(tokens, max_tokens=max_tokens, sampling=sampling, stop=stop, speculative=speculative,
-                       on_chunk=on_chunk, tag=tag, on_done=on_done, cache_prompt=cache_prompt)  # fmt: skip
+                       on_chunk=on_chunk, tag=tag, on_done=on_done, cache_prompt=cache_prompt,
+                       draft_limits=draft_limits)  # fmt: skip
         # build the sampler now, so a bad grammar is the caller's error, not the worker's
         job._sampler = RequestState(sampling, self.model, tokens)  # type: ignore[attr-defined]
         with self._cv:
@@ -468,6 +475,7 @@ class BatchScheduler:
         active = [s for s in self.slots if s is not None]
         if active:
             self._decode_step(active)
+            self.t_last_step_us = now_us()  # /health: the age of the last completed step
 
     def _end_unstarted(self, job: BatchJob, reason: str) -> None:
         sampler = getattr(job, "_sampler", None)

@@ -114,3 +114,69 @@ class TextAssembler:
             if any(s.startswith(tail) for s in self._stops):
                 return n
         return 0
+
+
+def token_offsets(piece: Callable[[int], bytes], tokens: Sequence[int]) -> list[int]:
+    """Character offset of each token in the text of ``tokens``: the number of characters
+    completed by the tokens before it (a token that starts inside a multi-byte character
+    gets the offset of that character). Offsets never exceed the text's length.
+
+    Args:
+        piece: token id -> bytes of its piece.
+        tokens: token ids, in order.
+    Returns:
+        one int per token, non-decreasing, starting at 0.
+    """
+    asm = TextAssembler(piece)
+    for t in tokens:
+        asm.push(t)
+    return [0, *asm.token_ends[:-1]] if tokens else []
+
+
+class ReleaseTracker:
+    """Holds back per-token items (token ids, logprobs) of a stream until their text is out.
+
+    A ``TextAssembler`` releases text late (an incomplete UTF-8 character, a possible stop
+    prefix) and may cut tokens at a stop string; a stream that sends each token's item with
+    the chunk that carries the token would send items of text not yet sent, or never sent.
+    Here an item goes out once all its token's text has been released, with the token's
+    character offset (``token_offsets``), so that a streamed response carries exactly the
+    items and offsets of the non-streamed one.
+
+    Args:
+        piece: token id -> bytes of its piece.
+    """
+
+    def __init__(self, piece: Callable[[int], bytes]) -> None:
+        self._asm = TextAssembler(piece)
+        self._released = 0  # characters of text released so far
+        self._pending: list[tuple[object, int, int]] = []  # (item, start, end) not yet out
+        self.n_out = 0  # items given out
+
+    def add(self, token: int, item: object) -> None:
+        """Record the next emitted token (id >= 0) and its item."""
+        start = self._asm.token_ends[-1] if self._asm.token_ends else 0
+        self._asm.push(token)
+        self._pending.append((item, start, self._asm.token_ends[-1]))
+
+    def release(self, text: str) -> list[tuple[object, int]]:
+        """``text`` was released (sent): the items whose text is now all out, each with its
+        token's character offset."""
+        self._released += len(text)
+        n = 0
+        while n < len(self._pending) and self._pending[n][2] <= self._released:
+            n += 1
+        return self._take(n)
+
+    def flush(self, n_kept: int) -> list[tuple[object, int]]:
+        """The stream ended with ``n_kept`` tokens kept (the result's token count): the items
+        of kept tokens not yet out; the rest (cut by a stop string) are dropped."""
+        out = self._take(max(0, min(len(self._pending), n_kept - self.n_out)))
+        self._pending.clear()
+        return out
+
+    def _take(self, n: int) -> list[tuple[object, int]]:
+        out = [(item, start) for item, start, _end in self._pending[:n]]
+        del self._pending[:n]
+        self.n_out += n
+        return out

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -45,6 +46,13 @@ def test_props_says_speculation_is_off_without_a_drafter(serve_process):
         for _ in range(3):
             assert c.post("/completion", json={"prompt": "One, two,", "n_predict": 2}).status_code == 200
         assert c.get("/props").json()["localspec"]["requests"] == {"requests": 3, "cancelled": 0, "errors": 0}
+    # one log line per request on stderr, printed without --verbose (as llama-server does)
+    deadline = time.monotonic() + 60
+    while sum("localspec.server: request " in ln for ln in _proc.err) < 3:
+        assert time.monotonic() < deadline, "".join(_proc.err)
+        time.sleep(0.05)
+    line = next(ln for ln in _proc.err if "localspec.server: request " in ln)
+    assert "/completion: prompt " in line and "completion 2 tokens, drafted 0, accepted 0" in line
 
 
 def test_sigterm_with_a_request_in_flight_answers_it_and_exits_cleanly(serve_process):

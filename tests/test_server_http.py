@@ -69,7 +69,8 @@ def sse_events(response):
 
 
 def test_health_props_models(client):
-    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/health").json() == {"status": "ok", "slots_idle": 1, "slots_processing": 0,
+                                            "requests_waiting": 0, "last_step_age_s": None}  # fmt: skip
     assert client.get("/v1/health").status_code == 200
     props = client.get("/props").json()
     assert props["default_generation_settings"]["n_ctx"] > 0 and props["fim"]["supported"] is False
@@ -312,7 +313,8 @@ def test_client_disconnect_while_waiting_for_a_plain_response(server, service, c
         c.post("/completion", json=body)
     wait_for(lambda: service.counters["cancelled"] > before)
     service.call(lambda e: e.cache.check())
-    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/health").json() == {"status": "ok", "slots_idle": 1, "slots_processing": 0,
+                                            "requests_waiting": 0, "last_step_age_s": None}  # fmt: skip
 
 
 def test_full_queue_answers_503(service, client):

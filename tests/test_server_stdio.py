@@ -46,7 +46,8 @@ def test_requests_results_partials_and_errors(service):
     partials = by_id(outs, 2, "partial")
     final = by_id(outs, 2)[0]["result"]
     assert partials and "".join(p["partial"]["content"] for p in partials) == final["content"]
-    assert by_id(outs, 3)[0]["result"] == {"status": "ok"}
+    h = by_id(outs, 3)[0]["result"]
+    assert h["status"] == "ok" and {"slots_processing", "requests_waiting", "last_step_age_s"} <= set(h)
     errors = [o for o in outs if o.get("id") is None and "error" in o]
     assert len(errors) == 2 and "not valid JSON" in errors[0]["error"]["message"]
     assert by_id(outs, 5, "error")[0]["error"]["code"] == 404
@@ -100,7 +101,7 @@ def test_cli_stdio_one_shot():
     outs = [json.loads(x) for x in r.stdout.splitlines()]
     assert outs[0]["ready"]["fim"] is False and outs[0]["ready"]["drafter"] == "ngram"
     assert by_id(outs, 1)[0]["result"]["tokens_predicted"] <= 3
-    assert by_id(outs, 2)[0]["result"] == {"status": "ok"}
+    assert by_id(outs, 2)[0]["result"]["status"] == "ok"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -110,7 +111,7 @@ def test_cli_serve_prints_its_address_and_stops_on_a_signal(sig):
         line = p.stdout.readline()
         assert line.startswith("localspec complete: listening on http://127.0.0.1:"), p.stderr.read()
         url = line.split()[-1]
-        assert httpx.get(url + "/health", timeout=30).json() == {"status": "ok"}
+        assert httpx.get(url + "/health", timeout=30).json()["status"] == "ok"
         d = httpx.post(url + "/infill", json={"input_prefix": "a", "input_suffix": "", "n_predict": 2}, timeout=300)
         assert d.status_code == 200
         p.send_signal(sig)

@@ -65,3 +65,33 @@ def test_invalid_bytes_become_replacement_and_still_concatenate():
 def test_dangling_partial_character_flushed_at_finish():
     a, chunks = run([1, 6])
     assert "".join(chunks) == a.text == "Hello\ufffd"
+
+
+def test_token_offsets_count_completed_characters():
+    from localspec.text import token_offsets
+
+    # "Hello" "é"(2 tokens) "😀"(2 tokens) " w": a token inside a character has its offset
+    assert token_offsets(PIECES.__getitem__, [1, 4, 5, 6, 7, 2]) == [0, 5, 5, 6, 6, 7]
+    assert token_offsets(PIECES.__getitem__, []) == []
+
+
+def test_release_tracker_gives_items_out_with_their_text_and_drops_cut_ones():
+    from localspec.text import ReleaseTracker
+
+    toks = [1, 2, 8, 9, 10]  # "Hello w" then "STOP!": the stop string "STOP" cuts 8 and 9
+    a = TextAssembler(PIECES.__getitem__, ["STOP"])
+    tr = ReleaseTracker(PIECES.__getitem__)
+    got = []
+    for t in toks:
+        text = a.push(t)
+        tr.add(t, f"lp{t}")
+        got.append(tr.release(text))
+        if a.stop_hit:
+            break
+    assert got == [[("lp1", 0)], [("lp2", 5)], [], []]  # "STO" held back, then cut
+    assert tr.flush(a.stop_hit.n_tokens) == [] and tr.n_out == 2
+    tr = ReleaseTracker(PIECES.__getitem__)
+    tr.add(4, "a")  # first byte of é: no text yet, but the token's text is all out
+    assert tr.release("") == [("a", 0)]
+    tr.add(5, "b")
+    assert tr.release("") == [] and tr.release("é") == [("b", 0)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 
@@ -64,47 +65,54 @@ def run(a: argparse.Namespace) -> int:
         except OSError as e:
             print(f"localspec: error: {e}", file=sys.stderr)
             return 1
-    engine = make_engine(a, a.drafter)
-    service = CompletionService(engine, config)
-    fim = has_fim(engine.model)
-    if not fim:
-        print(
-            f"localspec: {engine.model.path.name} has no fill-in-the-middle tokens: /infill completes "
-            "from the text before the cursor (the suffix feeds the drafter)",
-            file=sys.stderr,
-        )
+    if a.serve:  # one line per request (as llama-server logs each task), whatever --verbose says
+        logging.getLogger("localspec.server").setLevel(logging.INFO)
+    made: dict = {}
+
+    def load():
+        engine = made["engine"] = make_engine(a, a.drafter)
+        service = made["service"] = CompletionService(engine, config)
+        if not has_fim(engine.model):
+            print(
+                f"localspec: {engine.model.path.name} has no fill-in-the-middle tokens: /infill completes "
+                "from the text before the cursor (the suffix feeds the drafter)",
+                file=sys.stderr,
+            )
+        return service
+
     try:
         if a.stdio:
             from ..server.stdio import StdioServer
 
-            ready = {"model": service.model_name, "fim": fim, "drafter": engine.drafter_name, "n_ctx": engine.n_ctx}
+            service = load()
+            engine = made["engine"]
+            ready = {"model": service.model_name, "fim": has_fim(engine.model), "drafter": engine.drafter_name,
+                     "n_ctx": engine.n_ctx}  # fmt: skip
             return StdioServer(service, sys.stdin, sys.stdout).run(ready)
-        from ..server.http import serve
+        from ..server.http import create_app, serve_while_loading
+
+        def load_app():
+            service = load()
+            return create_app(service, max_body_bytes=a.max_body_bytes), service.stop_accepting
 
         def on_ready(addr: str) -> None:
             print(f"localspec complete: listening on {addr}", flush=True)
 
-        # uvicorn handles SIGINT / SIGTERM and re-raises them after a graceful shutdown (until
-        # it serves, Ctrl-C exits at once with 130: localspec.cli.main)
+        # until the model is loaded /health answers 503 "loading model" (as llama-server);
+        # uvicorn handles SIGINT / SIGTERM and re-raises them after a graceful shutdown
         old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
         old_int = signal.signal(signal.SIGINT, _raise_interrupt)
         try:
-            serve(
-                service,
-                sock,
-                max_body_bytes=a.max_body_bytes,
-                log_level="info" if a.verbose else "warning",
-                on_ready=on_ready,
-            )
-        except KeyboardInterrupt:
-            pass
+            serve_while_loading(sock, load_app, log_level="info" if a.verbose else "warning", on_ready=on_ready)
         finally:
             signal.signal(signal.SIGTERM, old_term)
             signal.signal(signal.SIGINT, old_int)
         print("localspec complete: stopped", file=sys.stderr)
         return 0
     finally:
-        service.close()
-        engine.close()
+        if "service" in made:
+            made["service"].close()
+        if "engine" in made:
+            made["engine"].close()
         if sock is not None:
             sock.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
 import signal
 import sys
 
@@ -56,7 +57,7 @@ def _raise_interrupt(_signum, _frame) -> None:
 def run(a: argparse.Namespace) -> int:
     from ..scheduler import PREFILL_CHUNK, BatchScheduler
     from ..server import CompletionService, ServiceConfig
-    from ..server.http import _uvicorn_server, address_of, bind_socket
+    from ..server.http import bind_socket, serve_while_loading
     from ..server.openai import OpenAIService, create_serve_app
 
     if not 0 <= a.port <= 65535:
@@ -82,41 +83,42 @@ def run(a: argparse.Namespace) -> int:
     except OSError as e:
         print(f"localspec: error: {e}", file=sys.stderr)
         return 1
-    engine = make_engine(a, None if a.drafter == "none" else a.drafter)
-    sched = None
-    editor = None
-    try:
-        sampling = engine.with_thresholds(sampling)  # --accept-threshold-*: the requests' default
-        spec = engine.drafter_spec or ("none", {})
-        sched = BatchScheduler(engine.model, parallel=a.parallel, n_ctx=a.ctx_per_request, drafter=spec[0],
-                               drafter_options=spec[1], max_tree_nodes=min(a.max_tree_nodes, 32), cost_model=engine.cost_model,
-                               n_threads=a.threads, adaptive=not a.no_adaptive, prompt_cache=a.prompt_cache,
-                               prefill_chunk=a.prefill_chunk or PREFILL_CHUNK).start()  # fmt: skip
+    # one line per request (as llama-server logs each task), whatever --verbose says
+    logging.getLogger("localspec.server").setLevel(logging.INFO)
+    made: dict = {}  # what load() built, closed at the end in reverse order
+
+    def load():
+        """The model, the scheduler and the services (the socket answers 503 meanwhile)."""
+        engine = made["engine"] = make_engine(a, None if a.drafter == "none" else a.drafter)
+        defaults = engine.with_thresholds(sampling)  # --accept-threshold-*: the requests' default
+        name, options = engine.drafter_spec or ("none", {})
+        sched = made["sched"] = BatchScheduler(
+            engine.model, parallel=a.parallel, n_ctx=a.ctx_per_request, drafter=name, drafter_options=options,
+            max_tree_nodes=min(a.max_tree_nodes, 32), cost_model=engine.cost_model, n_threads=a.threads,
+            adaptive=not a.no_adaptive, prompt_cache=a.prompt_cache,
+            prefill_chunk=a.prefill_chunk or PREFILL_CHUNK).start()  # fmt: skip
         name = a.model_name or engine.model.path.name
-        oai = OpenAIService(sched, model_name=name, sampling=sampling, max_queue=a.max_queue)
+        oai = OpenAIService(sched, model_name=name, sampling=defaults, max_queue=a.max_queue)
+        editor = None
         if not a.no_editor:
-            editor = CompletionService(engine, ServiceConfig(sampling=sampling, max_queue=a.max_queue))
+            editor = made["editor"] = CompletionService(engine, ServiceConfig(sampling=defaults, max_queue=a.max_queue))
         app = create_serve_app(oai, editor, max_body_bytes=a.max_body_bytes, api_key=a.api_key)
         if not oai.chat_format().uses_template:
             print(f"localspec: {name} has no chat template: /v1/chat/completions uses the plain "
                   "'User:/Assistant:' transcript (docs/serve.md)", file=sys.stderr)  # fmt: skip
-        addr = address_of(sock)
-        server = _uvicorn_server(app, log_level="info" if a.verbose else "warning",
-                                 on_ready=lambda: print(f"localspec serve: listening on {addr} "
-                                                        f"(OpenAI base URL {addr}/v1, --parallel {a.parallel})", flush=True))  # fmt: skip
-        old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
-        try:
-            server.run(sockets=[sock])
-        except KeyboardInterrupt:
-            pass
-        finally:
-            signal.signal(signal.SIGTERM, old_term)
+        return app, (editor.stop_accepting if editor is not None else None)
+
+    def on_ready(addr: str) -> None:
+        print(f"localspec serve: listening on {addr} (OpenAI base URL {addr}/v1, --parallel {a.parallel})", flush=True)
+
+    old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        serve_while_loading(sock, load, log_level="info" if a.verbose else "warning", on_ready=on_ready)
         print("localspec serve: stopped", file=sys.stderr)
         return 0
     finally:
-        if editor is not None:
-            editor.close()
-        if sched is not None:
-            sched.close()
-        engine.close()
+        signal.signal(signal.SIGTERM, old_term)
+        for key in ("editor", "sched", "engine"):
+            if key in made:
+                made[key].close()
         sock.close()

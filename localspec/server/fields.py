@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
+
+from ..draft_limits import DraftLimits
 
 # llama.cpp server error types (tools/server/server-common.cpp, format_error_response)
 INVALID_REQUEST = "invalid_request_error"
@@ -150,3 +153,55 @@ def lone_surrogate_at(v: Any, path: str) -> str | None:
         elif isinstance(x, list):
             stack.extend(reversed([(y, f"{p}[{i}]") for i, y in enumerate(x)]))
     return None
+
+
+@dataclass(frozen=True)
+class SpeculationFields:
+    """A request's speculation fields.
+
+    Attributes:
+        enabled: ``speculative: false`` = no drafter for this request (localspec's field);
+            None = the server's default.
+        limits: llama.cpp's ``speculative.n_max`` / ``speculative.p_min`` as ``DraftLimits``
+            (None when the request gives neither).
+        notes: fields given that change nothing here, for the response's notes.
+    """
+
+    enabled: bool | None = None
+    limits: DraftLimits | None = None
+    notes: tuple[str, ...] = ()
+
+
+def get_speculation(d: Mapping[str, Any]) -> SpeculationFields:
+    """``speculative`` (a boolean, or an object with ``n_max`` / ``n_min`` / ``p_min``) and
+    llama.cpp's dotted fields ``speculative.n_max``, ``speculative.n_min``,
+    ``speculative.p_min`` (``tools/server/server-task.cpp``, ``params_from_json_cmpl``).
+    ``n_max`` maps to ``DraftLimits.max_nodes`` (draft tokens per step), ``p_min`` to
+    ``DraftLimits.min_score`` (the drafter's estimated acceptance of a draft path); ``n_min``
+    (a least draft length) has no counterpart: the policy drafts what is worth verifying.
+
+    Raises:
+        RequestError: a field of the wrong type or out of range, named as the request has it.
+    """
+    spec = _get(d, "speculative")
+    enabled = None
+    nested: Mapping[str, Any] = {}
+    if isinstance(spec, Mapping):
+        nested = spec
+    elif spec is not _MISSING:
+        enabled = get_bool(d, "speculative", True)
+    vals: dict[str, Any] = {}
+    for key, read in (("n_max", lambda m, k: get_int(m, k, -1, 0)), ("n_min", lambda m, k: get_int(m, k, -1, 0)),
+                      ("p_min", lambda m, k: get_float(m, k, -1.0, 0.0, 1.0))):  # fmt: skip
+        dotted = f"speculative.{key}"
+        if _get(d, dotted) is not _MISSING:
+            vals[key] = read(d, dotted)
+        elif _get(nested, key) is not _MISSING:
+            vals[key] = read({dotted: nested[key]}, dotted)
+    limits = None
+    if "n_max" in vals or "p_min" in vals:
+        limits = DraftLimits(max_nodes=vals.get("n_max"), min_score=vals.get("p_min"))
+    notes = ()
+    if "n_min" in vals:
+        notes = ("ignored (no counterpart): speculative.n_min; localspec drafts what its policy finds worth verifying",)
+    return SpeculationFields(enabled, limits, notes)

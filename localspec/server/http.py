@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from .fields import INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, RequestError, error_body
+from .fields import INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, UNAVAILABLE, RequestError, error_body
 from .protocol import parse_request
 from .response import dumps, sse
 from .service import CompletionService, Event, Job
@@ -257,26 +257,82 @@ def _uvicorn_server(app, *, log_level: str, on_ready=None, on_shutdown=None):
     return _Server(config)
 
 
-def serve(service: CompletionService, sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-          log_level: str = "warning", on_ready=None) -> None:  # fmt: skip
-    """Serve on ``sock`` (see ``bind_socket``) until interrupted (SIGINT / SIGTERM);
-    ``on_ready(address)`` once listening. Closes the socket.
+class LoadingGate:
+    """ASGI app that answers while the model loads, as llama-server does: ``/health`` (and
+    ``/v1/health``) 503 ``{"status": "loading model"}``, every other path 503 with an
+    ``unavailable_error`` body; once ``open(app)`` is called, every request goes to ``app``."""
 
-    On SIGINT / SIGTERM the service stops accepting (503) and cancels the requests queued or
-    running; each client still gets its answer (a cancelled response, or the end of its
-    stream) before the connections close, so the process exits without cutting a response.
+    def __init__(self) -> None:
+        self.app = None
+
+    def open(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        app = self.app
+        if app is not None:
+            await app(scope, receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        if scope["path"] in ("/health", "/v1/health"):
+            body = {"status": "loading model"}
+        else:
+            body = error_body(503, "Loading model", UNAVAILABLE)
+        await _send_body(send, 503, dumps(body).encode("utf-8"), b"application/json")
+
+
+def serve_while_loading(sock: socket.socket, load, *, log_level: str = "warning", on_ready=None,
+                        stop: threading.Event | None = None) -> None:  # fmt: skip
+    """Serve on ``sock`` (see ``bind_socket``) at once, ``LoadingGate`` answering until
+    ``load()`` (run on another thread) returns ``(app, on_shutdown)``; then ``app`` serves and
+    ``on_ready(address)`` is called. Runs until interrupted (SIGINT / SIGTERM: uvicorn's
+    graceful shutdown, ``on_shutdown()`` first when loaded), then returns. Closes the socket.
+
+    Raises:
+        whatever ``load()`` raised (the server stops at once); KeyboardInterrupt when
+        interrupted before ``load()`` returned (after it has returned: what it built is the
+        caller's to close). ``stop``: setting it ends serving as a signal does (tests).
     """
     addr = address_of(sock)
-    server = _uvicorn_server(
-        create_app(service, max_body_bytes=max_body_bytes),
-        log_level=log_level,
-        on_ready=(lambda: on_ready(addr)) if on_ready else None,
-        on_shutdown=service.stop_accepting,
-    )
+    gate = LoadingGate()
+    state: dict = {}
+    loaded = threading.Event()
+
+    def shutdown() -> None:
+        if state.get("on_shutdown") is not None:
+            state["on_shutdown"]()
+
+    server = _uvicorn_server(gate, log_level=log_level, on_shutdown=shutdown)
+
+    def loader() -> None:
+        try:
+            app, state["on_shutdown"] = load()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the serving thread
+            state["error"] = e
+            server.should_exit = True
+            return
+        finally:
+            loaded.set()
+        gate.open(app)
+        if on_ready is not None:
+            on_ready(addr)
+
+    t = threading.Thread(target=loader, name="localspec-load", daemon=True)
+    t.start()
+    if stop is not None:
+        threading.Thread(target=lambda: (stop.wait(), setattr(server, "should_exit", True)), daemon=True).start()
     try:
         server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the signal that stopped it
+        pass
     finally:
         sock.close()
+    if not loaded.is_set():  # stopped while loading: let the load end, so its owner can close it
+        t.join()
+        raise KeyboardInterrupt
+    if "error" in state:
+        raise state["error"]
 
 
 class AppThread:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 import uuid
@@ -42,12 +43,18 @@ from starlette.responses import Response
 from ..backend.rpc import RPCError
 from ..errors import LocalSpecError
 from ..sampling import SamplingParams
-from .fields import RequestError, lone_surrogate_at
+from ..text import ReleaseTracker, token_offsets
+from ..draft_limits import DraftLimits
+from .fields import RequestError, get_speculation, lone_surrogate_at
 from .prompt import PromptTooLongError, tokenize_bounded
-from .response import dumps
+from .response import dumps, request_log_line
+
+log = logging.getLogger("localspec.server")
 
 MAX_LOGPROBS = 20
 MAX_STOPS = 4
+HEALTH_STALL_S = 60.0
+"""``/health`` answers 503 once requests have waited this long (s) with no scheduler step completed."""
 
 
 def oai_error(status: int, message: str, *, type: str | None = None, param: str | None = None, code=None) -> dict:
@@ -97,6 +104,9 @@ class OAIRequest:
     logprobs: int | None  # None = off, n = top-n alternatives
     echo: bool = False
     cache_prompt: bool = True  # llama.cpp's field: reuse cached KV of a prompt prefix
+    speculative: bool | None = None  # False: no drafter for this request
+    draft_limits: DraftLimits | None = None  # llama.cpp's speculative.n_max / p_min
+    notes: tuple[str, ...] = ()  # request fields that change nothing here
 
 
 def _grammar(body: dict) -> str | None:
@@ -251,11 +261,15 @@ def parse_oai(kind: str, body: Any, defaults: SamplingParams) -> OAIRequest:
             raise OAIError(f"'{key}' must be a number in (0, 1] (1 = lossless), got {json.dumps(v)}", param=key)
         kw[key] = float(v)
     try:
+        spec = get_speculation(body)
+    except RequestError as e:
+        raise OAIError(e.message, param="speculative") from None
+    try:
         sampling = replace(defaults, **kw)
     except (ValueError, TypeError) as e:
         raise OAIError(str(e)) from None
     return OAIRequest(kind, prompt, max_tokens, stream, bool(so.get("include_usage")), stops, sampling, logprobs, echo,
-                      cache_prompt)  # fmt: skip
+                      cache_prompt, spec.enabled, spec.limits, spec.notes)  # fmt: skip
 
 
 # -- the service -----------------------------------------------------------------------------
@@ -269,18 +283,43 @@ class OpenAIService:
         model_name: the id ``/v1/models`` lists (requests may name any model: there is one).
         sampling: defaults for fields a request leaves out.
         max_queue: most requests waiting for a slot; more get 503.
+        stall_s: ``health`` is 503 once requests have waited this long (s) with no step.
     """
 
     def __init__(self, scheduler, *, model_name: str, sampling: SamplingParams | None = None, max_queue: int = 64,
-                 speculative: bool = True) -> None:  # fmt: skip
+                 speculative: bool = True, stall_s: float = HEALTH_STALL_S) -> None:  # fmt: skip
         self.scheduler = scheduler
         self.model = scheduler.model
         self.model_name = model_name
         self.sampling = sampling or SamplingParams()
         self.max_queue = max_queue
         self.speculative = speculative
+        self.stall_s = stall_s
         self.created = int(time.time())
         self._chat_format = None
+
+    def health(self) -> tuple[int, dict]:
+        """``/health``: HTTP status and body. ``slots_idle`` / ``slots_processing`` (requests
+        in slots), ``requests_waiting`` (queued for a slot), ``last_step_age_s`` (seconds since
+        the scheduler's last step ended; null before the first). 503 with ``"status": "error"``
+        when requests are present and neither a step has ended nor a request arrived for
+        ``stall_s`` seconds (a stuck scheduler); else 200 ``"status": "ok"``."""
+        sched = self.scheduler
+        now = time.perf_counter() * 1e6  # the scheduler's clock (scheduler._now_us)
+        jobs = [s.job for s in list(sched.slots) if s is not None] + list(sched._queue)
+        last = sched.t_last_step_us
+        n_proc = sum(s is not None for s in list(sched.slots))
+        body: dict[str, Any] = {"status": "ok", "slots_idle": sched.parallel - n_proc, "slots_processing": n_proc,
+                                "requests_waiting": sched.n_waiting,
+                                "last_step_age_s": None if last is None else round((now - last) / 1e6, 3)}  # fmt: skip
+        if jobs:
+            stalled = (now - max(min(j.t_submit_us for j in jobs), last or 0.0)) / 1e6
+            if stalled > self.stall_s:
+                body["status"] = "error"
+                body["error"] = (f"no scheduler step has ended for {stalled:.1f} s while {len(jobs)} requests are "
+                                 f"present (threshold {self.stall_s:g} s)")  # fmt: skip
+                return 503, body
+        return 200, body
 
     def chat_format(self):
         if self._chat_format is None:
@@ -339,8 +378,9 @@ class OpenAIService:
         max_tokens = req.max_tokens if req.max_tokens is not None else max(0, n_ctx - len(tokens))
         try:
             job = self.scheduler.submit(tokens, max_tokens=max_tokens, sampling=req.sampling, stop=req.stop + extra_stops,
-                                        speculative=self.speculative, on_chunk=on_chunk, on_done=on_done,
-                                        cache_prompt=req.cache_prompt)  # fmt: skip
+                                        speculative=self.speculative and req.speculative is not False,
+                                        on_chunk=on_chunk, on_done=on_done, cache_prompt=req.cache_prompt,
+                                        draft_limits=req.draft_limits)  # fmt: skip
         except LocalSpecError as e:
             code = "context_length_exceeded" if "context" in str(e) else None
             raise OAIError(str(e), param="messages" if req.kind == "chat" else "prompt", code=code) from None
@@ -366,19 +406,20 @@ class OpenAIService:
             content.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
         return {"content": content}
 
-    def logprobs_completion(self, lps, offset0: int = 0) -> dict | None:
+    def logprobs_completion(self, lps, offsets: list[int] | None = None) -> dict | None:
+        """The ``logprobs`` object of a completion choice for ``lps`` (``TokenLogprob``s);
+        ``offsets``: each token's character offset in the completion (default: counted from
+        the tokens themselves, ``text.token_offsets``)."""
         if lps is None:
             return None
-        tokens, values, tops, offsets = [], [], [], []
-        off = offset0
+        if offsets is None:
+            offsets = token_offsets(self.model.token_bytes, [lp.token for lp in lps])
+        tokens, values, tops = [], [], []
         for lp in lps:
-            text, _ = self._token_text(lp.token)
-            tokens.append(text)
+            tokens.append(self._token_text(lp.token)[0])
             values.append(lp.logprob)
             tops.append({self._token_text(t)[0]: v for t, v in lp.top})
-            offsets.append(off)
-            off += len(text)
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": list(offsets)}
 
     @staticmethod
     def usage(stats) -> dict:
@@ -420,10 +461,18 @@ class OpenAIService:
             choice = {"index": 0, "text": text, "logprobs": self.logprobs_completion(r.logprobs),
                       "finish_reason": self.finish_reason(r)}  # fmt: skip
             obj = "text_completion"
-        return {**base, "object": obj, "choices": [choice], "usage": self.usage(r.stats), "timings": self.timings(r.stats)}
+        out = {**base, "object": obj, "choices": [choice], "usage": self.usage(r.stats), "timings": self.timings(r.stats)}
+        return self.with_notes(req, out)
+
+    @staticmethod
+    def with_notes(req: OAIRequest, obj: dict) -> dict:
+        """``obj`` with ``localspec.notes`` (request fields that changed nothing) when there are any."""
+        if req.notes:
+            obj["localspec"] = {"notes": list(req.notes)}
+        return obj
 
     def chunk(self, req: OAIRequest, rid: str, *, text: str | None = None, lps=None, finish: str | None = None,
-              role: bool = False, offset: int = 0) -> dict:  # fmt: skip
+              role: bool = False, offsets: list[int] | None = None) -> dict:  # fmt: skip
         base = {"id": rid, "created": int(time.time()), "model": self.model_name, "system_fingerprint": "localspec"}
         if req.kind == "chat":
             delta: dict[str, Any] = {}
@@ -433,7 +482,7 @@ class OpenAIService:
                 delta["content"] = text
             choice = {"index": 0, "delta": delta, "logprobs": self.logprobs_chat(lps), "finish_reason": finish}
             return {**base, "object": "chat.completion.chunk", "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "logprobs": self.logprobs_completion(lps, offset), "finish_reason": finish}
+        choice = {"index": 0, "text": text or "", "logprobs": self.logprobs_completion(lps, offsets), "finish_reason": finish}
         return {**base, "object": "text_completion", "choices": [choice]}
 
 
@@ -470,15 +519,20 @@ class OAIResponse:
             except RuntimeError:  # the loop is gone (shutting down)
                 pass
 
+        rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+
+        def on_done(j) -> None:  # on the scheduler's thread; a client that left is logged too
+            self._log(j, rid)
+            put(("done", j))
+
         try:
             # tokenizing a long prompt takes a while: not on the event loop, which serves every
             # other client's stream meanwhile
             job = await anyio.to_thread.run_sync(
-                lambda: svc.submit(req, on_chunk=lambda c: put(("chunk", c)), on_done=lambda j: put(("done", j))))
+                lambda: svc.submit(req, on_chunk=lambda c: put(("chunk", c)), on_done=on_done))
         except OAIError as e:
             await _send_json(send, e.status, e.body())
             return
-        rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         strip = _SpaceStripper(getattr(job, "strip_space", False))
         async with anyio.create_task_group() as tg:
 
@@ -500,6 +554,12 @@ class OAIResponse:
                 if not job.done.is_set():
                     job.cancel()
                 tg.cancel_scope.cancel()
+
+    def _log(self, job, rid: str) -> None:
+        r = job.result
+        if r is not None:
+            path = "/v1/chat/completions" if self.req.kind == "chat" else "/v1/completions"
+            log.info("%s", request_log_line(rid, path, r.stats, r.finish_reason, r.stats.t_total_us / 1e3))
 
     async def _once(self, send, q, job, rid, strip) -> None:
         parts = []
@@ -526,16 +586,29 @@ class OAIResponse:
 
         if req.kind == "chat":
             await event(svc.chunk(req, rid, text="", role=True))
-        offset = 0
+        # a token's logprob goes out with the chunk that completes its text: none for text held
+        # back (a possible stop string, a split character), none for tokens a stop string cuts
+        track = ReleaseTracker(svc.model.token_bytes)
+        want = req.logprobs is not None
+
+        def lp_chunk(text: str, out) -> dict:
+            lps = [lp for lp, _o in out] if want else None
+            return svc.chunk(req, rid, text=text, lps=lps, offsets=[o for _lp, o in out])
+
         while True:
             kind, item = await q.get()
             if kind == "done":
                 break
+            if item.token >= 0:
+                track.add(item.token, item.logprob)
+            out = track.release(item.text)
             text = strip(item.text)
-            if text or item.logprob is not None:
-                await event(svc.chunk(req, rid, text=text, lps=[item.logprob] if item.logprob is not None else None,
-                                      offset=offset))  # fmt: skip
-                offset += len(text)
+            if text or (want and out):
+                await event(lp_chunk(text, out))
+        if job.error is None:
+            out = track.flush(len(job.result.token_ids))
+            if want and out:
+                await event(lp_chunk("", out))
         if job.error is not None:
             await event(oai_error(500, f"generation failed: {job.error}"))
         else:
@@ -543,6 +616,7 @@ class OAIResponse:
             if req.kind == "chat":
                 last["choices"][0]["delta"] = {}
             last["timings"] = svc.timings(job.result.stats)
+            svc.with_notes(req, last)
             await event(last)
             if req.include_usage:
                 await event({"id": rid, "object": last["object"], "created": last["created"], "model": svc.model_name,
@@ -632,17 +706,18 @@ def create_serve_app(service: OpenAIService, completion_service=None, *, max_bod
     async def server_error(_request, exc: Exception):
         return json_response(oai_error(500, f"internal error: {exc}"), 500)
 
+    from starlette.routing import Route
+
     routes = openai_routes(service, max_body_bytes=max_body_bytes)
     if completion_service is not None:
         editor = create_app(completion_service, max_body_bytes=max_body_bytes)
-        routes += [r for r in editor.routes if getattr(r, "path", "") not in ("/v1/models",)]
-    else:
-        from starlette.routing import Route
+        routes += [r for r in editor.routes if getattr(r, "path", "") not in ("/v1/models", "/health", "/v1/health")]
 
-        async def health(_request):
-            return json_response({"status": "ok"})
+    async def health(_request):
+        status, body = service.health()
+        return json_response(body, status)
 
-        routes.append(Route("/health", health, methods=["GET"]))
+    routes += [Route("/health", health, methods=["GET"]), Route("/v1/health", health, methods=["GET"])]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
     if api_key:
         return APIKeyMiddleware(app, api_key)

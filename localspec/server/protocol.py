@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .fields import RequestError, get_bool, get_float, get_int, get_str, get_str_list, lone_surrogate_at, require
+from .fields import RequestError, get_bool, get_speculation, get_float, get_int, get_str, get_str_list, lone_surrogate_at, require
+from ..draft_limits import DraftLimits
 from .prompt import ExtraChunk
 from .sampling_fields import SamplerFields, parse_sampler_fields
 
@@ -41,6 +42,8 @@ class CompletionRequest:
             older one (``client_key``).
         n_cmpl: completions asked for (localspec answers one).
         speculative: False forces plain decoding (localspec extension); None = server default.
+        draft_limits: llama.cpp's ``speculative.n_max`` / ``speculative.p_min`` (``DraftLimits``).
+        speculation_notes: speculation fields that change nothing here (``speculative.n_min``).
         sampler_fields: the sampling fields.
         not_implemented: known llama.cpp fields present in the request that are ignored.
     """
@@ -63,6 +66,8 @@ class CompletionRequest:
     client_id: str | None = None
     n_cmpl: int = 1
     speculative: bool | None = None
+    draft_limits: DraftLimits | None = None
+    speculation_notes: tuple[str, ...] = ()
     sampler_fields: SamplerFields = field(default_factory=SamplerFields)
     not_implemented: list[str] = field(default_factory=list)
 
@@ -121,8 +126,8 @@ def parse_request(kind: str, body: Any, *, default_n_predict: int = -1) -> Compl
         raise RequestError('"client_id" must be a string or an integer')
     r.client_id = None if cid is None else str(cid)
     r.n_cmpl = get_int(body, "n_cmpl", get_int(body, "n", 1, 1), 1)
-    spec = body.get("speculative")
-    r.speculative = None if spec is None or isinstance(spec, Mapping) else get_bool(body, "speculative", True)
+    spec = get_speculation(body)
+    r.speculative, r.draft_limits, r.speculation_notes = spec.enabled, spec.limits, spec.notes
     r.sampler_fields = parse_sampler_fields(body)
     r.not_implemented = [k for k in _NOT_IMPLEMENTED if body.get(k) not in (None, 0, False, [], {})]
     return r

@@ -179,3 +179,12 @@ def partial_response(content: str, tokens: list[int], *, id_slot: int, n_predict
 def sse(obj: Mapping[str, Any]) -> bytes:
     """One server-sent event, ``data: {...}\\n\\n``, as llama.cpp's server streams."""
     return f"data: {dumps(obj)}\n\n".encode("utf-8")
+
+
+def request_log_line(rid: object, endpoint: str, stats: GenerationStats, finish: str | None, total_ms: float) -> str:
+    """The one line a server logs per request (``localspec.server`` logger, INFO), as llama-server
+    logs each task: id, endpoint, prompt tokens (cached), completion tokens, drafted and
+    accepted draft tokens, the time from arrival to the end (ms), why it ended."""
+    return (f"request {rid} {endpoint}: prompt {stats.n_prompt_tokens} tokens ({stats.n_cached_tokens} cached), "
+            f"completion {stats.n_generated_tokens} tokens, drafted {stats.num_draft_tokens}, "
+            f"accepted {stats.num_accepted_tokens}, {total_ms:.0f} ms, {finish}")  # fmt: skip

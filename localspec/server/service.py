@@ -34,10 +34,11 @@ from ..backend.rpc import RPCError
 from ..errors import ContextOverflowError, InvalidRequestError, LocalSpecError
 from ..sampling import SamplingParams
 from ..stats import GenerationStats
+from ..text import ReleaseTracker
 from .fields import EXCEED_CONTEXT, SERVER_ERROR, UNAVAILABLE, RequestError, error_body
 from .prompt import BuiltPrompt, build_completion_prompt, build_infill_prompt
 from .protocol import CompletionRequest
-from .response import Outcome, final_response, generation_settings, partial_response, stop_type_of
+from .response import Outcome, final_response, generation_settings, partial_response, request_log_line, stop_type_of
 from .sampling_fields import SamplingPlan, resolve_sampling
 from .stops import EditorStops
 
@@ -161,6 +162,8 @@ class CompletionService:
         self._live: set[Job] = set()
         self._by_client: dict[str, set[Job]] = {}
         self._n_waiting = 0
+        self._running: Job | None = None  # the job on the worker (for /health)
+        self._t_progress = time.perf_counter()  # when it started or last emitted a token
         self._closed = False
         self.counters = {"requests": 0, "cancelled": 0, "errors": 0}
         self._cut_anchor = None  # where the last truncated infill prefix was cut (worker thread)
@@ -209,7 +212,15 @@ class CompletionService:
         return c.future.result(timeout)
 
     def health(self) -> dict:
-        return {"status": "ok"}
+        """``/health`` of the editor server: ``slots_processing`` (0 or 1: requests run one at a
+        time), ``requests_waiting``, ``last_step_age_s`` (seconds since the running request
+        last emitted a token or started; null when none runs)."""
+        with self._lock:
+            running = self._running
+            n_waiting = self._n_waiting
+        age = None if running is None else round(time.perf_counter() - self._t_progress, 3)
+        return {"status": "ok", "slots_idle": 0 if running else 1, "slots_processing": int(running is not None),
+                "requests_waiting": n_waiting, "last_step_age_s": age}  # fmt: skip
 
     def stop_accepting(self, reason: str = "the server is shutting down") -> None:
         """Refuse new requests (503) and cancel every queued or running one; each is still
@@ -245,6 +256,8 @@ class CompletionService:
                 continue
             with self._lock:
                 self._n_waiting -= 1
+                self._running = item
+                self._t_progress = time.perf_counter()
             try:
                 self._run(item)
             except Exception as e:  # never let one request stop the server
@@ -255,6 +268,8 @@ class CompletionService:
                 if not item.done.is_set():
                     item.emit(Event("error", error_body(500, "internal error: no response", SERVER_ERROR), 500))
                 self._forget(item)
+                with self._lock:
+                    self._running = None
 
     def _forget(self, job: Job) -> None:
         with self._lock:
@@ -359,45 +374,53 @@ class CompletionService:
             stop=req.stop,
             speculative=spec,
             draft_context=built.draft_context,
+            draft_limits=req.draft_limits,
         )
         if not job._attach(stream):
             stream.close()
             return self._final(job, plan=plan, built=built, result=None, content="", tokens=[], reason=None,
                                queue_ms=queue_ms).data  # fmt: skip
         stops = EditorStops(req.n_indent, req.t_max_predict_ms)
+        # a token goes out (streamed, and in the final tokens) once its text has: none for text
+        # held back as a possible stop prefix, none for tokens a stop string cuts
+        track = ReleaseTracker(self.model.token_bytes)
         parts: list[str] = []
         tokens: list[int] = []
         t_first: float | None = None
         reason: str | None = None
         n_prompt = len(built.tokens)
+
+        def partial(piece: str, out: list[int]) -> None:
+            job.emit(Event("partial", partial_response(piece, out if req.return_tokens else [], id_slot=req.id_slot,
+                                                       n_predicted=len(tokens), n_prompt=n_prompt)))  # fmt: skip
+
         try:
             for chunk in stream:
-                now = time.perf_counter()
+                now = self._t_progress = time.perf_counter()
                 t_first = now if t_first is None else t_first
                 check = stops.push(chunk.text, (now - t_first) * 1e3)
                 piece = chunk.text[: check.keep]
                 if piece:
                     parts.append(piece)
                 if chunk.token >= 0 and (piece or not check.stop):
-                    tokens.append(chunk.token)
-                if req.stream and piece:
-                    job.emit(
-                        Event(
-                            "partial",
-                            partial_response(
-                                piece,
-                                [chunk.token] if req.return_tokens and chunk.token >= 0 else [],
-                                id_slot=req.id_slot,
-                                n_predicted=len(tokens),
-                                n_prompt=n_prompt,
-                            ),
-                        )
-                    )
+                    track.add(chunk.token, chunk.token)
+                out = [t for t, _o in track.release(piece)]
+                tokens += out
+                if req.stream and (piece or (req.return_tokens and out)):
+                    partial(piece, out)
                 if check.stop:
                     reason = check.reason
                     break
         finally:
             stream.close()
+        result = stream.result
+        if result is not None:
+            log.info("%s", request_log_line(job.id, f"/{req.kind}", result.stats, reason or result.finish_reason,
+                                            (time.perf_counter() - job.t_submit) * 1e3))  # fmt: skip
+        out = [t for t, _o in track.flush(len(result.token_ids) if result is not None else 0)]
+        tokens += out
+        if req.stream and req.return_tokens and out:
+            partial("", out)
         return self._final(job, plan=plan, built=built, result=stream.result, content="".join(parts),
                            tokens=tokens, reason=reason, queue_ms=queue_ms, params=params).data  # fmt: skip
 
@@ -461,6 +484,7 @@ class CompletionService:
             notes.append(f"n_cmpl {req.n_cmpl} asked with streaming: localspec streams one completion")
         if req.not_implemented:
             notes.append(f"ignored (not implemented): {', '.join(req.not_implemented)}")
+        notes.extend(req.speculation_notes)
         info: dict[str, Any] = {
             "fim": bool(built.fim) if built is not None else None,
             "speculative": stats.drafter != "none",
