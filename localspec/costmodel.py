@@ -6,6 +6,14 @@ measured here for Gemma 3 270M Q4_K_M, b=6 costs more than b=8. So the policy do
 assume a shape: ``calibrate`` decodes batches of each candidate size on the real context and
 records the time; the table is cached per (model file, threads, GPU layers, llama.cpp
 build) in the user cache directory, and refined online from the decodes the engine runs.
+
+The cached table is meant to be the machine's quiet truth, so load is kept out of it three
+ways: a calibration that ran under contention is used for that run only
+(``load_during_calibration``); a table that the online decodes beat for long was measured
+under load after all, and is replaced in the run and dropped from the cache
+(``CostModel.observe``); and what the online state learned under a load is forgotten when
+the load falls (``CostModel.load_fell_since``), so that speculation resumes once a machine
+is quiet again.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+
 import numpy as np
 
 from .backend import Batch, Context
@@ -57,6 +67,19 @@ class CostModel:
       than it is. Choosers compare rates at every size, so a dominated size (one that costs
       more than a larger one) is simply never the best; ``min_ratio`` gives the cheapest
       size of a range for bounds.
+    * Load: ``load()`` is the machine's current slowdown against the table (a moving average
+      of observed time over table time, every size). A ratio learned while the load was
+      more than ``load_change`` times heavier than now is forgotten (back to the table's
+      prior): a tree priced dear in a burst would otherwise never be verified again, so
+      never re-measured, and the policy would stay plain after the load went away. The
+      first observation of a size is clipped to [1/2, 2] times its prior, like the later ones.
+    * Expiry: a table that the machine beats for ``expire_after`` observations in a row
+      (``load() < expire_below``) was measured under load: it is replaced by the
+      online-corrected table (``t1_us() * ratio(b)``) and, when it came from the cache or was
+      written to it, its cache entry is dropped (the machine is then quieter than when the
+      table was measured), so the next run measures again. A machine slower than its table
+      is loaded now (or decodes a longer context): the table stays, as the quiet reference
+      that the online state returns to.
 
     Attributes:
         table_us: b -> measured microseconds (calibration).
@@ -65,6 +88,13 @@ class CostModel:
         alpha: weight of a new observation in the moving averages.
         prior_n: pseudo-observations behind the table's ratios.
         outliers: (set at creation) sizes whose table entry ``sanitize_table`` replaced.
+        contended: why the table is not the machine's quiet truth (``calibrate`` measured it
+            under contention: used for this run only), or None.
+        cache_ref: (cache file, key) of the table's entry in the cache, or None.
+        load_change: how much the load must fall for what was learned under it to be forgotten.
+        expire_below / expire_after: the table expires after ``expire_after`` observations in
+            a row with ``load() < expire_below``.
+        rebased: how many times the table expired and was replaced by the online one.
     """
 
     table_us: dict[int, float]
@@ -74,13 +104,22 @@ class CostModel:
     prior_n: float = 3.0
     draft_level_us: dict[int, float] = field(default_factory=dict)
     draft_level_n: dict[int, int] = field(default_factory=dict)
+    contended: str | None = None
+    cache_ref: tuple[Path, str] | None = field(default=None, repr=False)
+    load_change: float = 1.5
+    expire_below: float = 0.67
+    expire_after: int = 64
+    rebased: int = 0
 
     def __post_init__(self) -> None:
         if not self.table_us:
             raise ValueError("empty cost table")
         self._clean, self.outliers = sanitize_table(self.table_us)
         self._ratio: dict[int, float] = {}  # b -> online ratio t(b) / t1 (b > 1)
+        self._ratio_load: dict[int, float] = {}  # b -> load() when its ratio was last observed
         self._curve: dict[int, float] | None = None  # b -> sane ratio, cached
+        self._load, self._load_n = 1.0, 0  # observed time / table time, moving average
+        self._beaten = 0  # observations in a row with load() < expire_below
 
     # -- the model drafter's cost (an EAGLE-3 head, a draft model) --------------------------
     # Measured online from the drafter's own calls: level 0 (with the catch-up of the steps
@@ -194,6 +233,17 @@ class CostModel:
         """Expected decode time of a batch of ``b`` tokens (µs): ``t1_us() * ratio(b)``."""
         return self.t1_us() * self.ratio(b)
 
+    def load(self) -> float:
+        """The machine's slowdown against the table: a moving average of observed decode time
+        over table time (every size observed; 1 before any observation). Under 1 when the
+        table is slower than the machine."""
+        return self._load
+
+    def load_fell_since(self, then: float) -> bool:
+        """Whether the load has fallen by more than ``load_change`` since it was ``then`` (a
+        ``load()`` value): what was learned at ``then`` is stale."""
+        return self._load * self.load_change < then
+
     def drift(self) -> float:
         """Ratio of recent single-token decodes to the table (context growth, machine load)."""
         return self.t1_us() / self._table_at(1)
@@ -202,19 +252,33 @@ class CostModel:
         """Feed back one measured decode of ``b`` tokens (µs). The averages are running means
         for the first ``1 / alpha`` observations, then exponential moving averages; each
         observation is clipped to [1/2, 2] times the current average (one burst of load moves
-        an average by a bounded step)."""
+        an average by a bounded step), a size's first ratio to [1/2, 2] times its prior. Then
+        ratios learned under a load ``load_change`` times heavier than now are forgotten, and
+        the table expires when the machine has beaten it for long (class docstring)."""
         if not (t_us > 0 and np.isfinite(t_us)):
             return
         n = self.online_n.get(b, 0)
         a = max(self.alpha, 1.0 / (n + 1))
+        lam = t_us / self._table_at(b)
+        # the load this decode ran in, as the decodes before it saw it (its own time is what
+        # is priced, so a tree that ran in a burst does not count as the burst's load)
+        load_then = self._load if self._load_n else lam
+        if self._load_n == 0:
+            self._load = lam
+        else:
+            a_load = max(self.alpha, 1.0 / (self._load_n + 1))
+            self._load += a_load * (min(max(lam, 0.5 * self._load), 2.0 * self._load) - self._load)
+        self._load_n += 1
         if b > 1:
             r_obs = t_us / self.t1_us()
             cur = self._ratio.get(b)
             if cur is None:
-                self._ratio[b] = max(1.0, r_obs)
+                prior = max(1.0, self._table_ratio(b) * self.table_correction())
+                self._ratio[b] = max(1.0, min(max(r_obs, 0.5 * prior), 2.0 * prior))
             else:
                 r_obs = min(max(r_obs, 0.5 * cur), 2.0 * cur)
                 self._ratio[b] = max(1.0, cur + a * (r_obs - cur))
+            self._ratio_load[b] = load_then
             self._curve = None
         if n == 0:
             self.online_us[b] = t_us
@@ -222,12 +286,40 @@ class CostModel:
             cur = self.online_us[b]
             self.online_us[b] = cur + a * (min(max(t_us, 0.5 * cur), 2.0 * cur) - cur)
         self.online_n[b] = n + 1
+        for size in [k for k, then in self._ratio_load.items() if self.load_fell_since(then)]:
+            self._forget(size)
+        self._beaten = self._beaten + 1 if self._load < self.expire_below else 0
+        if self._beaten >= self.expire_after:
+            self._expire()
+
+    def _forget(self, b: int) -> None:
+        """Drop what was learned online about size ``b`` > 1 (its ratio returns to the prior)."""
+        for d in (self._ratio, self._ratio_load, self.online_us, self.online_n):
+            d.pop(b, None)
+        self._curve = None
+
+    def _expire(self) -> None:
+        """The machine has beaten the table for long: the table becomes the online-corrected
+        one, and its cache entry (if any) is dropped so that the next run measures again."""
+        old = dict(self.table_us)
+        self.table_us = {b: self.t_decode_us(b) for b in self.table_us}
+        self._clean, self.outliers = sanitize_table(self.table_us)
+        for b in [b for b in self._ratio]:
+            self._forget(b)  # folded into the new table
+        self._load, self._load_n, self._beaten = 1.0, 0, 0
+        self.rebased += 1
+        if self.cache_ref is not None:
+            path, key = self.cache_ref
+            _update_cache(path, key, None, only_if=old)
+            self.cache_ref = None
 
     def reset_online(self) -> None:
         self.online_us.clear()
         self.online_n.clear()
         self._ratio.clear()
+        self._ratio_load.clear()
         self._curve = None
+        self._load, self._load_n, self._beaten = 1.0, 0, 0
 
     def to_json(self) -> dict:
         return {"version": _CACHE_VERSION, "table_us": {str(k): v for k, v in self.table_us.items()}}
@@ -283,6 +375,66 @@ def _cache_key(ctx: Context) -> str:
     return hashlib.sha1("|".join(parts).encode()).hexdigest()
 
 
+def load_during_calibration(
+    times_us: dict[int, list[float]], cpu_share: float | None, *, min_share: float = 0.9, max_spread: float = 1.3
+) -> str | None:
+    """Why a calibration's timings include another process's load, or None when they look quiet.
+
+    Two checks, either one enough:
+
+    * CPU share (when the model runs on the CPU alone): the CPU time the process got during
+      the timed decodes over what its threads could have had, ``sum(cpu) / sum(wall *
+      min(threads, usable CPUs))``. llama.cpp's threads spin while a graph runs, so an
+      uncontended decode gets ~1 (1.00 measured on one pinned core while the other agents of
+      this 2-core VM left it alone); other processes on the same cores take their share of
+      the time slices (0.66-0.82 at a load average of 5.5 on 2 cores, 0.26-0.59 with one
+      more busy loop on the same core). Direct and immediate, unlike ``os.getloadavg()`` (a
+      one-minute average, which counts this process's own threads and processes on cores it
+      does not use). Below ``min_share`` is contention. It misses load that slows the
+      decodes without taking CPU time (another process saturating memory bandwidth, an SMT
+      sibling), and it does not apply to GPU or RPC layers (the threads wait there).
+    * Repeatability of the single-token time: one sample of t(1) per round; more than
+      ``max_spread`` between the slowest and the fastest is a burst. Steady contention can
+      repeat t(1) closely (106-123 ms at a CPU share of 0.33), so this check backs up the
+      first rather than replacing it; the online expiry (``CostModel``) catches what both miss.
+
+    Args:
+        times_us: b -> the timed decodes of size b (µs), in rounds.
+        cpu_share: the CPU share above, or None where it does not apply (GPU or RPC layers).
+    """
+    if cpu_share is not None and cpu_share < min_share:
+        return f"the process got {cpu_share:.0%} of its CPUs' time during the timed decodes"
+    t1 = times_us.get(1, [])
+    if len(t1) >= 2 and max(t1) > max_spread * min(t1):
+        return f"single-token decodes took {min(t1) / 1e3:.1f}-{max(t1) / 1e3:.1f} ms"
+    return None
+
+
+def _update_cache(path: Path, key: str, entry: dict | None, *, only_if: dict[int, float] | None = None) -> None:
+    """Write ``entry`` under ``key`` in the cache file (None: remove the key), atomically.
+    With ``only_if`` (b -> µs), remove only while the key still holds those timings (another
+    process may have measured it again since). Errors of the file system are ignored (the cache is only
+    a cache)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = {}
+        if entry is not None:
+            data[key] = entry
+        else:
+            held = data.get(key, {}).get("table_us", {})
+            if key not in data or (only_if is not None and any(held.get(str(b)) != t for b, t in only_if.items())):
+                return
+            del data[key]
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
 def calibrate(
     ctx: Context,
     *,
@@ -292,6 +444,8 @@ def calibrate(
     reps: int = 3,
     use_cache: bool = True,
     progress=None,
+    clock=time.perf_counter,
+    cpu_clock=time.process_time,
 ) -> CostModel:
     """Measure ``t_decode_us(b)`` for each size on ``ctx`` (or load it from the cache).
 
@@ -299,10 +453,13 @@ def calibrate(
     them (median kept), and empties the KV cache afterwards: call it before the context
     holds anything you need. A table with gross outliers (``sanitize_table``: a burst of load
     from another process) is used cleaned but not cached, and such a cached table is measured
-    again.
+    again. A table measured under contention (``load_during_calibration``) is used for this
+    run only (``CostModel.contended`` says why) and not cached.
 
     Args:
         progress: optional callback ``(done, total)``.
+        clock / cpu_clock: wall-clock and process CPU-time clocks in seconds (tests inject
+            scripted ones); each is read just before and just after every timed decode.
     """
     sizes = [b for b in sizes if b <= max_size]
     path = cache_dir() / "costs.json"
@@ -314,7 +471,7 @@ def calibrate(
             if entry and entry.get("version") == _CACHE_VERSION:
                 table = {int(k): float(v) for k, v in entry["table_us"].items()}
                 if all(b in table for b in sizes):
-                    cached = CostModel({b: table[b] for b in sizes})
+                    cached = CostModel({b: table[b] for b in sizes}, cache_ref=(path, key))
                     if not cached.outliers:  # else measured under a burst of load: measure again
                         return cached
         except (OSError, ValueError, KeyError):
@@ -330,6 +487,10 @@ def calibrate(
     batch.set_sequence(rng.integers(100, vocab_hi, max(sizes)), n_prefix, output="all")
     ctx.decode(batch)
     ctx.seq_rm(0, n_prefix, -1)
+    m = ctx.model
+    cpu_only = getattr(m, "device_key", "local") == "local" and not getattr(m, "on_local_gpu", False)
+    n_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpu_got, cpu_could = 0.0, 0.0
     # Rounds over all sizes rather than all repetitions of one size in a row: a burst of load
     # from another process then spoils one sample of many sizes, which the median drops,
     # instead of every sample of a few neighbouring sizes.
@@ -337,28 +498,25 @@ def calibrate(
     for r in range(reps):
         for i, b in enumerate(sizes):
             batch.set_sequence(rng.integers(100, vocab_hi, b), n_prefix, output="all")
-            t0 = time.perf_counter()
+            t0 = clock()
+            c0 = cpu_clock()
             ctx.decode(batch)
             ctx.synchronize()
-            times[b].append((time.perf_counter() - t0) * 1e6)
+            c1 = cpu_clock()
+            t1 = clock()
+            times[b].append((t1 - t0) * 1e6)
+            cpu_got += c1 - c0
+            cpu_could += (t1 - t0) * min(ctx.n_threads if b == 1 else ctx.n_threads_batch, n_cpus)
             ctx.seq_rm(0, n_prefix, -1)
             if progress is not None:
                 progress(r * len(sizes) + i + 1, reps * len(sizes))
     table = {b: float(np.median(ts)) for b, ts in times.items()}
     ctx.clear()
-    model = CostModel(table)
-    # a table with gross outliers was measured under load: use it (cleaned) but do not keep it
-    if use_cache and not model.outliers:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                data = json.loads(path.read_text())
-            except (OSError, ValueError):
-                data = {}
-            data[key] = model.to_json()
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(data, indent=1))
-            tmp.replace(path)
-        except OSError:
-            pass
+    share = cpu_got / cpu_could if cpu_only and cpu_could > 0 else None
+    model = CostModel(table, contended=load_during_calibration(times, share))
+    # a table with gross outliers, or measured under contention, was measured under load:
+    # use it (cleaned) but do not keep it
+    if use_cache and not model.outliers and model.contended is None:
+        _update_cache(path, key, model.to_json())
+        model.cache_ref = (path, key)
     return model

@@ -441,6 +441,8 @@ class SpeculationPolicy:
         self.min_gain = min_gain
         self.t_host_base_us = 1500.0  # per step, refined online
         self.t_host_node_us = 100.0  # per extra node, refined online
+        self._host_node_prior = self.t_host_node_us
+        self._host_node_load = 1.0  # cost.load() when t_host_node_us was last refined
         self._alpha = 0.1
         self.verify_cost_factor = 2.5  # tree_shape: verification budget, in plain decodes
         self.explore_every = 32  # prefer_model: steps without the model drafter before retrying it
@@ -611,14 +613,23 @@ class SpeculationPolicy:
         self.calibration.observe(np.asarray(tree.score[1:], dtype=np.float64), int(n_accepted))
 
     def observe_step(self, b: int, t_decode_us: float, t_host_us: float) -> None:
-        """Feed back the measured decode and host time of a step of ``b`` nodes."""
+        """Feed back the measured decode and host time of a step of ``b`` nodes.
+
+        The host time per extra node is refined only by steps that verify trees; one learned
+        under a load that has since fallen by ``cost.load_change`` returns to its prior, as
+        the cost model's ratios do (``CostModel.load_fell_since``): else a per-node time
+        inflated by a burst keeps every tree dear and the policy plain after the load went."""
+        load_then = self.cost.load()  # the load the step ran in, as the steps before it saw it
         self.cost.observe(b, t_decode_us)
         a = self._alpha
+        if self.cost.load_fell_since(self._host_node_load):
+            self.t_host_node_us, self._host_node_load = self._host_node_prior, self.cost.load()
         if b == 1:
             self.t_host_base_us += a * (t_host_us - self.t_host_base_us)
         else:
             per_node = max(0.0, (t_host_us - self.t_host_base_us) / (b - 1))
             self.t_host_node_us += a * (per_node - self.t_host_node_us)
+            self._host_node_load = load_then
 
 
 @dataclass
