@@ -257,7 +257,11 @@ class Context:
         if self.n_outputs == 0:
             return np.zeros((0, self.n_vocab), dtype=np.float32)
         ptr = lib.llama_get_logits(self.handle)
-        return np.ctypeslib.as_array(ptr, shape=(self.n_outputs, self.n_vocab))
+        key = (ctypes.cast(ptr, ctypes.c_void_p).value, self.n_outputs)
+        view = getattr(self, "_logits_view", None)
+        if view is None or view[0] != key:  # llama.cpp reuses its output buffer: so does the view
+            view = self._logits_view = (key, np.ctypeslib.as_array(ptr, shape=(self.n_outputs, self.n_vocab)))
+        return view[1]
 
     def embeddings_ith(self, i: int, n_embd: int) -> np.ndarray:
         """Embedding row of output ``i`` of the last decode: ``[n_embd] float32`` view."""

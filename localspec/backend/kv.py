@@ -194,6 +194,12 @@ class SequenceCache:
         """
         n = tree.n_nodes
         m = len(self.pending) if n_pending is None else n_pending
+        if n == 1 and m == 0 and self.n_past < self.n_ctx:  # a plain step: one row, no layout to compute
+            pos = np.array([self.n_past], dtype=np.int32)
+            zero = np.zeros(1, dtype=np.int32)
+            lay = TreeLayout(pos, zero.reshape(1, 1), np.ones(1, dtype=np.int32), zero, zero, zero, True)
+            return TreeRows(lay, tree.token_ids[:1].astype(np.int32), pos, np.full((1, 1), self.base, dtype=np.int32),
+                            lay.n_seq, np.ones(1, dtype=np.int8), 0)  # fmt: skip
         if n > self.max_tree_nodes:
             raise ValueError(f"tree of {n} nodes exceeds max_tree_nodes={self.max_tree_nodes}")
         if n + m > self.n_ctx - self.n_past:
