@@ -131,3 +131,15 @@ def test_bench_serve_bad_drafters_is_one_line(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as e:
         main(["bench", "serve", "--dataset", "code", "--out", str(tmp_path), *args])
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_drafter_option_flags_go_to_the_drafters_that_take_them():
+    import argparse
+
+    from localspec.cli.common import drafter_options
+    from localspec.policy import TreeShape
+
+    a = argparse.Namespace(draft_model=None, draft_n_ctx=None, eagle="h.gguf", medusa=None, draft_shape="6,1,7")
+    got = drafter_options(a, ["ngram", "auto", "eagle3"])
+    shape = TreeShape(6, 1, 7, min_score=0.0)
+    assert got == {"ngram": {}, "auto": {"eagle": "h.gguf"}, "eagle3": {"eagle": "h.gguf", "draft_shape": shape}}
