@@ -69,6 +69,16 @@ def add_drafter_args(p: argparse.ArgumentParser, default: str = "ngram") -> None
 
     g = p.add_argument_group("drafter")
     g.add_argument("--drafter", default=default, choices=drafter_names(), help=f"drafter (default {default})")
+    _add_drafter_option_args(g)
+
+
+def add_drafter_option_args(p: argparse.ArgumentParser) -> None:
+    """The drafters' option flags without ``--drafter`` (for commands that take several
+    drafters; ``drafter_options`` gives each drafter those it takes)."""
+    _add_drafter_option_args(p.add_argument_group("drafter options"))
+
+
+def _add_drafter_option_args(g) -> None:
     g.add_argument(
         "--draft-model", default=None, metavar="PATH", help="draft model GGUF sharing the target's tokenizer (--drafter draft|auto)"
     )
@@ -81,6 +91,26 @@ def add_drafter_args(p: argparse.ArgumentParser, default: str = "ngram") -> None
                    "shipped for the default model; auto uses them only when given)")  # fmt: skip
     g.add_argument("--draft-shape", default=None, metavar="D,W,N",
                    help="fixed EAGLE-3 / Medusa / MTP tree shape: depth, width, node budget (e.g. 6,1,7 = chains of 6)")  # fmt: skip
+
+
+_OPTION_FLAGS = {"draft_model": "--draft-model", "draft_n_ctx": "--draft-n-ctx", "eagle": "--eagle",
+                 "medusa": "--medusa", "draft_shape": "--draft-shape"}  # fmt: skip
+
+
+def drafter_options(a: argparse.Namespace, names: list[str]) -> dict[str, dict]:
+    """Per drafter name, the drafter option flags given (``add_drafter_option_args``) that it
+    takes (``drafters.drafter_option_names``), e.g. ``--eagle H`` for ``ngram,auto`` ->
+    ``{"ngram": {}, "auto": {"eagle": "H"}}``; ``--draft-shape`` parsed to a ``TreeShape``.
+    A flag that none of ``names`` takes is a one-line ``localspec: error:``."""
+    from ..drafters import drafter_option_names
+
+    given = {k: getattr(a, k, None) for k in _OPTION_FLAGS}
+    given = {k: (_draft_shape(v) if k == "draft_shape" else v) for k, v in given.items() if v is not None}
+    takes = {n: drafter_option_names(n) for n in names}
+    for k in given:
+        if not any(k in t for t in takes.values()):
+            raise SystemExit(f"localspec: error: {_OPTION_FLAGS[k]} applies to none of the drafters {','.join(names)}")
+    return {n: {k: v for k, v in given.items() if k in takes[n]} for n in names}
 
 
 def add_sampling_args(p: argparse.ArgumentParser, *, greedy_default: bool = False) -> None:
@@ -202,10 +232,14 @@ def rpc_args(a: argparse.Namespace) -> dict:
     return dict(rpc=rpc, tensor_split=_tensor_split(a.tensor_split), rpc_local_gpu=a.rpc_local_gpu)
 
 
-def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = True):
-    """Build an ``Engine`` from parsed arguments, saying what it does on stderr."""
+def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = True, drafter_flags: bool = True):
+    """Build an ``Engine`` from parsed arguments, saying what it does on stderr;
+    ``drafter_flags=False``: without the drafter option flags (a command that makes its
+    drafters from ``drafter_options``)."""
     from ..engine import Engine
 
+    if not drafter_flags:
+        a = argparse.Namespace(**{**vars(a), **dict.fromkeys(_OPTION_FLAGS)})
     thresholds = {k: v for k, v in thresholds_from_args(a).items() if v is not None}
     if progress:
         print("localspec: loading model and measuring decode cost (cached after the first run)...", file=sys.stderr)

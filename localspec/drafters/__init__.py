@@ -109,6 +109,22 @@ def drafter_names() -> list[str]:
     return ["none", *_REGISTRY]
 
 
+def drafter_option_names(name: str) -> frozenset[str]:
+    """The options drafter ``name`` takes (its factory's keyword parameters, e.g.
+    ``{"eagle", "draft_shape"}`` for ``eagle3``; empty for ``none``).
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones).
+    """
+    if name == "none":
+        return frozenset()
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(drafter_names())}") from None
+    return frozenset(inspect.signature(factory).parameters)
+
+
 def make_drafter(name: str | None, **options) -> Drafter | None:
     """A new drafter by name (``None`` / ``"none"`` -> no drafter).
 
@@ -181,6 +197,7 @@ __all__ = [
     "NgramIndex",
     "TargetHandle",
     "drafter_names",
+    "drafter_option_names",
     "make_drafter",
     "register_drafter",
     "resolve_drafter",
