@@ -216,7 +216,10 @@ def test_health_shows_a_stuck_scheduler(model, monkeypatch):
 
 def test_editor_health_shows_the_running_request(service):
     with AppThread(create_app(service)) as srv, httpx.Client(base_url=srv.url, timeout=600) as h:
-        body = {"prompt": "Once upon a time", "n_predict": 400, "ignore_eos": True, "stream": True}
+        # sampled at a high temperature without drafts: the request runs for seconds, not a
+        # fraction of one (greedy text that loops is drafted and over before /health answers)
+        body = {"prompt": "Once upon a time", "n_predict": 400, "ignore_eos": True, "stream": True,
+                "temperature": 1.5, "samplers": ["temperature"], "seed": 1, "speculative.n_max": 0}  # fmt: skip
         with h.stream("POST", "/completion", json=body) as resp:
             next(resp.iter_lines())  # the first piece: the request runs
             st = h.get("/health").json()
