@@ -42,7 +42,8 @@ sized by one node budget (``SpeculationPolicy.allocate``: as the batch fills, ``
 and drafts stop paying, so speculation fades, and it returns when the batch empties),
 decoded in one ``llama_decode`` with the prompt pieces, then verified, committed and emitted
 per request. The scheduler keeps only admission, prompt pieces, the prompt cache and
-compaction.
+compaction. Every drafter runs here: each slot makes its own (the engine's name and options)
+on its first request and keeps it from request to request.
 """
 
 from __future__ import annotations
