@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from .common import add_model_args, make_engine
+from .common import add_model_args, count, make_engine
 
 
 def register(bsub) -> None:
@@ -25,7 +25,7 @@ def register(bsub) -> None:
     p.add_argument("--prompts", type=int, default=None, metavar="N",
                    help="send the same N prompts at every concurrency, spread over its clients (default: "
                    "clients x --per-client prompts, so one client sees only --per-client of them)")
-    p.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    p.add_argument("-n", "--max-tokens", type=count, default=64, help="tokens per request (default 64)")
     p.add_argument("--repeats", type=int, default=1, metavar="R",
                    help="runs of each mode per concurrency, in ABBA order; rates are medians and a ratio is the "
                    "median of the adjacent pairs' ratios (default 1)")
