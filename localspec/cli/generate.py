@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from ..stats import MIN_STEPS_SAVED, no_speedup_reason
 from .common import add_drafter_args, add_model_args, add_sampling_args, count, make_engine, read_text_file, sampling_from_args
 
 
@@ -28,7 +29,7 @@ def register(sub) -> None:
         action="store_true",
         help="also decode without speculation (same sampling; runs in the order speculative, plain, plain, "
         "speculative) and report the ratio of the median speeds with the spread of the two pairs' ratios, "
-        "or that there is no speedup to measure when the drafts saved under 5%% of the decode steps, and "
+        f"or that there is no speedup to measure when the drafts saved under {MIN_STEPS_SAVED:.0%}% of the decode steps, and "
         "whether the outputs are identical",
     )
     add_drafter_args(p)
@@ -104,8 +105,6 @@ def _compare(engine, prompt: str, kw: dict, sampling, first) -> dict:
     that gives the ratio only when ``no_speedup`` is None.
     """
     import statistics
-
-    from ..stats import no_speedup_reason
 
     same_seed = {**kw, "sampling": sampling.with_seed(first.stats.seed)}
     runs = {"speculative": [first], "plain": []}
