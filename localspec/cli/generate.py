@@ -128,7 +128,7 @@ def _compare(engine, prompt: str, kw: dict, sampling, first) -> dict:
                    "decode steps)" + (f"; the pairs' ratios {spread} are the machine's noise and the drafting's cost"
                                       if pairs else ""))  # fmt: skip
     elif ratio is not None:
-        verdict = f"speed ratio of the medians {ratio:.2f}x (pairs {spread})"
+        verdict = f"speed ratio of the medians {ratio:.2f}x" + (f" (pairs {spread})" if pairs else "")
     else:
         verdict = "no speed ratio: plain decoding measured no time"
     summary = (
