@@ -224,3 +224,16 @@ def test_bench_kernels_micro(capsys):
 def test_usage_errors(bad):
     r = run_cli(*bad, input="")
     assert r.returncode != 0
+
+
+def test_a_missing_extra_is_one_line_naming_it():
+    """`make run` installs the running extras only: a bench command whose client library is
+    missing says which extra to install, in one line."""
+    from localspec.cli.common import need_extra
+
+    need_extra("httpx", "bench", "bench complete")  # installed here: nothing happens
+    with pytest.raises(SystemExit) as e:
+        need_extra("localspec_no_such_module", "bench", "bench complete")
+    msg = str(e.value.code)
+    assert msg.startswith("localspec: error: localspec bench complete needs the [bench] extra: "
+                          "pip install 'localspec[bench]'") and "\n" not in msg  # fmt: skip

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from .common import add_model_args, count, make_engine
+from .common import add_model_args, count, make_engine, need_extra
 
 
 def register(bsub) -> None:
@@ -56,6 +56,8 @@ def two_turn_conversations(questions: list[dict], n: int) -> list[tuple[str, str
 
 def run(a: argparse.Namespace) -> int:
     import os
+
+    need_extra("openai", "bench", "bench serve")
 
     from ..bench.dataset import interleave, load_questions, select_prompts
     from ..bench.serve import bench_serve, plot, summarize

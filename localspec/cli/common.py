@@ -202,6 +202,19 @@ def rpc_args(a: argparse.Namespace) -> dict:
     return dict(rpc=rpc, tensor_split=_tensor_split(a.tensor_split), rpc_local_gpu=a.rpc_local_gpu)
 
 
+def need_extra(module: str, extra: str, command: str) -> None:
+    """A one-line ``localspec: error:`` naming the extra to install when ``module`` cannot be
+    imported (``make run`` installs only the running extras, tui and server)."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise SystemExit(
+            f"localspec: error: localspec {command} needs the [{extra}] extra: pip install 'localspec[{extra}]' ({e})"
+        ) from None
+
+
 def count(text: str) -> int:
     """argparse type of a token count: an integer >= 0 (refused before anything loads)."""
     try:
