@@ -59,6 +59,10 @@ def test_vs_plain_only_for_answers_whose_drafts_saved_steps():
     plain = state(0, 0, 20, drafter="none")  # the drafter off: no row at all
     assert plain.no_speedup is None and plain.vs_plain(20.0) is None and "vs plain" not in _text(render_panel(plain))
     live = LiveTurn()
-    for i in range(20):  # 20 tokens in 20 steps so far: nothing saved
+    for i in range(20):  # 20 tokens in 20 steps so far: nothing saved, no ratio (nor a verdict yet)
         live.add(StreamChunk("a", 10, S.DECODE, i), 1.0 + 0.1 * i)
-    assert PanelState(drafter="ngram", live=live, plain_tokens_per_s=50.0).no_speedup == "too few accepted"
+    streaming = PanelState(drafter="ngram", live=live, plain_tokens_per_s=50.0)
+    assert streaming.vs_plain(10.0) is None and streaming.no_speedup is None
+    for j in range(5):  # then a step of 4 accepted drafts and its bonus token: 25 tokens in 21 steps
+        live.add(StreamChunk("b", 11, S.NGRAM if j < 4 else S.BONUS, 20), 3.0)
+    assert streaming.vs_plain(10.0) == pytest.approx(0.2)

@@ -55,25 +55,20 @@ class PanelState:
 
     @property
     def no_speedup(self) -> str | None:
-        """Why the turn shown has no speed against plain decoding to show, for a speculative
-        turn: ``"no drafts"`` (nothing was drafted: the turn ran as plain decoding) or
-        ``"too few accepted"`` (the drafts saved under ``MIN_STEPS_SAVED`` of the steps, the
-        rule of ``stats.no_speedup_reason``; while live, counted from the steps so far);
-        None otherwise."""
-        if not self.speculative:
+        """Why the finished speculative turn shown has no speed against plain decoding to show:
+        ``"no drafts"`` (nothing was drafted: the turn ran as plain decoding) or ``"too few
+        accepted"`` (the drafts saved under ``MIN_STEPS_SAVED`` of the steps, the rule of
+        ``stats.no_speedup_reason``); None otherwise, and while a turn streams."""
+        if not self.speculative or self.stats is None:
             return None
-        if self.stats is not None:
-            if self.stats.num_draft_tokens == 0:
-                return "no drafts"
-            return "too few accepted" if no_speedup_reason(self.stats) else None
-        live = self.live
-        if live is None or not live.n_tokens:
-            return None
-        return "too few accepted" if (live.n_tokens - live.n_steps) / live.n_tokens < MIN_STEPS_SAVED else None
+        if self.stats.num_draft_tokens == 0:
+            return "no drafts"
+        return "too few accepted" if no_speedup_reason(self.stats) else None
 
     def vs_plain(self, tokens_per_s: float) -> float | None:
         """``tokens_per_s`` over the engine's plain-decoding estimate, for a speculative turn
-        whose drafts saved steps (``no_speedup`` is None).
+        whose drafts saved steps (for a finished turn ``no_speedup`` is None; while a turn
+        streams, its accepted drafts so far saved ``MIN_STEPS_SAVED`` of its steps).
 
         None with the drafter off: that turn *is* plain decoding, and dividing its end-to-end
         rate by an estimate measured at another moment (and load) would only show the
@@ -81,7 +76,14 @@ class PanelState:
         which nothing, or almost nothing, was accepted, for the same reason (it read "≈0.36×
         (estimate)" for an answer with nothing drafted).
         """
-        if not self.speculative or self.no_speedup is not None or self.plain_tokens_per_s <= 0 or tokens_per_s <= 0:
+        if not self.speculative or self.plain_tokens_per_s <= 0 or tokens_per_s <= 0:
+            return None
+        if self.stats is not None:
+            if self.no_speedup is not None:
+                return None
+        elif self.live is None or not self.live.n_tokens:
+            return None
+        elif (self.live.n_tokens - self.live.n_steps) / self.live.n_tokens < MIN_STEPS_SAVED:
             return None
         return tokens_per_s / self.plain_tokens_per_s
 
