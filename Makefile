@@ -1,11 +1,14 @@
 # Two commands set everything up on a fresh machine (Python >= 3.10, a C/C++ compiler, cmake):
-#   make run         - build the environment and generate text with the embedded default model
-#   make test        - build the environment (and the RPC worker) and run the test suite
+#   make run         - build the environment to run localspec (generate, chat, serve) and
+#                      generate text with the embedded default model
+#   make test        - add the test extras (pytest, torch for the training tests, scipy,
+#                      matplotlib, the openai client), build the RPC worker, run the test suite
 #   make rpc-server  - build llama.cpp's rpc-server for `localspec rpc-worker` (docs/rpc.md)
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
-EXTRAS ?= dev,tui,server,train
+RUN_EXTRAS ?= tui,server
+TEST_EXTRAS ?= dev,tui,server,train
 CXX ?= c++
 PROMPT ?= Question: What is the tallest mountain in the world?\nAnswer: Mount Everest.\nQuestion: What is the longest river in the world?\nAnswer:
 
@@ -20,7 +23,7 @@ RPC_CHECK := $(PY) -c "import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supp
 RPC_SERVER := $(VENV)/bin/localspec-rpc-server
 RPC_SRC := build/rpc-server-src
 
-.PHONY: run test env clean rpc-server
+.PHONY: run test env test-env clean rpc-server
 
 # native/ is compiled by the package build: editing it re-runs the (editable) install.
 NATIVE_SRC := setup.py $(wildcard native/*.c native/*.h)
@@ -34,11 +37,18 @@ $(VENV)/.installed: pyproject.toml $(NATIVE_SRC) $(LLAMA_SDIST)
 	$(PY) -m pip install --upgrade pip
 	@$(RPC_CHECK) 2>/dev/null || { echo "building llama-cpp-python $(LLAMA_CPP_VERSION) with GGML_RPC=ON (several minutes)"; \
 	  CMAKE_ARGS="-DGGML_RPC=ON $(CMAKE_ARGS)" $(PY) -m pip install --no-deps --force-reinstall --no-cache-dir $(LLAMA_SDIST); }
-	$(PY) -m pip install -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -e ".[$(RUN_EXTRAS)]"
 	@$(RPC_CHECK) || { echo "error: llama-cpp-python in $(VENV) has no RPC backend (a prebuilt or cached wheel?); run 'make clean env'"; exit 1; }
 	touch $@
 
+# The test extras on top of the running environment: its own stamp, so that `make run` then
+# `make test` installs them, and a rebuilt running environment (newer .installed) redoes them.
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -e ".[$(TEST_EXTRAS)]"
+	touch $@
+
 env: $(VENV)/.installed
+test-env: $(VENV)/.installed-test
 
 # rpc-server.cpp of the vendored llama.cpp, linked against this venv's own libggml: same
 # protocol version, same CPU kernels as the host.
@@ -60,7 +70,7 @@ run: $(VENV)/.installed
 # Two xdist workers, each pinned to its share of the CPUs (tests/conftest.py), whole files per
 # worker (module fixtures are built once); TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
-test: $(VENV)/.installed $(RPC_SERVER)
+test: $(VENV)/.installed-test $(RPC_SERVER)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 clean:

@@ -150,6 +150,30 @@ class GenerationStats:
         return d
 
 
+# Below this share of decode steps saved by accepted drafts, a speed ratio measures the
+# machine's noise, not speculation: the drafts could make at most 1 / (1 - 0.05) = 1.05x of the
+# steps' time, within the spread of repeated runs (``generate --compare`` on a quiet machine
+# measured 0.96-0.99x for a prompt with no speculation gain).
+MIN_STEPS_SAVED = 0.05
+
+
+def no_speedup_reason(*stats: GenerationStats) -> str | None:
+    """Why the speculative generations ``stats`` cannot show a speed-up, or None when they can.
+
+    The accepted drafts saved ``n_step_tokens - n_steps`` decode steps of ``n_step_tokens``
+    (summed over ``stats``); below ``MIN_STEPS_SAVED`` of them no ratio of speeds means
+    anything. Returns ``"nothing was drafted"`` or ``"A of D drafted tokens accepted"``.
+    """
+    drafted = sum(s.num_draft_tokens for s in stats)
+    if drafted == 0:
+        return "nothing was drafted"
+    saved = sum(s.n_step_tokens - s.n_steps for s in stats)
+    produced = sum(s.n_step_tokens for s in stats)
+    if produced and saved / produced >= MIN_STEPS_SAVED:
+        return None
+    return f"{sum(s.num_accepted_tokens for s in stats)} of {drafted} drafted tokens accepted"
+
+
 def count_sources(sources) -> dict[str, int]:
     out: dict[str, int] = {}
     for s in sources:

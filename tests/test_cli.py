@@ -53,10 +53,79 @@ def test_generate_compare_reports_ratio(capsys):
         assert isinstance(d["identical_to_plain"], bool)
 
 
+def test_compare_gives_the_pairs_spread_around_the_ratio():
+    """A prompt that repeats itself, whole trees verified (--no-adaptive: drafting does not
+    depend on the machine's load): the drafts save many steps, so the ratio is given, with
+    the spread of the two ABBA pairs' ratios around it (the ratio of the medians of two runs
+    each is the pairs' mediant: it lies between them)."""
+    import re
+
+    args = ["generate", "a b c a b c a b c", "-n", "32", "--temperature", "0", "--compare", "--no-adaptive"]
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"speed ratio of the medians (\d+\.\d\d)x \(pairs (\d+\.\d\d)-(\d+\.\d\d)x\)", r.stderr)
+    assert m, r.stderr
+    ratio, lo, hi = (float(x) for x in m.groups())
+    assert lo <= ratio <= hi
+    assert "no speedup to measure" not in r.stderr
+    d = json.loads(run_cli(*args, "--json").stdout)
+    c = d["compare"]
+    assert c["no_speedup"] is None
+    want = [s / p for s, p in zip(c["speculative_tokens_per_s"], c["plain_tokens_per_s"])]
+    assert c["pair_ratios"] == pytest.approx(want, rel=1e-12)
+
+
+def test_compare_without_accepted_drafts_gives_no_ratio(capsys):
+    """Nothing drafted (drafter none): the runs differ by the machine's noise only, so no
+    "speed ratio" is printed; the reason and the pairs' spread are."""
+    args = ["generate", "a b c a b c a b c", "-n", "8", "--temperature", "0", "--compare", "--drafter", "none"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "speed ratio" not in err
+    assert "no speedup to measure: nothing was drafted in the speculative runs (they saved 0 of" in err
+    assert "the pairs' ratios " in err
+    assert main([*args, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["compare"]["no_speedup"] == "nothing was drafted" and len(d["compare"]["pair_ratios"]) == 2
+
+
+def test_no_speedup_reason_counts_the_steps_the_drafts_saved():
+    from localspec.stats import GenerationStats, no_speedup_reason
+
+    def st(drafted, accepted, step_tokens, steps):
+        return GenerationStats(num_draft_tokens=drafted, num_accepted_tokens=accepted, n_step_tokens=step_tokens, n_steps=steps)
+
+    assert no_speedup_reason(st(0, 0, 128, 128)) == "nothing was drafted"
+    assert no_speedup_reason(st(7, 0, 128, 128)) == "0 of 7 drafted tokens accepted"  # the make run case
+    assert no_speedup_reason(st(40, 6, 128, 122)) == "6 of 40 drafted tokens accepted"  # 4.7% of steps saved
+    assert no_speedup_reason(st(40, 7, 128, 121)) is None  # 5.5% saved
+    assert no_speedup_reason(st(117, 110, 128, 40)) is None
+    # summed over runs: one run that saved many steps does not hide another that saved none
+    assert no_speedup_reason(st(7, 0, 128, 128), st(7, 0, 128, 128)) == "0 of 14 drafted tokens accepted"
+    assert no_speedup_reason(st(7, 0, 128, 128), st(117, 110, 128, 40)) is None
+
+
 def test_missing_model_is_a_clear_error(capsys, tmp_path):
     assert main(["generate", "hi", "-m", str(tmp_path / "missing.gguf")]) == 1
     err = capsys.readouterr().err
     assert "not found" in err
+
+
+@pytest.mark.parametrize("command", ["generate", "batch", "bench"])
+def test_arguments_are_checked_before_the_model_loads(tmp_path, command):
+    """A missing model file or a negative token count is refused first: nothing is loaded and
+    "loading model" is never printed before the error."""
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text('{"id": "1", "prompt": "hi"}\n')
+    first = {"generate": ["generate", "hi"], "batch": ["batch", str(jobs), "--out", str(tmp_path / "o.jsonl")],
+             "bench": ["bench", "--dataset", "code"]}[command]  # fmt: skip
+    r = run_cli(*first, "-m", str(tmp_path / "missing.gguf"))
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("localspec: error: model file not found:"), r.stderr
+    assert "loading model" not in r.stderr
+    r = run_cli(*first, "--max-tokens", "-5")
+    assert r.returncode == 2 and "argument -n/--max-tokens: must be >= 0, got -5" in r.stderr, r.stderr
+    assert "loading model" not in r.stderr and "Traceback" not in r.stderr
 
 
 def test_models_command(capsys):
@@ -155,3 +224,16 @@ def test_bench_kernels_micro(capsys):
 def test_usage_errors(bad):
     r = run_cli(*bad, input="")
     assert r.returncode != 0
+
+
+def test_a_missing_extra_is_one_line_naming_it():
+    """`make run` installs the running extras only: a bench command whose client library is
+    missing says which extra to install, in one line."""
+    from localspec.cli.common import need_extra
+
+    need_extra("httpx", "bench", "bench complete")  # installed here: nothing happens
+    with pytest.raises(SystemExit) as e:
+        need_extra("localspec_no_such_module", "bench", "bench complete")
+    msg = str(e.value.code)
+    assert msg.startswith("localspec: error: localspec bench complete needs the [bench] extra: "
+                          "pip install 'localspec[bench]'") and "\n" not in msg  # fmt: skip

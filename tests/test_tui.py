@@ -127,7 +127,11 @@ async def test_two_turns_stop_half_way_switch_drafter(chat_engine, long_sampling
         r3 = app.session.turns[-1]
         assert r3.drafter == "ngram" and r3.finish_reason in ("stop", "length")
         assert r3.stats.n_cached_tokens >= r2.stats.n_prompt_tokens + len(r2.token_ids) - 1
-        assert "× plain" in str(app.query_one("#status").render())  # a speculative turn: estimated
+        # a speculative turn: the estimate when its drafts saved steps, else why there is none
+        # (this short answer accepts nothing here; test_tui_stats.py checks each case)
+        state = app._panel_state()
+        want = "× plain" if state.no_speedup is None else state.no_speedup
+        assert want in str(app.query_one("#status").render())
 
         # -- transcript and statistics -----------------------------------------------------------
         assert [m.role for m in app.session.messages] == ["user", "assistant"] * 3
@@ -138,6 +142,14 @@ async def test_two_turns_stop_half_way_switch_drafter(chat_engine, long_sampling
         state = app._panel_state()
         assert state.stats is r3.stats and state.n_context == app.session.n_context_tokens > 0
         assert state.plain_tokens_per_s == pytest.approx(chat_engine.plain_tokens_per_s())
+        # the tokens/s chart has one point per answer, the figure of the answer's own line
+        rates = [t.stats.tokens_per_s for t in app.session.turns]
+        assert list(app.rates) == rates
+        panel = app.query_one("#stats")
+        assert list(panel.sparkline.data) == rates
+        lines = [str(a.render()) for a in app.query(AnswerView)]
+        assert all(f"{r:.1f} tokens/s" in line for r, line in zip(rates, lines, strict=True))
+        assert str(panel.chart_range.render()) == f"{min(rates):.1f}–{max(rates):.1f} · last {rates[-1]:.1f}"
         saved = app.save_transcript(str(tmp_path / "chat.md"))
         assert saved is not None and saved.read_text() .count("## User") == 3
         await pilot.press("ctrl+g")
@@ -397,11 +409,17 @@ async def test_switching_to_and_from_eagle3_says_what_happens_to_the_kv_cache(mo
             assert e.drafter_name == "eagle3"
             said = notices(app)[-1]
             assert "not its KV cache" in said and "KV cache are kept" not in said
+            assert "eagle3 reads the target's layer features (EAGLE-3 feature tap)" in said
             await send(pilot, "And again.")
             r = app.session.turns[-1]
             assert r.drafter == "eagle3" and r.stats.n_cached_tokens == 0  # as said: prefilled again
+            await choose_drafter(pilot, "medusa")  # the shipped heads read the final-norm rows
+            said = notices(app)[-1]
+            assert "not its KV cache" in said and "medusa reads the target's final-norm rows" in said
+            assert "EAGLE" not in said
             await choose_drafter(pilot, "none")  # the tap goes: a new context again
-            assert "not its KV cache" in notices(app)[-1]
+            said = notices(app)[-1]
+            assert "not its KV cache" in said and "captured the target's final-norm rows is replaced" in said
             await send(pilot, "Once more.")
             await choose_drafter(pilot, "ngram")  # no tap either way: the cache is kept
             assert "the conversation and its KV cache are kept" in notices(app)[-1]
@@ -411,3 +429,18 @@ async def test_switching_to_and_from_eagle3_says_what_happens_to_the_kv_cache(mo
             assert r.stats.n_cached_tokens >= before.stats.n_prompt_tokens + len(before.token_ids) - 1
     finally:
         e.close()
+
+
+@pytest.mark.anyio
+async def test_an_answer_with_nothing_drafted_shows_no_speed_against_plain(chat_engine):
+    """One token: the step has no budget for drafts, so the answer ran as plain decoding and
+    its rate over the plain estimate (measured at another moment) would be no speed-up."""
+    chat_engine.reset()
+    app = ChatApp(engine=chat_engine, sampling=SamplingParams.greedy(), max_tokens=1)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "Hello there, hello there, hello there, hello")
+        r = app.session.turns[-1]
+        assert r.drafter == "ngram" and r.stats.n_generated_tokens == 1 and r.stats.num_draft_tokens == 0
+        status = str(app.query_one("#status").render())
+        assert "no drafts" in status and "×" not in status
+        assert app._panel_state().vs_plain(r.stats.tokens_per_s) is None

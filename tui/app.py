@@ -27,11 +27,12 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Header, Static
 
 from localspec.drafters import drafter_names
+from localspec.drafters.base import target_reads
 from localspec.engine import Engine, GenerationResult, GenerationStream, StreamChunk
 from localspec.errors import LocalSpecError
 from localspec.sampling import SamplingParams
 
-from .live_stats import LiveTurn, RateSeries
+from .live_stats import LiveTurn
 from .messages import AnswerView, Notice, UserMessage
 from .prompt_input import PromptInput
 from .provenance import legend
@@ -74,12 +75,16 @@ class EngineLoaded(Message):
 
 
 class DrafterSwitched(Message):
-    """``cache_rebuilt``: the switch replaced the target's context (a feature tap for EAGLE-3
-    was added or removed), so its KV cache is gone and the next answer prefills again."""
+    """``cache_rebuilt``: the switch replaced the target's context (a tap for what a drafter
+    reads from the target, ``drafters.base.target_reads``, was added, changed or removed),
+    so its KV cache is gone and the next answer prefills again; ``reads`` / ``read_before``:
+    what the new / the previous drafter reads (None: nothing)."""
 
-    def __init__(self, name: str, error: BaseException | None, cache_rebuilt: bool = False) -> None:
+    def __init__(self, name: str, error: BaseException | None, cache_rebuilt: bool = False,
+                 reads: str | None = None, read_before: str | None = None) -> None:  # fmt: skip
         super().__init__()
         self.name, self.error, self.cache_rebuilt = name, error, cache_rebuilt
+        self.reads, self.read_before = reads, read_before
 
 
 class ChatApp(App):
@@ -167,7 +172,8 @@ class ChatApp(App):
         self._job_done.set()
         self._stats_auto = True  # follow the terminal width until the user toggles the panel
         self._stats_dirty = False
-        self.rates = RateSeries()
+        # tokens/s of each finished answer (GenerationStats.tokens_per_s, as on its own line)
+        self.rates: deque[float] = deque(maxlen=120)
 
     # -- layout ---------------------------------------------------------------------------------
 
@@ -316,13 +322,14 @@ class ChatApp(App):
             return
 
         def job() -> None:
-            ctx = engine.ctx
+            ctx, before = engine.ctx, target_reads(getattr(engine, "drafter", None))
             try:
                 engine.set_drafter(name, **self._options_for(name))
             except Exception as e:  # noqa: BLE001 - shown in the app
                 self.post_message(DrafterSwitched(name, e))
             else:
-                self.post_message(DrafterSwitched(name, None, cache_rebuilt=engine.ctx is not ctx))
+                reads = target_reads(getattr(engine, "drafter", None))
+                self.post_message(DrafterSwitched(name, None, engine.ctx is not ctx, reads, before))
 
         self._start_job(job, "switching")
 
@@ -337,9 +344,12 @@ class ChatApp(App):
         else:
             self.drafter_choice = msg.name
             if msg.cache_rebuilt:
+                why = (f"{msg.name} reads {msg.reads}, which needs a new target context" if msg.reads else
+                       f"the target context that captured {msg.read_before} is replaced" if msg.read_before else
+                       "the target context was replaced")  # fmt: skip
                 self.notice(
-                    f"Drafter: {msg.name}. The conversation is kept, but not its KV cache: the EAGLE-3 "
-                    "feature tap needs a new target context, so the next answer prefills the conversation again."
+                    f"Drafter: {msg.name}. The conversation is kept, but not its KV cache: {why}, "
+                    "so the next answer prefills the conversation again."
                 )
             else:
                 self.notice(f"Drafter: {msg.name} (the conversation and its KV cache are kept).")
@@ -396,8 +406,6 @@ class ChatApp(App):
                 continue
             texts.append((chunk.text, chunk.source))
             self._live.add(chunk, t_s)
-            if chunk.token >= 0:
-                self.rates.add(1, t_s)
         if self._answer is not None and texts:
             self._answer.extend(texts)
         self._stats_dirty = True
@@ -409,8 +417,9 @@ class ChatApp(App):
         self._drain_timer.pause()
         self._stream = None
         self.state = "idle"
-        self.rates.end_turn(msg.t_s)
         rec = self.session.end_turn(msg.result, msg.error)
+        if rec is not None and rec.stats.n_generated_tokens:
+            self.rates.append(rec.stats.tokens_per_s)
         answer, self._answer, self._live = self._answer, None, None
         if rec is None:
             if answer is not None:
@@ -471,7 +480,7 @@ class ChatApp(App):
         st = self._panel_state()
         panel = self.query_one("#stats", StatsPanel)
         panel.show(st)
-        panel.chart(self.rates.points)
+        panel.chart(self.rates)
         self._refresh_status(st)
 
     def _refresh_live(self) -> None:
@@ -496,6 +505,8 @@ class ChatApp(App):
                 ratio = st.vs_plain(tps)
                 if ratio is not None:
                     parts.append(f"≈{ratio:.2f}× plain")
+                elif st.no_speedup is not None:
+                    parts.append(st.no_speedup)
             t = self.session.sampling.temperature
             parts.append("greedy" if t <= 0 else f"temp {t:g}")
             if (s.lossy if s is not None else bool(st.lossy)):

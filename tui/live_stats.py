@@ -1,4 +1,4 @@
-"""Statistics while an answer streams in, and the tokens/s series of the conversation.
+"""Statistics while an answer streams in.
 
 The engine's exact ``GenerationStats`` arrive with the stream's result at the end of a turn;
 until then the panel shows what the chunks tell: tokens, steps, sources, and a rate
@@ -7,7 +7,7 @@ measured from the chunks' arrival times (seconds from ``time.perf_counter``).
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 from localspec.engine import StreamChunk
@@ -54,43 +54,3 @@ class LiveTurn:
     @property
     def num_accepted_tokens(self) -> int:
         return sum(n for s, n in self.sources.items() if s.is_draft)
-
-
-class RateSeries:
-    """Tokens/s over the conversation, one point per ``interval_s`` of generation.
-
-    Windows are measured in time, not tokens: the tokens of one speculative step arrive
-    together, so a window of a few tokens could be microseconds long. Windows never span
-    two turns (the time between turns is the user typing), and the first chunk of a turn
-    only opens its window (the prefill is not in the rate); a turn's last partial window
-    counts when it lasted at least ``interval_s / 4``.
-
-    Args:
-        interval_s: seconds per point.
-        max_points: points kept (the oldest are dropped).
-    """
-
-    def __init__(self, interval_s: float = 0.25, max_points: int = 120) -> None:
-        self.interval_s = interval_s
-        self.points: deque[float] = deque(maxlen=max_points)
-        self._t0: float | None = None
-        self._n = 0
-
-    def add(self, n_tokens: int, t_s: float) -> None:
-        """``n_tokens`` more tokens arrived at time ``t_s``."""
-        if self._t0 is None:
-            self._t0 = t_s
-            return
-        self._n += n_tokens
-        if t_s - self._t0 >= self.interval_s:
-            self.points.append(self._n / (t_s - self._t0))
-            self._t0, self._n = t_s, 0
-
-    def end_turn(self, t_s: float) -> None:
-        if self._t0 is not None and self._n and t_s - self._t0 >= self.interval_s / 4:
-            self.points.append(self._n / (t_s - self._t0))
-        self._t0, self._n = None, 0
-
-    def clear(self) -> None:
-        self.points.clear()
-        self._t0, self._n = None, 0

@@ -3,8 +3,8 @@
 Shows tokens/s, the speed against plain decoding (estimated from the engine's measured
 decode cost, ``Engine.plain_tokens_per_s()``), the mean acceptance length (bonus included),
 accepted / drafted tokens, acceptance by depth, the tokens by source, the time split of the
-generation loop (draft / verify / other), the prompt and context use, and a chart of
-tokens/s over the conversation. A turn that ran the opt-in LOSSY acceptance thresholds says so
+generation loop (draft / verify / other), the prompt and context use, and a chart of the
+answers' tokens/s. A turn that ran the opt-in LOSSY acceptance thresholds says so
 under its acceptance figures.
 """
 
@@ -19,7 +19,7 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Sparkline, Static
 
-from localspec.stats import GenerationStats
+from localspec.stats import MIN_STEPS_SAVED, GenerationStats, no_speedup_reason
 from localspec.tree import TokenSource
 
 from .live_stats import LiveTurn
@@ -53,14 +53,37 @@ class PanelState:
         """Whether the turn shown was drafted for (the last turn's drafter, else the current one)."""
         return (self.stats.drafter if self.stats is not None else self.drafter) != "none"
 
+    @property
+    def no_speedup(self) -> str | None:
+        """Why the finished speculative turn shown has no speed against plain decoding to show:
+        ``"no drafts"`` (nothing was drafted: the turn ran as plain decoding) or ``"too few
+        accepted"`` (the drafts saved under ``MIN_STEPS_SAVED`` of the steps, the rule of
+        ``stats.no_speedup_reason``); None otherwise, and while a turn streams."""
+        if not self.speculative or self.stats is None:
+            return None
+        if self.stats.num_draft_tokens == 0:
+            return "no drafts"
+        return "too few accepted" if no_speedup_reason(self.stats) else None
+
     def vs_plain(self, tokens_per_s: float) -> float | None:
-        """``tokens_per_s`` over the engine's plain-decoding estimate, for a speculative turn.
+        """``tokens_per_s`` over the engine's plain-decoding estimate, for a speculative turn
+        whose drafts saved steps (for a finished turn ``no_speedup`` is None; while a turn
+        streams, its accepted drafts so far saved ``MIN_STEPS_SAVED`` of its steps).
 
         None with the drafter off: that turn *is* plain decoding, and dividing its end-to-end
         rate by an estimate measured at another moment (and load) would only show the
-        difference between the two moments (it read "≈0.38× plain").
+        difference between the two moments (it read "≈0.38× plain"); None too for a turn in
+        which nothing, or almost nothing, was accepted, for the same reason (it read "≈0.36×
+        (estimate)" for an answer with nothing drafted).
         """
         if not self.speculative or self.plain_tokens_per_s <= 0 or tokens_per_s <= 0:
+            return None
+        if self.stats is not None:
+            if self.no_speedup is not None:
+                return None
+        elif self.live is None or not self.live.n_tokens:
+            return None
+        elif (self.live.n_tokens - self.live.n_steps) / self.live.n_tokens < MIN_STEPS_SAVED:
             return None
         return tokens_per_s / self.plain_tokens_per_s
 
@@ -112,6 +135,8 @@ def render_panel(st: PanelState) -> RenderableType:
     if ratio is not None:
         g.add_row("vs plain", f"≈{ratio:.2f}× (estimate)")
         g.add_row("plain", f"≈{_num(st.plain_tokens_per_s)} tokens/s")
+    elif st.no_speedup is not None:
+        g.add_row("vs plain", st.no_speedup)
     g.add_row("accept len", f"{mal:.2f} tokens/step")
     g.add_row("accepted", f"{acc}/{drafted} drafted" if drafted is not None else f"{acc}")
     parts.append(g)
@@ -196,7 +221,7 @@ class StatsPanel(VerticalScroll):
 
     def compose(self) -> ComposeResult:
         yield self.body
-        yield Static("Tokens/s over the chat", id="chart-title")
+        yield Static("Tokens/s per answer", id="chart-title")
         yield self.sparkline
         yield self.chart_range
 
@@ -204,9 +229,11 @@ class StatsPanel(VerticalScroll):
         self.body.update(render_panel(state))
 
     def chart(self, points) -> None:
-        """Draw the tokens/s series (the chart is scaled from its minimum to its maximum)."""
+        """Draw the answers' tokens/s, one point per answer: each is the ``tokens_per_s`` of its
+        ``GenerationStats``, the figure of the answer's own line (the chart is scaled from
+        its minimum to its maximum)."""
         data = list(points)
         self.sparkline.data = data
         self.chart_range.update(
-            f"min {min(data):.0f} · max {max(data):.0f} · last {data[-1]:.0f}" if data else "no answers yet"
+            f"{min(data):.1f}–{max(data):.1f} · last {data[-1]:.1f}" if data else "no answers yet"
         )

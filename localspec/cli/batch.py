@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from .common import add_drafter_args, add_model_args, add_sampling_args, make_engine, sampling_from_args
+from .common import add_drafter_args, add_model_args, add_sampling_args, count, make_engine, sampling_from_args
 
 
 def register(sub) -> None:
@@ -28,7 +28,7 @@ def register(sub) -> None:
     p.add_argument("input", help="JSONL file, one {\"id\", \"prompt\", ...} per line")
     p.add_argument("--out", required=True, help="JSONL output (appended; ids already there are skipped)")
     p.add_argument("--parallel", type=int, default=4, help="prompts decoded together (default 4)")
-    p.add_argument("-n", "--max-tokens", type=int, default=256, help="most tokens per prompt (default 256)")
+    p.add_argument("-n", "--max-tokens", type=count, default=256, help="most tokens per prompt (default 256)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--no-spec", action="store_true", help="plain batched decoding (no drafter)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

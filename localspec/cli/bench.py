@@ -11,7 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
-from .common import add_drafter_args, add_model_args, add_sampling_args, make_engine, sampling_from_args
+from .common import add_drafter_args, add_model_args, add_sampling_args, count, make_engine, sampling_from_args
 
 
 def register(sub) -> None:
@@ -33,7 +33,7 @@ def register(sub) -> None:
     )
     p.add_argument("--categories", default=None, help="comma-separated categories (default: all)")
     p.add_argument("--per-category", type=int, default=10, help="prompts per category (default 10)")
-    p.add_argument("-n", "--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+    p.add_argument("-n", "--max-tokens", type=count, default=128, help="new tokens per prompt (default 128)")
     p.add_argument("--out", default="bench-out", help="output directory (default ./bench-out)")
     p.add_argument(
         "--repeats",
@@ -94,7 +94,7 @@ def register(sub) -> None:
         "and reports host time (everything but llama_decode) against llama_decode time per step.",
     )
     ho.add_argument("--nodes", type=int, default=16, help="nodes per verified tree, root included (default 16)")
-    ho.add_argument("-n", "--max-tokens", type=int, default=64)
+    ho.add_argument("-n", "--max-tokens", type=count, default=64)
     ho.add_argument("--json", action="store_true")
     add_model_args(ho)
     ho.set_defaults(func=run_host)
@@ -117,7 +117,7 @@ def register(sub) -> None:
     )
     dr.add_argument("--eagle", default=None, metavar="PATH", help="EAGLE-3 head GGUF (default: the head shipped for the model)")
     dr.add_argument("--shapes", default="6x1x7,4x3x16", help="tree shapes depth x width x nodes (default 6x1x7,4x3x16)")
-    dr.add_argument("-n", "--max-tokens", type=int, default=48, help="tokens per prompt (default 48)")
+    dr.add_argument("-n", "--max-tokens", type=count, default=48, help="tokens per prompt (default 48)")
     dr.add_argument("--rounds", type=int, default=2, help="passes over the built-in prompts (default 2)")
     dr.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all this process may use)")
     dr.add_argument("-m", "--model", default=None, help="target GGUF (default: the embedded model)")

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from .common import add_drafter_args, add_model_args, make_engine, read_text_file
+from .common import add_drafter_args, add_model_args, make_engine, need_extra, read_text_file
 
 
 def register(bsub) -> None:
@@ -35,6 +35,7 @@ def register(bsub) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
+    need_extra("httpx", "bench", "bench complete")
     import localspec.engine
 
     from ..bench.complete import bench_humaneval, bench_latency, load_humaneval_infilling, spread

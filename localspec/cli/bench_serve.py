@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from .common import add_drafter_option_args, add_model_args, drafter_options, make_engine
+from .common import add_drafter_option_args, add_model_args, count, drafter_options, make_engine, need_extra
 
 
 def register(bsub) -> None:
@@ -29,7 +29,7 @@ def register(bsub) -> None:
     p.add_argument("--prompts", type=int, default=None, metavar="N",
                    help="send the same N prompts at every concurrency, spread over its clients (default: "
                    "clients x --per-client prompts, so one client sees only --per-client of them)")
-    p.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    p.add_argument("-n", "--max-tokens", type=count, default=64, help="tokens per request (default 64)")
     p.add_argument("--repeats", type=int, default=1, metavar="R",
                    help="rounds over every concurrency, the modes in alternating, rotating order (ABBA with one "
                    "drafter); rates are medians and a ratio is the median of the rounds' ratios (default 1)")
@@ -61,6 +61,8 @@ def two_turn_conversations(questions: list[dict], n: int) -> list[tuple[str, str
 
 def run(a: argparse.Namespace) -> int:
     import os
+
+    need_extra("openai", "bench", "bench serve")
 
     from ..bench.dataset import interleave, load_questions, select_prompts
     from ..bench.serve import bench_serve, plot, summarize

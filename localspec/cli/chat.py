@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_drafter_args, add_model_args, add_sampling_args, make_engine, sampling_from_args
+from .common import add_drafter_args, add_model_args, add_sampling_args, count, make_engine, sampling_from_args
 
 
 def register(sub) -> None:
@@ -16,7 +16,7 @@ def register(sub) -> None:
         "speculation statistics. Models with a chat template in their GGUF use it; others (the default "
         "base model) use a plain 'User:/Assistant:' transcript. ctrl+p lists every command.",
     )
-    p.add_argument("-n", "--max-tokens", type=int, default=512, help="most tokens per answer (default 512)")
+    p.add_argument("-n", "--max-tokens", type=count, default=512, help="most tokens per answer (default 512)")
     p.add_argument("--system", default=None, help="system message (the preamble of the plain transcript)")
     p.add_argument(
         "--transcript",

@@ -232,8 +232,44 @@ def rpc_args(a: argparse.Namespace) -> dict:
     return dict(rpc=rpc, tensor_split=_tensor_split(a.tensor_split), rpc_local_gpu=a.rpc_local_gpu)
 
 
+def need_extra(module: str, extra: str, command: str) -> None:
+    """A one-line ``localspec: error:`` naming the extra to install when ``module`` cannot be
+    imported (``make run`` installs only the running extras, tui and server)."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise SystemExit(
+            f"localspec: error: localspec {command} needs the [{extra}] extra: pip install 'localspec[{extra}]' ({e})"
+        ) from None
+
+
+def count(text: str) -> int:
+    """argparse type of a token count: an integer >= 0 (refused before anything loads)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects a whole number, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
+def check_model_files(a: argparse.Namespace) -> None:
+    """The GGUF files named by ``a`` (``--model``, ``--draft-model``, ``--eagle``, ``--medusa``)
+    exist and are GGUF files; else ``ModelLoadError`` (one line), before any model loads."""
+    from ..backend.model import check_gguf_file
+
+    for name in ("model", "draft_model", "eagle", "medusa"):
+        path = getattr(a, name, None)
+        if path:
+            check_gguf_file(path)
+
+
 def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = True, drafter_flags: bool = True):
-    """Build an ``Engine`` from parsed arguments, saying what it does on stderr;
+    """Build an ``Engine`` from parsed arguments, saying what it does on stderr (after the
+    arguments and model files are checked: a bad one is one error line, nothing loaded);
     ``drafter_flags=False``: without the drafter option flags (a command that makes its
     drafters from ``drafter_options``)."""
     from ..engine import Engine
@@ -241,10 +277,7 @@ def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = 
     if not drafter_flags:
         a = argparse.Namespace(**{**vars(a), **dict.fromkeys(_OPTION_FLAGS)})
     thresholds = {k: v for k, v in thresholds_from_args(a).items() if v is not None}
-    if progress:
-        print("localspec: loading model and measuring decode cost (cached after the first run)...", file=sys.stderr)
-    return Engine(
-        a.model,
+    kwargs = dict(
         drafter=drafter,
         draft_model=getattr(a, "draft_model", None),
         draft_n_ctx=getattr(a, "draft_n_ctx", None),
@@ -259,3 +292,7 @@ def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = 
         **thresholds,
         **rpc_args(a),
     )
+    check_model_files(a)
+    if progress:
+        print("localspec: loading model and measuring decode cost (cached after the first run)...", file=sys.stderr)
+    return Engine(a.model, **kwargs)

@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from .common import add_drafter_args, add_model_args, add_sampling_args, make_engine, read_text_file, sampling_from_args
+from ..stats import MIN_STEPS_SAVED, no_speedup_reason
+from .common import add_drafter_args, add_model_args, add_sampling_args, count, make_engine, read_text_file, sampling_from_args
 
 
 def register(sub) -> None:
@@ -18,7 +19,7 @@ def register(sub) -> None:
     )
     p.add_argument("prompt", nargs="?", default=None, help="prompt text ('-' = standard input)")
     p.add_argument("-f", "--file", default=None, help="read the prompt from a file")
-    p.add_argument("-n", "--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    p.add_argument("-n", "--max-tokens", type=count, default=256, help="most tokens to generate (default 256)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--special", action="store_true", help="parse special-token text in the prompt")
     p.add_argument("--logprobs", type=int, default=None, metavar="N", help="report log-probs with top-N alternatives")
@@ -27,7 +28,9 @@ def register(sub) -> None:
         "--compare",
         action="store_true",
         help="also decode without speculation (same sampling; runs in the order speculative, plain, plain, "
-        "speculative) and report the ratio of the median speeds and whether the outputs are identical",
+        "speculative) and report the ratio of the median speeds with the spread of the two pairs' ratios, "
+        f"or that there is no speedup to measure when the drafts saved under {MIN_STEPS_SAVED:.0%}% of the decode steps, and "
+        "whether the outputs are identical",
     )
     add_drafter_args(p)
     add_sampling_args(p)
@@ -94,8 +97,12 @@ def _compare(engine, prompt: str, kw: dict, sampling, first) -> dict:
     this did before) charged all of it to plain decoding.
 
     Returns ``spec`` / ``plain`` (the results), ``ratio`` (median speculative / median plain
-    decode tokens/s, None when plain measured 0), ``identical`` (all outputs equal to the
-    first), ``order`` and a one-paragraph ``summary``.
+    decode tokens/s, None when plain measured 0), ``pair_ratios`` (speculative / plain decode
+    tokens/s of each ABBA pair: runs 1 and 2, runs 4 and 3; their spread is what one ratio is
+    worth on this machine now), ``no_speedup`` (``stats.no_speedup_reason`` of the speculative
+    runs: the drafts saved too few decode steps for any ratio to mean a speed-up, else None),
+    ``identical`` (all outputs equal to the first), ``order`` and a one-paragraph ``summary``
+    that gives the ratio only when ``no_speedup`` is None.
     """
     import statistics
 
@@ -107,18 +114,31 @@ def _compare(engine, prompt: str, kw: dict, sampling, first) -> dict:
     spec_rate = statistics.median(r.stats.tokens_per_s for r in runs["speculative"])
     plain_rate = statistics.median(r.stats.tokens_per_s for r in runs["plain"])
     ratio = spec_rate / plain_rate if plain_rate else None
+    pairs = [s.stats.tokens_per_s / p.stats.tokens_per_s for s, p in zip(runs["speculative"], runs["plain"], strict=True)
+             if p.stats.tokens_per_s]  # fmt: skip
+    no_speedup = no_speedup_reason(*(r.stats for r in runs["speculative"]))
     identical = all(r.token_ids == first.token_ids for rs in runs.values() for r in rs)
     fmt = ", ".join
+    spread = f"{min(pairs):.2f}-{max(pairs):.2f}x" if pairs else ""
 
+    if no_speedup is not None:
+        saved = sum(r.stats.n_step_tokens - r.stats.n_steps for r in runs["speculative"])
+        steps = sum(r.stats.n_step_tokens for r in runs["speculative"])
+        verdict = (f"no speedup to measure: {no_speedup} in the speculative runs (they saved {saved} of {steps} "
+                   "decode steps)" + (f"; the pairs' ratios {spread} are the machine's noise and the drafting's cost"
+                                      if pairs else ""))  # fmt: skip
+    elif ratio is not None:
+        verdict = f"speed ratio of the medians {ratio:.2f}x" + (f" (pairs {spread})" if pairs else "")
+    else:
+        verdict = "no speed ratio: plain decoding measured no time"
     summary = (
         f"compared {len(COMPARE_ORDER)} runs in the order {fmt(COMPARE_ORDER)} (same seed, KV cache dropped "
         f"before each): speculative {fmt(f'{r.stats.tokens_per_s:.1f}' for r in runs['speculative'])} tokens/s, "
         f"plain {fmt(f'{r.stats.tokens_per_s:.1f}' for r in runs['plain'])} tokens/s; "
-        + (f"speed ratio of the medians {ratio:.2f}x; " if ratio is not None else "")
-        + f"identical output: {identical}"
+        f"{verdict}; identical output: {identical}"
     )
-    return {"spec": runs["speculative"], "plain": runs["plain"], "ratio": ratio, "identical": identical,
-            "order": list(COMPARE_ORDER), "summary": summary}  # fmt: skip
+    return {"spec": runs["speculative"], "plain": runs["plain"], "ratio": ratio, "pair_ratios": pairs,
+            "no_speedup": no_speedup, "identical": identical, "order": list(COMPARE_ORDER), "summary": summary}  # fmt: skip
 
 
 def run(a: argparse.Namespace) -> int:
@@ -157,6 +177,8 @@ def run(a: argparse.Namespace) -> int:
                     "order": cmp["order"],
                     "speculative_tokens_per_s": [r.stats.tokens_per_s for r in cmp["spec"]],
                     "plain_tokens_per_s": [r.stats.tokens_per_s for r in cmp["plain"]],
+                    "pair_ratios": cmp["pair_ratios"],
+                    "no_speedup": cmp["no_speedup"],
                 }
             json.dump(d, sys.stdout, ensure_ascii=False)
             sys.stdout.write("\n")

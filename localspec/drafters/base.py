@@ -97,3 +97,19 @@ class TargetHandle:
     n_threads: int
     tensor_source: "Context | None" = None
     features: "FeatureTap | None" = None
+
+
+def target_reads(drafter: object | None) -> str | None:
+    """What ``drafter`` reads from every target decode, for messages: ``"the target's
+    final-norm rows"`` (Medusa heads, ``target_final_norm``), ``"the target's nextn hidden
+    states"`` (MTP) or ``"the target's layer features (EAGLE-3 feature tap)"``
+    (``target_feature_layers``); None for a drafter that reads nothing (the target context
+    then needs no tap)."""
+    if getattr(drafter, "target_final_norm", False):
+        return "the target's final-norm rows"
+    layers = getattr(drafter, "target_feature_layers", None)
+    if not layers:
+        return None
+    if any(isinstance(k, str) for k in layers):  # (NEXTN_FEATURES,)
+        return "the target's nextn hidden states"
+    return "the target's layer features (EAGLE-3 feature tap)"
