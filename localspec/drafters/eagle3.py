@@ -60,7 +60,7 @@ from ..policy import TreeShape
 from ..tree import TokenSource, TreeBuilder
 from .base import TargetHandle
 from .draft_model import common_prefix
-from .model_drafter import ModelDrafter
+from .level_drafter import ModelDrafter
 from .target_features import TargetFeatureBuffer
 from .vocab_check import check_vocab
 

@@ -74,7 +74,7 @@ from ..policy import ModelDraftStats, TreeShape
 from ..tree import TokenSource, TreeBuilder
 from .base import TargetHandle
 from .draft_model import common_prefix
-from .model_drafter import ModelDrafter
+from .level_drafter import ModelDrafter
 from .target_features import TargetFeatureBuffer
 from .tree_expand import DraftCalibration
 
