@@ -38,7 +38,7 @@
 extern "C" {
 #endif
 
-#define LS_ABI_VERSION 5
+#define LS_ABI_VERSION 6
 
 /* error codes (negative returns) */
 #define LS_ERR_BANNED (-1)         /* every token is banned (-inf) by logit bias */
@@ -65,11 +65,13 @@ LS_API int32_t ls_has_openmp(void);
 
 /* ---- random streams ------------------------------------------------------------------ */
 
-/* returns: key of the stream (seed, pos, stream) -- localspec.sampling.stream_key. */
+/* returns: key of the stream (seed, pos, stream) -- localspec.sampling.stream_key (used inside
+ * ls_choose and ls_verify; exported for the test hooks below). */
 LS_API uint64_t ls_stream_key(uint64_t seed, int64_t pos, int32_t stream);
-/* returns: the uniform in (0, 1) of stream `key` at `counter` -- sampling.uniform. */
-LS_API double ls_uniform(uint64_t key, int64_t counter);
-/* out[i] = uniform(key, counters[i]).   counters: [n] int64, out: [n] float64 */
+/* Test hooks: the generators that ls_verify (uniforms) and ls_choose (Gumbel noise) draw
+ * from inside C, exported so that tests/test_native.py checks them bit for bit against
+ * localspec.sampling.uniforms / gumbel_noise. */
+/* out[i] = uniform in (0, 1) of stream `key` at counters[i].   counters: [n] int64, out: [n] float64 */
 LS_API void ls_uniforms(uint64_t key, const int64_t *counters, int64_t n, double *out);
 /* out[i] = -log(-log(uniform(key, ids[i]))).   ids: [n] int64, out: [n] float64 */
 LS_API void ls_gumbel_noise(uint64_t key, const int64_t *ids, int64_t n, double *out);
@@ -105,27 +107,16 @@ LS_API void ls_workspace_set_threads(ls_workspace *ws, int32_t n_threads);
 
 /* ---- per-row transforms ---------------------------------------------------------------- */
 
-/* x[ids[i]] += vals[i].   x: [n_vocab] float32 (in place) */
-LS_API void ls_apply_bias(float *x, const int64_t *ids, const float *vals, int64_t n);
-/* llama.cpp's penalties rule on x[ids[i]] with counts[i] (in place, float32 arithmetic):
- * v = v <= 0 ? v * repeat : v / repeat;  v = v - count * frequency - presence. */
-LS_API void ls_apply_penalties(float *x, const int64_t *ids, const int32_t *counts, int64_t n,
-                               float repeat_penalty, float frequency_penalty, float presence_penalty);
-/* returns: index of the first maximum of x[0..n) (np.argmax), -1 when n < 1. */
+/* Test hook: the greedy pick of ls_choose and ls_verify (SIMD), exported so that
+ * tests/test_native.py checks ties and tails against np.argmax.
+ * returns: index of the first maximum of x[0..n) (np.argmax), -1 when n < 1. */
 LS_API int64_t ls_argmax(const float *x, int64_t n);
 /* returns: log(sum(exp(x))) in double over the finite entries (-inf when none). */
 LS_API double ls_logsumexp(const float *x, int64_t n);
-/* out = x - logsumexp(x) (float64).  out: [n] */
-LS_API void ls_log_softmax(const float *x, int64_t n, double *out);
-/* out = softmax(x) (float64, -inf -> 0).  out: [n] */
-LS_API void ls_softmax(const float *x, int64_t n, double *out);
 /* logsumexp of each of rows[0..n_rows) of the block (threads over rows).
  * logits: [*, n_vocab] float32 with row stride `stride` floats; rows: [n_rows]; out: [n_rows] */
 LS_API void ls_rows_logsumexp(const float *logits, int64_t stride, int64_t n_vocab,
                               const int32_t *rows, int64_t n_rows, double *out, int32_t n_threads);
-/* argmax of each row (threads over rows).  out: [n_rows] int64 */
-LS_API void ls_rows_argmax(const float *logits, int64_t stride, int64_t n_vocab,
-                           const int32_t *rows, int64_t n_rows, int64_t *out, int32_t n_threads);
 
 /* The top-k of a row: the k largest finite values of x (fewer when fewer are finite),
  * sorted by (x desc, id asc) -- drafters.tree_expand._top_k_children without the softmax.
@@ -149,8 +140,10 @@ LS_API int64_t ls_candidates(const ls_sampling *s, const float *row, int64_t n_v
 LS_API int64_t ls_choose(const ls_sampling *s, const float *row, int64_t n_vocab,
                          const int64_t *pen_ids, const int32_t *pen_counts, int64_t n_pen,
                          int64_t pos, ls_workspace *ws);
-/* Inverse-CDF draw from probs (verify.sample_from): the first i with cumsum(probs)[i] >
- * u * sum(probs), stepping back over zero-probability entries.  probs: [n] float64 */
+/* Test hook: the residual draw of ls_verify's rejection sampling (ls__sample_sparse over a
+ * dense row), exported so that tests/test_native.py checks it against verify.sample_from.
+ * Inverse-CDF draw from probs: the first i with cumsum(probs)[i] > u * sum(probs), stepping
+ * back over zero-probability entries.  probs: [n] float64.  returns: -1 when n < 1. */
 LS_API int64_t ls_sample_from(const double *probs, int64_t n, double u);
 
 /* ---- verification of token trees ------------------------------------------------------ */

@@ -18,10 +18,8 @@ uint64_t ls_stream_key(uint64_t seed, int64_t pos, int32_t stream) {
     return ls__mix64(k ^ ((uint64_t)((int64_t)stream + 1) * LS_M2));
 }
 
-double ls_uniform(uint64_t key, int64_t counter) { return ls__u_of_bits(ls__bits53(key, (uint64_t)counter)); }
-
 void ls_uniforms(uint64_t key, const int64_t *counters, int64_t n, double *out) {
-    for (int64_t i = 0; i < n; i++) out[i] = ls__u_of_bits(ls__bits53(key, (uint64_t)counters[i]));
+    for (int64_t i = 0; i < n; i++) out[i] = ls__uniform(key, counters[i]);
 }
 
 void ls_gumbel_noise(uint64_t key, const int64_t *ids, int64_t n, double *out) {

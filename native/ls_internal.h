@@ -40,6 +40,9 @@ static inline uint64_t ls__bits53(uint64_t key, uint64_t counter) {
 
 static inline double ls__u_of_bits(uint64_t h) { return ((double)h + 0.5) * (1.0 / 9007199254740992.0); }
 
+/* the uniform in (0, 1) of stream `key` at `counter` (sampling.uniform) */
+static inline double ls__uniform(uint64_t key, int64_t counter) { return ls__u_of_bits(ls__bits53(key, (uint64_t)counter)); }
+
 static inline double ls__gumbel_of_bits(uint64_t h) { return -log(-log(ls__u_of_bits(h))); }
 
 static inline int ls__isfinite(float v) { return fabsf(v) <= FLT_MAX; }

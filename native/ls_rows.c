@@ -14,12 +14,15 @@ static inline int64_t chunk_lo(int64_t n, int nch, int c) { return (int64_t)((n 
 
 /* ---- simple transforms ----------------------------------------------------------------- */
 
-void ls_apply_bias(float *x, const int64_t *ids, const float *vals, int64_t n) {
+/* x[ids[i]] += vals[i].   x: [n_vocab] float32 (in place) */
+static void apply_bias(float *x, const int64_t *ids, const float *vals, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[ids[i]] += vals[i];
 }
 
-void ls_apply_penalties(float *x, const int64_t *ids, const int32_t *counts, int64_t n, float repeat_penalty,
-                        float frequency_penalty, float presence_penalty) {
+/* llama.cpp's penalties rule on x[ids[i]] with counts[i] (in place, float32 arithmetic):
+ * v = v <= 0 ? v * repeat : v / repeat;  v = v - count * frequency - presence. */
+static void apply_penalties(float *x, const int64_t *ids, const int32_t *counts, int64_t n, float repeat_penalty,
+                            float frequency_penalty, float presence_penalty) {
     for (int64_t i = 0; i < n; i++) {
         float v = x[ids[i]];
         v = v <= 0.0f ? v * repeat_penalty : v / repeat_penalty;
@@ -34,10 +37,10 @@ const float *ls__adjust(const ls_sampling *s, const float *row, int64_t n, const
     int need_pen = n_pen > 0 && s->has_penalties;
     if (s->n_bias == 0 && !need_pen) return row;
     memcpy(ws->row, row, (size_t)n * sizeof(float));
-    if (s->n_bias) ls_apply_bias(ws->row, s->bias_ids, s->bias_vals, s->n_bias);
+    if (s->n_bias) apply_bias(ws->row, s->bias_ids, s->bias_vals, s->n_bias);
     if (need_pen)
-        ls_apply_penalties(ws->row, pen_ids, pen_counts, n_pen, s->repeat_penalty, s->frequency_penalty,
-                           s->presence_penalty);
+        apply_penalties(ws->row, pen_ids, pen_counts, n_pen, s->repeat_penalty, s->frequency_penalty,
+                        s->presence_penalty);
     return ws->row;
 }
 
@@ -224,24 +227,6 @@ static double logsumexp_threads(const float *x, int64_t n, int32_t n_threads) {
 
 double ls_logsumexp(const float *x, int64_t n) { return logsumexp_threads(x, n, 1); }
 
-void ls_log_softmax(const float *x, int64_t n, double *out) {
-    double lse = ls_logsumexp(x, n);
-    for (int64_t i = 0; i < n; i++) out[i] = (double)x[i] - lse;
-}
-
-void ls_softmax(const float *x, int64_t n, double *out) {
-    float M;
-    int64_t nf;
-    ls__row_max(x, n, 1, &M, &nf);
-    if (nf == 0) {
-        memset(out, 0, (size_t)n * sizeof(double));
-        return;
-    }
-    for (int64_t b = 0; b < n; b += BLOCK) exp_block(x + b, n - b < BLOCK ? n - b : BLOCK, (double)M, out + b);
-    double z = ls__sum(out, n);
-    for (int64_t i = 0; i < n; i++) out[i] /= z;
-}
-
 void ls_rows_logsumexp(const float *logits, int64_t stride, int64_t n_vocab, const int32_t *rows, int64_t n_rows,
                        double *out, int32_t n_threads) {
     int nt = (n_rows > 1 && n_threads > 1) ? n_threads : 1;
@@ -250,16 +235,6 @@ void ls_rows_logsumexp(const float *logits, int64_t stride, int64_t n_vocab, con
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
 #endif
     for (int64_t r = 0; r < n_rows; r++) out[r] = ls_logsumexp(logits + (int64_t)rows[r] * stride, n_vocab);
-}
-
-void ls_rows_argmax(const float *logits, int64_t stride, int64_t n_vocab, const int32_t *rows, int64_t n_rows,
-                    int64_t *out, int32_t n_threads) {
-    int nt = (n_rows > 1 && n_threads > 1) ? n_threads : 1;
-    (void)nt;
-#if defined(_OPENMP)
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-#endif
-    for (int64_t r = 0; r < n_rows; r++) out[r] = ls_argmax(logits + (int64_t)rows[r] * stride, n_vocab);
 }
 
 /* ---- selecting the largest values ------------------------------------------------------------ */

@@ -203,7 +203,7 @@ static int rejection_node(const ls_tree *tree, const children *ch, int32_t node,
     int32_t k = 0;
     for (int32_t c = ch->first[node]; c >= 0; c = ch->next[c], k++) {
         int32_t xt = tree->token_ids[c];
-        double u = ls_uniform(akey, k);
+        double u = ls__uniform(akey, k);
         int64_t at = find_id(ids, m, xt);
         double r = at >= 0 ? res[at] : 0.0;
         if (is_stochastic(tree, c)) {
@@ -311,13 +311,13 @@ static int32_t walk(const ls_tree *tree, const float *logits, int64_t stride, in
             uint64_t akey = ls_stream_key(s->seed, pos, LS_STREAM_ACCEPT);
             if (mode == LS_VERIFY_THRESHOLD) {
                 if (ch.first[node] >= 0)
-                    accepted = threshold_node(tree, &ch, node, ids, res, tmp, m, ls_uniform(akey, 0), t_single, t_acc);
+                    accepted = threshold_node(tree, &ch, node, ids, res, tmp, m, ls__uniform(akey, 0), t_single, t_acc);
             } else {
                 rc = rejection_node(tree, &ch, node, ids, res, tmp, m, akey, &accepted, err_node);
             }
             if (rc) break;
             token = accepted >= 0 ? tree->token_ids[accepted]
-                                  : ls__sample_sparse(ids, res, m, ls_uniform(ls_stream_key(s->seed, pos, LS_STREAM_RESIDUAL), 0));
+                                  : ls__sample_sparse(ids, res, m, ls__uniform(ls_stream_key(s->seed, pos, LS_STREAM_RESIDUAL), 0));
         }
         tokens_out[n_path] = (int32_t)token;
         if (accepted < 0) {

@@ -23,7 +23,7 @@ import localspec.verify as verify_mod
 import oracle
 from conftest import FakeModel, fixed_cost_model
 from localspec.drafters.auto import AutoDrafter
-from localspec.drafters.model_drafter import ModelDrafter
+from localspec.drafters.level_drafter import ModelDrafter
 from localspec.drafters.ngram import NgramDrafter
 from localspec.drafters.tree_expand import Children, DraftMode, DraftChildSelector
 from localspec.engine import Engine

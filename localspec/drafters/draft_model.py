@@ -32,7 +32,7 @@ from ..errors import InvalidRequestError
 from ..policy import TreeShape
 from ..tree import TokenSource, TokenTree, TreeBuilder
 from .base import TargetHandle
-from .model_drafter import ModelDrafter
+from .level_drafter import ModelDrafter
 from .vocab_check import check_vocab
 
 

@@ -66,7 +66,8 @@ from ..policy import TreeShape
 from ..tree import TokenSource, TreeBuilder
 from .base import TargetHandle
 from .draft_model import common_prefix
-from .model_drafter import ModelDrafter
+from .level_drafter import ModelDrafter
+from .target_features import TargetFeatureBuffer
 from .vocab_check import check_vocab
 
 
@@ -173,14 +174,14 @@ class Eagle3Drafter(ModelDrafter):
     def _reset_state(self) -> None:
         self.kv_first = 0  # head KV seq 0 holds entries for positions kv_first .. kv_len - 1
         self.kv_len = 0
-        self.feat = np.zeros((0, 3 * self.n_embd_target), dtype=np.float32)  # rows of positions kv_len ..
+        self.feat = TargetFeatureBuffer(3 * self.n_embd_target, "the EAGLE-3 head")  # from kv_len on
         self.g_last: np.ndarray | None = None  # g of entry kv_len - 1 (to redo it)
         self._state: dict[int, np.ndarray] = {}  # node -> its pre-norm output row
 
     @property
     def n_target_features(self) -> int:
         """Positions ``0 .. n - 1`` of the history whose target features the head has."""
-        return self.kv_len + self.feat.shape[0]
+        return self.feat.end
 
     def target_mismatches(self, model: Model) -> list[str]:
         """What of the head does not fit the target ``model`` (empty when all fits): the
@@ -249,9 +250,9 @@ class Eagle3Drafter(ModelDrafter):
         keep_kv = min(self.kv_len, max(0, common - 1))  # entry P also needs token P + 1
         if keep_kv < self.kv_len:
             self._truncate_kv(keep_kv)
-            self.feat = self.feat[:0]  # features of the dropped entries are gone: re-prefill them
+            self.feat.truncate(keep_kv)  # features of the dropped entries are gone: re-prefill them
         else:
-            self.feat = self.feat[: max(0, min(self.n_target_features, common) - self.kv_len)]
+            self.feat.truncate(common)
         super().begin(history, context)
 
     def add_target_features(self, first_pos: int, rows: np.ndarray) -> None:
@@ -261,12 +262,7 @@ class Eagle3Drafter(ModelDrafter):
         Raises:
             ValueError: a gap (positions between what the head has and ``first_pos``).
         """
-        have = self.n_target_features
-        if first_pos > have:
-            raise ValueError(f"target features from position {first_pos}, but the head has only {have}")
-        new = rows[have - first_pos :]
-        if new.shape[0]:
-            self.feat = np.concatenate([self.feat, new.astype(np.float32, copy=False)])
+        self.feat.add(first_pos, rows)
 
     def ready(self) -> bool:
         root_pos = len(self.history) - 1
@@ -324,7 +320,7 @@ class Eagle3Drafter(ModelDrafter):
         if self.kv_len >= root_pos:  # asked twice for the same root: redo its entry
             assert self.kv_len == root_pos and self.g_last is not None
             self._truncate_kv(root_pos - 1)
-            self.feat = self.feat[:0]
+            self.feat.truncate(root_pos)  # drop what follows the root; kv_len is root_pos again below
             g_new = self.g_last[None, :]
         else:
             n_new = root_pos - self.kv_len
@@ -332,10 +328,10 @@ class Eagle3Drafter(ModelDrafter):
             if w is not None and n_new > w:  # keep only the last w entries (CONTEXT_WINDOW)
                 self.ctx.seq_rm(0, 0, -1)
                 self.kv_first = self.kv_len = root_pos - w
-                self.feat = self.feat[n_new - w :]
+                self.feat.drop_before(root_pos - w)
                 n_new = w
-            g_new = self._encode(self.feat[:n_new])
-            self.feat = self.feat[n_new:]
+            g_new = self._encode(self.feat.rows[:n_new])
+            self.feat.drop_before(root_pos)
         first = self.kv_len
         n = g_new.shape[0]
         b = self.batch

@@ -46,7 +46,7 @@ confidence bucket) (``MedusaCalibration``), so scores are on the policy's scale.
 The heads run in the C kernels (``native.rows.gemv_t``: 2K matrix-vector products per step),
 numpy when the kernels are not built.
 
-**The step, in two phases** (the model drafters' protocol, ``model_drafter``): ``propose`` is
+**The step, in two phases** (the model drafters' protocol, ``level_drafter``): ``propose`` is
 the cheap phase and drafts nothing; the engine's policy plans the step from the drafter's
 ``model_stats`` (its measured drafting time and accepted length) and only when it expects a
 tree to pay does ``extend`` run the heads and build the tree, in the shape the policy chose.
@@ -72,7 +72,7 @@ from ..policy import AcceptanceTracker, ModelDraftStats, TreeShape
 from ..sampling import SamplingParams
 from ..tree import TokenSource, TokenTree
 from .base import TargetHandle
-from .model_drafter import ModelDrafter
+from .level_drafter import ModelDrafter
 from .tree_expand import _N_CONF, _N_STOCH_DEPTH, CONF_EDGES, DraftChildSelector, DraftMode, _conf_prior, expand_tree
 
 DEFAULT_WIDTH = 6

@@ -74,7 +74,8 @@ from ..policy import ModelDraftStats, TreeShape
 from ..tree import TokenSource, TreeBuilder
 from .base import TargetHandle
 from .draft_model import common_prefix
-from .model_drafter import ModelDrafter
+from .level_drafter import ModelDrafter
+from .target_features import TargetFeatureBuffer
 from .tree_expand import DraftCalibration
 
 CATCH_UP_OUTPUTS = 16
@@ -208,15 +209,14 @@ class MtpDrafter(ModelDrafter):
 
     def _reset_state(self) -> None:
         self.kv_len = 0  # MTP KV seq 0 holds entries of positions 0 .. kv_len - 1
-        self.h0 = 0  # self.h holds the target's h rows of positions h0 .. h0 + len - 1
-        self.h = np.zeros((0, self.n_embd), dtype=np.float32)
+        self.h = TargetFeatureBuffer(self.n_embd, "the MTP drafter")  # the target's h rows
         self._state: dict[int, np.ndarray] = {}  # tree node -> the block's output state h'
 
     @property
     def n_target_features(self) -> int:
         """Positions ``0 .. n - 1`` of the history whose target h rows the drafter has (or
         has used): the engine re-decodes from there when a new prompt reuses the cache."""
-        return self.h0 + self.h.shape[0]
+        return self.h.end
 
     # -- attach --------------------------------------------------------------------------------
 
@@ -260,13 +260,10 @@ class MtpDrafter(ModelDrafter):
         if self.ctx is not None and keep_kv < self.kv_len:
             self._truncate_kv(keep_kv)
         n_h = min(self.n_target_features, common)
-        if keep_kv >= 1 and keep_kv - 1 < self.h0:
+        if keep_kv >= 1 and keep_kv - 1 < self.h.first:
             # the h row the next entry needs was dropped: have the engine decode it again
             n_h = min(n_h, keep_kv - 1)
-        if n_h <= self.h0:
-            self.h0, self.h = n_h, self.h[:0]
-        else:
-            self.h = self.h[: n_h - self.h0]
+        self.h.truncate(n_h)
         super().begin(history, context)
 
     def add_target_features(self, first_pos: int, rows: np.ndarray) -> None:
@@ -276,12 +273,7 @@ class MtpDrafter(ModelDrafter):
         Raises:
             ValueError: a gap (positions between what the drafter has and ``first_pos``).
         """
-        have = self.n_target_features
-        if first_pos > have:
-            raise ValueError(f"target h rows from position {first_pos}, but the MTP drafter has only {have}")
-        new = rows[have - first_pos :]
-        if new.shape[0]:
-            self.h = np.concatenate([self.h, new.astype(np.float32, copy=False)])
+        self.h.add(first_pos, rows)
 
     def ready(self) -> bool:
         root_pos = len(self.history) - 1
@@ -324,7 +316,7 @@ class MtpDrafter(ModelDrafter):
         """The input state of entry ``p``: the target's ``h_{p-1}`` (zeros at position 0)."""
         if p == 0:
             return np.zeros(self.n_embd, dtype=np.float32)
-        return self.h[p - 1 - self.h0]
+        return self.h.row(p - 1)
 
     def _catch_up(self, root: int) -> np.ndarray:
         """Write the entries of every committed position up to the root's (the last one with
@@ -348,9 +340,7 @@ class MtpDrafter(ModelDrafter):
         self.ctx.process(b)
         self.kv_len = root_pos + 1
         keep_from = max(0, root_pos - 1)  # h_{root_pos-1}: to redo the root's entry
-        if keep_from > self.h0:
-            self.h = self.h[keep_from - self.h0 :]
-            self.h0 = keep_from
+        self.h.drop_before(keep_from)
         self._state = {0: self._h_out(tail - 1)}
         return self.ctx.logits()[tail - 1 : tail]
 

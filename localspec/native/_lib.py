@@ -9,7 +9,7 @@ import os
 from ctypes import POINTER, c_double, c_float, c_int8, c_int32, c_int64, c_uint64, c_void_p
 from pathlib import Path
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 # error codes (LS_ERR_*)
 ERR_BANNED = -1
@@ -91,20 +91,14 @@ _SIGNATURES = {
     "ls_abi_version": (c_int32, []),
     "ls_has_openmp": (c_int32, []),
     "ls_stream_key": (c_uint64, [c_uint64, c_int64, c_int32]),
-    "ls_uniform": (c_double, [c_uint64, c_int64]),
     "ls_uniforms": (None, [c_uint64, _P, c_int64, _P]),
     "ls_gumbel_noise": (None, [c_uint64, _P, c_int64, _P]),
     "ls_workspace_new": (c_void_p, [c_int64, c_int32]),
     "ls_workspace_free": (None, [c_void_p]),
     "ls_workspace_set_threads": (None, [c_void_p, c_int32]),
-    "ls_apply_bias": (None, [_P, _P, _P, c_int64]),
-    "ls_apply_penalties": (None, [_P, _P, _P, c_int64, c_float, c_float, c_float]),
     "ls_argmax": (c_int64, [_P, c_int64]),
     "ls_logsumexp": (c_double, [_P, c_int64]),
-    "ls_log_softmax": (None, [_P, c_int64, _P]),
-    "ls_softmax": (None, [_P, c_int64, _P]),
     "ls_rows_logsumexp": (None, [_P, c_int64, c_int64, _P, c_int64, _P, c_int32]),
-    "ls_rows_argmax": (None, [_P, c_int64, c_int64, _P, c_int64, _P, c_int32]),
     "ls_top_k": (c_int64, [_P, c_int64, c_int64, c_void_p, _P]),
     "ls_candidates": (c_int64, [POINTER(Sampling), _P, c_int64, _P, _P, c_int64, c_void_p, _P, _P]),
     "ls_choose": (c_int64, [POINTER(Sampling), _P, c_int64, _P, _P, c_int64, c_int64, c_void_p]),

@@ -117,7 +117,10 @@ def choose(state: SamplingState, row: np.ndarray, pos: int, seed: int, counts: M
 
 
 def argmax(row: np.ndarray) -> int:
-    """First index of the maximum of ``row`` ([n] float32), like ``np.argmax``."""
+    """First index of the maximum of ``row`` ([n] float32), like ``np.argmax``.
+
+    Test hook: ``ls_argmax`` is the greedy pick inside ``ls_choose`` / ``ls_verify``; the
+    product does not call this wrapper (tests/test_native.py checks ties and SIMD tails)."""
     row = _f32(row)
     return int(lib.ls_argmax(row.ctypes.data, row.shape[0]))
 
@@ -140,22 +143,6 @@ def logsumexp(row: np.ndarray) -> float:
     return float(lib.ls_logsumexp(row.ctypes.data, row.shape[0]))
 
 
-def log_softmax(row: np.ndarray) -> np.ndarray:
-    """[n] float64 ``row - logsumexp(row)``."""
-    row = _f32(row)
-    out = np.empty(row.shape[0], dtype=np.float64)
-    lib.ls_log_softmax(row.ctypes.data, row.shape[0], out.ctypes.data)
-    return out
-
-
-def softmax(row: np.ndarray) -> np.ndarray:
-    """[n] float64 softmax of ``row`` (``-inf`` -> 0)."""
-    row = _f32(row)
-    out = np.empty(row.shape[0], dtype=np.float64)
-    lib.ls_softmax(row.ctypes.data, row.shape[0], out.ctypes.data)
-    return out
-
-
 def _block(logits: np.ndarray) -> tuple[np.ndarray, int]:
     if logits.dtype != np.float32 or logits.ndim != 2 or logits.strides[1] != 4:
         logits = np.ascontiguousarray(logits, dtype=np.float32)
@@ -175,13 +162,12 @@ def rows_logsumexp(logits: np.ndarray, rows, n_threads: int = 1) -> np.ndarray:
     return _per_row(lib.ls_rows_logsumexp, logits, rows, np.float64, n_threads)
 
 
-def rows_argmax(logits: np.ndarray, rows, n_threads: int = 1) -> np.ndarray:
-    """[k] int64 argmax of ``logits[rows]``."""
-    return _per_row(lib.ls_rows_argmax, logits, rows, np.int64, n_threads)
-
-
 def uniforms(key: int, counters) -> np.ndarray:
-    """``sampling.uniforms`` in C: [n] float64."""
+    """``sampling.uniforms`` in C: [n] float64.
+
+    Test hook: the C generator that ``ls_verify`` draws its acceptance and residual uniforms
+    from; the product does not call this wrapper (tests/test_native.py checks it bit for bit
+    against ``sampling.uniforms``)."""
     c = np.ascontiguousarray(counters, dtype=np.int64)
     out = np.empty(c.size, dtype=np.float64)
     lib.ls_uniforms(int(key), c.ctypes.data, c.size, out.ctypes.data)
@@ -189,7 +175,10 @@ def uniforms(key: int, counters) -> np.ndarray:
 
 
 def gumbel_noise(seed: int, pos: int, token_ids) -> np.ndarray:
-    """``sampling.gumbel_noise`` in C: [n] float64."""
+    """``sampling.gumbel_noise`` in C: [n] float64.
+
+    Test hook: the noise of ``ls_choose``'s seeded Gumbel-max pick; the product does not call
+    this wrapper (tests/test_native.py checks it against ``sampling.gumbel_noise``)."""
     ids = np.ascontiguousarray(token_ids, dtype=np.int64)
     out = np.empty(ids.size, dtype=np.float64)
     key = lib.ls_stream_key(int(seed), int(pos), 0)
@@ -198,7 +187,11 @@ def gumbel_noise(seed: int, pos: int, token_ids) -> np.ndarray:
 
 
 def sample_from(probs: np.ndarray, u: float) -> int:
-    """``verify.sample_from`` in C."""
+    """``verify.sample_from`` in C: an index of ``probs`` ([n] float64) for the uniform ``u``.
+
+    Test hook: ``ls_sample_from`` is the residual draw of ``ls_verify``'s rejection sampling
+    (``ls__sample_sparse``) over a dense row; the product does not call this wrapper
+    (tests/test_native.py checks it against ``verify.sample_from``)."""
     p = np.ascontiguousarray(probs, dtype=np.float64)
     return int(lib.ls_sample_from(p.ctypes.data, p.size, float(u)))
 

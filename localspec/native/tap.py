@@ -71,8 +71,15 @@ class NativeTap:
 
     @property
     def n_asked(self) -> int:
-        """Graph nodes the callback was asked about since the tap was made."""
+        """Graph nodes the callback was asked about since the tap was made (test hook, with
+        ``n_copied``: tests/test_eagle3.py checks that the C callback copies only the named
+        tensors)."""
         return int(lib.ls_tap_n_asked(self._ptr))
+
+    @property
+    def n_copied(self) -> int:
+        """Tensors the callback copied since the tap was made (test hook, see ``n_asked``)."""
+        return int(lib.ls_tap_n_copied(self._ptr))
 
     def close(self) -> None:
         if self._ptr:

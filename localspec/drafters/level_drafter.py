@@ -1,4 +1,5 @@
-"""``ModelDrafter``: what every drafter that runs a model (draft model, EAGLE-3 head) shares.
+"""``ModelDrafter``: the base of the level-by-level model drafters (draft model, EAGLE-3 head,
+MTP block): what every drafter that grows its tree one model call per level shares.
 
 The history, the request's ``DraftChildSelector``, the acceptance calibration and statistics, and
 the step itself, in two phases so that the engine's policy decides the step once, before
