@@ -138,13 +138,9 @@ class ModelDrafter(abc.ABC):
         Requires: ``propose`` was called for this step.
         """
         root = self.history[-1]
-        max_depth, max_nodes = self._limits
-        self._ran = True
-        if max_depth <= 0 or max_nodes <= 1 or not self.ready():
+        shape = self._step_shape(shape, self.max_depth, self.max_width)
+        if shape is None:
             return TokenTree.root_only(root)
-        if self.sampler is None:
-            self.set_sampling(None)
-        shape = shape.clipped(max_depth=min(max_depth, self.max_depth), max_width=self.max_width, max_nodes=max_nodes)
         timed = _TimedLevels(self)
         t0 = time.perf_counter()
         try:
@@ -156,6 +152,18 @@ class ModelDrafter(abc.ABC):
         t_us = (time.perf_counter() - t0) * 1e6
         self.stats.observe_draft(t_us, tree.n_nodes, timed.t_us)
         return tree
+
+    def _step_shape(self, shape: TreeShape, depth_limit: int, width_limit: int) -> TreeShape | None:
+        """This step's ``shape`` clipped to the limits given to ``propose`` and to the
+        drafter's own (``depth_limit``, ``width_limit``), or None when it drafts nothing now
+        (no room, or not ``ready``). Marks the step as run (``observe`` learns from it)."""
+        max_depth, max_nodes = self._limits
+        self._ran = True
+        if max_depth <= 0 or max_nodes <= 1 or not self.ready():
+            return None
+        if self.sampler is None:
+            self.set_sampling(None)
+        return shape.clipped(max_depth=min(max_depth, depth_limit), max_width=width_limit, max_nodes=max_nodes)
 
     def fork(self, parent: int, node: int) -> int:
         """A scratch sequence for ``node``: its parent's sequence (seq 0 for the root) copied."""

@@ -307,6 +307,7 @@ class MedusaDrafter:
     model_stats = ModelDrafter.model_stats
     propose = ModelDrafter.propose
     observe = ModelDrafter.observe
+    _step_shape = ModelDrafter._step_shape
 
     def extend(self, shape: TreeShape) -> TokenTree:
         """The heads' sparse tree below the root, of ``shape`` clipped to the limits given to
@@ -315,13 +316,9 @@ class MedusaDrafter:
         Requires: ``propose`` was called for this step.
         """
         root = self.history[-1]
-        max_depth, max_nodes = self._limits
-        self._ran = True
-        if max_depth <= 0 or max_nodes <= 1 or not self.ready():
+        shape = self._step_shape(shape, self.n_heads, self.width)
+        if shape is None:
             return TokenTree.root_only(root)
-        if self.sampler is None:
-            self.set_sampling(None)
-        shape = shape.clipped(max_depth=min(max_depth, self.n_heads), max_width=self.width, max_nodes=max_nodes)
         t0 = time.perf_counter()
         rows = self.head_logits(self._h)
         tree = expand_tree(root, len(self.history) - 1, shape, _LevelRows(rows), _SameDepthChildren(self.sampler),
