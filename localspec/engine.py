@@ -30,7 +30,7 @@ from .costmodel import CostModel, calibrate
 from .backend.features import FeatureTap, FinalNormTap, make_feature_tap
 from . import native
 from .native import rows as native_rows
-from .drafters import Drafter, TargetHandle, make_drafter
+from .drafters import Drafter, DraftMemory, TargetHandle, make_drafter
 from .errors import ContextOverflowError, DecodeError, InvalidRequestError
 from .policy import SpeculationPolicy, TreeShape
 from .request_state import RequestState
@@ -252,6 +252,8 @@ class Engine:
             SGLang's acceptance thresholds (``verify.verify_thresholds``), in (0, 1], for requests
             whose ``SamplingParams`` leave them None. They apply at temperature > 0 only; the
             results then say ``stats.lossy``.
+        draft_memory: a ``drafters.DraftMemory`` the engine's drafters (and its batches) draft
+            from and write finished requests to (docs/drafters.md#drafting-memory); None = none.
 
     Raises:
         ModelLoadError: the model (or draft model / EAGLE-3 head) cannot be loaded.
@@ -281,6 +283,7 @@ class Engine:
         tensor_split: list[float] | None = None,
         accept_threshold_single: float = 1.0,
         accept_threshold_acc: float = 1.0,
+        draft_memory: "DraftMemory | None" = None,
     ) -> None:
         # validated like a request's (InvalidRequestError: 0 < t <= 1)
         SamplingParams(accept_threshold_single=accept_threshold_single, accept_threshold_acc=accept_threshold_acc)
@@ -315,6 +318,7 @@ class Engine:
         self._lock = _EngineLock()  # held by a stream from its first chunk to its end
         self._active_stream: GenerationStream | None = None
         self.adaptive = adaptive
+        self.draft_memory = draft_memory  # shared by this engine's drafters (and its batches)
         new = self._new_drafter(
             drafter, draft_model=draft_model, draft_n_ctx=draft_n_ctx, eagle=eagle, medusa=medusa, draft_shape=draft_shape
         )
@@ -384,7 +388,7 @@ class Engine:
             if heads is not None:
                 options["medusa"] = heads
         if isinstance(drafter, (str, type(None))):
-            new = make_drafter(drafter, **options)
+            new = make_drafter(drafter, memory=self.draft_memory, **options)
         elif options:
             raise InvalidRequestError(f"options {', '.join(sorted(options))} apply to drafter names, not to a drafter object")
         else:
