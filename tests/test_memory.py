@@ -289,6 +289,91 @@ def test_engine_memory_drafts_a_repeated_request(model):
         e.generate("Unrelated text in between.", max_tokens=4, sampling=g)
         off = e.generate(p, max_tokens=N, sampling=dataclasses.replace(g, draft_memory=False))
         on = e.generate(p, max_tokens=N, sampling=g)
+        secret = "My password is hunter2 and"
+        e.generate(secret, max_tokens=4, sampling=dataclasses.replace(g, draft_memory=False))
+    # the opted-out requests were not written (the last document is the last request that was)
+    docs = mem.documents()
+    assert len(docs) == 3 and docs[-1].tolist()[-len(on.token_ids) :] == on.token_ids
     assert on.token_ids == off.token_ids == first.token_ids
     assert on.stats.num_accepted_tokens >= 0.75 * len(first.token_ids)
     assert on.stats.num_accepted_tokens > off.stats.num_accepted_tokens
+
+
+# -- request fields -------------------------------------------------------------------------
+
+
+def test_server_request_fields_opt_out():
+    from localspec.server.fields import RequestError
+    from localspec.server.openai import OAIError, parse_oai
+    from localspec.server.sampling_fields import parse_sampler_fields, resolve_sampling
+
+    class Vocab:
+        n_vocab = 10
+
+        def tokenize(self, text, **kw):
+            return [1]
+
+    d = SamplingParams()
+    assert parse_oai("completion", {"prompt": "x", "draft_memory": False}, d).sampling.draft_memory is False
+    assert parse_oai("completion", {"prompt": "x"}, d).sampling.draft_memory is True
+    with pytest.raises(OAIError):
+        parse_oai("completion", {"prompt": "x", "draft_memory": "no"}, d)
+    plan = resolve_sampling(parse_sampler_fields({"draft_memory": False}), d, Vocab())
+    assert plan.params.draft_memory is False
+    assert resolve_sampling(parse_sampler_fields({}), d, Vocab()).params.draft_memory is True
+    with pytest.raises(RequestError):
+        parse_sampler_fields({"draft_memory": 0})
+
+
+# -- commands -------------------------------------------------------------------------------
+
+
+def run_cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "localspec", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_memory_build_and_info(tmp_path):
+    src = tmp_path / "proj"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "a.py").write_text("def add(a, b):\n    return a + b\n")
+    (src / "b.txt").write_text("hello world\n")
+    (src / "blob.bin").write_bytes(b"\x00\x01\x02")
+    (src / ".git").mkdir()
+    (src / ".git" / "config").write_text("not me\n")
+    out = tmp_path / "m.lsmem"
+    r = run_cli("memory", "build", str(src), "--out", str(out), "--mib", "1")
+    assert r.returncode == 0, r.stderr
+    assert "2 files" in r.stderr and "1 skipped" in r.stderr
+    r = run_cli("memory", "info", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+    import json
+
+    info = json.loads(r.stdout)
+    assert info["documents"] == 2 and info["tokens"] > 10 and len(info["vocab"]) == 64
+    out.write_bytes(out.read_bytes()[:-3])
+    r = run_cli("memory", "info", str(out))
+    assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and "truncated" in r.stderr
+
+
+def test_generate_with_a_bad_memory_file_goes_on_and_saves_a_good_one(tmp_path):
+    path = tmp_path / "m.lsmem"
+    path.write_bytes(b"LSDRAFTMEM\ngarbage")
+    r = run_cli("generate", "def add(a, b):", "-n", "8", "--temperature", "0", "--json", "--draft-memory", str(path))
+    assert r.returncode == 0, r.stderr
+    assert [x for x in r.stderr.splitlines() if str(path) in x] == [
+        f"localspec: {path} is not a localspec drafting memory; starting with an empty drafting memory"
+    ]
+    mem = DraftMemory.load(path)
+    import json
+
+    out = json.loads(r.stdout)
+    (doc,) = mem.documents()
+    assert doc.tolist()[-len(out["token_ids"]) :] == out["token_ids"]
+    # --no-draft-memory: the file is neither read nor written
+    before = path.read_bytes()
+    r = run_cli("generate", "def sub(a, b):", "-n", "4", "--temperature", "0", "--draft-memory", str(path), "--no-draft-memory")
+    assert r.returncode == 0, r.stderr
+    assert path.read_bytes() == before

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from .common import add_model_args, add_sampling_args, make_engine, sampling_from_args
+from .common import add_memory_args, add_model_args, add_sampling_args, make_engine, sampling_from_args
 
 
 def register(sub) -> None:
@@ -34,6 +34,7 @@ def register(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_sampling_args(p, greedy_default=True)
     add_model_args(p)
+    add_memory_args(p)
     p.set_defaults(func=run, n_ctx=None)
 
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .common import add_drafter_args, add_model_args, add_sampling_args, make_engine, read_text_file, sampling_from_args
+from .common import add_drafter_args, add_memory_args, add_model_args, add_sampling_args, make_engine, read_text_file, sampling_from_args
 
 
 def register(sub) -> None:
@@ -32,6 +32,7 @@ def register(sub) -> None:
     add_drafter_args(p)
     add_sampling_args(p)
     add_model_args(p)
+    add_memory_args(p)
     p.set_defaults(func=run)
 
 

@@ -8,7 +8,7 @@ import ipaddress
 import signal
 import sys
 
-from .common import add_model_args, add_sampling_args, make_engine, sampling_from_args
+from .common import add_memory_args, add_model_args, add_sampling_args, make_engine, sampling_from_args
 
 
 def register(sub) -> None:
@@ -37,6 +37,7 @@ def register(sub) -> None:
     p.add_argument("--no-editor", action="store_true", help="do not serve /infill and /completion")
     add_sampling_args(p)
     add_model_args(p)
+    add_memory_args(p)
     p.set_defaults(func=run)
 
 
@@ -88,7 +89,8 @@ def run(a: argparse.Namespace) -> int:
         sched = BatchScheduler(engine.model, parallel=a.parallel, n_ctx=a.ctx_per_request, drafter=a.drafter,
                                max_tree_nodes=min(a.max_tree_nodes, 32), cost_model=engine.cost_model,
                                n_threads=a.threads, adaptive=not a.no_adaptive, prompt_cache=a.prompt_cache,
-                               prefill_chunk=a.prefill_chunk or PREFILL_CHUNK).start()  # fmt: skip
+                               prefill_chunk=a.prefill_chunk or PREFILL_CHUNK,
+                               draft_memory=engine.draft_memory).start()  # fmt: skip
         name = a.model_name or engine.model.path.name
         oai = OpenAIService(sched, model_name=name, sampling=sampling, max_queue=a.max_queue)
         if not a.no_editor:

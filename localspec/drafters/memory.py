@@ -249,6 +249,13 @@ class DraftMemory:
             raise MemoryError("drafting memory: out of memory") if n == raw.ERR_NOMEM else ValueError(f"drafting memory: error {n}")
         return int(n)
 
+    def absorb(self, other: "DraftMemory") -> None:
+        """Write ``other``'s documents (oldest first) into this memory and add its bucket
+        counts (loading a saved memory into one already shared with drafters)."""
+        for doc in other.documents():
+            self.write(doc)
+        self.fold(other.acc, other.n)
+
     # -- calibration --------------------------------------------------------------------------
 
     def rates(self) -> np.ndarray:
