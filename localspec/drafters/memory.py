@@ -161,6 +161,7 @@ class DraftMemory:
         if not self._ptr:
             raise MemoryError(f"cannot allocate a drafting memory of {budget_mib} MiB")
         self._lock = threading.Lock()
+        self.n_written = 0  # documents written (a draft skips an empty memory without a call)
         self.acc = np.zeros(N_BUCKETS)  # accepted / tried nodes per bucket, over the memory's life
         self.n = np.zeros(N_BUCKETS)
         self._info = np.zeros(3, dtype=np.int32)
@@ -186,6 +187,7 @@ class DraftMemory:
         with self._lock:
             if self._lib.ls_memory_write(self._ptr, arr.ctypes.data, arr.size) != 0:
                 raise ValueError("drafting memory: token ids must be >= 0")
+            self.n_written += 1
 
     def stored(self) -> np.ndarray:
         """[capacity or less] int32: the stored positions, oldest first (-1 = a separator

@@ -194,7 +194,7 @@ class NgramDrafter:
 
     def propose(self, max_depth: int, max_nodes: int) -> TokenTree:
         tree = self._propose_ngram(max_depth, max_nodes)
-        if self._use_memory and min(max_depth, self.max_depth) > 0 and max_nodes > 1:
+        if self._use_memory and self.memory.n_written and min(max_depth, self.max_depth) > 0 and max_nodes > 1:
             tree = self._merge_memory(tree, min(max_depth, self.max_depth), max_nodes)
         return tree
 

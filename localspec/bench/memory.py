@@ -1,0 +1,151 @@
+"""``localspec bench memory``: sequences of requests through one process, the n-gram drafter
+with and without a drafting memory (``drafters.memory.DraftMemory``), in one run.
+
+Each request of a workload runs twice on the same engine, back to back: with a plain n-gram
+drafter, then with an n-gram drafter that shares the run's memory (which has seen every
+earlier request of every workload so far, in order). Both runs must emit the same tokens
+(the memory only drafts); the report gives, per workload, the decode speed of each, the
+speed-up, and the tokens per target call (the mean accepted length + 1: a property of the
+drafts, not of the machine's load).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ..drafters.memory import DraftMemory
+from ..drafters.ngram import NgramDrafter
+from ..sampling import SamplingParams
+
+
+@dataclass
+class Side:
+    """Totals of one drafter over a workload."""
+
+    tokens: int = 0
+    steps: int = 0
+    accepted: int = 0
+    t_generate_us: float = 0.0
+
+    def add(self, stats) -> None:
+        self.tokens += stats.n_generated_tokens
+        self.steps += stats.n_steps
+        self.accepted += stats.num_accepted_tokens
+        self.t_generate_us += stats.t_generate_us
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.tokens / (self.t_generate_us * 1e-6) if self.t_generate_us else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict:
+        return dict(tokens=self.tokens, steps=self.steps, accepted=self.accepted, t_generate_s=self.t_generate_us * 1e-6,
+                    tok_per_s=self.tok_per_s, tokens_per_step=self.tokens_per_step)  # fmt: skip
+
+
+@dataclass
+class WorkloadResult:
+    name: str
+    n_requests: int = 0
+    off: Side = field(default_factory=Side)
+    on: Side = field(default_factory=Side)
+    mismatches: list[int] = field(default_factory=list)  # requests whose outputs differed (must stay empty)
+
+    def as_dict(self) -> dict:
+        speedup = self.on.tok_per_s / self.off.tok_per_s if self.off.tok_per_s else None
+        return dict(name=self.name, n_requests=self.n_requests, off=self.off.as_dict(), on=self.on.as_dict(),
+                    speedup=speedup, identical=not self.mismatches, mismatches=self.mismatches)  # fmt: skip
+
+
+def code_workload(n: int | None = None) -> list[str]:
+    """The shipped Python code-completion prompts (``bench/data/code.jsonl``), in file order."""
+    from .dataset import load_questions
+
+    qs = [q["turns"][0] for q in load_questions("code")]
+    return qs[:n] if n else qs
+
+
+def specbench_workload(path: str | os.PathLike, per_category: int) -> list[tuple[str, list[str]]]:
+    """Spec-Bench first turns, ``per_category`` per category, category after category."""
+    from .dataset import load_questions, select_prompts
+
+    prompts = select_prompts(load_questions(path), None, per_category)
+    out: dict[str, list[str]] = {}
+    for p in prompts:
+        out.setdefault(p.category, []).append(p.text)
+    return list(out.items())
+
+
+def run_memory_bench(
+    engine,
+    workloads: Sequence[tuple[str, Sequence[str]]],
+    *,
+    max_tokens: int = 128,
+    sampling: SamplingParams | None = None,
+    budget_mib: float = 64.0,
+    on_request: Callable[[str, int, object, object], None] | None = None,
+) -> dict:
+    """Run every workload's requests in order, each without and with the memory.
+
+    Args:
+        engine: an ``Engine`` (its drafter is replaced during the run and restored after).
+        workloads: (name, prompts) in the order they run.
+        on_request: called ``(workload, index, result_off, result_on)`` after each request.
+    Returns:
+        ``{"workloads": [WorkloadResult.as_dict()...], "memory": MemoryInfo, "loadavg": ...}``.
+    """
+    sampling = sampling or SamplingParams.greedy()
+    mem = DraftMemory(budget_mib)
+    off, on = NgramDrafter(), NgramDrafter(memory=mem)
+    saved = engine.drafter_name
+    results = []
+    load0 = os.getloadavg()
+    t0 = time.time()
+    try:
+        for name, prompts in workloads:
+            w = WorkloadResult(name)
+            for i, prompt in enumerate(prompts):
+                engine.set_drafter(off)
+                r_off = engine.generate(prompt, max_tokens=max_tokens, sampling=sampling)
+                engine.set_drafter(on)
+                r_on = engine.generate(prompt, max_tokens=max_tokens, sampling=sampling)
+                w.n_requests += 1
+                w.off.add(r_off.stats)
+                w.on.add(r_on.stats)
+                if r_off.token_ids != r_on.token_ids:
+                    w.mismatches.append(i)
+                if on_request is not None:
+                    on_request(name, i, r_off, r_on)
+            results.append(w)
+    finally:
+        engine.set_drafter(saved)  # closes `on`: the last request is written
+    return dict(
+        workloads=[w.as_dict() for w in results],
+        memory=mem.info().as_dict(),
+        max_tokens=max_tokens,
+        wall_s=time.time() - t0,
+        loadavg_start=load0,
+        loadavg_end=os.getloadavg(),
+        cpus=os.cpu_count(),
+    )
+
+
+def format_report(rep: dict) -> str:
+    lines = [f"{'workload':<16}{'reqs':>5}{'tok/s off':>11}{'tok/s on':>10}{'speed-up':>10}"
+             f"{'tok/step off':>14}{'on':>6}  identical"]  # fmt: skip
+    for w in rep["workloads"]:
+        sp = f"{w['speedup']:.2f}x" if w["speedup"] else "-"
+        lines.append(f"{w['name']:<16}{w['n_requests']:>5}{w['off']['tok_per_s']:>11.1f}{w['on']['tok_per_s']:>10.1f}{sp:>10}"
+                     f"{w['off']['tokens_per_step']:>14.2f}{w['on']['tokens_per_step']:>6.2f}  {'yes' if w['identical'] else 'NO'}")  # fmt: skip
+    m = rep["memory"]
+    lines.append(f"memory at the end: {m['documents']} documents, {m['tokens']} tokens ({m['bytes'] / 2**20:.1f} MiB)")
+    la, lb = rep["loadavg_start"], rep["loadavg_end"]
+    lines.append(f"load average {la[0]:.1f} -> {lb[0]:.1f} on {rep['cpus']} CPUs over {rep['wall_s']:.0f} s"
+                 " (a loaded machine: compare tokens/step; speeds are of this run only)")  # fmt: skip
+    return "\n".join(lines)
