@@ -377,3 +377,29 @@ def test_generate_with_a_bad_memory_file_goes_on_and_saves_a_good_one(tmp_path):
     r = run_cli("generate", "def sub(a, b):", "-n", "4", "--temperature", "0", "--draft-memory", str(path), "--no-draft-memory")
     assert r.returncode == 0, r.stderr
     assert path.read_bytes() == before
+
+
+def test_auto_drafts_from_the_memory_through_its_ngram_part():
+    mem = DraftMemory(1)
+    mem.write([1, 2, 3, 4, 5])
+    d = make_drafter("auto", memory=mem)
+    assert d.ngram.memory is mem
+    d.begin([9, 2, 3])
+    assert [int(t) for t in d.propose(8, 32).token_ids[1:3]] == [4, 5]
+    assert make_drafter("ngram").memory is None
+
+
+def test_bench_memory_runs_requests_in_order_with_identical_outputs(engine):
+    from localspec.bench.memory import code_workload, format_report, run_memory_bench
+
+    prompts = code_workload(2)
+    seen = []
+    rep = run_memory_bench(engine, [("code", prompts), ("again", prompts[:1])], max_tokens=12,
+                           on_request=lambda name, i, a, b: seen.append((name, i)))  # fmt: skip
+    assert seen == [("code", 0), ("code", 1), ("again", 0)]
+    assert [w["identical"] for w in rep["workloads"]] == [True, True]
+    again = rep["workloads"][1]
+    # the repeated prompt drafts its whole output from the memory: fewer target calls
+    assert again["on"]["steps"] < again["off"]["steps"]
+    assert rep["memory"]["documents"] == 3
+    assert "again" in format_report(rep) and engine.drafter_name == "ngram"

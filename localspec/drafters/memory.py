@@ -17,7 +17,8 @@ below ``min_share`` (0.1) are dropped, and the more a continuation recurred, the
 acceptance estimate. The n-gram drafter merges these nodes into its own tree
 (``NgramDrafter(memory=...)``), so one verify call holds both; each memory node's score is
 the parent's score times the estimate of its bucket (match length x share rank), learned
-online from the verifications like the n-gram buckets (``AcceptanceTracker``). The learned
+online from the verifications like the n-gram buckets (an ``AcceptanceTracker`` of its own,
+so that a request whose memory drafts fail does not lower its own n-grams'). The learned
 counts are folded back into the memory (``fold``) so later requests (and saved files) start
 from them.
 
@@ -54,7 +55,7 @@ N_BUCKETS = len(LEN_EDGES) * N_RANK
 MAX_MATCH = 64
 # Heuristic priors (not fitted offline): a continuation that recurred and a long match are
 # accepted more often. The tracker refines them online and ``fold`` keeps what it learned.
-_RANK_BASE = np.array([0.55, 0.45, 0.3, 0.25, 0.08])
+_RANK_BASE = np.array([0.45, 0.35, 0.2, 0.15, 0.05])
 _LEN_SHRINK = np.array([1.0, 0.85, 0.7, 0.55, 0.4, 0.3, 0.2])
 PRIOR = (1.0 - np.outer(_LEN_SHRINK, 1.0 - _RANK_BASE)).ravel()
 

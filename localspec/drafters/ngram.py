@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import native
-from ..policy import AcceptanceTracker
+from ..policy import AcceptanceTracker, tried_nodes
 from ..tree import TokenSource, TokenTree, TreeBuilder
 from .ngram_index import NgramIndex
 
@@ -131,7 +131,7 @@ class NgramDrafter:
             (``native.ngram.draft_trie``: the same tree, node for node).
         memory: a ``DraftMemory`` shared with other requests, or None. Its continuations of
             the history are merged into every tree (acceptance buckets after the n-gram
-            ones, ``memory_bucket_offset``), and each request's text (context, prompt and
+            ones, ``memory_bucket_offset``, learned by ``memory_tracker``), and each request's text (context, prompt and
             output) is written to it when the request ends (the next ``begin`` or ``close``),
             unless the request opted out (``SamplingParams.draft_memory`` False, seen through
             ``set_sampling``): such a request neither drafts from the memory nor writes to it.
@@ -159,8 +159,11 @@ class NgramDrafter:
         self.index = index
         self.memory = memory
         self.memory_bucket_offset = _PRIOR.size
-        self.tracker = AcceptanceTracker(_PRIOR if memory is None else np.concatenate([_PRIOR, memory.rates()]))
-        self._folded = (self.tracker.acc.copy(), self.tracker.n.copy())  # tracker counts already given to the memory
+        self.tracker = AcceptanceTracker(_PRIOR)
+        # the memory's buckets have their own tracker: a request whose memory drafts fail
+        # lowers their estimates (its request factor), not those of its own n-grams
+        self.memory_tracker = AcceptanceTracker(memory.rates()) if memory is not None else None
+        self._folded = None if memory is None else (self.memory_tracker.acc.copy(), self.memory_tracker.n.copy())
         self._use_memory = self._next_use_memory = memory is not None
         self._written: np.ndarray | None = None  # the last text this drafter wrote to the memory
         self._in_request = False
@@ -188,19 +191,22 @@ class NgramDrafter:
         toks.extend(history)
         self.index.reset(toks)
         self.tracker.reset_request()
+        if self.memory_tracker is not None:
+            self.memory_tracker.reset_request()
 
     def accept(self, tokens: Sequence[int]) -> None:
         self.index.extend(tokens)
 
     def propose(self, max_depth: int, max_nodes: int) -> TokenTree:
-        tree = self._propose_ngram(max_depth, max_nodes)
+        tree = self._propose_ngram(max_depth, max_nodes, np.asarray(self.tracker.estimates(), dtype=np.float64))
         if self._use_memory and self.memory.n_written and min(max_depth, self.max_depth) > 0 and max_nodes > 1:
-            tree = self._merge_memory(tree, min(max_depth, self.max_depth), max_nodes)
+            est = np.asarray(self.memory_tracker.estimates(), dtype=np.float64)
+            tree = self._merge_memory(tree, min(max_depth, self.max_depth), max_nodes, est)
         return tree
 
-    def _propose_ngram(self, max_depth: int, max_nodes: int) -> TokenTree:
+    def _propose_ngram(self, max_depth: int, max_nodes: int, est: np.ndarray) -> TokenTree:
         if native.AVAILABLE and isinstance(self.index, _native_ngram().NativeNgramIndex):
-            return self._propose_native(max_depth, max_nodes)
+            return self._propose_native(max_depth, max_nodes, est)
         toks = self.index.tokens
         builder = TreeBuilder(toks[-1])
         depth_cap = min(max_depth, self.max_depth)
@@ -244,7 +250,7 @@ class NgramDrafter:
         for i in range(1, n):
             kids[parents[i]].append(i)
         buckets = [0] * n
-        est = self.tracker.estimates()
+        est = est.tolist()
         for p in range(n):
             ks = kids[p]
             if not ks:
@@ -260,7 +266,7 @@ class NgramDrafter:
         builder.feature = buckets
         return builder.build()
 
-    def _propose_native(self, max_depth: int, max_nodes: int) -> TokenTree:
+    def _propose_native(self, max_depth: int, max_nodes: int, est: np.ndarray) -> TokenTree:
         """``propose`` with the trie built in C from the native index (same tree)."""
         depth_cap = min(max_depth, self.max_depth)
         if depth_cap <= 0 or max_nodes <= 1 or len(self.index) < 2:
@@ -276,8 +282,7 @@ class NgramDrafter:
             )
         depths = self._depths(depth_cap)
         trie = self._trie.build(
-            self.index, depth_cap=depth_cap, node_cap=_node_cap(max_nodes), depth_by_match=depths,
-            estimates=self.tracker.estimates()[: self.memory_bucket_offset],
+            self.index, depth_cap=depth_cap, node_cap=_node_cap(max_nodes), depth_by_match=depths, estimates=est
         )
         n = trie.token_ids.size
         source = np.full(n, int(TokenSource.NGRAM), dtype=np.int8)
@@ -299,7 +304,7 @@ class NgramDrafter:
             depths = self._depth_tables[depth_cap] = np.array([_occurrence_depth(m, depth_cap) for m in range(k)], dtype=np.int32)
         return depths
 
-    def _merge_memory(self, tree: TokenTree, depth_cap: int, max_nodes: int) -> TokenTree:
+    def _merge_memory(self, tree: TokenTree, depth_cap: int, max_nodes: int, est: np.ndarray) -> TokenTree:
         """``tree`` with the memory's continuations of the history merged in (C,
         ``DraftMemory.draft_into``)."""
         from .memory import LEN_EDGES, MAX_MATCH, N_RANK
@@ -321,7 +326,7 @@ class NgramDrafter:
             self._mem_params = p
         p = self._mem_params
         depths = self._depths(depth_cap)
-        est = np.ascontiguousarray(self.tracker.estimates()[self.memory_bucket_offset :], dtype=np.float64)
+        est = np.ascontiguousarray(est)
         p.depth_cap, p.node_cap = depth_cap, cap
         p.n_depth_by_match, p.depth_by_match, p.estimates = depths.size, depths.ctypes.data, est.ctypes.data
         buf.tok[:n_in] = tree.token_ids
@@ -350,8 +355,22 @@ class NgramDrafter:
 
     def observe(self, tree: TokenTree, emitted: Sequence[int]) -> None:
         """Learn from a step: ``tree`` as proposed (before the policy pruned it) and the tokens
-        the target emitted (see ``AcceptanceTracker.learn``)."""
-        self.tracker.learn(tree, emitted)
+        the target emitted (see ``AcceptanceTracker.learn``); memory nodes teach the memory's
+        tracker."""
+        mt = self.memory_tracker
+        if mt is None:
+            self.tracker.learn(tree, emitted)
+            return
+        if tree.n_nodes > 1 and tree.feature is not None:
+            k = self.memory_bucket_offset
+            for c, hit in tried_nodes(tree, emitted):
+                b = int(tree.feature[c])
+                if b >= k:
+                    mt.record(b - k, hit)
+                else:
+                    self.tracker.record(b, hit)
+        self.tracker.end_step()
+        mt.end_step()
 
     def _end_request(self) -> None:
         """Write the request that ran (context, prompt, output) to the memory unless it opted
@@ -359,10 +378,9 @@ class NgramDrafter:
         if self.memory is None or not self._in_request:
             return
         self._in_request = False
-        k = self.memory_bucket_offset
-        acc, n = self.tracker.acc[k:], self.tracker.n[k:]
-        self.memory.fold(acc - self._folded[0][k:], n - self._folded[1][k:])
-        self._folded = (self.tracker.acc.copy(), self.tracker.n.copy())
+        mt = self.memory_tracker
+        self.memory.fold(mt.acc - self._folded[0], mt.n - self._folded[1])
+        self._folded = (mt.acc.copy(), mt.n.copy())
         if not self._use_memory:
             return
         toks = np.asarray(self.index.tokens, dtype=np.int32)
