@@ -1,9 +1,11 @@
 """``localspec bench memory``: sequences of requests through one process, the n-gram drafter
 with and without a drafting memory (``drafters.memory.DraftMemory``), in one run.
 
-Each request of a workload runs twice on the same engine, back to back: with a plain n-gram
-drafter, then with an n-gram drafter that shares the run's memory (which has seen every
-earlier request of every workload so far, in order). Both runs must emit the same tokens
+Each request of a workload runs twice, back to back, on two engines over one model with one
+measured cost model: one with a plain n-gram drafter, one whose n-gram drafter shares the
+run's memory (which has seen every earlier request of every workload so far, in order). Each
+engine has its own speculation policy, so neither learns from the other's steps. Both runs
+must emit the same tokens
 (the memory only drafts); the report gives, per workload, the decode speed of each, the
 speed-up, and the tokens per target call (the mean accepted length + 1: a property of the
 drafts, not of the machine's load).
@@ -94,16 +96,22 @@ def run_memory_bench(
     """Run every workload's requests in order, each without and with the memory.
 
     Args:
-        engine: an ``Engine`` (its drafter is replaced during the run and restored after).
+        engine: the ``Engine`` without memory (its drafter is replaced by a plain n-gram
+            drafter during the run and restored after); the engine with memory is made on
+            its model with its cost model, context size, threads and tree size.
         workloads: (name, prompts) in the order they run.
         on_request: called ``(workload, index, result_off, result_on)`` after each request.
     Returns:
         ``{"workloads": [WorkloadResult.as_dict()...], "memory": MemoryInfo, "loadavg": ...}``.
     """
+    from ..engine import Engine
+
     sampling = sampling or SamplingParams.greedy()
     mem = DraftMemory(budget_mib)
-    off, on = NgramDrafter(), NgramDrafter(memory=mem)
     saved = engine.drafter_name
+    engine.set_drafter(NgramDrafter())
+    with_mem = Engine(engine.model, drafter="ngram", draft_memory=mem, cost_model=engine.cost_model, n_ctx=engine.n_ctx,
+                      n_threads=engine.ctx.n_threads, max_tree_nodes=engine.max_tree_nodes, adaptive=engine.adaptive)  # fmt: skip
     results = []
     load0 = os.getloadavg()
     t0 = time.time()
@@ -111,10 +119,8 @@ def run_memory_bench(
         for name, prompts in workloads:
             w = WorkloadResult(name)
             for i, prompt in enumerate(prompts):
-                engine.set_drafter(off)
                 r_off = engine.generate(prompt, max_tokens=max_tokens, sampling=sampling)
-                engine.set_drafter(on)
-                r_on = engine.generate(prompt, max_tokens=max_tokens, sampling=sampling)
+                r_on = with_mem.generate(prompt, max_tokens=max_tokens, sampling=sampling)
                 w.n_requests += 1
                 w.off.add(r_off.stats)
                 w.on.add(r_on.stats)
@@ -124,7 +130,8 @@ def run_memory_bench(
                     on_request(name, i, r_off, r_on)
             results.append(w)
     finally:
-        engine.set_drafter(saved)  # closes `on`: the last request is written
+        with_mem.close()  # its drafter writes the last request
+        engine.set_drafter(saved)
     return dict(
         workloads=[w.as_dict() for w in results],
         memory=mem.info().as_dict(),
