@@ -403,3 +403,17 @@ def test_bench_memory_runs_requests_in_order_with_identical_outputs(engine):
     assert again["on"]["steps"] < again["off"]["steps"]
     assert rep["memory"]["documents"] == 3
     assert "again" in format_report(rep) and engine.drafter_name == "ngram"
+
+
+def test_replay_counts_target_calls_with_and_without_memory():
+    from localspec.bench.memory import replay
+
+    rng = np.random.default_rng(3)
+    out = rng.integers(100, 5000, 60).tolist()
+    reqs = [{"prompt": [1, 2, 3], "output": out}, {"prompt": [1, 2, 4], "output": out}]
+    (row,) = replay([{"name": "w", "requests": reqs}], budget=16)
+    assert row["tokens"] == 120
+    # the first request has nothing to draft from (random tokens): one call per token, both sides
+    # the second repeats the first: only the memory drafts it
+    assert row["calls_off"] == 120
+    assert row["calls_on"] < 60 + 60 // 4

@@ -58,11 +58,13 @@ class WorkloadResult:
     off: Side = field(default_factory=Side)
     on: Side = field(default_factory=Side)
     mismatches: list[int] = field(default_factory=list)  # requests whose outputs differed (must stay empty)
+    requests: list[dict] = field(default_factory=list)  # per request: prompt and output token ids, steps of each side
 
     def as_dict(self) -> dict:
         speedup = self.on.tok_per_s / self.off.tok_per_s if self.off.tok_per_s else None
         return dict(name=self.name, n_requests=self.n_requests, off=self.off.as_dict(), on=self.on.as_dict(),
-                    speedup=speedup, identical=not self.mismatches, mismatches=self.mismatches)  # fmt: skip
+                    speedup=speedup, identical=not self.mismatches, mismatches=self.mismatches,
+                    requests=self.requests)  # fmt: skip
 
 
 def code_workload(n: int | None = None) -> list[str]:
@@ -126,6 +128,9 @@ def run_memory_bench(
                 w.on.add(r_on.stats)
                 if r_off.token_ids != r_on.token_ids:
                     w.mismatches.append(i)
+                w.requests.append(dict(prompt=engine.tokenize(prompt), output=r_off.token_ids,
+                                       finish=r_off.finish_reason, steps_off=r_off.stats.n_steps,
+                                       steps_on=r_on.stats.n_steps))  # fmt: skip
                 if on_request is not None:
                     on_request(name, i, r_off, r_on)
             results.append(w)
@@ -156,3 +161,47 @@ def format_report(rep: dict) -> str:
     lines.append(f"load average {la[0]:.1f} -> {lb[0]:.1f} on {rep['cpus']} CPUs over {rep['wall_s']:.0f} s"
                  " (a loaded machine: compare tokens/step; speeds are of this run only)")  # fmt: skip
     return "\n".join(lines)
+
+
+def replay(workloads: Sequence[dict], *, budget: int = 16, max_depth: int = 48, budget_mib: float = 64.0) -> list[dict]:
+    """Tokens per target call of the n-gram drafter with and without a memory, replayed on
+    recorded greedy outputs (the ``requests`` of a ``run_memory_bench`` report): at each step
+    the drafter's tree is cut to its ``budget`` best nodes by score (``TokenTree.best_subtree``)
+    and accepted along the recorded output, as greedy verification would. No model runs and
+    no clock is read, so the numbers do not depend on the machine's load; they stand for a
+    fixed verification budget, not for the adaptive policy's choices.
+
+    Returns:
+        per workload: ``{"name", "tokens", "calls_off", "calls_on", "tokens_per_call_off", "..._on"}``.
+    """
+    mem = DraftMemory(budget_mib)
+    sides = {"off": NgramDrafter(), "on": NgramDrafter(memory=mem)}
+    out = []
+    for w in workloads:
+        row = {"name": w["name"], "tokens": 0, "calls_off": 0, "calls_on": 0}
+        for req in w["requests"]:
+            output = list(req["output"])
+            row["tokens"] += len(output)
+            for side, d in sides.items():
+                d.begin(req["prompt"])
+                pos = 0
+                while pos < len(output):
+                    full = d.propose(max_depth, budget)
+                    tree = full.best_subtree(budget) if full.n_nodes > budget else full
+                    node, emitted = 0, []
+                    for tok in output[pos:]:
+                        nxt = next((c for c in tree.children(node) if int(tree.token_ids[c]) == tok), None)
+                        emitted.append(tok)  # the accepted draft, or the target's own token
+                        if nxt is None:
+                            break
+                        node = nxt
+                    d.observe(full, emitted)  # as the engine does: the tree as proposed
+                    d.accept(emitted)
+                    pos += len(emitted)
+                    row[f"calls_{side}"] += 1
+        for side in sides:
+            row[f"tokens_per_call_{side}"] = row["tokens"] / row[f"calls_{side}"] if row[f"calls_{side}"] else 0.0
+        out.append(row)
+    for d in sides.values():
+        d.close()
+    return out
