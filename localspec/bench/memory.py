@@ -75,6 +75,24 @@ def code_workload(n: int | None = None) -> list[str]:
     return qs[:n] if n else qs
 
 
+_NAMES = ("Alice Moreau", "Bilal Haddad", "Chen Wei", "Dana Kowalski", "Emeka Obi", "Fatima Zahra", "Goran Petrovic",
+          "Hana Sato", "Ivan Lindqvist", "Julia Costa", "Kofi Mensah", "Lea Fischer")  # fmt: skip
+_CITIES = ("Lyon", "Beirut", "Chengdu", "Gdansk", "Enugu", "Fes", "Split", "Sendai", "Uppsala", "Porto", "Kumasi", "Graz")
+_JOBS = ("a nurse", "a carpenter", "an engineer", "a teacher", "a pharmacist", "a pilot")
+
+
+def extract_workload(n: int = 12) -> list[str]:
+    """One instruction over different inputs (issue 29's batch workload, (b)): extract three
+    fields as JSON from a generated sentence. Synthetic, made here (no evaluation data)."""
+    out = []
+    for i in range(n):
+        name, city, job, age = _NAMES[i % len(_NAMES)], _CITIES[(5 * i + 3) % len(_CITIES)], _JOBS[i % len(_JOBS)], 23 + (7 * i) % 41
+        text = f"{name} is {age} years old and works as {job} in {city}, where she moved {1 + i % 9} years ago."
+        out.append("Extract the person's name, age, job and city from the text as a JSON object with the keys "
+                   f'"name", "age", "job" and "city".\n\nText: {text}\nJSON:')  # fmt: skip
+    return out
+
+
 def specbench_workload(path: str | os.PathLike, per_category: int) -> list[tuple[str, list[str]]]:
     """Spec-Bench first turns, ``per_category`` per category, category after category."""
     from .dataset import load_questions, select_prompts

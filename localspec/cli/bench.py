@@ -84,8 +84,10 @@ def register(sub) -> None:
         "(docs/drafters.md#drafting-memory), back to back, and must give the same tokens. Reports decode "
         "speed and tokens per target call per workload.",
     )
-    me.add_argument("--workloads", default="code,specbench", help="comma list of code, specbench (default both, in that order)")
+    me.add_argument("--workloads", default="code,specbench",
+                    help="comma list of code, extract, specbench, run in that order (default code,specbench)")
     me.add_argument("--code", type=int, default=None, metavar="N", help="first N code prompts (default all 39)")
+    me.add_argument("--extract", type=int, default=12, metavar="N", help="extraction prompts (default 12)")
     me.add_argument("--dataset", default=None, metavar="FILE", help="Spec-Bench question.jsonl (for specbench)")
     me.add_argument("--per-category", type=int, default=5, help="Spec-Bench prompts per category (default 5)")
     me.add_argument("-n", "--max-tokens", type=int, default=128)
@@ -195,18 +197,20 @@ def run_ngram(a: argparse.Namespace) -> int:
 
 
 def run_memory(a: argparse.Namespace) -> int:
-    from ..bench.memory import code_workload, format_report, run_memory_bench, specbench_workload
+    from ..bench.memory import code_workload, extract_workload, format_report, run_memory_bench, specbench_workload
 
     workloads = []
     for w in [x.strip() for x in a.workloads.split(",") if x.strip()]:
         if w == "code":
             workloads.append(("code", code_workload(a.code)))
+        elif w == "extract":
+            workloads.append(("extract", extract_workload(a.extract)))
         elif w == "specbench":
             if not a.dataset:
                 raise SystemExit("localspec: error: the specbench workload needs --dataset FILE (a Spec-Bench question.jsonl)")
             workloads += [(f"spec:{c}", ps) for c, ps in specbench_workload(a.dataset, a.per_category)]
         else:
-            raise SystemExit(f"localspec: error: unknown workload {w!r} (code, specbench)")
+            raise SystemExit(f"localspec: error: unknown workload {w!r} (code, extract, specbench)")
     engine = make_engine(a, "ngram")
 
     def progress(name, i, r_off, r_on) -> None:
