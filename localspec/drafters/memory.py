@@ -165,7 +165,8 @@ class DraftMemory:
         self.n_written = 0  # documents written (a draft skips an empty memory without a call)
         self.acc = np.zeros(N_BUCKETS)  # accepted / tried nodes per bucket, over the memory's life
         self.n = np.zeros(N_BUCKETS)
-        self._info = np.zeros(3, dtype=np.int32)
+        self._info = np.zeros(3, dtype=np.int32)  # of the last draft: order matched, occurrences, nodes added
+        self._info_addr = self._info.ctypes.data
         self._stats = np.zeros(6, dtype=np.int64)
 
     def __del__(self) -> None:
@@ -233,18 +234,19 @@ class DraftMemory:
         Args:
             query: [k] int32 the request's last tokens (its last one is the root).
             trie: an object with int32 buffers ``tok``, ``par``, ``dep``, ``bucket`` and the
-                float64 buffer ``score``, each of at least ``cap`` entries.
+                float64 buffer ``score``, each of at least ``cap`` entries, and ``addr``: their
+                addresses in that order.
             params: ``native._lib.DraftParams`` (``n_rank`` = 5; ``estimates`` = this
                 memory's buckets).
         Raises:
             ValueError / MemoryError: the C call failed.
         """
         q = np.ascontiguousarray(query, dtype=np.int32)
+        tok, par, dep, score, bucket = trie.addr
         with self._lock:
             n = self._lib.ls_memory_draft(
                 self._ptr, q.ctypes.data, q.size, params, MIN_SHARE, bucket_offset, n_in, cap,
-                trie.tok.ctypes.data, trie.par.ctypes.data, trie.dep.ctypes.data, trie.score.ctypes.data,
-                trie.bucket.ctypes.data, self._info.ctypes.data,
+                tok, par, dep, score, bucket, self._info_addr,
             )  # fmt: skip
         if n < 0:
             from ..native import _lib as raw

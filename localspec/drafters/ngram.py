@@ -416,3 +416,4 @@ class _MemoryBuffers:
         self.dep = np.empty(cap, dtype=np.int32)
         self.bucket = np.empty(cap, dtype=np.int32)
         self.score = np.empty(cap, dtype=np.float64)
+        self.addr = tuple(a.ctypes.data for a in (self.tok, self.par, self.dep, self.score, self.bucket))

@@ -61,10 +61,11 @@ class NativeNgramIndex:
 
     def tail(self, n: int) -> np.ndarray:
         """[min(n, len)] int32 copy of the last ``n`` history tokens."""
-        k = min(max(0, int(n)), len(self))
+        size = int(lib.ls_ngram_len(self._ptr))
+        k = min(max(0, int(n)), size)
         out = np.empty(k, dtype=np.int32)
         if k:
-            lib.ls_ngram_tokens(self._ptr, len(self) - k, k, out.ctypes.data)
+            lib.ls_ngram_tokens(self._ptr, size - k, k, out.ctypes.data)
         return out
 
     def append(self, token: int) -> None:
