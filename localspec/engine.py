@@ -19,7 +19,7 @@ from dataclasses import replace
 from .backend import Context, Model, SequenceCache
 from .costmodel import CostModel, calibrate
 from .backend.features import FeatureTap, FinalNormTap
-from .drafters import Drafter, TargetHandle, resolve_drafter
+from .drafters import Drafter, DraftMemory, TargetHandle, resolve_drafter
 from .errors import ContextOverflowError, DecodeError, InvalidRequestError
 from .generation import Generation, now_us
 from .policy import SpeculationPolicy, TreeShape
@@ -147,6 +147,8 @@ class Engine:
             SGLang's acceptance thresholds (``verify.verify_thresholds``), in (0, 1], for requests
             whose ``SamplingParams`` leave them None. They apply at temperature > 0 only; the
             results then say ``stats.lossy``.
+        draft_memory: a ``drafters.DraftMemory`` the engine's drafters (and its batches) draft
+            from and write finished requests to (docs/drafters.md#drafting-memory); None = none.
 
     Raises:
         ModelLoadError: the model (or draft model / EAGLE-3 head) cannot be loaded.
@@ -176,6 +178,7 @@ class Engine:
         tensor_split: list[float] | None = None,
         accept_threshold_single: float = 1.0,
         accept_threshold_acc: float = 1.0,
+        draft_memory: "DraftMemory | None" = None,
     ) -> None:
         # validated like a request's (InvalidRequestError: 0 < t <= 1)
         SamplingParams(accept_threshold_single=accept_threshold_single, accept_threshold_acc=accept_threshold_acc)
@@ -210,6 +213,7 @@ class Engine:
         self._lock = _EngineLock()  # held by a stream from its first chunk to its end
         self._active_stream: GenerationStream | None = None
         self.adaptive = adaptive
+        self.draft_memory = draft_memory  # shared by this engine's drafters (and its batches)
         new = self._new_drafter(
             drafter, draft_model=draft_model, draft_n_ctx=draft_n_ctx, eagle=eagle, medusa=medusa, draft_shape=draft_shape
         )
@@ -260,7 +264,7 @@ class Engine:
         """A drafter by name (``resolve_drafter``, remembered in ``drafter_spec`` so that
         batches make the same drafter per request) or the object itself."""
         if isinstance(drafter, (str, type(None))):
-            new = resolve_drafter(drafter, self.model, **options)
+            new = resolve_drafter(drafter, self.model, memory=self.draft_memory, **options)
             self._next_spec = (drafter, {k: v for k, v in options.items() if v is not None})
             return new
         if any(v is not None for v in options.values()):

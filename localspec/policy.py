@@ -30,13 +30,30 @@ weighed like the target's ``t(b)``. A plan without the model makes no model call
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .costmodel import CostModel
 from .tree import TokenTree
+
+
+def tried_nodes(tree: TokenTree, emitted: Sequence[int]) -> Iterator[tuple[int, bool]]:
+    """The nodes of ``tree`` the target tried, walking it along the ``emitted`` tokens: every
+    child of a reached node, with whether its token is the next emitted one (then the walk
+    goes on below the first such child). Yields ``(node, accepted)``."""
+    node = 0
+    for tok in emitted:
+        nxt = -1
+        for c in tree.children(node):
+            hit = int(tree.token_ids[c]) == tok
+            yield c, hit
+            if hit and nxt < 0:
+                nxt = c
+        if nxt < 0:
+            return
+        node = nxt
 
 
 class AcceptanceTracker:
@@ -151,17 +168,8 @@ class AcceptanceTracker:
         or seeded Gumbel verification the emitted tokens do not depend on what was verified,
         so nodes the policy did not verify are scored exactly as if they had been."""
         if tree.n_nodes > 1 and tree.feature is not None:
-            node = 0
-            for tok in emitted:
-                nxt = -1
-                for c in tree.children(node):
-                    hit = int(tree.token_ids[c]) == tok
-                    self.record(int(tree.feature[c]), hit)
-                    if hit and nxt < 0:
-                        nxt = c
-                if nxt < 0:
-                    break
-                node = nxt
+            for c, hit in tried_nodes(tree, emitted):
+                self.record(int(tree.feature[c]), hit)
         self.end_step()
 
 

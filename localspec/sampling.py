@@ -111,6 +111,9 @@ class SamplingParams:
             temperature > 0 accepts drafts the target would not always have chosen, so the
             output is no longer the target's distribution (``lossy``). At temperature 0 greedy
             verification is used and they do not apply.
+        draft_memory: not a sampling choice but the request's privacy choice: False keeps its
+            text out of the process's drafting memory (``drafters.memory.DraftMemory``): the
+            request neither drafts from it nor is written to it. The output does not depend on it.
     """
 
     temperature: float = 0.8
@@ -130,6 +133,7 @@ class SamplingParams:
     candidate_filter: "CandidateFilter | None" = None
     accept_threshold_single: float | None = None
     accept_threshold_acc: float | None = None
+    draft_memory: bool = True
 
     def __post_init__(self) -> None:
         for name in ("accept_threshold_single", "accept_threshold_acc"):

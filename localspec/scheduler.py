@@ -228,6 +228,8 @@ class BatchScheduler:
         prefill_chunk: most prompt tokens prefilled in one step while other requests decode
             (a long prompt joins the running batch in pieces instead of stopping it); when
             no request decodes, ``IDLE_PREFILL_PIECES`` times as many. Shorter prompts first.
+        draft_memory: a ``drafters.DraftMemory`` shared by the requests' drafters (each reads
+            it and writes its request when it ends), or None.
 
     Use ``submit`` (thread-safe) and either ``start()`` a worker thread (the server) or
     drive it with ``run_until_idle()`` (offline batches). ``close()`` ends it.
@@ -240,7 +242,8 @@ class BatchScheduler:
     def __init__(self, model: Model, *, parallel: int = 4, n_ctx: int = 4096, drafter: str | None = "ngram",
                  max_tree_nodes: int = 32, cost_model: CostModel | None = None, n_threads: int | None = None,
                  adaptive: bool = True, flash_attn: bool | None = None, prompt_cache: int | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK, drafter_options: dict | None = None) -> None:  # fmt: skip
+                 prefill_chunk: int = PREFILL_CHUNK, drafter_options: dict | None = None,
+                 draft_memory=None) -> None:  # fmt: skip
         drafter = drafter or "none"
         if parallel < 1:
             raise InvalidRequestError(f"parallel must be >= 1, got {parallel}")
@@ -262,6 +265,7 @@ class BatchScheduler:
         self.n_ctx_slot = int(n_ctx)
         self.max_tree_nodes = int(min(max_tree_nodes, n_ctx // 2 - 1, 255))
         self.drafter_name = drafter
+        self.draft_memory = draft_memory  # a DraftMemory the requests' drafters share, or None
         self.adaptive = adaptive
         first_entry = self.parallel * self.seqs_per_slot
         self._free_entry_seqs = list(range(first_entry + n_entries - 1, first_entry - 1, -1))
@@ -674,7 +678,7 @@ class BatchScheduler:
             return None
         d = self._drafters[index]
         if d is None:
-            d = resolve_drafter(self.drafter_name, self.model, **self.drafter_options)
+            d = resolve_drafter(self.drafter_name, self.model, memory=self.draft_memory, **self.drafter_options)
             attach = getattr(d, "attach", None)
             try:
                 if attach is not None:
@@ -817,7 +821,7 @@ def generate_batch(engine: "Engine", prompts: Sequence[str | Sequence[int]], *, 
     sched = BatchScheduler(engine.model, parallel=parallel, n_ctx=n_ctx or min(engine.n_ctx, 4096), drafter=name,
                            drafter_options=options, max_tree_nodes=min(engine.max_tree_nodes, 32),
                            cost_model=engine.cost_model, n_threads=engine.ctx.n_threads,
-                           adaptive=engine.adaptive)  # fmt: skip
+                           adaptive=engine.adaptive, draft_memory=engine.draft_memory)  # fmt: skip
     out: list = [None] * n
     jobs: dict[int, BatchJob] = {}
     try:

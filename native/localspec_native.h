@@ -38,7 +38,7 @@
 extern "C" {
 #endif
 
-#define LS_ABI_VERSION 6
+#define LS_ABI_VERSION 7
 
 /* error codes (negative returns) */
 #define LS_ERR_BANNED (-1)         /* every token is banned (-inf) by logit bias */
@@ -247,6 +247,47 @@ LS_API int32_t ls_ngram_draft(const ls_ngram *ix, const ls_draft_params *p, int3
                               int32_t *token_ids_out, int32_t *parents_out, int32_t *depth_out,
                               double *score_out, int32_t *bucket_out, int32_t *match_len_out,
                               int32_t *support_out);
+
+/* ---- drafting memory (ls_memory.c) ------------------------------------------------------- */
+
+/* A bounded store of token sequences (documents) shared by requests: a ring of `cap`
+ * tokens (the oldest evicted first) indexed by n-grams of orders [min_n, max_n] like
+ * ls_ngram. Writes cost O(max_n^2) per token; a draft reads at most max_occurrences
+ * occurrences, whatever is stored. Not thread-safe (the caller locks). */
+typedef struct ls_memory ls_memory;
+/* bytes allocated by a memory of `cap` tokens and n_orders orders */
+LS_API int64_t ls_memory_bytes(int64_t cap, int32_t n_orders);
+/* returns: a new empty memory, or NULL (cap < 16 or > 2^31, orders out of [1, 32], no memory) */
+LS_API ls_memory *ls_memory_new(int64_t cap, int32_t min_n, int32_t max_n);
+LS_API void ls_memory_free(ls_memory *m);
+/* out[6]: tokens ever written (separators included), first stored position, capacity,
+ * table entries, table slots, bytes allocated */
+LS_API void ls_memory_stats(const ls_memory *m, int64_t *out);
+/* appends one document (tokens >= 0; separators are added around it).
+ * returns: 0, or LS_ERR_ARG (a negative token; nothing written) */
+LS_API int32_t ls_memory_write(ls_memory *m, const int32_t *tokens, int64_t n);
+/* copies stored positions [start, start + n) (clipped to what is stored; -1 = separator);
+ * returns how many were copied */
+LS_API int64_t ls_memory_tokens(const ls_memory *m, int64_t start, int64_t n, int32_t *out);
+/* Merges the memory's continuations of `query` (the request's history; its last token is
+ * the root of the tree) into a given tree of n_in nodes (topological order; node 0 = root):
+ * the occurrences (at most p->max_occurrences, most recent first) of the longest suffix of
+ * the query of order >= the memory's min_n that is stored, each continued for
+ * p->depth_by_match[its match length] tokens, are merged into a trie counting the
+ * occurrences through each node; a node whose count is below min_share of its parent's is
+ * dropped with its subtree. Each kept node gets bucket = bucket_offset + (match-length
+ * bucket) * 5 + share rank (0: share >= 0.8 and >= 3 occurrences, 1: ... 2 occurrences,
+ * 2: one occurrence, 3: share in [0.4, 0.8), 4: below 0.4), score = parent's score *
+ * p->estimates[bucket - bucket_offset], and is merged with a sibling of the same token (the
+ * larger score and its bucket win) or appended (at most p->node_cap nodes in all).
+ * p->min_n, p->max_n are not used (the memory's orders apply); p->n_rank must be 5.
+ * requires: every *_out array holds cap >= n_in entries; info_out[3].
+ * returns: the new number of nodes (>= n_in), or LS_ERR_ARG / LS_ERR_NOMEM / LS_ERR_BAD_TREE;
+ *   info_out = (order matched, occurrences read, nodes added). */
+LS_API int32_t ls_memory_draft(const ls_memory *m, const int32_t *query, int64_t n_query, const ls_draft_params *p,
+                               double min_share, int32_t bucket_offset, int32_t n_in, int32_t cap,
+                               int32_t *token_ids, int32_t *parents, int32_t *depth, double *score,
+                               int32_t *bucket, int32_t *info_out);
 
 /* ---- dense heads (ls_matvec.c) --------------------------------------------------------- */
 

@@ -70,3 +70,34 @@ def bench_ngram(
             }
         )
     return rows
+
+
+def bench_memory(sizes=(0, 100_000, 1_000_000), *, history: int = 4096, steps: int = 300, max_depth: int = 16,
+                 max_nodes: int = 64, budget_mib: float = 128.0) -> list[dict]:  # fmt: skip
+    """Per number of tokens stored in a drafting memory (``DraftMemory``): µs per step of an
+    n-gram drafter with that memory (append + propose, the request's history ``history``
+    tokens), and µs per token written. The memory holds the same kind of synthetic text in
+    documents of 2,000 tokens; the request's history is a different stream of that text."""
+    from ..drafters.memory import DraftMemory
+
+    rows = []
+    for n in sizes:
+        mem = DraftMemory(budget_mib)
+        corpus = synthetic_history(max(n, 1), seed=1)
+        t0 = time.perf_counter()
+        for s in range(0, n, 2000):
+            mem.write(corpus[s : s + 2000])
+        t_write = time.perf_counter() - t0
+        hist = synthetic_history(history + steps + 1, seed=2)
+        d = NgramDrafter(memory=mem)
+        d.begin(hist[:history])
+        times = []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            d.accept([hist[history + i]])
+            d.propose(max_depth, max_nodes)
+            times.append(time.perf_counter() - t0)
+        arr = np.array(times) * 1e6
+        rows.append({"memory_tokens": mem.info().tokens, "history_tokens": history, "step_us_median": float(np.median(arr)),
+                     "step_us_p90": float(np.percentile(arr, 90)), "write_us_per_token": t_write * 1e6 / max(n, 1)})  # fmt: skip
+    return rows

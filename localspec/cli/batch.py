@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from .common import add_drafter_args, add_model_args, add_sampling_args, count, make_engine, sampling_from_args
+from .common import add_drafter_args, add_memory_args, add_model_args, add_sampling_args, count, make_engine, sampling_from_args
 
 
 def register(sub) -> None:
@@ -35,6 +35,7 @@ def register(sub) -> None:
     add_drafter_args(p)
     add_sampling_args(p, greedy_default=True)
     add_model_args(p)
+    add_memory_args(p)
     p.set_defaults(func=run, n_ctx=None)
 
 

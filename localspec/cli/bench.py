@@ -72,8 +72,30 @@ def register(sub) -> None:
     ng = bsub.add_parser("ngram", help="n-gram drafter cost per step at growing history sizes")
     ng.add_argument("--sizes", default="1024,8192,32768")
     ng.add_argument("--steps", type=int, default=300)
+    ng.add_argument("--memory-sizes", default="0,100000,1000000",
+                    help="tokens stored in a drafting memory for its rows (default 0,100000,1000000; '' = none)")
     ng.add_argument("--json", action="store_true")
     ng.set_defaults(func=run_ngram)
+    me = bsub.add_parser(
+        "memory",
+        help="sequences of requests with and without a drafting memory (same outputs)",
+        description="Runs workloads of requests in order through one engine; each request runs with the "
+        "n-gram drafter alone and with the n-gram drafter and a drafting memory shared by the whole run "
+        "(docs/drafters.md#drafting-memory), back to back, and must give the same tokens. Reports decode "
+        "speed and tokens per target call per workload.",
+    )
+    me.add_argument("--workloads", default="code,specbench",
+                    help="comma list of code, extract, specbench, run in that order (default code,specbench)")
+    me.add_argument("--code", type=int, default=None, metavar="N", help="first N code prompts (default all 39)")
+    me.add_argument("--extract", type=int, default=12, metavar="N", help="extraction prompts (default 12)")
+    me.add_argument("--dataset", default=None, metavar="FILE", help="Spec-Bench question.jsonl (for specbench)")
+    me.add_argument("--per-category", type=int, default=5, help="Spec-Bench prompts per category (default 5)")
+    me.add_argument("-n", "--max-tokens", type=int, default=128)
+    me.add_argument("--mib", type=float, default=64.0, help="memory budget (default 64 MiB)")
+    me.add_argument("--json", action="store_true")
+    me.add_argument("--out", default=None, help="also write the JSON report here")
+    add_model_args(me)
+    me.set_defaults(func=run_memory)
     kn = bsub.add_parser(
         "kernels",
         help="native C kernels vs the numpy reference (sampling, verification, n-gram)",
@@ -152,8 +174,13 @@ def run_ngram(a: argparse.Namespace) -> int:
     rows = bench_ngram(sizes, steps=a.steps, index="reference")
     if native.AVAILABLE:
         rows = bench_ngram(sizes, steps=a.steps, index="native") + rows
+    mem_rows = []
+    if native.AVAILABLE and a.memory_sizes:
+        from ..bench.ngram import bench_memory
+
+        mem_rows = bench_memory([int(s) for s in a.memory_sizes.split(",")], steps=a.steps)
     if a.json:
-        print(json.dumps({"native": native.describe(), "ngram": rows}))
+        print(json.dumps({"native": native.describe(), "ngram": rows, "memory": mem_rows}))
     else:
         print("| index | history tokens | µs/step (median) | µs/step (p90) | build µs/token |\n|---|---|---|---|---|")
         for r in rows:
@@ -161,7 +188,43 @@ def run_ngram(a: argparse.Namespace) -> int:
                 f"| {r['index']} | {r['history_tokens']} | {r['step_us_median']:.0f} | {r['step_us_p90']:.0f} "
                 f"| {r['build_us_per_token']:.2f} |"
             )
+        if mem_rows:
+            print("\n| drafting memory tokens | history tokens | µs/step (median) | µs/step (p90) | write µs/token |\n|---|---|---|---|---|")
+            for r in mem_rows:
+                print(f"| {r['memory_tokens']} | {r['history_tokens']} | {r['step_us_median']:.0f} | {r['step_us_p90']:.0f} "
+                      f"| {r['write_us_per_token']:.2f} |")  # fmt: skip
     return 0
+
+
+def run_memory(a: argparse.Namespace) -> int:
+    from ..bench.memory import code_workload, extract_workload, format_report, run_memory_bench, specbench_workload
+
+    workloads = []
+    for w in [x.strip() for x in a.workloads.split(",") if x.strip()]:
+        if w == "code":
+            workloads.append(("code", code_workload(a.code)))
+        elif w == "extract":
+            workloads.append(("extract", extract_workload(a.extract)))
+        elif w == "specbench":
+            if not a.dataset:
+                raise SystemExit("localspec: error: the specbench workload needs --dataset FILE (a Spec-Bench question.jsonl)")
+            workloads += [(f"spec:{c}", ps) for c, ps in specbench_workload(a.dataset, a.per_category)]
+        else:
+            raise SystemExit(f"localspec: error: unknown workload {w!r} (code, extract, specbench)")
+    engine = make_engine(a, "ngram")
+
+    def progress(name, i, r_off, r_on) -> None:
+        print(f"{name} #{i}: off {r_off.stats.n_steps} steps, on {r_on.stats.n_steps} steps, "
+              f"{'same' if r_off.token_ids == r_on.token_ids else 'DIFFERENT'} output", file=sys.stderr)  # fmt: skip
+
+    try:
+        rep = run_memory_bench(engine, workloads, max_tokens=a.max_tokens, budget_mib=a.mib, on_request=progress)
+    finally:
+        engine.close()
+    if a.out:
+        Path(a.out).write_text(json.dumps(rep, indent=2))
+    print(json.dumps(rep, indent=2) if a.json else format_report(rep))
+    return 0 if all(w["identical"] for w in rep["workloads"]) else 1
 
 
 def run_kernels(a: argparse.Namespace) -> int:

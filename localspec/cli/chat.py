@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_drafter_args, add_model_args, add_sampling_args, count, make_engine, sampling_from_args
+from .common import add_drafter_args, add_memory_args, add_model_args, add_sampling_args, count, make_engine, sampling_from_args
 
 
 def register(sub) -> None:
@@ -27,6 +27,7 @@ def register(sub) -> None:
     add_drafter_args(p)
     add_sampling_args(p)
     add_model_args(p)
+    add_memory_args(p)
     p.set_defaults(func=run)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -111,6 +112,76 @@ def drafter_options(a: argparse.Namespace, names: list[str]) -> dict[str, dict]:
         if not any(k in t for t in takes.values()):
             raise SystemExit(f"localspec: error: {_OPTION_FLAGS[k]} applies to none of the drafters {','.join(names)}")
     return {n: {k: v for k, v in given.items() if k in takes[n]} for n in names}
+
+
+# Whether commands keep an in-process drafting memory without --draft-memory: off until it
+# measures faster (docs/drafters.md#drafting-memory).
+DRAFT_MEMORY_BY_DEFAULT = False
+
+
+def add_memory_args(p: argparse.ArgumentParser) -> None:
+    """``--draft-memory [PATH]``, ``--draft-memory-mib``, ``--no-draft-memory``."""
+    from ..drafters.memory import DEFAULT_BUDGET_MIB
+
+    g = p.add_argument_group("drafting memory (earlier requests' text to draft from; outputs do not change)")
+    g.add_argument("--draft-memory", nargs="?", const="", default=None, metavar="PATH",
+                   help="keep a drafting memory of this process's requests; with PATH, load it from PATH at start "
+                   "(if the file exists) and save it there at exit (`localspec memory build` makes one from files)"
+                   + (" (default: on, in memory only)" if DRAFT_MEMORY_BY_DEFAULT else " (default: off)"))  # fmt: skip
+    g.add_argument("--draft-memory-mib", type=float, default=DEFAULT_BUDGET_MIB, metavar="MIB",
+                   help=f"the drafting memory's budget (default {DEFAULT_BUDGET_MIB:g} MiB)")
+    g.add_argument("--no-draft-memory", action="store_true",
+                   help="no drafting memory: requests neither draft from one nor are written to one")
+
+
+# the memories to save at exit, by path (the last engine made for a path wins)
+_SAVE_AT_EXIT: dict[str, object] = {}
+
+
+def _save_memories() -> None:
+    for path, mem in _SAVE_AT_EXIT.items():
+        try:
+            mem.save(path)
+        except (OSError, ValueError) as e:
+            print(f"localspec: the drafting memory was not saved to {path}: {e}", file=sys.stderr)
+
+
+def memory_from_args(a: argparse.Namespace):
+    """A new empty ``DraftMemory`` when the arguments ask for one, else None (one line on
+    stderr and None when the native library is missing)."""
+    from ..errors import LocalSpecError
+
+    if getattr(a, "no_draft_memory", False) or not hasattr(a, "draft_memory_mib"):
+        return None
+    if a.draft_memory is None and not DRAFT_MEMORY_BY_DEFAULT:
+        return None
+    if not a.draft_memory_mib > 0:
+        raise SystemExit(f"localspec: error: --draft-memory-mib must be > 0, got {a.draft_memory_mib}")
+    from ..drafters.memory import DraftMemory
+
+    try:
+        return DraftMemory(a.draft_memory_mib)
+    except LocalSpecError as e:
+        print(f"localspec: no drafting memory: {e}", file=sys.stderr)
+        return None
+
+
+def attach_memory_file(mem, path: str, model) -> None:
+    """Tie ``mem`` to ``model``'s vocabulary, fill it from ``path`` when the file exists (a
+    bad file is one line on stderr and the memory stays empty) and save it there at exit."""
+    import atexit
+
+    from ..drafters.memory import DraftMemory, MemoryFileError, vocab_fingerprint
+
+    mem.vocab = vocab_fingerprint(model)
+    if os.path.exists(path):
+        try:
+            mem.absorb(DraftMemory.load(path, vocab=mem.vocab, budget_mib=mem.budget_mib))
+        except MemoryFileError as e:
+            print(f"localspec: {e}; starting with an empty drafting memory", file=sys.stderr)
+    if not _SAVE_AT_EXIT:
+        atexit.register(_save_memories)
+    _SAVE_AT_EXIT[path] = mem
 
 
 def add_sampling_args(p: argparse.ArgumentParser, *, greedy_default: bool = False) -> None:
@@ -277,6 +348,7 @@ def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = 
     if not drafter_flags:
         a = argparse.Namespace(**{**vars(a), **dict.fromkeys(_OPTION_FLAGS)})
     thresholds = {k: v for k, v in thresholds_from_args(a).items() if v is not None}
+    mem = memory_from_args(a)
     kwargs = dict(
         drafter=drafter,
         draft_model=getattr(a, "draft_model", None),
@@ -291,8 +363,12 @@ def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = 
         adaptive=not a.no_adaptive,
         **thresholds,
         **rpc_args(a),
+        draft_memory=mem,
     )
     check_model_files(a)
     if progress:
         print("localspec: loading model and measuring decode cost (cached after the first run)...", file=sys.stderr)
-    return Engine(a.model, **kwargs)
+    engine = Engine(a.model, **kwargs)
+    if mem is not None and getattr(a, "draft_memory", None):
+        attach_memory_file(mem, a.draft_memory, engine.model)
+    return engine

@@ -7,7 +7,7 @@ import logging
 import signal
 import sys
 
-from .common import add_drafter_args, add_model_args, add_sampling_args, make_engine, sampling_from_args
+from .common import add_drafter_args, add_memory_args, add_model_args, add_sampling_args, make_engine, sampling_from_args
 
 
 def register(sub) -> None:
@@ -36,6 +36,7 @@ def register(sub) -> None:
     add_drafter_args(p)
     add_sampling_args(p)
     add_model_args(p)
+    add_memory_args(p)
     p.set_defaults(func=run)
 
 

@@ -7,7 +7,8 @@ import json
 import sys
 
 from ..stats import MIN_STEPS_SAVED, no_speedup_reason
-from .common import add_drafter_args, add_model_args, add_sampling_args, count, make_engine, read_text_file, sampling_from_args
+from .common import (add_drafter_args, add_memory_args, add_model_args, add_sampling_args, count, make_engine,
+                     read_text_file, sampling_from_args)
 
 
 def register(sub) -> None:
@@ -35,6 +36,7 @@ def register(sub) -> None:
     add_drafter_args(p)
     add_sampling_args(p)
     add_model_args(p)
+    add_memory_args(p)
     p.set_defaults(func=run)
 
 

@@ -13,7 +13,7 @@ from ..errors import LocalSpecError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import batch, bench, chat, complete, generate, models, rpc, serve, train, train_medusa
+    from . import batch, bench, chat, complete, generate, memory, models, rpc, serve, train, train_medusa
 
     p = argparse.ArgumentParser(
         prog="localspec",
@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    for mod in (generate, chat, complete, serve, batch, bench, models, train, train_medusa, rpc):
+    for mod in (generate, chat, complete, serve, batch, bench, memory, models, train, train_medusa, rpc):
         mod.register(sub)
     return p
 

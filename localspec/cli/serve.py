@@ -9,7 +9,7 @@ import logging
 import signal
 import sys
 
-from .common import _draft_shape, add_drafter_args, add_model_args, add_sampling_args, make_engine, sampling_from_args
+from .common import _draft_shape, add_drafter_args, add_memory_args, add_model_args, add_sampling_args, make_engine, sampling_from_args
 
 
 def register(sub) -> None:
@@ -38,6 +38,7 @@ def register(sub) -> None:
     add_drafter_args(p)
     add_sampling_args(p)
     add_model_args(p)
+    add_memory_args(p)
     p.set_defaults(func=run)
 
 
@@ -96,7 +97,7 @@ def run(a: argparse.Namespace) -> int:
             engine.model, parallel=a.parallel, n_ctx=a.ctx_per_request, drafter=name, drafter_options=options,
             max_tree_nodes=min(a.max_tree_nodes, 32), cost_model=engine.cost_model, n_threads=a.threads,
             adaptive=not a.no_adaptive, prompt_cache=a.prompt_cache,
-            prefill_chunk=a.prefill_chunk or PREFILL_CHUNK).start()  # fmt: skip
+            prefill_chunk=a.prefill_chunk or PREFILL_CHUNK, draft_memory=engine.draft_memory).start()  # fmt: skip
         name = a.model_name or engine.model.path.name
         oai = OpenAIService(sched, model_name=name, sampling=defaults, max_queue=a.max_queue)
         editor = None

@@ -6,7 +6,7 @@
 =========  ==============================================  ===========================
 name       drafter                                         options
 =========  ==============================================  ===========================
-ngram      prompt-lookup n-gram trees (``NgramDrafter``)   --
+ngram      prompt-lookup n-gram trees (``NgramDrafter``)   ``memory``
 draft      a standalone GGUF draft model                   ``draft_model``, ``draft_n_ctx``
 eagle3     an EAGLE-3 head for the target (the shipped     ``eagle``, ``draft_shape``
            head for the default model when none given)
@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from ..errors import InvalidRequestError
 from .base import Drafter, TargetHandle
+from .memory import DraftMemory
 from .ngram import NgramDrafter
 from .ngram_index import NgramIndex
 
@@ -67,7 +68,7 @@ def _medusa(medusa=None, draft_shape=None) -> Drafter:
     return MedusaDrafter(medusa, shape=draft_shape)
 
 
-def _auto(draft_model=None, draft_n_ctx: int | None = None, eagle=None, medusa=None, mtp: bool = False) -> Drafter:
+def _auto(draft_model=None, draft_n_ctx: int | None = None, eagle=None, medusa=None, mtp: bool = False, memory=None) -> Drafter:
     from .auto import AutoDrafter
 
     if sum(x is not None for x in (draft_model, eagle, medusa)) > 1:
@@ -81,7 +82,7 @@ def _auto(draft_model=None, draft_n_ctx: int | None = None, eagle=None, medusa=N
         model = _medusa(medusa)
     elif mtp:  # the engine sets it for targets with MTP blocks (and no other model given)
         model = _mtp()
-    return AutoDrafter(model)
+    return AutoDrafter(model, NgramDrafter(memory=memory) if memory is not None else None)
 
 
 def _mtp(draft_shape=None) -> Drafter:
@@ -125,8 +126,11 @@ def drafter_option_names(name: str) -> frozenset[str]:
     return frozenset(inspect.signature(factory).parameters)
 
 
-def make_drafter(name: str | None, **options) -> Drafter | None:
+def make_drafter(name: str | None, *, memory=None, **options) -> Drafter | None:
     """A new drafter by name (``None`` / ``"none"`` -> no drafter).
+
+    ``memory`` (a ``DraftMemory``) is the process's drafting memory: given to the drafters
+    that take one (``ngram``, ``auto``: their n-gram part), ignored by the others.
 
     Raises:
         ValueError: unknown name (the message lists the known ones).
@@ -146,16 +150,18 @@ def make_drafter(name: str | None, **options) -> Drafter | None:
         raise InvalidRequestError(
             f"drafter {name!r} does not take {', '.join(sorted(options))} (see `localspec generate --help`)"
         ) from None
+    if memory is not None and "memory" in inspect.signature(factory).parameters:
+        options["memory"] = memory
     return factory(**options)
 
 
-def resolve_drafter(name: str | None, target, **options) -> Drafter | None:
+def resolve_drafter(name: str | None, target, *, memory=None, **options) -> Drafter | None:
     """``make_drafter`` for the target ``Model`` ``target``, as the engine and the batch
     scheduler make drafters: ``eagle3`` (and ``auto`` without a model) without a head gets the
     head shipped for the target, if any; ``auto`` on a target with MTP blocks and no other
     model drafts with them; ``medusa`` without heads gets the shipped ones. Options set to
-    None are left out. The drafter's ``check_target`` has passed (else it is closed and the
-    error raised).
+    None are left out; ``memory`` is the process's ``DraftMemory`` (``make_drafter``). The
+    drafter's ``check_target`` has passed (else it is closed and the error raised).
 
     Raises:
         ValueError / InvalidRequestError / ModelLoadError: see ``make_drafter``; a drafter
@@ -180,7 +186,7 @@ def resolve_drafter(name: str | None, target, **options) -> Drafter | None:
         heads = shipped_head(target.path, kind="medusa")
         if heads is not None:
             options["medusa"] = heads
-    new = make_drafter(name, **options)
+    new = make_drafter(name, memory=memory, **options)
     check = getattr(new, "check_target", None)  # e.g. MTP: refuse a target without MTP blocks
     if check is not None:  # before anything changes, so a refused drafter loses nothing
         try:
@@ -192,6 +198,7 @@ def resolve_drafter(name: str | None, target, **options) -> Drafter | None:
 
 
 __all__ = [
+    "DraftMemory",
     "Drafter",
     "NgramDrafter",
     "NgramIndex",

@@ -111,6 +111,7 @@ class AutoDrafter:
             self.model.attach(target)
 
     def set_sampling(self, sampler) -> None:
+        self.ngram.set_sampling(sampler)
         if self.model is not None and hasattr(self.model, "set_sampling"):
             self.model.set_sampling(sampler)
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import native
-from ..policy import AcceptanceTracker
+from ..policy import AcceptanceTracker, tried_nodes
 from ..tree import TokenSource, TokenTree, TreeBuilder
 from .ngram_index import NgramIndex
 
@@ -129,6 +129,12 @@ class NgramDrafter:
             (``native.ngram.NativeNgramIndex``) when the native kernels are enabled, else
             ``NgramIndex``. With the C index, ``propose`` builds the trie in C too
             (``native.ngram.draft_trie``: the same tree, node for node).
+        memory: a ``DraftMemory`` shared with other requests, or None. Its continuations of
+            the history are merged into every tree (acceptance buckets after the n-gram
+            ones, ``memory_bucket_offset``, learned by ``memory_tracker``), and each request's text (context, prompt and
+            output) is written to it when the request ends (the next ``begin`` or ``close``),
+            unless the request opted out (``SamplingParams.draft_memory`` False, seen through
+            ``set_sampling``): such a request neither drafts from the memory nor writes to it.
     """
 
     name = "ngram"
@@ -142,6 +148,7 @@ class NgramDrafter:
         max_occurrences: int = 12,
         max_depth: int = 48,
         index=None,
+        memory=None,
     ) -> None:
         self.max_n = max_n
         self.min_n = min_n
@@ -150,27 +157,56 @@ class NgramDrafter:
         if index is None:
             index = _native_ngram().NativeNgramIndex(max_n) if native.enabled() else NgramIndex(max_n)
         self.index = index
+        self.memory = memory
+        self.memory_bucket_offset = _PRIOR.size
         self.tracker = AcceptanceTracker(_PRIOR)
+        # the memory's buckets have their own tracker: a request whose memory drafts fail
+        # lowers their estimates (its request factor), not those of its own n-grams
+        self.memory_tracker = AcceptanceTracker(memory.rates()) if memory is not None else None
+        self._folded = None if memory is None else (self.memory_tracker.acc.copy(), self.memory_tracker.n.copy())
+        self._use_memory = self._next_use_memory = memory is not None
+        self._written: np.ndarray | None = None  # the last text this drafter wrote to the memory
+        self._in_request = False
+        self._mem_params = None
+        self._mem_buf: _MemoryBuffers | None = None
         self._trie = None  # native.ngram.TrieBuilder, made on first use
         self._depth_tables: dict[int, np.ndarray] = {}
 
     # -- protocol -----------------------------------------------------------------------------
 
+    def set_sampling(self, sampler) -> None:
+        """Called before ``begin``: the request's ``SamplingParams.draft_memory`` says whether
+        it may use the drafting memory."""
+        self._next_use_memory = self.memory is not None and getattr(sampler.params, "draft_memory", True)
+
     def begin(self, history: Sequence[int], context: Sequence[Sequence[int]] = ()) -> None:
-        """Index ``context`` (extra token sequences to draft from) followed by ``history``."""
+        """Index ``context`` (extra token sequences to draft from) followed by ``history``
+        (first writing the previous request to the memory)."""
+        self._end_request()
+        self._use_memory, self._next_use_memory = self._next_use_memory, self.memory is not None
+        self._in_request = True
         toks: list[int] = []
         for c in context:
             toks.extend(c)
         toks.extend(history)
         self.index.reset(toks)
         self.tracker.reset_request()
+        if self.memory_tracker is not None:
+            self.memory_tracker.reset_request()
 
     def accept(self, tokens: Sequence[int]) -> None:
         self.index.extend(tokens)
 
     def propose(self, max_depth: int, max_nodes: int) -> TokenTree:
+        tree = self._propose_ngram(max_depth, max_nodes, np.asarray(self.tracker.estimates(), dtype=np.float64))
+        if self._use_memory and self.memory.n_written and min(max_depth, self.max_depth) > 0 and max_nodes > 1:
+            est = np.asarray(self.memory_tracker.estimates(), dtype=np.float64)
+            tree = self._merge_memory(tree, min(max_depth, self.max_depth), max_nodes, est)
+        return tree
+
+    def _propose_ngram(self, max_depth: int, max_nodes: int, est: np.ndarray) -> TokenTree:
         if native.AVAILABLE and isinstance(self.index, _native_ngram().NativeNgramIndex):
-            return self._propose_native(max_depth, max_nodes)
+            return self._propose_native(max_depth, max_nodes, est)
         toks = self.index.tokens
         builder = TreeBuilder(toks[-1])
         depth_cap = min(max_depth, self.max_depth)
@@ -214,7 +250,7 @@ class NgramDrafter:
         for i in range(1, n):
             kids[parents[i]].append(i)
         buckets = [0] * n
-        est = self.tracker.estimates()
+        est = est.tolist()
         for p in range(n):
             ks = kids[p]
             if not ks:
@@ -230,7 +266,7 @@ class NgramDrafter:
         builder.feature = buckets
         return builder.build()
 
-    def _propose_native(self, max_depth: int, max_nodes: int) -> TokenTree:
+    def _propose_native(self, max_depth: int, max_nodes: int, est: np.ndarray) -> TokenTree:
         """``propose`` with the trie built in C from the native index (same tree)."""
         depth_cap = min(max_depth, self.max_depth)
         if depth_cap <= 0 or max_nodes <= 1 or len(self.index) < 2:
@@ -244,12 +280,9 @@ class NgramDrafter:
                 len_edges=_LEN_EDGES,
                 n_rank=_N_RANK,
             )
-        depths = self._depth_tables.get(depth_cap)
-        if depths is None:
-            k = max(_MAX_MATCH, self.max_n) + 1
-            depths = self._depth_tables[depth_cap] = np.array([_occurrence_depth(m, depth_cap) for m in range(k)], dtype=np.int32)
+        depths = self._depths(depth_cap)
         trie = self._trie.build(
-            self.index, depth_cap=depth_cap, node_cap=_node_cap(max_nodes), depth_by_match=depths, estimates=self.tracker.estimates()
+            self.index, depth_cap=depth_cap, node_cap=_node_cap(max_nodes), depth_by_match=depths, estimates=est
         )
         n = trie.token_ids.size
         source = np.full(n, int(TokenSource.NGRAM), dtype=np.int8)
@@ -264,10 +297,123 @@ class NgramDrafter:
             feature=trie.bucket,
         )
 
+    def _depths(self, depth_cap: int) -> np.ndarray:
+        depths = self._depth_tables.get(depth_cap)
+        if depths is None:
+            k = max(_MAX_MATCH, self.max_n) + 1
+            depths = self._depth_tables[depth_cap] = np.array([_occurrence_depth(m, depth_cap) for m in range(k)], dtype=np.int32)
+        return depths
+
+    def _merge_memory(self, tree: TokenTree, depth_cap: int, max_nodes: int, est: np.ndarray) -> TokenTree:
+        """``tree`` with the memory's continuations of the history merged in (C,
+        ``DraftMemory.draft_into``)."""
+        from .memory import LEN_EDGES, MAX_MATCH, N_RANK
+
+        mem = self.memory
+        n_in = tree.n_nodes
+        cap = n_in + _node_cap(max_nodes)
+        buf = self._mem_buf
+        if buf is None or buf.cap < cap:
+            buf = self._mem_buf = _MemoryBuffers(max(cap, 256))
+        if self._mem_params is None:
+            from ..native import _lib
+
+            p = _lib.DraftParams()
+            self._mem_edges = np.ascontiguousarray(LEN_EDGES, dtype=np.int32)
+            p.min_n, p.max_n = mem.min_n, mem.max_n
+            p.max_occurrences, p.max_match = mem.max_occurrences, MAX_MATCH
+            p.n_len_edges, p.len_edges, p.n_rank = self._mem_edges.size, self._mem_edges.ctypes.data, N_RANK
+            self._mem_params = p
+        p = self._mem_params
+        depths = self._depths(depth_cap)
+        est = np.ascontiguousarray(est)
+        p.depth_cap, p.node_cap = depth_cap, cap
+        p.n_depth_by_match, p.depth_by_match, p.estimates = depths.size, depths.ctypes.data, est.ctypes.data
+        buf.tok[:n_in] = tree.token_ids
+        buf.par[:n_in] = tree.parents
+        buf.dep[:n_in] = tree.depth
+        buf.score[:n_in] = tree.score
+        buf.bucket[:n_in] = tree.feature if tree.feature is not None else 0
+        if isinstance(self.index, NgramIndex):
+            query = np.asarray(self.index.tokens[-(MAX_MATCH + 1) :], dtype=np.int32)
+        else:
+            query = self.index.tail(MAX_MATCH + 1)
+        n = mem.draft_into(query, buf, params=p, n_in=n_in, bucket_offset=self.memory_bucket_offset, cap=cap)
+        if n == n_in and np.array_equal(tree.score, buf.score[:n]):
+            return tree  # nothing merged
+        source = np.full(n, int(TokenSource.NGRAM), dtype=np.int8)
+        source[0] = int(TokenSource.DECODE)
+        return TokenTree(
+            token_ids=buf.tok[:n].copy(),
+            parents=buf.par[:n].copy(),
+            depth=buf.dep[:n].copy(),
+            source=source,
+            score=buf.score[:n].copy(),
+            draft_probs=np.full(n, np.nan, dtype=np.float32),
+            feature=buf.bucket[:n].copy(),
+        )
+
     def observe(self, tree: TokenTree, emitted: Sequence[int]) -> None:
         """Learn from a step: ``tree`` as proposed (before the policy pruned it) and the tokens
-        the target emitted (see ``AcceptanceTracker.learn``)."""
-        self.tracker.learn(tree, emitted)
+        the target emitted (see ``AcceptanceTracker.learn``); memory nodes teach the memory's
+        tracker."""
+        mt = self.memory_tracker
+        if mt is None:
+            self.tracker.learn(tree, emitted)
+            return
+        if tree.n_nodes > 1 and tree.feature is not None:
+            k = self.memory_bucket_offset
+            for c, hit in tried_nodes(tree, emitted):
+                b = int(tree.feature[c])
+                if b >= k:
+                    mt.record(b - k, hit)
+                else:
+                    self.tracker.record(b, hit)
+        self.tracker.end_step()
+        mt.end_step()
+
+    def _end_request(self) -> None:
+        """Write the request that ran (context, prompt, output) to the memory unless it opted
+        out, and give the memory what the tracker learned about its buckets."""
+        if self.memory is None or not self._in_request:
+            return
+        self._in_request = False
+        mt = self.memory_tracker
+        self.memory.fold(mt.acc - self._folded[0], mt.n - self._folded[1])
+        self._folded = (mt.acc.copy(), mt.n.copy())
+        if not self._use_memory:
+            return
+        toks = np.asarray(self.index.tokens, dtype=np.int32)
+        start = 0
+        last = self._written
+        if last is not None:  # the engine's next request repeats the last one's text (a chat): write what is new
+            m = min(last.size, toks.size)
+            diff = np.flatnonzero(last[:m] != toks[:m])
+            common = int(diff[0]) if diff.size else m
+            if common == toks.size:
+                return
+            start = max(0, common - _MEMORY_OVERLAP)
+        self.memory.write(toks[start:])
+        self._written = toks
 
     def close(self) -> None:
-        pass
+        """End the current request (write it to the memory)."""
+        self._end_request()
+
+
+# a text that continues the previous one is written from this many tokens before it differs
+# (so that its first n-grams have their context)
+_MEMORY_OVERLAP = 16
+
+
+class _MemoryBuffers:
+    """Node buffers ``DraftMemory.draft_into`` merges into (reused between steps)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.tok = np.empty(cap, dtype=np.int32)
+        self.par = np.empty(cap, dtype=np.int32)
+        self.dep = np.empty(cap, dtype=np.int32)
+        self.bucket = np.empty(cap, dtype=np.int32)
+        self.score = np.empty(cap, dtype=np.float64)
+        self.addr = tuple(a.ctypes.data for a in (self.tok, self.par, self.dep, self.score, self.bucket))

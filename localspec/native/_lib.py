@@ -9,7 +9,7 @@ import os
 from ctypes import POINTER, c_double, c_float, c_int8, c_int32, c_int64, c_uint64, c_void_p
 from pathlib import Path
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 # error codes (LS_ERR_*)
 ERR_BANNED = -1
@@ -121,6 +121,16 @@ _SIGNATURES = {
     "ls_ngram_tokens": (c_int64, [c_void_p, c_int64, c_int64, _P]),
     "ls_ngram_lookup": (c_int32, [c_void_p, c_int32, c_int32, c_int32, _P, _P, _P]),
     "ls_ngram_draft": (c_int32, [c_void_p, POINTER(DraftParams), c_int32, _P, _P, _P, _P, _P, _P, _P]),
+    "ls_memory_bytes": (c_int64, [c_int64, c_int32]),
+    "ls_memory_new": (c_void_p, [c_int64, c_int32, c_int32]),
+    "ls_memory_free": (None, [c_void_p]),
+    "ls_memory_stats": (None, [c_void_p, _P]),
+    "ls_memory_write": (c_int32, [c_void_p, _P, c_int64]),
+    "ls_memory_tokens": (c_int64, [c_void_p, c_int64, c_int64, _P]),
+    "ls_memory_draft": (
+        c_int32,
+        [c_void_p, _P, c_int64, POINTER(DraftParams), c_double, c_int32, c_int32, c_int32, _P, _P, _P, _P, _P, _P],
+    ),
     "ls_gemv_t": (c_int32, [_P, c_int64, c_int64, _P, c_void_p, _P, c_int32]),
     "ls_gemm_t": (c_int32, [_P, c_int64, c_int64, _P, c_int64, _P, c_int32]),
     "ls_tap_new": (c_void_p, [c_int32, c_void_p, c_int64, c_int64, c_int64, c_int64, c_void_p]),

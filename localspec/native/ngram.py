@@ -59,6 +59,15 @@ class NativeNgramIndex:
         lib.ls_ngram_tokens(self._ptr, n - 1, 1, out.ctypes.data)
         return int(out[0])
 
+    def tail(self, n: int) -> np.ndarray:
+        """[min(n, len)] int32 copy of the last ``n`` history tokens."""
+        size = int(lib.ls_ngram_len(self._ptr))
+        k = min(max(0, int(n)), size)
+        out = np.empty(k, dtype=np.int32)
+        if k:
+            lib.ls_ngram_tokens(self._ptr, size - k, k, out.ctypes.data)
+        return out
+
     def append(self, token: int) -> None:
         self.extend([token])
 

@@ -8,7 +8,9 @@ Requests follow the OpenAI API reference (fields: ``model``, ``prompt`` / ``mess
 ``presence_penalty``, ``frequency_penalty``, ``response_format`` with ``json_object`` or
 ``json_schema``, ``n`` = 1), and localspec's **LOSSY** opt-in ``accept_threshold_single`` /
 ``accept_threshold_acc`` (numbers in (0, 1]; below 1 the reply's ``timings`` say ``"lossy": true``,
-see ``localspec.verify.verify_thresholds``). A JSON schema becomes a GBNF grammar through llama.cpp's own
+see ``localspec.verify.verify_thresholds``), and ``draft_memory`` (a boolean; false keeps the
+request's text out of the server's drafting memory: it neither drafts from it nor is written to
+it; docs/drafters.md#drafting-memory). A JSON schema becomes a GBNF grammar through llama.cpp's own
 converter (``llama_cpp.llama_grammar.json_schema_to_gbnf``). Fields a request leaves out take
 the server's command-line sampling defaults, as llama.cpp's server does.
 
@@ -253,6 +255,11 @@ def parse_oai(kind: str, body: Any, defaults: SamplingParams) -> OAIRequest:
         cache_prompt = True
     if not isinstance(cache_prompt, bool):
         raise OAIError("'cache_prompt' must be a boolean", param="cache_prompt")
+    draft_memory = body.get("draft_memory")  # localspec extension: keep this request out of the drafting memory
+    if draft_memory is not None:
+        if not isinstance(draft_memory, bool):
+            raise OAIError(f"'draft_memory' must be a boolean, got {json.dumps(draft_memory)}", param="draft_memory")
+        kw["draft_memory"] = draft_memory and defaults.draft_memory
     for key in ("accept_threshold_single", "accept_threshold_acc"):  # LOSSY below 1 (localspec extension)
         v = body.get(key)
         if v is None:

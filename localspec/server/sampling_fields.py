@@ -85,6 +85,7 @@ class SamplerFields:
     dynatemp_range: float = 0.0
     accept_threshold_single: float | None = None
     accept_threshold_acc: float | None = None
+    draft_memory: bool = True  # False: keep this request out of the drafting memory (localspec extension)
 
 
 def get_threshold(body: Mapping[str, Any], key: str) -> float | None:
@@ -152,6 +153,7 @@ def parse_sampler_fields(body: Mapping[str, Any]) -> SamplerFields:
     f.dynatemp_range = get_float(body, "dynatemp_range", 0.0)
     f.accept_threshold_single = get_threshold(body, "accept_threshold_single")
     f.accept_threshold_acc = get_threshold(body, "accept_threshold_acc")
+    f.draft_memory = get_bool(body, "draft_memory", True)
     return f
 
 
@@ -243,6 +245,7 @@ def resolve_sampling(f: SamplerFields, defaults: SamplingParams, model) -> Sampl
     kw["verify"] = defaults.verify
     kw["accept_threshold_single"] = pick(f.accept_threshold_single, defaults.accept_threshold_single)
     kw["accept_threshold_acc"] = pick(f.accept_threshold_acc, defaults.accept_threshold_acc)
+    kw["draft_memory"] = f.draft_memory and defaults.draft_memory
     kw["logit_bias"] = _logit_bias(f, model)
     kw["grammar"] = _grammar(f, defaults)
 

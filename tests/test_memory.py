@@ -1,0 +1,419 @@
+"""The drafting memory (issue 29): what it drafts, its bound and eviction, opt-out, files,
+concurrency, and outputs that do not depend on it (alone and batched, greedy and seeded)."""
+
+import dataclasses
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import fixed_cost_model
+from localspec import SamplingParams
+from localspec.drafters import make_drafter
+from localspec.drafters.memory import DraftMemory, MemoryFileError
+from localspec.drafters.ngram import NgramDrafter
+from localspec.scheduler import BatchScheduler
+
+
+def memory_nodes(drafter: NgramDrafter, tree) -> list[int]:
+    """Token ids of the nodes that carry a memory bucket."""
+    return [int(t) for t, b in zip(tree.token_ids[1:], tree.feature[1:]) if b >= drafter.memory_bucket_offset]
+
+
+def path_tokens(tree, node: int) -> list[int]:
+    return [int(tree.token_ids[i]) for i in tree.path_to(node)]
+
+
+def test_memory_drafts_what_followed_the_suffix_in_an_earlier_request():
+    mem = DraftMemory(1)
+    mem.write([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    d = NgramDrafter(memory=mem)
+    d.begin([50, 60, 2, 3, 4])  # the request's own history has no earlier 4
+    tree = d.propose(16, 32)
+    assert memory_nodes(d, tree)[:6] == [5, 6, 7, 8, 9, 10]
+    assert tree.is_chain()
+    assert np.all(np.diff(tree.score) <= 0) and 0 < tree.score[-1] < 1
+    # without a memory nothing is drafted
+    plain = NgramDrafter()
+    plain.begin([50, 60, 2, 3, 4])
+    assert plain.propose(16, 32).n_nodes == 1
+
+
+def test_continuations_are_weighted_by_frequency_and_rare_ones_dropped():
+    mem = DraftMemory(1)
+    for _ in range(9):
+        mem.write([7, 8, 9, 100, 101])
+    mem.write([7, 8, 9, 200, 201])  # share 1/10: kept (>= 0.1), scored lower
+    d = NgramDrafter(memory=mem)
+    d.begin([1, 7, 8, 9])
+    tree = d.propose(8, 32)
+    kids = {int(tree.token_ids[c]): c for c in tree.children(0)}
+    assert set(kids) == {100, 200}
+    assert tree.score[kids[100]] > tree.score[kids[200]]
+    for _ in range(10):  # now 1/20 < 0.1: dropped
+        mem.write([7, 8, 9, 100, 101])
+    d.begin([1, 7, 8, 9])
+    tree = d.propose(8, 32)
+    assert [int(tree.token_ids[c]) for c in tree.children(0)] == [100]
+
+
+def test_memory_nodes_merge_with_the_requests_own_ngram_tree():
+    mem = DraftMemory(1)
+    mem.write([3, 4, 5, 6, 7])
+    d = NgramDrafter(memory=mem)
+    d.begin([3, 4, 9, 9, 3, 4])  # own history: 4 was followed by 9; the memory says 5
+    tree = d.propose(8, 32)
+    first = sorted(int(tree.token_ids[c]) for c in tree.children(0))
+    assert first == [5, 9]
+    # the same token proposed by both appears once
+    mem.write([3, 4, 9, 9, 1])
+    tree = d.propose(8, 32)
+    assert sorted(int(tree.token_ids[c]) for c in tree.children(0)) == [5, 9]
+
+
+def test_the_request_is_written_when_it_ends_and_an_opted_out_one_leaves_no_trace():
+    mem = DraftMemory(1)
+    d = make_drafter("ngram", memory=mem)
+    d.begin([11, 12, 13])
+    d.accept([14, 15])
+    assert mem.documents() == []
+    d.close()
+    assert [x.tolist() for x in mem.documents()] == [[11, 12, 13, 14, 15]]
+    # a request that opts out: it drafts nothing from the memory and writes nothing
+    before = mem.stored().copy()
+
+    class Req:
+        params = dataclasses.replace(SamplingParams.greedy(), draft_memory=False)
+
+    d.set_sampling(Req())
+    d.begin([40, 12, 13])
+    tree = d.propose(8, 32)
+    assert tree.n_nodes == 1  # 12 13 -> 14 15 is in the memory, but not for this request
+    d.accept([14, 77])
+    d.close()
+    np.testing.assert_array_equal(mem.stored(), before)
+    assert mem.info().observations == 0
+    # the next request (not opted out) reads it again
+    d.begin([40, 12, 13])
+    assert path_tokens(d.propose(8, 32), 2) == [14, 15]
+
+
+def test_a_chat_that_repeats_its_history_writes_only_what_is_new():
+    mem = DraftMemory(1)
+    d = NgramDrafter(memory=mem)
+    turn1 = list(range(100, 140))
+    d.begin(turn1)
+    d.close()
+    d.begin(turn1 + [7, 8, 9])
+    d.close()
+    docs = mem.documents()
+    assert len(docs) == 2 and docs[1].tolist() == (turn1 + [7, 8, 9])[-(3 + 16) :]
+
+
+def test_eviction_keeps_the_store_within_its_budget_and_the_newest_text():
+    mem = DraftMemory(0.25)
+    cap = mem.capacity
+    rng = np.random.default_rng(0)
+    first = rng.integers(0, 1000, 50).tolist()
+    mem.write(first)
+    for _ in range(4 * cap // 100):
+        mem.write(rng.integers(0, 50000, 99).tolist())
+    last = rng.integers(0, 1000, 50).tolist()
+    mem.write(last)
+    info = mem.info()
+    assert info.bytes <= 0.25 * 2**20
+    assert info.written > 3 * cap and mem.stored().size == cap
+    d = NgramDrafter(memory=mem)
+    d.begin([1] + first[:10])
+    assert not memory_nodes(d, d.propose(8, 32))  # evicted
+    d.begin([1] + last[:10])
+    assert memory_nodes(d, d.propose(8, 32))[:5] == last[10:15]
+    # the table holds only what is stored: a draft reads at most max_occurrences occurrences
+    stats = np.zeros(6, dtype=np.int64)
+    mem._lib.ls_memory_stats(mem._ptr, stats.ctypes.data)
+    assert stats[3] <= cap * (mem.max_n - mem.min_n + 1) < stats[4]
+
+
+def test_lookup_reads_at_most_max_occurrences():
+    mem = DraftMemory(1, max_occurrences=5)
+    for i in range(100):
+        mem.write([1, 2, 3, 1000 + i])
+    d = NgramDrafter(memory=mem)
+    d.begin([9, 1, 2, 3])
+    tree = d.propose(4, 64)
+    assert mem._info[1] == 5  # occurrences read
+    assert sorted(int(tree.token_ids[c]) for c in tree.children(0)) == [1095, 1096, 1097, 1098, 1099]
+
+
+def test_concurrent_writers_and_drafters():
+    mem = DraftMemory(0.5)
+    errors = []
+
+    def worker(seed: int) -> None:
+        try:
+            rng = np.random.default_rng(seed)
+            d = NgramDrafter(memory=mem)
+            for _ in range(60):
+                doc = rng.integers(0, 300, 80).tolist()
+                d.begin(doc[:40])
+                for _ in range(3):
+                    tree = d.propose(16, 32)
+                    d.observe(tree, doc[40:42])
+                    d.accept(doc[40:42])
+                d.close()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(mem.documents()) > 0 and mem.info().observations > 0
+
+
+# -- files ----------------------------------------------------------------------------------
+
+
+def test_save_load_round_trip(tmp_path):
+    mem = DraftMemory(1, vocab="v1")
+    mem.write([1, 2, 3, 4])
+    mem.write([5, 6, 7])
+    mem.fold(np.arange(35.0), np.arange(35.0) * 2)
+    path = tmp_path / "m.lsmem"
+    mem.save(path)
+    back = DraftMemory.load(path, vocab="v1")
+    assert [x.tolist() for x in back.documents()] == [[1, 2, 3, 4], [5, 6, 7]]
+    np.testing.assert_array_equal(back.acc, mem.acc)
+    np.testing.assert_array_equal(back.n, mem.n)
+    assert (back.min_n, back.max_n, back.capacity) == (mem.min_n, mem.max_n, mem.capacity)
+    assert not list(tmp_path.glob(".draftmem-*"))  # no temporary file left
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "foreign", "not-a-memory", "version", "missing"])
+def test_bad_files_are_one_line_errors(tmp_path, damage):
+    mem = DraftMemory(1, vocab="v1")
+    mem.write(list(range(100)))
+    path = tmp_path / "m.lsmem"
+    mem.save(path)
+    data = bytearray(path.read_bytes())
+    vocab = "v1"
+    if damage == "corrupt":
+        data[-10] ^= 0xFF
+    elif damage == "truncated":
+        del data[-7:]
+    elif damage == "foreign":
+        vocab = "v2"
+    elif damage == "not-a-memory":
+        data[:5] = b"GGUF\x00"
+    elif damage == "version":
+        data[11] = 99
+    if damage == "missing":
+        path.unlink()
+    else:
+        path.write_bytes(bytes(data))
+    with pytest.raises(MemoryFileError) as e:
+        DraftMemory.load(path, vocab=vocab)
+    assert "\n" not in str(e.value) and str(path) in str(e.value)
+
+
+def test_save_refuses_without_a_vocabulary_and_keeps_the_old_file(tmp_path):
+    path = tmp_path / "m.lsmem"
+    good = DraftMemory(1, vocab="v1")
+    good.write([1, 2, 3])
+    good.save(path)
+    with pytest.raises(ValueError):
+        DraftMemory(1).save(path)
+    assert DraftMemory.load(path).documents()[0].tolist() == [1, 2, 3]
+
+
+# -- with the real model: outputs never depend on the memory --------------------------------
+
+PROMPTS = [
+    "def fibonacci(n):\n    ",
+    "def fibonacci(n):\n    \"\"\"Return the n-th number.\"\"\"\n    ",
+    "List of primes: 2, 3, 5, 7, 11,",
+]
+N = 32
+
+
+@pytest.fixture(scope="module")
+def plain(engine):
+    s = SamplingParams(temperature=0.8, seed=1234)
+    out = {"greedy": [], "seeded": []}
+    for p in PROMPTS:
+        out["greedy"].append(engine.generate(p, max_tokens=N, sampling=SamplingParams.greedy(), speculative=False).token_ids)
+        out["seeded"].append(engine.generate(p, max_tokens=N, sampling=s, speculative=False).token_ids)
+    return out
+
+
+def test_engine_outputs_with_memory_equal_plain(model, plain):
+    from localspec import Engine
+
+    mem = DraftMemory(4)
+    with Engine(model, drafter="ngram", n_ctx=1024, cost_model=fixed_cost_model(), draft_memory=mem) as e:
+        for _ in range(2):  # the second round drafts from the first one's outputs
+            assert [e.generate(p, max_tokens=N, sampling=SamplingParams.greedy()).token_ids for p in PROMPTS] == plain["greedy"]
+        s = SamplingParams(temperature=0.8, seed=1234)
+        rs = [e.generate(p, max_tokens=N, sampling=s) for p in PROMPTS]
+        assert [r.token_ids for r in rs] == plain["seeded"]
+    assert len(mem.documents()) >= 3
+    assert mem.info().observations > 0
+
+
+def test_batched_outputs_with_memory_equal_plain(model, plain):
+    mem = DraftMemory(4)
+    for round_ in range(2):
+        for sampling, key in ((SamplingParams.greedy(), "greedy"), (SamplingParams(temperature=0.8, seed=1234), "seeded")):
+            sched = BatchScheduler(model, parallel=3, n_ctx=256, cost_model=fixed_cost_model(), draft_memory=mem)
+            try:
+                jobs = [sched.submit(model.tokenize(p), max_tokens=N, sampling=sampling) for p in PROMPTS]
+                sched.run_until_idle()
+                assert [j.wait().token_ids for j in jobs] == plain[key]
+            finally:
+                sched.close()
+    assert len(mem.documents()) >= 6
+
+
+def test_engine_memory_drafts_a_repeated_request(model):
+    """A mutation that dropped the memory's drafts (or its writes) fails here: a repeated
+    prompt accepts more of its tokens than the same request opted out of the memory."""
+    from localspec import Engine
+
+    mem = DraftMemory(4)
+    p = "def is_prime(n):\n"
+    g = SamplingParams.greedy()
+    with Engine(model, drafter="ngram", n_ctx=1024, cost_model=fixed_cost_model(), draft_memory=mem) as e:
+        first = e.generate(p, max_tokens=N, sampling=g)
+        e.generate("Unrelated text in between.", max_tokens=4, sampling=g)
+        off = e.generate(p, max_tokens=N, sampling=dataclasses.replace(g, draft_memory=False))
+        on = e.generate(p, max_tokens=N, sampling=g)
+        secret = "My password is hunter2 and"
+        e.generate(secret, max_tokens=4, sampling=dataclasses.replace(g, draft_memory=False))
+    # the opted-out requests were not written (the last document is the last request that was)
+    docs = mem.documents()
+    assert len(docs) == 3 and docs[-1].tolist()[-len(on.token_ids) :] == on.token_ids
+    assert on.token_ids == off.token_ids == first.token_ids
+    assert on.stats.num_accepted_tokens >= 0.75 * len(first.token_ids)
+    assert on.stats.num_accepted_tokens > off.stats.num_accepted_tokens
+
+
+# -- request fields -------------------------------------------------------------------------
+
+
+def test_server_request_fields_opt_out():
+    from localspec.server.fields import RequestError
+    from localspec.server.openai import OAIError, parse_oai
+    from localspec.server.sampling_fields import parse_sampler_fields, resolve_sampling
+
+    class Vocab:
+        n_vocab = 10
+
+        def tokenize(self, text, **kw):
+            return [1]
+
+    d = SamplingParams()
+    assert parse_oai("completion", {"prompt": "x", "draft_memory": False}, d).sampling.draft_memory is False
+    assert parse_oai("completion", {"prompt": "x"}, d).sampling.draft_memory is True
+    with pytest.raises(OAIError):
+        parse_oai("completion", {"prompt": "x", "draft_memory": "no"}, d)
+    plan = resolve_sampling(parse_sampler_fields({"draft_memory": False}), d, Vocab())
+    assert plan.params.draft_memory is False
+    assert resolve_sampling(parse_sampler_fields({}), d, Vocab()).params.draft_memory is True
+    with pytest.raises(RequestError):
+        parse_sampler_fields({"draft_memory": 0})
+
+
+# -- commands -------------------------------------------------------------------------------
+
+
+def run_cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "localspec", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_memory_build_and_info(tmp_path):
+    src = tmp_path / "proj"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "a.py").write_text("def add(a, b):\n    return a + b\n")
+    (src / "b.txt").write_text("hello world\n")
+    (src / "blob.bin").write_bytes(b"\x00\x01\x02")
+    (src / ".git").mkdir()
+    (src / ".git" / "config").write_text("not me\n")
+    out = tmp_path / "m.lsmem"
+    r = run_cli("memory", "build", str(src), "--out", str(out), "--mib", "1")
+    assert r.returncode == 0, r.stderr
+    assert "2 files" in r.stderr and "1 skipped" in r.stderr
+    r = run_cli("memory", "info", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+    import json
+
+    info = json.loads(r.stdout)
+    assert info["documents"] == 2 and info["tokens"] > 10 and len(info["vocab"]) == 64
+    out.write_bytes(out.read_bytes()[:-3])
+    r = run_cli("memory", "info", str(out))
+    assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and "truncated" in r.stderr
+
+
+def test_generate_with_a_bad_memory_file_goes_on_and_saves_a_good_one(tmp_path):
+    path = tmp_path / "m.lsmem"
+    path.write_bytes(b"LSDRAFTMEM\ngarbage")
+    r = run_cli("generate", "def add(a, b):", "-n", "8", "--temperature", "0", "--json", "--draft-memory", str(path))
+    assert r.returncode == 0, r.stderr
+    assert [x for x in r.stderr.splitlines() if str(path) in x] == [
+        f"localspec: {path} is not a localspec drafting memory; starting with an empty drafting memory"
+    ]
+    mem = DraftMemory.load(path)
+    import json
+
+    out = json.loads(r.stdout)
+    (doc,) = mem.documents()
+    assert doc.tolist()[-len(out["token_ids"]) :] == out["token_ids"]
+    # --no-draft-memory: the file is neither read nor written
+    before = path.read_bytes()
+    r = run_cli("generate", "def sub(a, b):", "-n", "4", "--temperature", "0", "--draft-memory", str(path), "--no-draft-memory")
+    assert r.returncode == 0, r.stderr
+    assert path.read_bytes() == before
+
+
+def test_auto_drafts_from_the_memory_through_its_ngram_part():
+    mem = DraftMemory(1)
+    mem.write([1, 2, 3, 4, 5])
+    d = make_drafter("auto", memory=mem)
+    assert d.ngram.memory is mem
+    d.begin([9, 2, 3])
+    assert [int(t) for t in d.propose(8, 32).token_ids[1:3]] == [4, 5]
+    assert make_drafter("ngram").memory is None
+
+
+def test_bench_memory_runs_requests_in_order_with_identical_outputs(engine):
+    from localspec.bench.memory import code_workload, format_report, run_memory_bench
+
+    prompts = code_workload(2)
+    seen = []
+    rep = run_memory_bench(engine, [("code", prompts), ("again", prompts[:1])], max_tokens=12,
+                           on_request=lambda name, i, a, b: seen.append((name, i)))  # fmt: skip
+    assert seen == [("code", 0), ("code", 1), ("again", 0)]
+    assert [w["identical"] for w in rep["workloads"]] == [True, True]
+    again = rep["workloads"][1]
+    # the repeated prompt drafts its whole output from the memory: fewer target calls
+    assert again["on"]["steps"] < again["off"]["steps"]
+    assert rep["memory"]["documents"] == 3
+    assert "again" in format_report(rep) and engine.drafter_name == "ngram"
+
+
+def test_replay_counts_target_calls_with_and_without_memory():
+    from localspec.bench.memory import replay
+
+    rng = np.random.default_rng(3)
+    out = rng.integers(100, 5000, 60).tolist()
+    reqs = [{"prompt": [1, 2, 3], "output": out}, {"prompt": [1, 2, 4], "output": out}]
+    (row,) = replay([{"name": "w", "requests": reqs}], budget=16)
+    assert row["tokens"] == 120
+    # the first request has nothing to draft from (random tokens): one call per token, both sides
+    # the second repeats the first: only the memory drafts it
+    assert row["calls_off"] == 120
+    assert row["calls_on"] < 60 + 60 // 4
