@@ -403,12 +403,12 @@ def test_cli_medusa_flag_and_errors(capsys, tmp_path, model_path):
         assert rc != 0 and len(lines) == 1 and "Traceback" not in err, err
         return lines[0]
 
-    assert "does not exist" in one_line_error(
-        ["generate", "Hi", "--drafter", "medusa", "--medusa", str(tmp_path / "none.gguf"), "-n", "2"])
+    assert "none.gguf" in (msg0 := one_line_error(
+        ["generate", "Hi", "--drafter", "medusa", "--medusa", str(tmp_path / "none.gguf"), "-n", "2"])) and "not found" in msg0
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf at all")
     msg = one_line_error(["generate", "Hi", "--drafter", "medusa", "--medusa", str(bad), "-n", "2"])
-    assert "not a readable GGUF" in msg
+    assert "bad.gguf is not a GGUF file" in msg
     assert main(["generate", "The capital of France is", "--drafter", "medusa", "-n", "8", "--temperature", "0", "--json"]) == 0
     out = capsys.readouterr().out
     assert '"drafter": "medusa"' in out
