@@ -73,7 +73,7 @@ def test_code_dataset_is_package_data():
     from pathlib import Path
 
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-    assert "data/*.jsonl" in pyproject["tool"]["setuptools"]["package-data"]["localspec.bench"]
+    assert "*.jsonl" in pyproject["tool"]["setuptools"]["package-data"]["localspec.bench.data"]
     json.loads(resolve_dataset("code").read_text().splitlines()[0])
 
 

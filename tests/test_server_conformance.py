@@ -220,10 +220,15 @@ def test_editor_health_shows_the_running_request(service):
         # fraction of one (greedy text that loops is drafted and over before /health answers)
         body = {"prompt": "Once upon a time", "n_predict": 400, "ignore_eos": True, "stream": True,
                 "temperature": 1.5, "samplers": ["temperature"], "seed": 1, "speculative.n_max": 0}  # fmt: skip
+        seen = None
         with h.stream("POST", "/completion", json=body) as resp:
-            next(resp.iter_lines())  # the first piece: the request runs
-            st = h.get("/health").json()
-        assert st["slots_processing"] == 1 and st["requests_waiting"] == 0 and st["last_step_age_s"] >= 0
+            for _line in resp.iter_lines():  # pieces while the request runs: /health shows it
+                st = h.get("/health").json()
+                if st["slots_processing"] == 1:
+                    seen = st
+                    break
+        assert seen is not None, "no /health answer showed the running request"
+        assert seen["requests_waiting"] == 0 and seen["last_step_age_s"] >= 0
         deadline = time.monotonic() + 600
         while h.get("/health").json()["slots_processing"]:  # the disconnect cancels it
             assert time.monotonic() < deadline
