@@ -43,7 +43,7 @@ and drafts stop paying, so speculation fades, and it returns when the batch empt
 decoded in one ``llama_decode`` with the prompt pieces, then verified, committed and emitted
 per request. The scheduler keeps only admission, prompt pieces, the prompt cache and
 compaction. Every drafter runs here: each slot makes its own (the engine's name and options)
-on its first request and keeps it from request to request.
+when it starts and keeps it from request to request.
 """
 
 from __future__ import annotations
@@ -286,6 +286,12 @@ class BatchScheduler:
             probe.close()
         self._tap = self._norm_tap = None
         self._make_context()
+        try:
+            self._make_drafters()
+        except BaseException:
+            self._close_drafters()
+            self.ctx.close()
+            raise
         self.kv_size = self.ctx.n_ctx
         self.n_batch = n_batch
         if cost_model is None:
@@ -464,6 +470,7 @@ class BatchScheduler:
             m.reload_if_lost()  # a no-op when another user of the model did it
         self._close_drafters()  # model drafters may borrow the old context's tensors
         self._make_context()
+        self._make_drafters()
 
     def step(self) -> None:
         """End cancelled / finished requests, admit waiting ones into the free slots, then run
@@ -672,8 +679,9 @@ class BatchScheduler:
         self._ctx_generation = self.model.generation
 
     def _slot_drafter(self, index: int):
-        """Slot ``index``'s drafter, made and attached to the target on its first request (it
-        keeps its state from request to request, as the engine's drafter does), or None."""
+        """Slot ``index``'s drafter, made and attached to the target when the scheduler (or its
+        context) is made; it keeps its state from request to request, as the engine's drafter
+        does. None without a drafter."""
         if self.drafter_name == "none":
             return None
         d = self._drafters[index]
@@ -689,6 +697,13 @@ class BatchScheduler:
                 raise
             self._drafters[index] = d
         return d
+
+    def _make_drafters(self) -> None:
+        """Every slot's drafter, made and attached now rather than on the slot's first request
+        (a model drafter loads its head or draft model and makes a context: seconds that a
+        request arriving at a fresh slot would otherwise wait)."""
+        for i in range(self.parallel):
+            self._slot_drafter(i)
 
     def _close_drafters(self) -> None:
         """Close every slot's drafter (made again on demand)."""
