@@ -9,7 +9,7 @@ import os
 import pytest
 
 from conftest import FIXED_COSTS_US, fixed_cost_model
-from localspec.costmodel import CostModel, calibrate, load_during_calibration
+from localspec.costmodel import calibrate, load_during_calibration
 from localspec.policy import SpeculationPolicy
 from localspec.tree import TokenSource, TokenTree
 
