@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from .backend import Context, Model, SequenceCache
+from .backend.kv import common_prefix
 from .costmodel import CostModel, calibrate
 from .backend.features import FeatureTap, FinalNormTap
 from .drafters import Drafter, DraftMemory, TargetHandle, resolve_drafter
@@ -492,11 +493,7 @@ class Engine:
         """Put the prompt but its last token in the KV cache, reusing the previous request's
         common prefix, and start the drafter on it."""
         prompt, drafter, cache = gen.prompt, gen.drafter, self.cache
-        common = 0
-        old = cache.tokens
-        limit = min(len(old), len(prompt) - 1)
-        while common < limit and old[common] == prompt[common]:
-            common += 1
+        common = common_prefix(cache.tokens, prompt[:-1])
         features = self._tap if feature_layers(drafter) else None
         if drafter is not None:
             if hasattr(drafter, "set_sampling"):
@@ -511,7 +508,7 @@ class Engine:
         cache.truncate(common)
         if gen.cancelled.is_set():
             raise _Cancelled
-        self._clear_taps()
+        self._step().clear_taps()
 
         def on_chunk(n_done: int, _n_total: int) -> None:
             rows = self._tap.take()
@@ -527,11 +524,6 @@ class Engine:
         if self._norm_tap is not None:
             self._norm_tap.clear()  # the prefill asks for no logits: no rows
         gen.stats.t_prefill_us = now_us() - gen.t_start_us
-
-    def _clear_taps(self) -> None:
-        for tap in (self._tap, self._norm_tap):
-            if tap is not None:
-                tap.clear()
 
     def _run(self, stream: GenerationStream, gen: Generation, draft_context: list[list[int]]) -> Iterator[StreamChunk]:
         """prefill -> (one step over this request)* -> finish; the KV keeps the prompt and the
@@ -569,7 +561,7 @@ class Engine:
             finally:
                 self._active_stream = None
                 self.ctx.clear_abort()
-                self._clear_taps()
+                self._step().clear_taps()
                 tail = gen.finish()
                 # KV: keep the prompt and the kept tokens that were decoded
                 self.cache.truncate(min(self.cache.n_past, len(gen.prompt) + len(gen.out_tokens)))

@@ -162,8 +162,8 @@ class Generation:
         the sampling state. Returns a last chunk with held-back text, or None. Idempotent."""
         if self.result is not None:
             return None
-        if reason is not None and self.finish_reason is None or reason in ("cancelled", "error"):
-            self.finish_reason = reason
+        if reason in ("cancelled", "error") or (reason is not None and self.finish_reason is None):
+            self.finish_reason = reason  # a cancel or an error overrides what emit found
         reason = self.finish_reason or "length"
         if self.assembler.stop_hit is not None:
             n = self.assembler.stop_hit.n_tokens

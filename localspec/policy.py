@@ -472,7 +472,7 @@ class SpeculationPolicy:
         with this policy's cost model, host cost, gain margin and bound)."""
         return allocate_nodes(
             candidates,
-            lambda b: self.cost.t_decode_us(b) + self.host_us(b),
+            self.step_us,
             n_fixed=n_fixed,
             max_nodes=max_nodes,
             t_extra_us=t_draft_us,
@@ -480,6 +480,10 @@ class SpeculationPolicy:
             calibrations=calibrations,
             cost_floor=self._cost_floor,
         ).sizes
+
+    def step_us(self, b: int) -> float:
+        """Expected time of a step whose batch holds ``b`` tokens (µs): decode plus host."""
+        return self.cost.t_decode_us(b) + self.host_us(b)
 
     def _cost_floor(self, lo: int, hi: int) -> float:
         """No step of ``lo..hi`` tokens costs less than this (µs): the cheapest decode of that
@@ -505,7 +509,7 @@ class SpeculationPolicy:
         limit = min(self.max_nodes, tree.n_nodes, max_nodes or self.max_nodes, calibration.trust_nodes())
         a = allocate_nodes(
             [tree],
-            lambda b: self.cost.t_decode_us(b) + self.host_us(b),
+            self.step_us,
             max_nodes=[limit],
             t_extra_us=t_draft_us,
             min_gain=self.min_gain,

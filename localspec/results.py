@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import native
+from .native import rows as native_rows
 from .sampling import top_k
 from .stats import GenerationStats
 from .tree import TokenSource
@@ -97,9 +99,6 @@ def token_logprobs(logits: np.ndarray, rows: Sequence[int], tokens: Sequence[int
     rows = [int(r) for r in rows]
     if not rows:
         return []
-    from . import native
-    from .native import rows as native_rows
-
     if native.enabled():
         lse = native_rows.rows_logsumexp(logits, rows)
     else:

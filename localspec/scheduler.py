@@ -56,9 +56,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from .backend import Model, SequenceCache
+from .backend.kv import common_prefix
 from .costmodel import CostModel, calibrate
 from .drafters import TargetHandle, resolve_drafter
 from .draft_limits import DraftLimits
@@ -158,16 +157,6 @@ class _CacheEntry:
     last_used: int
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    x = np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64)
-    i = int(np.argmax(x))
-    return n if not x[i] else i
-
-
 def _share_plan(seqs: Sequence[tuple[int, Sequence[int]]]) -> tuple[list[tuple[int, int, int | None, int]], int]:
     """How to put ``(seq, tokens)`` sequences back into an empty KV cache with shared prefixes
     stored once: per sequence, in order, ``(seq, n_tokens, parent, k)``: its first ``k`` cells
@@ -194,9 +183,12 @@ class _Slot:
 
     job: BatchJob
     index: int
-    base: int
     entry: Entry
     prefilling: bool = True  # the prompt is not all in KV yet (no tree decoded so far)
+
+    @property
+    def base(self) -> int:
+        return self.entry.kv.base
 
     @property
     def gen(self) -> Generation:
@@ -280,17 +272,18 @@ class BatchScheduler:
         self._ctx_args = dict(n_ctx=kv, n_batch=n_batch, n_seq_max=n_seq_max, n_threads=n_threads, flash_attn=flash_attn)
         self.drafter_options = dict(drafter_options or {})
         self._drafters: list = [None] * self.parallel  # each slot's drafter, kept between requests
-        probe = resolve_drafter(drafter, model, **self.drafter_options) if drafter != "none" else None
-        self._reads = (feature_layers(probe), reads_final_norm(probe))  # what the context must tap
-        if probe is not None:
-            probe.close()
+        first = self._new_drafter()  # slot 0's: it says what the context must tap
+        self._reads = (feature_layers(first), reads_final_norm(first))
         self._tap = self._norm_tap = None
-        self._make_context()
         try:
-            self._make_drafters()
+            self._make_context()
+            self._make_drafters(first)
         except BaseException:
+            if first is not None and self._drafters[0] is not first:
+                first.close()
             self._close_drafters()
-            self.ctx.close()
+            if getattr(self, "ctx", None) is not None:
+                self.ctx.close()
             raise
         self.kv_size = self.ctx.n_ctx
         self.n_batch = n_batch
@@ -558,7 +551,7 @@ class BatchScheduler:
 
     def _start(self, job: BatchJob, index: int, src: int | None, k: int) -> None:
         base = index * self.seqs_per_slot
-        drafter = self._slot_drafter(index) if job.speculative else None
+        drafter = self._drafters[index] if job.speculative else None
         state: RequestState = job._sampler  # type: ignore[attr-defined]
         gen = Generation(job.prompt, state, drafter,
                          calibration=self.policy.calibration.for_request() if drafter is not None else None,
@@ -568,7 +561,7 @@ class BatchScheduler:
         gen.stats.n_cached_tokens = k
         kv = SequenceCache(self.ctx, base=base, n_scratch=self.seqs_per_slot - 1, junk=self.junk_seq,
                            n_ctx=self.n_ctx_slot, max_tree_nodes=self.max_tree_nodes)  # fmt: skip
-        s = _Slot(job=job, index=index, base=base, entry=Entry(gen, kv))
+        s = _Slot(job=job, index=index, entry=Entry(gen, kv))
         if drafter is not None:
             if hasattr(drafter, "set_sampling"):
                 drafter.set_sampling(state)
@@ -678,35 +671,29 @@ class BatchScheduler:
         self.ctx, self._tap, self._norm_tap = tapped_context(self.model, *self._reads, **self._ctx_args)
         self._ctx_generation = self.model.generation
 
-    def _slot_drafter(self, index: int):
-        """Slot ``index``'s drafter, made and attached to the target when the scheduler (or its
-        context) is made; it keeps its state from request to request, as the engine's drafter
-        does. None without a drafter."""
+    def _new_drafter(self):
+        """A new drafter of the scheduler's name and options (not attached), or None."""
         if self.drafter_name == "none":
             return None
-        d = self._drafters[index]
-        if d is None:
-            d = resolve_drafter(self.drafter_name, self.model, memory=self.draft_memory, **self.drafter_options)
-            attach = getattr(d, "attach", None)
-            try:
-                if attach is not None:
-                    attach(TargetHandle(self.model, n_ctx=self.n_ctx_slot, n_threads=self.ctx.n_threads,
-                                        tensor_source=self.ctx, features=self._tap))  # fmt: skip
-            except BaseException:
-                d.close()
-                raise
-            self._drafters[index] = d
-        return d
+        return resolve_drafter(self.drafter_name, self.model, memory=self.draft_memory, **self.drafter_options)
 
-    def _make_drafters(self) -> None:
-        """Every slot's drafter, made and attached now rather than on the slot's first request
-        (a model drafter loads its head or draft model and makes a context: seconds that a
-        request arriving at a fresh slot would otherwise wait)."""
+    def _make_drafters(self, first=None) -> None:
+        """Every slot's drafter (``first``, if given, is slot 0's), attached to the current
+        context now rather than on the slot's first request (a model drafter loads its head or
+        draft model and makes a context: seconds that a request at a fresh slot would wait).
+        Each keeps its state from request to request, as the engine's drafter does."""
         for i in range(self.parallel):
-            self._slot_drafter(i)
+            d = first if i == 0 and first is not None else self._new_drafter()
+            if d is None:
+                return
+            self._drafters[i] = d  # closed by _close_drafters from here on
+            attach = getattr(d, "attach", None)
+            if attach is not None:
+                attach(TargetHandle(self.model, n_ctx=self.n_ctx_slot, n_threads=self.ctx.n_threads,
+                                    tensor_source=self.ctx, features=self._tap))  # fmt: skip
 
     def _close_drafters(self) -> None:
-        """Close every slot's drafter (made again on demand)."""
+        """Close every slot's drafter (``_make_drafters`` makes them again)."""
         for i, d in enumerate(self._drafters):
             if d is not None:
                 d.close()

@@ -21,7 +21,7 @@ request receives the rows of its own committed tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -111,12 +111,11 @@ class Proposal:
 
 @dataclass
 class StepTimes:
-    """Where one step's time went (µs): drafting, the decode, verification per request."""
+    """When one step started and its decode ran (µs, ``now_us``)."""
 
     t_start: float = 0.0
     t_decode0: float = 0.0
     t_decode1: float = 0.0
-    verify_us: list[float] = field(default_factory=list)
 
 
 class Step:
@@ -201,7 +200,7 @@ class Step:
         except BaseException:
             for e, r in zip(entries, rows):
                 e.kv.drop(r.lay)
-            self._clear_taps()
+            self.clear_taps()
             raise
         logits = self.ctx.logits()
         times.t_decode1 = now_us()
@@ -252,7 +251,8 @@ class Step:
                                 np.concatenate(outp))  # fmt: skip
         return int(self.batch.n_tokens)
 
-    def _clear_taps(self) -> None:
+    def clear_taps(self) -> None:
+        """Drop rows the taps captured and nobody took (a failed decode, a prefill)."""
         if self.tap is not None:
             self.tap.clear()
         if self.norm_tap is not None:

@@ -33,6 +33,17 @@ from .batch import Batch
 from .context import Context
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists (what a KV sequence holding ``a``
+    can keep for ``b``)."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x = np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64)
+    i = int(np.argmax(x))
+    return n if not x[i] else i
+
+
 def commit_plan(path: Sequence[int]) -> int:
     """How many accepted nodes of ``path`` (node indices, root excluded, top-down) keep their
     cells: the leading run ``1, 2, ..., n`` that directly follows the root in cell order. The
@@ -194,12 +205,6 @@ class SequenceCache:
         """
         n = tree.n_nodes
         m = len(self.pending) if n_pending is None else n_pending
-        if n == 1 and m == 0 and self.n_past < self.n_ctx:  # a plain step: one row, no layout to compute
-            pos = np.array([self.n_past], dtype=np.int32)
-            zero = np.zeros(1, dtype=np.int32)
-            lay = TreeLayout(pos, zero.reshape(1, 1), np.ones(1, dtype=np.int32), zero, zero, zero, True)
-            return TreeRows(lay, tree.token_ids[:1].astype(np.int32), pos, np.full((1, 1), self.base, dtype=np.int32),
-                            lay.n_seq, np.ones(1, dtype=np.int8), 0)  # fmt: skip
         if n > self.max_tree_nodes:
             raise ValueError(f"tree of {n} nodes exceeds max_tree_nodes={self.max_tree_nodes}")
         if n + m > self.n_ctx - self.n_past:
@@ -211,14 +216,15 @@ class SequenceCache:
             for s in lay.leaf_seq:
                 self.ctx.seq_cp(self.base, self.base + int(s), -1, -1)
             self._scratch_used = (lay.leaf_seq + self.base).astype(np.int32)
-        k = lay.seq_sets.shape[1]
-        tokens = np.concatenate([np.asarray(self.pending[:m], dtype=np.int32), tree.token_ids.astype(np.int32)])
-        pos = np.concatenate([np.arange(self.n_past, self.n_past + m, dtype=np.int32), lay.pos])
-        # pending tokens: a chain in front of the root, in every sequence the root is in
-        seq_sets = (np.concatenate([np.repeat(lay.seq_sets[:1], m, axis=0), lay.seq_sets]).reshape(-1, k) + self.base)
-        n_seq = np.concatenate([np.repeat(lay.n_seq[:1], m), lay.n_seq]).astype(np.int32)
-        output = np.concatenate([np.zeros(m, dtype=np.int8), np.ones(n, dtype=np.int8)])
-        return TreeRows(lay, tokens, pos, seq_sets.astype(np.int32), n_seq, output, m)
+        tokens, pos, seq_sets, n_seq = tree.token_ids.astype(np.int32), lay.pos, lay.seq_sets, lay.n_seq
+        output = np.ones(n, dtype=np.int8)
+        if m:  # pending tokens: a chain in front of the root, in every sequence the root is in
+            tokens = np.concatenate([np.asarray(self.pending[:m], dtype=np.int32), tokens])
+            pos = np.concatenate([np.arange(self.n_past, self.n_past + m, dtype=np.int32), pos])
+            seq_sets = np.concatenate([np.repeat(seq_sets[:1], m, axis=0), seq_sets])
+            n_seq = np.concatenate([np.repeat(n_seq[:1], m), n_seq])
+            output = np.concatenate([np.zeros(m, dtype=np.int8), output])
+        return TreeRows(lay, tokens, pos, (seq_sets + self.base).astype(np.int32), n_seq.astype(np.int32), output, m)
 
     def prompt_rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """``(tokens, pos)`` [n] int32 of the next ``n`` pending prompt tokens (sequence

@@ -49,6 +49,10 @@ class TreeLayout:
 def layout_tree(tree: TokenTree, n_past: int) -> TreeLayout:
     """Lay ``tree`` out as sequences (see ``TreeLayout``). Leaf ``j`` gets sequence ``j + 1``."""
     n = tree.n_nodes
+    if n == 1:  # a plain step (most steps): the root in seq 0, nothing to compute
+        zero = np.zeros(1, dtype=np.int32)
+        return TreeLayout(np.array([n_past], dtype=np.int32), zero.reshape(1, 1), np.ones(1, dtype=np.int32),
+                          zero, zero, zero, True)  # fmt: skip
     pos = (n_past + tree.depth).astype(np.int32)
     if tree.is_chain():
         leaf = np.array([n - 1], dtype=np.int32)

@@ -53,13 +53,7 @@ def bench_ngram(
         t0 = time.perf_counter()
         d.begin(hist[:n])
         t_build = time.perf_counter() - t0
-        times = []
-        for i in range(steps):
-            t0 = time.perf_counter()
-            d.accept([hist[n + i]])
-            d.propose(max_depth, max_nodes)
-            times.append(time.perf_counter() - t0)
-        arr = np.array(times) * 1e6
+        arr = _step_us(d, hist[n:], steps, max_depth, max_nodes)
         rows.append(
             {
                 "index": type(d.index).__name__,
@@ -70,6 +64,17 @@ def bench_ngram(
             }
         )
     return rows
+
+
+def _step_us(d, upcoming, steps: int, max_depth: int, max_nodes: int) -> np.ndarray:
+    """[steps] µs of each drafter step: ``accept`` the next token of ``upcoming``, ``propose``."""
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        d.accept([upcoming[i]])
+        d.propose(max_depth, max_nodes)
+        times.append(time.perf_counter() - t0)
+    return np.array(times) * 1e6
 
 
 def bench_memory(sizes=(0, 100_000, 1_000_000), *, history: int = 4096, steps: int = 300, max_depth: int = 16,
@@ -91,13 +96,7 @@ def bench_memory(sizes=(0, 100_000, 1_000_000), *, history: int = 4096, steps: i
         hist = synthetic_history(history + steps + 1, seed=2)
         d = NgramDrafter(memory=mem)
         d.begin(hist[:history])
-        times = []
-        for i in range(steps):
-            t0 = time.perf_counter()
-            d.accept([hist[history + i]])
-            d.propose(max_depth, max_nodes)
-            times.append(time.perf_counter() - t0)
-        arr = np.array(times) * 1e6
+        arr = _step_us(d, hist[history:], steps, max_depth, max_nodes)
         rows.append({"memory_tokens": mem.info().tokens, "history_tokens": history, "step_us_median": float(np.median(arr)),
                      "step_us_p90": float(np.percentile(arr, 90)), "write_us_per_token": t_write * 1e6 / max(n, 1)})  # fmt: skip
     return rows

@@ -23,25 +23,17 @@ positions (for the per-position random streams) are unaffected.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 
 import numpy as np
 
 from ..backend import Batch, Model, SequenceCache
+from ..backend.kv import common_prefix
 from ..errors import InvalidRequestError
 from ..policy import TreeShape
 from ..tree import TokenSource, TokenTree, TreeBuilder
 from .base import TargetHandle
 from .level_drafter import ModelDrafter
 from .vocab_check import check_vocab
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class DraftModelDrafter(ModelDrafter):

@@ -73,7 +73,7 @@ from ..errors import ModelLoadError
 from ..policy import ModelDraftStats, TreeShape
 from ..tree import TokenSource, TreeBuilder
 from .base import TargetHandle
-from .draft_model import common_prefix
+from ..backend.kv import common_prefix
 from .level_drafter import ModelDrafter
 from .target_features import TargetFeatureBuffer
 from .tree_expand import DraftCalibration
