@@ -246,3 +246,33 @@ def assert_rejection_sampling_exact(model, prompt, draft_root, draft_after, shap
             expected.append(p1[a] * p2[b])
     assert sum(counts.values()) == sum(counts.get(k, 0) for k in keys)  # nothing outside the support
     assert chisquare_pvalue([counts.get(k, 0) for k in keys], expected) > 1e-3
+
+
+def serve_app_thread(model, engine, *, max_body_bytes: int, parallel: int = 2):
+    """A context manager: ``localspec serve``'s app (OpenAI endpoints over a greedy
+    ``BatchScheduler`` of ``parallel`` slots, the editor endpoints over ``engine``) on a real
+    HTTP server on 127.0.0.1; yields the ``AppThread`` with ``.sched`` set. Closes the
+    scheduler and the editor service and resets ``engine`` on exit."""
+    from contextlib import contextmanager
+
+    from conftest import fixed_cost_model
+    from localspec.scheduler import BatchScheduler
+    from localspec.server import CompletionService, ServiceConfig
+    from localspec.server.http import AppThread
+    from localspec.server.openai import OpenAIService, create_serve_app
+
+    @contextmanager
+    def run():
+        sched = BatchScheduler(model, parallel=parallel, n_ctx=512, cost_model=fixed_cost_model()).start()
+        oai = OpenAIService(sched, model_name="gemma-test", sampling=SamplingParams.greedy())
+        editor = CompletionService(engine, ServiceConfig(sampling=SamplingParams.greedy()))
+        try:
+            with AppThread(create_serve_app(oai, editor, max_body_bytes=max_body_bytes)) as srv:
+                srv.sched = sched
+                yield srv
+        finally:
+            editor.close()
+            sched.close()
+            engine.reset()
+
+    return run()

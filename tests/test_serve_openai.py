@@ -12,9 +12,9 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from conftest import fixed_cost_model  # noqa: E402
+from helpers import serve_app_thread  # noqa: E402
 from localspec import SamplingParams  # noqa: E402
 from localspec.scheduler import BatchScheduler  # noqa: E402
-from localspec.server import CompletionService, ServiceConfig  # noqa: E402
 from localspec.server.http import AppThread  # noqa: E402
 from localspec.server.openai import OAIError, OpenAIService, create_serve_app, parse_oai  # noqa: E402
 
@@ -24,16 +24,8 @@ MAX_BODY = 64 * 1024
 
 @pytest.fixture(scope="module")
 def server(model, engine):
-    sched = BatchScheduler(model, parallel=2, n_ctx=512, cost_model=fixed_cost_model()).start()
-    oai = OpenAIService(sched, model_name="gemma-test", sampling=SamplingParams.greedy())
-    editor = CompletionService(engine, ServiceConfig(sampling=SamplingParams.greedy()))
-    app = create_serve_app(oai, editor, max_body_bytes=MAX_BODY)
-    with AppThread(app) as srv:
-        srv.sched = sched
+    with serve_app_thread(model, engine, max_body_bytes=MAX_BODY) as srv:
         yield srv
-    editor.close()
-    sched.close()
-    engine.reset()
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ openai = pytest.importorskip("openai")
 import httpx  # noqa: E402
 
 from conftest import fixed_cost_model  # noqa: E402
+from helpers import serve_app_thread  # noqa: E402
 from localspec import SamplingParams  # noqa: E402
 from localspec.scheduler import BatchScheduler  # noqa: E402
-from localspec.server import CompletionService, ServiceConfig  # noqa: E402
 from localspec.server.http import AppThread, create_app  # noqa: E402
 from localspec.server.openai import OpenAIService, create_serve_app  # noqa: E402
 
@@ -31,15 +31,8 @@ CASES = [  # prompt, stop
 
 @pytest.fixture(scope="module")
 def server(model, engine):
-    sched = BatchScheduler(model, parallel=2, n_ctx=512, cost_model=fixed_cost_model()).start()
-    oai = OpenAIService(sched, model_name="gemma-test", sampling=SamplingParams.greedy())
-    editor = CompletionService(engine, ServiceConfig(sampling=SamplingParams.greedy()))
-    with AppThread(create_serve_app(oai, editor, max_body_bytes=1 << 20)) as srv:
-        srv.sched = sched
+    with serve_app_thread(model, engine, max_body_bytes=1 << 20) as srv:
         yield srv
-    editor.close()
-    sched.close()
-    engine.reset()
 
 
 @pytest.fixture(scope="module")
