@@ -321,6 +321,15 @@ class CostModel:
         self._curve = None
         self._load, self._load_n, self._beaten = 1.0, 0, 0
 
+    def contention_note(self) -> str | None:
+        """The one line a front-end shows when the table was measured under contention
+        (``contended``), else None: what it means, that it is not cached, what to do."""
+        if self.contended is None:
+            return None
+        return (f"the decode cost table was measured while other work loaded this machine ({self.contended}): "
+                "drafting is planned on these slower timings for this run only (the table is not cached); "
+                "run localspec on a quiet machine to measure and keep the machine's own table")  # fmt: skip
+
     def to_json(self) -> dict:
         return {"version": _CACHE_VERSION, "table_us": {str(k): v for k, v in self.table_us.items()}}
 

@@ -15,6 +15,12 @@ package, line of the ``def``). Functions are chosen by a seeded sample, at most
 same package versions::
 
     python scripts/collect_code_prompts.py --out localspec/bench/data/code.jsonl
+
+The held-out code set of the "never slower" table (``docs/results/heldout-code.jsonl``), from
+eight other packages, none of which the benchmarks, the tests or the heads' training data use::
+
+    python scripts/collect_code_prompts.py --packages heldout --per-package 2 --id-prefix heldout-code \\
+        --out docs/results/heldout-code.jsonl
 """
 
 from __future__ import annotations
@@ -39,6 +45,18 @@ PACKAGES = [
     ("diskcache", "diskcache"),
     ("idna", "idna"),
 ]
+# (distribution, import package): held out from every benchmark, test and training set here
+HELDOUT_PACKAGES = [
+    ("rich", "rich"),
+    ("starlette", "starlette"),
+    ("uvicorn", "uvicorn"),
+    ("platformdirs", "platformdirs"),
+    ("Pygments", "pygments"),
+    ("packaging", "packaging"),
+    ("pyparsing", "pyparsing"),
+    ("urllib3", "urllib3"),
+]
+PACKAGE_SETS = {"default": PACKAGES, "heldout": HELDOUT_PACKAGES}
 
 
 def _licence(dist: metadata.Distribution) -> str:
@@ -81,10 +99,11 @@ def _candidates(text: str) -> list[tuple[int, int]]:
     return sorted(out)
 
 
-def collect(*, context: int, per_file: int, per_package: int, seed: int) -> list[dict]:
+def collect(*, context: int, per_file: int, per_package: int, seed: int, packages=PACKAGES,
+            id_prefix: str = "code") -> list[dict]:  # fmt: skip
     rng = random.Random(seed)
     rows = []
-    for dist_name, pkg in PACKAGES:
+    for dist_name, pkg in packages:
         try:
             dist = metadata.distribution(dist_name)
         except metadata.PackageNotFoundError:
@@ -113,7 +132,7 @@ def collect(*, context: int, per_file: int, per_package: int, seed: int) -> list
             rel = path.relative_to(root.parent).as_posix()
             rows.append(
                 {
-                    "question_id": f"code-{len(rows) + 1:03d}",
+                    "question_id": f"{id_prefix}-{len(rows) + 1:03d}",
                     "category": "code",
                     "turns": [prompt],
                     "source": {
@@ -135,8 +154,12 @@ def main() -> None:
     ap.add_argument("--per-file", type=int, default=1)
     ap.add_argument("--per-package", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--packages", choices=sorted(PACKAGE_SETS), default="default",
+                    help="default: the shipped 'code' dataset's packages; heldout: the held-out set's")  # fmt: skip
+    ap.add_argument("--id-prefix", default="code", help="question_id prefix (default code)")
     a = ap.parse_args()
-    rows = collect(context=a.context, per_file=a.per_file, per_package=a.per_package, seed=a.seed)
+    rows = collect(context=a.context, per_file=a.per_file, per_package=a.per_package, seed=a.seed,
+                   packages=PACKAGE_SETS[a.packages], id_prefix=a.id_prefix)  # fmt: skip
     with open(a.out, "w", encoding="utf-8") as f:
         for r in rows:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")

@@ -59,6 +59,24 @@ def test_shipped_code_dataset():
     assert [p.question_id for p in ps] == [q["question_id"] for q in qs[:5]]
 
 
+def test_heldout_code_set_shares_nothing_with_the_shipped_code_set():
+    """``docs/results/heldout-code.jsonl``, the "never slower" table's held-out code prompts,
+    reads as a `bench --dataset` file and takes no package (and so no prompt) of the shipped
+    ``code`` set nor of the Python standard library."""
+    import sysconfig
+    from pathlib import Path
+
+    held = load_questions(Path(__file__).parents[1] / "docs" / "results" / "heldout-code.jsonl")
+    assert 12 <= len(held) <= 16 and len({q["question_id"] for q in held}) == len(held)
+    assert all(q["category"] == "code" and q["turns"][0].strip() for q in held)
+    shipped = {q["source"]["package"].lower() for q in load_questions("code")}
+    packages = {q["source"]["package"].lower() for q in held}
+    assert len(packages) >= 6 and not packages & shipped
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    assert not any((stdlib / q["source"]["path"]).exists() for q in held)
+    assert [p.question_id for p in select_prompts(held, ["code"], 16)] == [q["question_id"] for q in held]
+
+
 def test_a_missing_dataset_is_a_one_line_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a file nor a shipped dataset"):
         load_questions(tmp_path / "nope.jsonl")

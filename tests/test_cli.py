@@ -1,6 +1,7 @@
 """The command line as users and scripts call it."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -237,3 +238,29 @@ def test_a_missing_extra_is_one_line_naming_it():
     msg = str(e.value.code)
     assert msg.startswith("localspec: error: localspec bench complete needs the [bench] extra: "
                           "pip install 'localspec[bench]'") and "\n" not in msg  # fmt: skip
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
+def test_a_cost_table_measured_under_contention_is_one_note_line(tmp_path):
+    """Real contention: `generate` and a busy loop pinned to the same CPU, with an empty cost
+    cache: the calibration gets about half of the CPU's time, so the command says in one line
+    what that means, that the table is not cached and what to do, and caches nothing."""
+    cpu = min(os.sched_getaffinity(0))
+
+    def pin():
+        os.sched_setaffinity(0, {cpu})
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=pin)
+    try:
+        r = subprocess.run([sys.executable, "-m", "localspec", "generate", "Hi", "-n", "1", "--max-tree-nodes", "4",
+                            "-t", "1"], env={**os.environ, "LOCALSPEC_CACHE_DIR": str(tmp_path)}, preexec_fn=pin,
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+    finally:
+        busy.kill()
+        busy.wait()
+    assert r.returncode == 0, r.stderr
+    notes = [ln for ln in r.stderr.splitlines() if "cost table" in ln]
+    assert len(notes) == 1, r.stderr
+    assert notes[0].startswith("localspec: note: the decode cost table was measured while other work loaded")
+    assert "not cached" in notes[0] and "on a quiet machine" in notes[0]
+    assert not (tmp_path / "costs.json").exists()

@@ -228,6 +228,53 @@ def test_editor_health_shows_the_running_request(service):
         assert h.get("/health").json()["last_step_age_s"] is None
 
 
+def test_editor_health_shows_a_stuck_worker(engine, monkeypatch):
+    """`complete --serve`'s ``/health``: 503 with the waiting requests once the worker has
+    made no step for ``stall_s`` (here its prefill hangs until the test releases it); 200 again
+    when it goes on."""
+    release, entered = threading.Event(), threading.Event()
+    real_prefill = engine._prefill
+
+    def hanging_prefill(gen, draft_context):
+        entered.set()
+        release.wait()
+        return real_prefill(gen, draft_context)
+
+    monkeypatch.setattr(engine, "_prefill", hanging_prefill)
+    svc = CompletionService(engine, ServiceConfig(sampling=SamplingParams.greedy(), stall_s=0.05))
+    try:
+        with AppThread(create_app(svc)) as srv, httpx.Client(base_url=srv.url, timeout=600) as h:
+            r = h.get("/health")
+            assert (r.status_code, r.json()) == (200, {"status": "ok", "slots_idle": 1, "slots_processing": 0,
+                                                       "requests_waiting": 0, "last_step_age_s": None})  # fmt: skip
+            done: dict = {}
+
+            def post(key, prompt):
+                done[key] = h.post("/completion", json={"prompt": prompt, "n_predict": 3, "cache_prompt": False})
+
+            threads = [threading.Thread(target=post, args=("a", "One, two,"))]
+            threads[0].start()
+            assert entered.wait(600)
+            threads.append(threading.Thread(target=post, args=("b", "Three, four,")))
+            threads[1].start()
+            deadline = time.monotonic() + 120  # the prefill hangs for good: 503 comes 0.05 s after b arrives
+            while (r := h.get("/health")).status_code != 503 or r.json()["requests_waiting"] != 1:
+                assert time.monotonic() < deadline
+            body = r.json()
+            assert body["status"] == "error" and body["slots_processing"] == 1 and body["last_step_age_s"] > 0.05
+            assert body["error"].startswith("no engine step has ended for ") and "while 2 requests" in body["error"]
+            release.set()
+            for t in threads:
+                t.join(600)
+            assert done["a"].status_code == 200 and done["b"].status_code == 200
+            r = h.get("/health")  # nothing waits: ok, whether or not the worker has cleared its slot yet
+            assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["requests_waiting"] == 0
+    finally:
+        release.set()
+        svc.close()
+        engine.reset()
+
+
 def test_health_says_loading_model_until_the_model_is_loaded(server):
     """``serve_while_loading`` (what `serve` and `complete --serve` run): the socket answers
     while ``load()`` runs, held here on an Event."""

@@ -444,3 +444,25 @@ async def test_an_answer_with_nothing_drafted_shows_no_speed_against_plain(chat_
         status = str(app.query_one("#status").render())
         assert "no drafts" in status and "×" not in status
         assert app._panel_state().vs_plain(r.stats.tokens_per_s) is None
+
+
+@pytest.mark.anyio
+async def test_a_cost_table_measured_under_contention_is_a_warning():
+    """An engine whose cost table was measured under contention: the app says so once, as a
+    warning (what ``localspec`` commands print on stderr); a quiet table says nothing."""
+    from tui_fakes import FakeClock, FakeEngine
+
+    from localspec.costmodel import CostModel
+
+    for contended in ("the process got 45% of its CPUs' time during the timed decodes", None):
+        engine = FakeEngine()
+        engine.cost_model = CostModel(dict(fixed_cost_model().table_us), contended=contended)
+        app = ChatApp(engine=engine, clock=FakeClock())
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_until(pilot, lambda: app.session.engine is not None and app.state == "idle")
+            await pilot.pause()
+            said = [t for t in notices(app, "warning") if "cost table" in str(t)]
+            if contended:
+                assert len(said) == 1 and "45%" in str(said[0]) and "not cached" in str(said[0])
+            else:
+                assert said == []

@@ -311,6 +311,9 @@ class ChatApp(App):
                 "'User: …' / 'Assistant: …' (see docs/chat.md).",
                 "warning",
             )
+        cost = getattr(engine, "cost_model", None)
+        if cost is not None and (note := cost.contention_note()) is not None:
+            self.notice(note[0].upper() + note[1:] + ".", "warning")
         if self.session.messages:
             self.notice("The conversation is kept; the next answer prefills it with this model.")
         self._refresh_stats()

@@ -340,7 +340,8 @@ def check_model_files(a: argparse.Namespace) -> None:
 
 def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = True, drafter_flags: bool = True):
     """Build an ``Engine`` from parsed arguments, saying what it does on stderr (after the
-    arguments and model files are checked: a bad one is one error line, nothing loaded);
+    arguments and model files are checked: a bad one is one error line, nothing loaded; a
+    cost table measured under contention is one note line);
     ``drafter_flags=False``: without the drafter option flags (a command that makes its
     drafters from ``drafter_options``)."""
     from ..engine import Engine
@@ -369,6 +370,9 @@ def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = 
     if progress:
         print("localspec: loading model and measuring decode cost (cached after the first run)...", file=sys.stderr)
     engine = Engine(a.model, **kwargs)
+    note = engine.cost_model.contention_note()
+    if progress and note is not None:
+        print(f"localspec: note: {note}", file=sys.stderr)
     if mem is not None and getattr(a, "draft_memory", None):
         attach_memory_file(mem, a.draft_memory, engine.model)
     return engine

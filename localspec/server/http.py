@@ -168,7 +168,8 @@ def create_app(service: CompletionService, *, max_body_bytes: int = DEFAULT_MAX_
         return await complete(request, "completion")
 
     async def health(_request: Request):
-        return json_response(service.health())
+        status, body = service.health()
+        return json_response(body, status)
 
     async def props(_request: Request):
         e = service.engine

@@ -49,14 +49,12 @@ from ..text import ReleaseTracker, token_offsets
 from ..draft_limits import DraftLimits
 from .fields import RequestError, get_speculation, lone_surrogate_at
 from .prompt import PromptTooLongError, tokenize_bounded
-from .response import dumps, request_log_line
+from .response import HEALTH_STALL_S, dumps, request_log_line, stall_error
 
 log = logging.getLogger("localspec.server")
 
 MAX_LOGPROBS = 20
 MAX_STOPS = 4
-HEALTH_STALL_S = 60.0
-"""``/health`` answers 503 once requests have waited this long (s) with no scheduler step completed."""
 
 
 def oai_error(status: int, message: str, *, type: str | None = None, param: str | None = None, code=None) -> dict:
@@ -319,13 +317,11 @@ class OpenAIService:
         body: dict[str, Any] = {"status": "ok", "slots_idle": sched.parallel - n_proc, "slots_processing": n_proc,
                                 "requests_waiting": sched.n_waiting,
                                 "last_step_age_s": None if last is None else round((now - last) / 1e6, 3)}  # fmt: skip
-        if jobs:
-            stalled = (now - max(min(j.t_submit_us for j in jobs), last or 0.0)) / 1e6
-            if stalled > self.stall_s:
-                body["status"] = "error"
-                body["error"] = (f"no scheduler step has ended for {stalled:.1f} s while {len(jobs)} requests are "
-                                 f"present (threshold {self.stall_s:g} s)")  # fmt: skip
-                return 503, body
+        error = stall_error(now / 1e6, [j.t_submit_us / 1e6 for j in jobs], None if last is None else last / 1e6,
+                            self.stall_s, "scheduler step")  # fmt: skip
+        if error is not None:
+            body.update(status="error", error=error)
+            return 503, body
         return 200, body
 
     def chat_format(self):

@@ -188,3 +188,22 @@ def request_log_line(rid: object, endpoint: str, stats: GenerationStats, finish:
     return (f"request {rid} {endpoint}: prompt {stats.n_prompt_tokens} tokens ({stats.n_cached_tokens} cached), "
             f"completion {stats.n_generated_tokens} tokens, drafted {stats.num_draft_tokens}, "
             f"accepted {stats.num_accepted_tokens}, {total_ms:.0f} ms, {finish}")  # fmt: skip
+
+
+HEALTH_STALL_S = 60.0
+"""``/health`` answers 503 once requests have waited this long (s) with no step completed."""
+
+
+def stall_error(now_s: float, t_submit_s: Sequence[float], t_progress_s: float | None, stall_s: float,
+                what: str) -> str | None:  # fmt: skip
+    """The ``/health`` rule of both servers: a stuck worker is one with requests present
+    (``t_submit_s``: their arrival times, s) and neither a step ended (``t_progress_s``, s;
+    None before the first) nor a request arrived for more than ``stall_s`` seconds. Returns the
+    error line for ``/health``'s 503 body (``what``: the step's name), or None when not stuck."""
+    if not t_submit_s:
+        return None
+    stalled = now_s - max(min(t_submit_s), t_progress_s if t_progress_s is not None else -float("inf"))
+    if stalled <= stall_s:
+        return None
+    return (f"no {what} has ended for {stalled:.1f} s while {len(t_submit_s)} requests are present "
+            f"(threshold {stall_s:g} s)")  # fmt: skip

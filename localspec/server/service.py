@@ -38,7 +38,16 @@ from ..text import ReleaseTracker
 from .fields import EXCEED_CONTEXT, SERVER_ERROR, UNAVAILABLE, RequestError, error_body
 from .prompt import BuiltPrompt, build_completion_prompt, build_infill_prompt
 from .protocol import CompletionRequest
-from .response import Outcome, final_response, generation_settings, partial_response, request_log_line, stop_type_of
+from .response import (
+    HEALTH_STALL_S,
+    Outcome,
+    final_response,
+    generation_settings,
+    partial_response,
+    request_log_line,
+    stall_error,
+    stop_type_of,
+)
 from .sampling_fields import SamplingPlan, resolve_sampling
 from .stops import EditorStops
 
@@ -72,6 +81,7 @@ class ServiceConfig:
         max_queue: most requests waiting; more get HTTP 503.
         default_n_predict: ``n_predict`` of requests without one (-1: until the end).
         speculative: False serves every request with plain decoding.
+        stall_s: ``/health`` is 503 once requests have waited this long (s) with no engine step.
     """
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -80,6 +90,7 @@ class ServiceConfig:
     max_queue: int = 64
     default_n_predict: int = -1
     speculative: bool = True
+    stall_s: float = HEALTH_STALL_S
 
 
 class Job:
@@ -211,16 +222,27 @@ class CompletionService:
         self._queue.put(c)
         return c.future.result(timeout)
 
-    def health(self) -> dict:
-        """``/health`` of the editor server: ``slots_processing`` (0 or 1: requests run one at a
-        time), ``requests_waiting``, ``last_step_age_s`` (seconds since the running request
-        last emitted a token or started; null when none runs)."""
+    def health(self) -> tuple[int, dict]:
+        """``/health`` of the editor server: HTTP status and body. ``slots_processing`` (0 or 1:
+        requests run one at a time), ``requests_waiting``, ``last_step_age_s`` (seconds since the
+        running request last emitted a token or started; null when none runs). 503 with
+        ``"status": "error"`` when requests are present and neither a token came nor a request
+        arrived or started for ``config.stall_s`` seconds (a stuck worker); else 200 ``"ok"``."""
         with self._lock:
             running = self._running
             n_waiting = self._n_waiting
-        age = None if running is None else round(time.perf_counter() - self._t_progress, 3)
-        return {"status": "ok", "slots_idle": 0 if running else 1, "slots_processing": int(running is not None),
-                "requests_waiting": n_waiting, "last_step_age_s": age}  # fmt: skip
+            t_submit = [j.t_submit for j in self._live if j.outcome is None]
+            t_progress = self._t_progress
+        now = time.perf_counter()
+        age = None if running is None else round(now - t_progress, 3)
+        body: dict[str, Any] = {"status": "ok", "slots_idle": 0 if running else 1,
+                                "slots_processing": int(running is not None), "requests_waiting": n_waiting,
+                                "last_step_age_s": age}  # fmt: skip
+        error = stall_error(now, t_submit, t_progress, self.config.stall_s, "engine step")
+        if error is not None:
+            body.update(status="error", error=error)
+            return 503, body
+        return 200, body
 
     def stop_accepting(self, reason: str = "the server is shutting down") -> None:
         """Refuse new requests (503) and cancel every queued or running one; each is still

@@ -99,7 +99,7 @@ class StdioServer:
                     job.cancel("cancelled by the client")
                 self.write({"id": rid, "result": {"cancelled": job is not None}})
             elif method == "health":
-                self.write({"id": rid, "result": self.service.health()})
+                self.write({"id": rid, "result": self.service.health()[1]})
             elif method in ("shutdown", "exit"):
                 self.write({"id": rid, "result": {"shutdown": True}})
                 return "shutdown"
