@@ -16,6 +16,7 @@ from conftest import fixed_cost_model  # noqa: E402
 from helpers import serve_app_thread  # noqa: E402
 from localspec import SamplingParams  # noqa: E402
 from localspec.scheduler import BatchScheduler  # noqa: E402
+from localspec.server import CompletionService, ServiceConfig  # noqa: E402
 from localspec.server.http import AppThread, create_app  # noqa: E402
 from localspec.server.openai import OpenAIService, create_serve_app  # noqa: E402
 
