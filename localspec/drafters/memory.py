@@ -5,8 +5,9 @@ Desktop workloads are streams of related requests (a chat, an editor's completio
 agent's calls, a batch with one instruction): what one request wrote the next often writes
 again, and the request's own history cannot propose it. ``DraftMemory`` keeps the token
 sequences of finished requests (and of a corpus: ``localspec memory build``) in a ring of a
-fixed number of tokens, sized from a budget in MiB; once it is full the oldest tokens are
-evicted first. It is indexed by n-grams (orders ``min_n..max_n``) in C (``native/ls_memory.c``);
+fixed number of tokens, sized from a budget in MiB; once it is full, the oldest tokens that
+no draft read are evicted first (tokens a draft used are written again: second chance, see
+``native/ls_memory.c``). It is indexed by n-grams (orders ``min_n..max_n``) in C (``native/ls_memory.c``);
 a lookup reads at most ``max_occurrences`` occurrences of the longest stored suffix of the
 request's history, so its cost does not depend on how much is stored.
 
