@@ -9,7 +9,8 @@
  * every stored token has a read count (0..LS_MEM_MAX_READS) that a draft raises on the
  * tokens it used (the matched n-gram and the continuation it merged into the tree). A write
  * that needs room evicts from the oldest position; a run of tokens whose count is > 0 is
- * copied out (up to `salv_cap` tokens per write) and written again, before the new document,
+ * copied out (at most as many tokens as the write brings, and at least 64, up to `salv_cap`:
+ * writes cost at most about twice their length) and written again, before the new document,
  * as documents of their own with their counts lowered by one. Text that drafts keep reading
  * survives any amount of text written but never read; text never read leaves oldest first.
  *
@@ -222,16 +223,18 @@ static void append_doc(ls_memory *m, const int32_t *tokens, const uint8_t *reads
 }
 
 /* Evict from the oldest position until `need` positions and room for the copied-out runs
- * are free; a token with reads > 0 is copied out to salv (while salv has room), so only
- * unread tokens make room. returns the length of salv (runs separated by LS_MEM_SEP). */
+ * are free; a token with reads > 0 is copied out to salv (at most max(need, 64) entries,
+ * and salv_cap), so only unread tokens make room. returns the length of salv (runs separated by LS_MEM_SEP). */
 static int64_t make_room(ls_memory *m, int64_t need) {
     int64_t ns = 0, last = -2;
     if (need + m->salv_cap + 1 > m->cap) return 0; /* a document this long replaces everything */
+    int64_t most = need < 64 ? 64 : need;
+    if (most > m->salv_cap) most = m->salv_cap;
     while (m->cap - (m->total - m->base) < need + ns + 1) {
         int64_t e = m->base;
         int32_t t = tok_at(m, e);
         uint8_t r = m->reads[e % m->cap];
-        if (t >= 0 && r > 0 && ns + 2 <= m->salv_cap) {
+        if (t >= 0 && r > 0 && ns + 2 <= most) {
             if (ns > 0 && last != e - 1) m->salv[ns] = LS_MEM_SEP, m->salv_reads[ns++] = 0;
             m->salv[ns] = t;
             m->salv_reads[ns++] = (uint8_t)(r - 1);

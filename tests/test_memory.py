@@ -2,6 +2,7 @@
 concurrency, and outputs that do not depend on it (alone and batched, greedy and seeded)."""
 
 import dataclasses
+import json
 import threading
 
 import numpy as np
@@ -448,3 +449,38 @@ def test_replay_counts_target_calls_with_and_without_memory():
     # the second repeats the first: only the memory drafts it
     assert row["calls_off"] == 120
     assert row["calls_on"] < 60 + 60 // 4
+
+
+def test_the_store_stays_within_its_budget_over_many_requests():
+    budget = 0.5
+    mem = DraftMemory(budget)
+    d = NgramDrafter(memory=mem)
+    rng = np.random.default_rng(2)
+    stats = np.zeros(6, dtype=np.int64)
+    shared = rng.integers(0, 3000, 30).tolist()  # read by every request: kept by eviction
+    written = 0
+    for i in range(400):
+        prompt = shared + rng.integers(0, 3000, 60).tolist()
+        d.begin(prompt)
+        for k in range(0, 40, 4):
+            d.propose(16, 32)
+            d.accept(prompt[k : k + 4])  # outputs copy the prompt: drafts read the memory
+        d.close()
+        mem._lib.ls_memory_stats(mem._ptr, stats.ctypes.data)
+        total, base, cap, used, slots, nbytes = (int(x) for x in stats)
+        assert nbytes <= budget * 2**20 and total - base <= cap and used < slots * 2 // 3
+        written = total
+    # the run wrote many times the capacity (copies of what was read included), at most about
+    # twice what the requests brought
+    assert mem.capacity * 4 < written < 2 * 400 * (90 + 40 + 2) + mem.capacity
+
+
+def test_bench_memory_rss_reports_resident_memory_against_the_budget(capsys):
+    from localspec.cli.main import main
+
+    assert main(["bench", "memory", "--rss", "200", "--mib", "2", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert [s["requests"] for s in rep["samples"]] == list(range(0, 201, 20))
+    last = rep["samples"][-1]
+    assert last["store_mib"] <= 2 and last["written"] > 3 * rep["capacity"]  # it ran past the capacity
+    assert 0 < last["growth_mib"] < 2 + 4  # the store, touched as it fills, and a little Python

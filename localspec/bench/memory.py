@@ -223,3 +223,101 @@ def replay(workloads: Sequence[dict], *, budget: int = 16, max_depth: int = 48, 
     for d in sides.values():
         d.close()
     return out
+
+
+def _rss_kib() -> tuple[int, int]:
+    """(resident, peak resident) KiB of this process (Linux ``/proc/self/status``)."""
+    vals = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                vals[key] = int(rest.split()[0])
+    return vals["VmRSS"], vals["VmHWM"]
+
+
+def rss_run(
+    n_requests: int = 10_000,
+    *,
+    budget_mib: float = 64.0,
+    prompt_tokens: int = 400,
+    output_tokens: int = 200,
+    step_tokens: int = 4,
+    seed: int = 0,
+    every: int = 1000,
+    on_sample: Callable[[dict], None] | None = None,
+) -> dict:
+    """Resident memory of a process whose drafting memory serves ``n_requests`` requests (no
+    model: each request's tokens go through an ``NgramDrafter`` sharing the memory as the
+    engine drives it: ``begin(prompt)``, a ``propose`` every ``step_tokens`` output tokens, then
+    ``accept``; ``close`` writes it to the memory).
+
+    The requests are synthetic token ids (vocabulary 32,000): one of 20 instructions (40
+    tokens) + random input + an output that copies parts of its input and of a few shared
+    phrases, so the memory both fills with unread text and is read (eviction's two cases).
+
+    Returns:
+        ``{"budget_mib", "capacity", "samples": [{"requests", "rss_mib", "peak_mib",
+        "growth_mib", "store_mib", "stored_tokens", "written"}...], ...}``; ``growth_mib`` is
+        the resident memory over the process's before the memory was made (MiB = 2**20 bytes).
+    Raises:
+        OSError: not on Linux (no /proc/self/status).
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rss0, _ = _rss_kib()
+    mem = DraftMemory(budget_mib)
+    drafter = NgramDrafter(memory=mem)
+    instructions = rng.integers(0, 32000, (20, 40))
+    phrases = rng.integers(0, 32000, (50, 12))
+    samples = []
+    t0 = time.time()
+
+    def sample(i: int) -> None:
+        rss, peak = _rss_kib()
+        info = mem.info()
+        s = dict(requests=i, rss_mib=rss / 1024, peak_mib=peak / 1024, growth_mib=(rss - rss0) / 1024,
+                 store_mib=info.bytes / 2**20, stored_tokens=info.tokens, written=info.written,
+                 elapsed_s=time.time() - t0)  # fmt: skip
+        samples.append(s)
+        if on_sample is not None:
+            on_sample(s)
+
+    sample(0)
+    for i in range(1, n_requests + 1):
+        inp = rng.integers(0, 32000, prompt_tokens - 40)
+        prompt = np.concatenate([instructions[rng.integers(20)], inp])
+        parts, n = [], 0
+        while n < output_tokens:
+            if rng.random() < 0.5:
+                a = int(rng.integers(0, inp.size - 16))
+                part = inp[a : a + int(rng.integers(4, 16))]
+            else:
+                part = phrases[rng.integers(50)]
+            parts.append(part)
+            n += part.size
+        output = np.concatenate(parts)[:output_tokens].tolist()
+        drafter.begin(prompt.tolist())
+        for k in range(0, len(output), step_tokens):
+            drafter.propose(16, 32)
+            drafter.accept(output[k : k + step_tokens])
+        if i % every == 0 or i == n_requests:
+            drafter.close()  # the last request written before the sample
+            sample(i)
+    drafter.close()
+    return dict(budget_mib=budget_mib, capacity=mem.capacity, n_requests=n_requests, prompt_tokens=prompt_tokens,
+                output_tokens=output_tokens, baseline_rss_mib=rss0 / 1024, samples=samples)  # fmt: skip
+
+
+def format_rss(rep: dict) -> str:
+    lines = [f"drafting memory of {rep['budget_mib']:g} MiB ({rep['capacity']:,} tokens); requests of "
+             f"{rep['prompt_tokens']} + {rep['output_tokens']} tokens; process RSS before it: {rep['baseline_rss_mib']:.1f} MiB",
+             f"{'requests':>9}{'RSS MiB':>9}{'growth':>8}{'store':>7}{'stored tokens':>15}{'written':>12}"]  # fmt: skip
+    for s in rep["samples"]:
+        lines.append(f"{s['requests']:>9}{s['rss_mib']:>9.1f}{s['growth_mib']:>8.1f}{s['store_mib']:>7.1f}"
+                     f"{s['stored_tokens']:>15,}{s['written']:>12,}")  # fmt: skip
+    last = rep["samples"][-1]
+    lines.append(f"growth over the run: {last['growth_mib']:.1f} MiB for a budget of {rep['budget_mib']:g} MiB "
+                 f"(peak RSS {last['peak_mib']:.1f} MiB)")  # fmt: skip
+    return "\n".join(lines)

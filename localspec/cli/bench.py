@@ -92,6 +92,9 @@ def register(sub) -> None:
     me.add_argument("--per-category", type=int, default=5, help="Spec-Bench prompts per category (default 5)")
     me.add_argument("-n", "--max-tokens", type=int, default=128)
     me.add_argument("--mib", type=float, default=64.0, help="memory budget (default 64 MiB)")
+    me.add_argument("--rss", type=int, default=None, metavar="N",
+                    help="instead: N synthetic requests (no model) through a memory of --mib; report the process's "
+                         "resident memory against the budget (issue 29: 10000)")  # fmt: skip
     me.add_argument("--json", action="store_true")
     me.add_argument("--out", default=None, help="also write the JSON report here")
     add_model_args(me)
@@ -199,6 +202,9 @@ def run_ngram(a: argparse.Namespace) -> int:
 def run_memory(a: argparse.Namespace) -> int:
     from ..bench.memory import code_workload, extract_workload, format_report, run_memory_bench, specbench_workload
 
+    if a.rss is not None:
+        return _run_memory_rss(a)
+
     workloads = []
     for w in [x.strip() for x in a.workloads.split(",") if x.strip()]:
         if w == "code":
@@ -225,6 +231,23 @@ def run_memory(a: argparse.Namespace) -> int:
         Path(a.out).write_text(json.dumps(rep, indent=2))
     print(json.dumps(rep, indent=2) if a.json else format_report(rep))
     return 0 if all(w["identical"] for w in rep["workloads"]) else 1
+
+
+def _run_memory_rss(a: argparse.Namespace) -> int:
+    from ..bench.memory import format_rss, rss_run
+
+    if a.rss < 1:
+        raise SystemExit("localspec: error: --rss needs a number of requests >= 1")
+    every = max(1, a.rss // 10)
+
+    def progress(s: dict) -> None:
+        print(f"{s['requests']} requests: RSS {s['rss_mib']:.1f} MiB", file=sys.stderr)
+
+    rep = rss_run(a.rss, budget_mib=a.mib, every=every, on_sample=progress)
+    if a.out:
+        Path(a.out).write_text(json.dumps(rep, indent=2))
+    print(json.dumps(rep, indent=2) if a.json else format_rss(rep))
+    return 0
 
 
 def run_kernels(a: argparse.Namespace) -> int:
