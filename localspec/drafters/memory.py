@@ -210,6 +210,15 @@ class DraftMemory:
         parts = np.split(toks, cuts)
         return [p[p >= 0] for p in parts if np.any(p >= 0)]
 
+    def usage(self) -> dict:
+        """The store's counters, without copying what it holds: ``written`` (positions ever
+        written, separators included), ``stored`` (positions held now), ``capacity``,
+        ``entries`` / ``slots`` of its n-gram table, ``bytes`` allocated."""
+        with self._lock:
+            self._lib.ls_memory_stats(self._ptr, self._stats.ctypes.data)
+            total, base, cap, used, slots, nbytes = (int(x) for x in self._stats)
+        return dict(written=total, stored=total - base, capacity=cap, entries=used, slots=slots, bytes=nbytes)
+
     def info(self) -> MemoryInfo:
         toks = self.stored()
         with self._lock:
