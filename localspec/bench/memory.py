@@ -423,8 +423,9 @@ def format_report(rep: dict) -> str:
             peer_lines.append(f"{w['name']:<22}{mode:<13}{p['tok_per_s']:>8.1f}{pa:>8}"
                               f"{_ratio(on['tok_per_s'], p['tok_per_s']):>14}{p['same_output']:>6}/{p['requests']}")  # fmt: skip
     if peer_lines:
-        lines.append(f"\nllama-server (one per mode, the same requests in the same order; its own decode timings)")
-        lines.append(f"{'workload':<22}{'mode':<13}{'tok/s':>8}{'accept':>8}{'localspec on/it':>14}  same output")
+        lines.append("\nllama-server (one per mode, the same requests in the same order; its own decode timings; "
+                     "on/it: localspec with memory over it)")  # fmt: skip
+        lines.append(f"{'workload':<22}{'mode':<13}{'tok/s':>8}{'accept':>8}{'on/it':>14}  same output")
         lines += peer_lines
     m = rep["memory"]
     lines.append(f"memory at the end: {m['documents']} documents, {m['tokens']} tokens ({m['bytes'] / 2**20:.1f} MiB)")

@@ -293,8 +293,11 @@ def _memory_peers(a: argparse.Namespace, engine, workloads: list, log_dir: Path)
             text_path, cache_path = log_dir / "corpus.txt", log_dir / "corpus.lcs"
             text_path.write_text("\n".join(engine.model.detokenize(d) for d in corpus))
             with open(log_dir / "llama-lookup-create.log", "w") as log:
-                rc = subprocess.run([str(creator), "-m", str(engine.model.path), "-f", str(text_path), "-lcs", str(cache_path)],
-                                    stdout=log, stderr=subprocess.STDOUT).returncode  # fmt: skip
+                # it only tokenizes (no decode): a small context; --no-repack: llama.cpp's AMX
+                # repacking crashes in its warm-up on some CPUs (backend.cpu_amx)
+                cmd = [str(creator), "-m", str(engine.model.path), "-f", str(text_path), "-lcs", str(cache_path),
+                       "-c", "512", "--no-repack"]  # fmt: skip
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
             if rc != 0:
                 raise SystemExit(f"localspec: error: llama-lookup-create exited with {rc}; see {log_dir / 'llama-lookup-create.log'}")
             static = ["-lcs", str(cache_path)]
