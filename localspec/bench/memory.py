@@ -97,13 +97,14 @@ class WorkloadResult:
     requests: list[dict] = field(default_factory=list)  # per request: prompt and output token ids, steps of each side
     corpus: list[list[int]] = field(default_factory=list)  # documents written to the memory before the requests
     corpus_files: int = 0
+    wall_s: float = 0.0  # the workload's wall time, every side and peer included
 
     def as_dict(self) -> dict:
         speedup = self.on.tok_per_s / self.off.tok_per_s if self.off.tok_per_s else None
         return dict(name=self.name, n_requests=self.n_requests, off=self.off.as_dict(), on=self.on.as_dict(),
                     speedup=speedup, identical=not self.mismatches, mismatches=self.mismatches,
                     peers={m: p.as_dict() for m, p in self.peers.items()},
-                    corpus_files=self.corpus_files, corpus_tokens=sum(len(d) for d in self.corpus),
+                    corpus_files=self.corpus_files, corpus_tokens=sum(len(d) for d in self.corpus), wall_s=self.wall_s,
                     requests=self.requests, corpus=self.corpus)  # fmt: skip
 
 
@@ -358,6 +359,7 @@ def run_memory_bench(
     try:
         for wl in map(_as_workload, workloads):
             w = WorkloadResult(wl.name)
+            t_w = time.time()
             for doc in wl.corpus:
                 mem.write(doc)
             w.corpus, w.corpus_files = [list(d) for d in wl.corpus], wl.corpus_files
@@ -386,6 +388,7 @@ def run_memory_bench(
                     w.peers.setdefault(mode, PeerSide()).add(run, r_off.token_ids)
                 if on_request is not None:
                     on_request(wl.name, i, r_off, r_on)
+            w.wall_s = time.time() - t_w
             results.append(w)
     finally:
         with_mem.close()  # its drafter writes the last request
