@@ -538,7 +538,7 @@ def test_second_turn_workload_asks_the_second_question_after_the_models_answer(m
     assert len(items) == 4 and not items[0].measured and isinstance(items[0], Request)
     answer = type("R", (), {"text": " Blue-ish green. "})()
     second = items[1](answer)
-    assert second.measured
+    assert second.measured and second.stop  # the transcript format ends a turn at "\nUser:"
     assert second.prompt.index("Name a colour 0.") < second.prompt.index("Blue-ish green.") < second.prompt.index("Now another 0.")
 
 

@@ -120,6 +120,7 @@ class Request:
         add_special: add BOS when tokenizing text.
         measured: False for a request that runs (and is written to the memory, as in the
             session it stands for) but is not counted (a conversation's first turn).
+        stop: stop strings (a chat format's end of turn).
     """
 
     prompt: str | list[int]
@@ -127,6 +128,7 @@ class Request:
     parse_special: bool = False
     add_special: bool = True
     measured: bool = True
+    stop: list[str] = field(default_factory=list)
 
 
 # an item of a workload: a text, a Request, or a function of the previous request's result
@@ -210,7 +212,7 @@ def second_turn_workload(model, path: str | os.PathLike, n: int) -> list[Item]:
 
     def request(messages: list) -> Request:
         text = fmt.render(messages)
-        return Request(text, parse_special=fmt.uses_template, add_special=not fmt.uses_template)
+        return Request(text, parse_special=fmt.uses_template, add_special=not fmt.uses_template, stop=list(fmt.stop))
 
     items: list[Item] = []
     for t1, t2 in convs:
@@ -367,13 +369,13 @@ def run_memory_bench(
             for i, item in enumerate(wl.items):
                 req = item if isinstance(item, Request) else Request(item) if isinstance(item, str) else item(prev)
                 kw = dict(max_tokens=max_tokens, sampling=sampling, parse_special=req.parse_special,
-                          add_special=req.add_special, draft_context=req.draft_context)  # fmt: skip
+                          add_special=req.add_special, draft_context=req.draft_context, stop=req.stop)  # fmt: skip
                 r_off = engine.generate(req.prompt, **kw)
                 r_on = with_mem.generate(req.prompt, **kw)
                 prev = r_off
                 prompt = req.prompt if isinstance(req.prompt, list) else engine.model.tokenize(
                     req.prompt, add_special=req.add_special, parse_special=req.parse_special)  # fmt: skip
-                peer_runs = {p.mode: p.complete(prompt, max_tokens) for p in peers}
+                peer_runs = {p.mode: p.complete(prompt, max_tokens, stop=req.stop) for p in peers}
                 w.requests.append(dict(prompt=prompt, context=req.draft_context, output=r_off.token_ids,
                                        finish=r_off.finish_reason, steps_off=r_off.stats.n_steps,
                                        steps_on=r_on.stats.n_steps, measured=req.measured))  # fmt: skip

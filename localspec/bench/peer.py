@@ -122,7 +122,7 @@ class PeerServer:
         self.close()
         raise RuntimeError(f"llama-server ({self.mode}) did not become ready; see {self.log_path}")
 
-    def complete(self, prompt_tokens: list[int], n_predict: int) -> PeerRun:
+    def complete(self, prompt_tokens: list[int], n_predict: int, *, stop: Sequence[str] = ()) -> PeerRun:
         body = {
             "prompt": prompt_tokens,
             "n_predict": n_predict,
@@ -132,6 +132,8 @@ class PeerServer:
             "return_tokens": True,
             "seed": 0,
         }
+        if stop:
+            body["stop"] = list(stop)
         req = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/completion",
             data=json.dumps(body).encode(),
