@@ -263,7 +263,7 @@ def default_project() -> Path | None:
     return Path(spec.origin).parent if spec and spec.origin else None
 
 
-def project_workload(model, root: str | os.PathLike, n: int, *, max_prompt_tokens: int = 1500,
+def project_workload(model, root: str | os.PathLike, n: int, *, max_prompt_tokens: int = 1024,
                      held_every: int = 5) -> Workload:  # fmt: skip
     """Code completion inside a real Python project (issue 29 (f)): every ``held_every``-th
     ``.py`` file (sorted by path) is held out; the others are the corpus of a static memory
@@ -375,7 +375,8 @@ def run_memory_bench(
                 prev = r_off
                 prompt = req.prompt if isinstance(req.prompt, list) else engine.model.tokenize(
                     req.prompt, add_special=req.add_special, parse_special=req.parse_special)  # fmt: skip
-                peer_runs = {p.mode: p.complete(prompt, max_tokens, stop=req.stop) for p in peers}
+                # the engines reuse their previous request's KV; so do the servers
+                peer_runs = {p.mode: p.complete(prompt, max_tokens, stop=req.stop, cache_prompt=True) for p in peers}
                 w.requests.append(dict(prompt=prompt, context=req.draft_context, output=r_off.token_ids,
                                        finish=r_off.finish_reason, steps_off=r_off.stats.n_steps,
                                        steps_on=r_on.stats.n_steps, measured=req.measured))  # fmt: skip

@@ -122,13 +122,15 @@ class PeerServer:
         self.close()
         raise RuntimeError(f"llama-server ({self.mode}) did not become ready; see {self.log_path}")
 
-    def complete(self, prompt_tokens: list[int], n_predict: int, *, stop: Sequence[str] = ()) -> PeerRun:
+    def complete(self, prompt_tokens: list[int], n_predict: int, *, stop: Sequence[str] = (), cache_prompt: bool = False) -> PeerRun:
+        """One greedy ``/completion`` (``cache_prompt``: reuse the KV of the previous request's
+        common prefix, as an editor's session does; only the prefill time changes)."""
         body = {
             "prompt": prompt_tokens,
             "n_predict": n_predict,
             "temperature": 0.0,
             "top_k": 1,
-            "cache_prompt": False,
+            "cache_prompt": cache_prompt,
             "return_tokens": True,
             "seed": 0,
         }
