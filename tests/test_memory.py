@@ -587,3 +587,19 @@ def test_bench_memory_sends_the_same_requests_to_llama_server_modes(engine, tmp_
     assert set(r["peers"]) == {"ngram-mod", "ngram-cache"}
     for p in r["peers"].values():
         assert p["requests"] == 1 and p["tokens"] == 12 and p["same_output"] == 1
+
+
+def test_bench_memory_prompts_cut_every_workload_but_those_given_their_own_count(engine, tmp_path):
+    from localspec.cli.main import build_parser
+    from localspec.cli.bench import memory_workloads
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    for k in range(10):
+        (proj / f"m{k}.py").write_text("".join(f"def f{i}(x):\n    y = x + {i}\n    z = y * 2\n    return z\n\n" for i in range(5)))
+    a = build_parser().parse_args(["bench", "memory", "--prompts", "3", "--batch", "7", "--project", str(proj)])
+    ws = memory_workloads(a, engine)
+    assert [(w.name, len(w.items)) for w in ws] == [("code", 3), ("batch", 7), ("editor:prompt.py", 3), ("project:proj", 3)]
+    a = build_parser().parse_args(["bench", "memory", "--workloads", "specbench"])
+    with pytest.raises(SystemExit, match="needs --dataset"):
+        memory_workloads(a, engine)

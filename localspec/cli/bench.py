@@ -88,20 +88,20 @@ def register(sub) -> None:
                     help="comma list, run in this order: code, batch, specbench, turn2, editor, project (default all; "
                          "specbench and turn2 need --dataset and are left out of 'all' without it)")  # fmt: skip
     me.add_argument("--prompts", type=int, default=None, metavar="N",
-                    help="at most N measured requests per workload (a cut-down run)")
+                    help="at most N measured requests per workload whose own count is not given (a cut-down run)")
     me.add_argument("--code", type=int, default=None, metavar="N", help="first N code prompts (default all 39)")
-    me.add_argument("--batch", type=int, default=200, metavar="N",
+    me.add_argument("--batch", type=int, default=None, metavar="N",
                     help="prompts of the batch workload (one instruction, different inputs; default 200)")
     me.add_argument("--dataset", default=None, metavar="FILE",
                     help="Spec-Bench question.jsonl (for specbench, and its MT-Bench items for turn2)")
-    me.add_argument("--per-category", type=int, default=5, help="Spec-Bench prompts per category (default 5)")
-    me.add_argument("--turns", type=int, default=20, metavar="N", help="conversations of turn2 (default 20)")
+    me.add_argument("--per-category", type=int, default=None, help="Spec-Bench prompts per category (default 5)")
+    me.add_argument("--turns", type=int, default=None, metavar="N", help="conversations of turn2 (default 20)")
     me.add_argument("--editor-file", default=None, metavar="PATH",
                     help="the file typed in the editor workload (default: localspec's server/prompt.py)")
-    me.add_argument("--editor", type=int, default=40, metavar="N", help="/infill requests of the editor workload (default 40)")
+    me.add_argument("--editor", type=int, default=None, metavar="N", help="/infill requests of the editor workload (default 40)")
     me.add_argument("--project", default=None, metavar="DIR",
                     help="the Python project of the project workload (default: the installed starlette package)")
-    me.add_argument("--project-prompts", type=int, default=40, metavar="N", help="completions in it (default 40)")
+    me.add_argument("--project-prompts", type=int, default=None, metavar="N", help="completions in it (default 40)")
     me.add_argument("-n", "--max-tokens", type=int, default=128)
     me.add_argument("--mib", type=float, default=64.0, help="memory budget (default 64 MiB)")
     me.add_argument("--peer-llama-server", default=None, metavar="BIN",
@@ -238,35 +238,38 @@ def memory_workloads(a: argparse.Namespace, engine) -> list:
     bad = [w for w in names if w not in MEMORY_WORKLOADS]
     if bad:
         raise SystemExit(f"localspec: error: unknown workload {bad[0]!r} ({', '.join(MEMORY_WORKLOADS)})")
-    cut = a.prompts
-
-    def first(n: int | None) -> int | None:
-        return n if cut is None else cut if n is None else min(n, cut)
+    def first(given: int | None, default: int | None) -> int | None:
+        """A workload's count: its own option, else --prompts (at most the default), else the default."""
+        if given is not None:
+            return given
+        if a.prompts is None:
+            return default
+        return a.prompts if default is None else min(default, a.prompts)
 
     model, out = engine.model, []
     try:
         for w in names:
             if w == "code":
-                out.append(bm.Workload("code", bm.code_workload(first(a.code))))
+                out.append(bm.Workload("code", bm.code_workload(first(a.code, None))))
             elif w == "batch":
-                out.append(bm.Workload("batch", bm.batch_workload(first(a.batch))))
+                out.append(bm.Workload("batch", bm.batch_workload(first(a.batch, 200))))
             elif w == "specbench":
                 if not a.dataset:
                     raise SystemExit("localspec: error: the specbench workload needs --dataset FILE (a Spec-Bench question.jsonl)")
-                out += [bm.Workload(f"spec:{c}", ps) for c, ps in bm.specbench_workload(a.dataset, first(a.per_category))]
+                out += [bm.Workload(f"spec:{c}", ps) for c, ps in bm.specbench_workload(a.dataset, first(a.per_category, 5))]
             elif w == "turn2":
                 if not a.dataset:
                     raise SystemExit("localspec: error: the turn2 workload needs --dataset FILE (Spec-Bench, with MT-Bench items)")
-                out.append(bm.Workload("turn2", bm.second_turn_workload(model, a.dataset, first(a.turns))))
+                out.append(bm.Workload("turn2", bm.second_turn_workload(model, a.dataset, first(a.turns, 20))))
             elif w == "editor":
                 path = a.editor_file or str(Path(__file__).resolve().parent.parent / "server" / "prompt.py")
                 out.append(bm.Workload(f"editor:{Path(path).name}",
-                                       bm.editor_workload(model, path, first(a.editor), n_ctx=engine.n_ctx, n_predict=a.max_tokens)))  # fmt: skip
+                                       bm.editor_workload(model, path, first(a.editor, 40), n_ctx=engine.n_ctx, n_predict=a.max_tokens)))  # fmt: skip
             elif w == "project":
                 root = a.project or bm.default_project()
                 if root is None:
                     raise SystemExit("localspec: error: the project workload needs --project DIR (starlette is not installed)")
-                out.append(bm.project_workload(model, root, first(a.project_prompts)))
+                out.append(bm.project_workload(model, root, first(a.project_prompts, 40)))
     except (OSError, ValueError) as e:
         raise SystemExit(f"localspec: error: {e}") from None
     return out
