@@ -340,8 +340,8 @@ def run_memory(a: argparse.Namespace) -> int:
         for p in peers:
             p.close()
         engine.close()
-    if a.out:
-        Path(a.out).write_text(json.dumps(rep, indent=2))
+    if a.out:  # compact: the report holds every prompt, output and corpus token
+        Path(a.out).write_text(json.dumps(rep, separators=(",", ":")))
     if a.plot:
         plot_report(rep, a.plot)
     print(json.dumps(rep, indent=2) if a.json else format_report(rep))
