@@ -237,7 +237,7 @@ def editor_workload(model, path: str | os.PathLike, n: int, *, n_ctx: int, n_pre
     """
     from ..server.prompt import build_infill_prompt
 
-    lines = open(path, encoding="utf-8").read().splitlines(keepends=True)
+    lines = Path(path).read_text(encoding="utf-8").splitlines(keepends=True)
     span = n * every
     if len(lines) < span + 10:
         raise ValueError(f"{path} has {len(lines)} lines; {n} requests every {every} lines need {span + 10}")
@@ -269,11 +269,11 @@ def project_workload(model, root: str | os.PathLike, n: int, *, max_prompt_token
     ``.py`` file (sorted by path) is held out; the others are the corpus of a static memory
     (as ``localspec memory build`` makes it: one document per file). The prompts are the held-out
     files up to a function's signature and docstring (the last ``max_prompt_tokens`` tokens,
-    cut at a line), for functions of at least 3 body lines, spread over the files: the model
-    writes the body. ``n`` prompts.
+    cut at a line), for functions spanning 4 or more lines, round robin over the files: the
+    model writes the body. ``n`` prompts.
 
     Raises:
-        ValueError: no Python files, or none with such functions.
+        ValueError: no Python files, or no such functions in the held-out ones.
     """
     import ast
 
