@@ -222,14 +222,12 @@ def run_ngram(a: argparse.Namespace) -> int:
 MEMORY_WORKLOADS = ("code", "batch", "specbench", "turn2", "editor", "project")
 
 
-def memory_workloads(a: argparse.Namespace, engine) -> list:
-    """The workloads of ``bench memory`` (``bench.memory.Workload``), in run order.
+def memory_workload_names(a: argparse.Namespace) -> list[str]:
+    """The names of --workloads ('all': those whose inputs are there).
 
     Raises:
-        SystemExit: an unknown workload, or one whose input is missing (one line).
+        SystemExit: an unknown workload (one line).
     """
-    from ..bench import memory as bm
-
     names = [x.strip() for x in a.workloads.split(",") if x.strip()]
     if names == ["all"]:
         names = [w for w in MEMORY_WORKLOADS if a.dataset or w not in ("specbench", "turn2")]
@@ -238,6 +236,18 @@ def memory_workloads(a: argparse.Namespace, engine) -> list:
     bad = [w for w in names if w not in MEMORY_WORKLOADS]
     if bad:
         raise SystemExit(f"localspec: error: unknown workload {bad[0]!r} ({', '.join(MEMORY_WORKLOADS)})")
+    return names
+
+
+def memory_workloads(a: argparse.Namespace, engine, names: list[str] | None = None) -> list:
+    """The workloads of ``bench memory`` (``bench.memory.Workload``), in run order.
+
+    Raises:
+        SystemExit: an unknown workload, or one whose input is missing (one line).
+    """
+    from ..bench import memory as bm
+
+    names = memory_workload_names(a) if names is None else names
     def first(given: int | None, default: int | None) -> int | None:
         """A workload's count: its own option, else --prompts (at most the default), else the default."""
         if given is not None:
@@ -322,10 +332,11 @@ def run_memory(a: argparse.Namespace) -> int:
 
     if a.rss is not None:
         return _run_memory_rss(a)
+    names = memory_workload_names(a)  # a bad name fails before the model loads
     engine = make_engine(a, "ngram")
     peers = []
     try:
-        workloads = memory_workloads(a, engine)
+        workloads = memory_workloads(a, engine, names)
         if a.peer_llama_server:
             log_dir = Path(a.out).parent if a.out else Path("bench-out")
             peers = _memory_peers(a, engine, workloads, log_dir / "memory-peer")
