@@ -251,7 +251,8 @@ LS_API int32_t ls_ngram_draft(const ls_ngram *ix, const ls_draft_params *p, int3
 /* ---- drafting memory (ls_memory.c) ------------------------------------------------------- */
 
 /* A bounded store of token sequences (documents) shared by requests: a ring of `cap`
- * tokens (the oldest evicted first) indexed by n-grams of orders [min_n, max_n] like
+ * tokens (the oldest unread ones evicted first; runs a draft read are written again, see
+ * ls_memory.c) indexed by n-grams of orders [min_n, max_n] like
  * ls_ngram. Writes cost O(max_n^2) per token; a draft reads at most max_occurrences
  * occurrences, whatever is stored. Not thread-safe (the caller locks). */
 typedef struct ls_memory ls_memory;
@@ -282,9 +283,10 @@ LS_API int64_t ls_memory_tokens(const ls_memory *m, int64_t start, int64_t n, in
  * larger score and its bucket win) or appended (at most p->node_cap nodes in all).
  * p->min_n, p->max_n are not used (the memory's orders apply); p->n_rank must be 5.
  * requires: every *_out array holds cap >= n_in entries; info_out[3].
+ * Raises the read count of the stored tokens each occurrence gave the tree (eviction keeps them).
  * returns: the new number of nodes (>= n_in), or LS_ERR_ARG / LS_ERR_NOMEM / LS_ERR_BAD_TREE;
  *   info_out = (order matched, occurrences read, nodes added). */
-LS_API int32_t ls_memory_draft(const ls_memory *m, const int32_t *query, int64_t n_query, const ls_draft_params *p,
+LS_API int32_t ls_memory_draft(ls_memory *m, const int32_t *query, int64_t n_query, const ls_draft_params *p,
                                double min_share, int32_t bucket_offset, int32_t n_in, int32_t cap,
                                int32_t *token_ids, int32_t *parents, int32_t *depth, double *score,
                                int32_t *bucket, int32_t *info_out);

@@ -2,9 +2,17 @@
  * drafts from (localspec/drafters/memory.py, DraftMemory).
  *
  * Tokens live in a ring of `cap` slots addressed by absolute position (token i at
- * tok[i % cap]); once the ring is full each new token evicts the oldest one, so the store
- * keeps the most recently written tokens. Documents are separated by LS_MEM_SEP; no indexed
- * n-gram and no continuation crosses a separator.
+ * tok[i % cap]; the stored positions are [base, total)). Documents are separated by
+ * LS_MEM_SEP; no indexed n-gram and no continuation crosses a separator.
+ *
+ * Eviction keeps what is drafted from (second chance, as the CLOCK approximation of LRU):
+ * every stored token has a read count (0..LS_MEM_MAX_READS) that a draft raises on the
+ * tokens it used (the matched n-gram and the continuation it merged into the tree). A write
+ * that needs room evicts from the oldest position; a run of tokens whose count is > 0 is
+ * copied out (at most as many tokens as the write brings, and at least 64, up to `salv_cap`:
+ * writes cost at most about twice their length) and written again, before the new document,
+ * as documents of their own with their counts lowered by one. Text that drafts keep reading
+ * survives any amount of text written but never read; text never read leaves oldest first.
  *
  * As in ls_ngram.c, for every end position p (the n-gram is tokens [p - n, p)) and order n in
  * [min_n, max_n] the store keeps the distance back to the previous occurrence of the same
@@ -17,20 +25,26 @@
 
 #define LS_MEM_SEP (-1)
 #define LS_MEM_MAX_N 32
+#define LS_MEM_MAX_READS 3
 
 struct ls_memory {
     int32_t min_n, max_n, n_orders;
     int32_t _pad;
     int64_t cap;      /* ring slots (tokens) */
     int64_t total;    /* tokens ever written (absolute end) */
+    int64_t base;     /* first stored position (total - base <= cap) */
     int32_t *tok;     /* [cap] */
+    uint8_t *reads;   /* [cap]: read count of the token at tok[i] */
+    int64_t salv_cap; /* most tokens (and separators) copied out per write */
+    int32_t *salv;    /* [salv_cap] tokens copied out of the evicted text, LS_MEM_SEP between runs */
+    uint8_t *salv_reads; /* [salv_cap] their read counts, lowered by one */
     uint32_t *prev;   /* [cap * n_orders]: for end position p, at ((p - 1) % cap) * n_orders + (n - min_n) */
     uint64_t *slot;   /* [n_slots]: end position * 64 + order; 0 = empty */
     int64_t n_slots, n_used;
 };
 
 static inline int32_t tok_at(const ls_memory *m, int64_t i) { return m->tok[i % m->cap]; }
-static inline int64_t mem_base(const ls_memory *m) { return m->total > m->cap ? m->total - m->cap : 0; }
+static inline int64_t mem_base(const ls_memory *m) { return m->base; }
 
 /* hash of g[0..n) built from the last token backwards (so one pass gives every order) */
 static inline uint64_t hash_step(uint64_t acc, int32_t t, int32_t n) {
@@ -92,11 +106,14 @@ static void delete_slot(ls_memory *m, int64_t i) {
 
 /* table slots: 3/2 of the most entries (one per stored token and order) */
 static int64_t n_slots_for(int64_t cap, int32_t n_orders) { return cap * n_orders + (cap * n_orders) / 2 + 1; }
+/* tokens copied out per write: an eighth of the ring */
+static int64_t salv_cap_for(int64_t cap) { return cap / 8; }
 
 int64_t ls_memory_bytes(int64_t cap, int32_t n_orders) {
     if (cap < 1 || n_orders < 1) return 0;
     int64_t slots = n_slots_for(cap, n_orders);
-    return cap * (int64_t)sizeof(int32_t) + cap * n_orders * (int64_t)sizeof(uint32_t) + slots * (int64_t)sizeof(uint64_t);
+    return cap * (int64_t)(sizeof(int32_t) + sizeof(uint8_t)) + cap * n_orders * (int64_t)sizeof(uint32_t) +
+           slots * (int64_t)sizeof(uint64_t) + salv_cap_for(cap) * (int64_t)(sizeof(int32_t) + sizeof(uint8_t));
 }
 
 ls_memory *ls_memory_new(int64_t cap, int32_t min_n, int32_t max_n) {
@@ -109,10 +126,14 @@ ls_memory *ls_memory_new(int64_t cap, int32_t min_n, int32_t max_n) {
     m->cap = cap;
     int64_t slots = n_slots_for(cap, m->n_orders);
     m->n_slots = slots;
+    m->salv_cap = salv_cap_for(cap);
     m->tok = (int32_t *)malloc((size_t)cap * sizeof(int32_t));
+    m->reads = (uint8_t *)calloc((size_t)cap, sizeof(uint8_t));
     m->prev = (uint32_t *)malloc((size_t)cap * (size_t)m->n_orders * sizeof(uint32_t));
     m->slot = (uint64_t *)calloc((size_t)slots, sizeof(uint64_t));
-    if (!m->tok || !m->prev || !m->slot) {
+    m->salv = (int32_t *)malloc((size_t)m->salv_cap * sizeof(int32_t));
+    m->salv_reads = (uint8_t *)malloc((size_t)m->salv_cap * sizeof(uint8_t));
+    if (!m->tok || !m->reads || !m->prev || !m->slot || !m->salv || !m->salv_reads) {
         ls_memory_free(m);
         return NULL;
     }
@@ -122,8 +143,11 @@ ls_memory *ls_memory_new(int64_t cap, int32_t min_n, int32_t max_n) {
 void ls_memory_free(ls_memory *m) {
     if (!m) return;
     free(m->tok);
+    free(m->reads);
     free(m->prev);
     free(m->slot);
+    free(m->salv);
+    free(m->salv_reads);
     free(m);
 }
 
@@ -153,11 +177,13 @@ static void evict_oldest(ls_memory *m) {
         int64_t i = find_slot(m, g, n, gram_hash(g, n), &found);
         if (found && (int64_t)(m->slot[i] >> 6) == p) delete_slot(m, i);
     }
+    m->base++;
 }
 
-static void append_one(ls_memory *m, int32_t t) {
-    if (m->total >= m->cap) evict_oldest(m);
+static void append_one(ls_memory *m, int32_t t, uint8_t reads) {
+    if (m->total - m->base >= m->cap) evict_oldest(m);
     m->tok[m->total % m->cap] = t;
+    m->reads[m->total % m->cap] = reads;
     m->total++;
     int64_t p = m->total;
     uint32_t *pv = m->prev + ((p - 1) % m->cap) * m->n_orders;
@@ -189,13 +215,50 @@ static void append_one(ls_memory *m, int32_t t) {
     }
 }
 
+/* one document and its separators (at most n + 2 positions); reads = NULL: all 0 */
+static void append_doc(ls_memory *m, const int32_t *tokens, const uint8_t *reads, int64_t n) {
+    if (m->total > m->base && tok_at(m, m->total - 1) != LS_MEM_SEP) append_one(m, LS_MEM_SEP, 0);
+    for (int64_t k = 0; k < n; k++) append_one(m, tokens[k], reads ? reads[k] : 0);
+    append_one(m, LS_MEM_SEP, 0);
+}
+
+/* Evict from the oldest position until `need` positions and room for the copied-out runs
+ * are free; a token with reads > 0 is copied out to salv (at most max(need, 64) entries,
+ * and salv_cap), so only unread tokens make room. returns the length of salv (runs separated by LS_MEM_SEP). */
+static int64_t make_room(ls_memory *m, int64_t need) {
+    int64_t ns = 0, last = -2;
+    if (need + m->salv_cap + 1 > m->cap) return 0; /* a document this long replaces everything */
+    int64_t most = need < 64 ? 64 : need;
+    if (most > m->salv_cap) most = m->salv_cap;
+    while (m->cap - (m->total - m->base) < need + ns + 1) {
+        int64_t e = m->base;
+        int32_t t = tok_at(m, e);
+        uint8_t r = m->reads[e % m->cap];
+        if (t >= 0 && r > 0 && ns + 2 <= most) {
+            if (ns > 0 && last != e - 1) m->salv[ns] = LS_MEM_SEP, m->salv_reads[ns++] = 0;
+            m->salv[ns] = t;
+            m->salv_reads[ns++] = (uint8_t)(r - 1);
+            last = e;
+        }
+        evict_oldest(m);
+    }
+    return ns;
+}
+
 int32_t ls_memory_write(ls_memory *m, const int32_t *tokens, int64_t n) {
     for (int64_t k = 0; k < n; k++)
         if (tokens[k] < 0) return LS_ERR_ARG;
     if (n <= 0) return 0;
-    if (m->total > 0 && tok_at(m, m->total - 1) != LS_MEM_SEP) append_one(m, LS_MEM_SEP);
-    for (int64_t k = 0; k < n; k++) append_one(m, tokens[k]);
-    append_one(m, LS_MEM_SEP);
+    /* written below: the runs (ns + 1 positions, + 1 if the last stored one is not a
+     * separator) and the document (n + 1) */
+    int64_t ns = make_room(m, n + 2);
+    for (int64_t a = 0; a < ns;) { /* the runs that drafts read, written again (older first) */
+        int64_t b = a;
+        while (b < ns && m->salv[b] != LS_MEM_SEP) b++;
+        append_doc(m, m->salv + a, m->salv_reads + a, b - a);
+        a = b + 1;
+    }
+    append_doc(m, tokens, NULL, n);
     return 0;
 }
 
@@ -225,7 +288,7 @@ static int32_t share_rank(int32_t count, int32_t parent_count) {
     return share >= 0.4 ? 3 : 4;
 }
 
-int32_t ls_memory_draft(const ls_memory *m, const int32_t *query, int64_t n_query, const ls_draft_params *p,
+int32_t ls_memory_draft(ls_memory *m, const int32_t *query, int64_t n_query, const ls_draft_params *p,
                         double min_share, int32_t bucket_offset, int32_t n_in, int32_t cap, int32_t *tok_out,
                         int32_t *parent_out, int32_t *depth_out, double *score_out, int32_t *bucket_out,
                         int32_t *info_out) {
@@ -251,10 +314,12 @@ int32_t ls_memory_draft(const ls_memory *m, const int32_t *query, int64_t n_quer
     int32_t *mfirst = (int32_t *)malloc((size_t)mcap * sizeof(int32_t));
     int32_t *mnext = (int32_t *)malloc((size_t)mcap * sizeof(int32_t));
     int32_t *mout = (int32_t *)malloc((size_t)mcap * sizeof(int32_t));
+    int32_t *mdep = (int32_t *)malloc((size_t)mcap * sizeof(int32_t));
+    int32_t *leaf = (int32_t *)malloc((size_t)max_occ * sizeof(int32_t));
     int32_t *first = (int32_t *)malloc((size_t)cap * sizeof(int32_t));
     int32_t *next = (int32_t *)malloc((size_t)cap * sizeof(int32_t));
     int32_t n = n_in;
-    if (!starts || !mtok || !mpar || !mcount || !mlen || !mfirst || !mnext || !mout || !first || !next) {
+    if (!starts || !mtok || !mpar || !mcount || !mlen || !mfirst || !mnext || !mout || !mdep || !leaf || !first || !next) {
         n = LS_ERR_NOMEM;
         goto done;
     }
@@ -281,6 +346,7 @@ int32_t ls_memory_draft(const ls_memory *m, const int32_t *query, int64_t n_quer
     mpar[0] = -1;
     mcount[0] = n_occ;
     mlen[0] = 0;
+    mdep[0] = 0;
     mfirst[0] = mnext[0] = -1;
     for (int32_t q = 0; q < n_occ; q++) {
         int64_t s = starts[q];
@@ -302,6 +368,7 @@ int32_t ls_memory_draft(const ls_memory *m, const int32_t *query, int64_t n_quer
                 mpar[c] = node;
                 mcount[c] = 0;
                 mlen[c] = 0;
+                mdep[c] = d + 1;
                 mfirst[c] = -1;
                 mnext[c] = mfirst[node]; /* order among siblings does not matter here */
                 mfirst[node] = c;
@@ -310,6 +377,7 @@ int32_t ls_memory_draft(const ls_memory *m, const int32_t *query, int64_t n_quer
             if (ml + d + 1 > mlen[c]) mlen[c] = ml + d + 1;
             node = c;
         }
+        leaf[q] = node;
     }
     /* 3. merge the nodes whose share of their parent's occurrences is >= min_share into the
      * given tree (a node already there keeps the larger score, and that score's bucket) */
@@ -353,6 +421,17 @@ int32_t ls_memory_draft(const ls_memory *m, const int32_t *query, int64_t n_quer
         }
         mout[c] = k;
     }
+    /* 4. raise the read count of the tokens each occurrence gave the tree: its matched n-gram
+     * and its continuation down to the deepest node that was kept */
+    for (int32_t q = 0; q < n_occ; q++) {
+        int32_t c = leaf[q];
+        while (c > 0 && mout[c] < 0) c = mpar[c];
+        if (c == 0) continue;
+        for (int64_t i = starts[q] - order; i < starts[q] + mdep[c]; i++) {
+            uint8_t *r = &m->reads[i % m->cap];
+            if (*r < LS_MEM_MAX_READS) (*r)++;
+        }
+    }
 done:
     free(starts);
     free(mtok);
@@ -362,6 +441,8 @@ done:
     free(mfirst);
     free(mnext);
     free(mout);
+    free(mdep);
+    free(leaf);
     free(first);
     free(next);
     return n;

@@ -2,6 +2,8 @@
 concurrency, and outputs that do not depend on it (alone and batched, greedy and seeded)."""
 
 import dataclasses
+import json
+import os
 import threading
 
 import numpy as np
@@ -110,6 +112,36 @@ def test_a_chat_that_repeats_its_history_writes_only_what_is_new():
     assert len(docs) == 2 and docs[1].tolist() == (turn1 + [7, 8, 9])[-(3 + 16) :]
 
 
+def drafts_from(mem: DraftMemory, seq: list[int]) -> bool:
+    """Whether a request whose history ends with seq[:10] gets seq[10:15] from the memory."""
+    d = NgramDrafter(memory=mem)
+    d.begin([1] + seq[:10])
+    got = memory_nodes(d, d.propose(8, 32))[:5] == seq[10:15]
+    d.close()  # writes [1] + seq[:10]: not what is looked for
+    return got
+
+
+def test_eviction_keeps_what_drafts_read_over_a_flood_of_unread_text():
+    mem = DraftMemory(0.25)
+    cap = mem.capacity
+    rng = np.random.default_rng(1)
+    kept = rng.integers(60000, 61000, 40).tolist()  # drafted from again and again
+    once = rng.integers(61000, 62000, 40).tolist()  # drafted from once, early
+    never = rng.integers(62000, 63000, 40).tolist()  # written as early, never read
+    for seq in (kept, once, never):
+        mem.write(seq)
+    assert drafts_from(mem, kept) and drafts_from(mem, once)
+    for cycle in range(8):  # 8 times the capacity of unread text
+        for _ in range(cap // 100):
+            mem.write(rng.integers(0, 50000, 99).tolist())
+        assert drafts_from(mem, kept), f"evicted in cycle {cycle}"
+        if cycle == 0:
+            assert not drafts_from(mem, never)  # unread text leaves oldest first
+    # what was read once survives a few rounds of eviction, not forever
+    assert not drafts_from(mem, once)
+    assert mem.info().bytes <= 0.25 * 2**20
+
+
 def test_eviction_keeps_the_store_within_its_budget_and_the_newest_text():
     mem = DraftMemory(0.25)
     cap = mem.capacity
@@ -122,7 +154,8 @@ def test_eviction_keeps_the_store_within_its_budget_and_the_newest_text():
     mem.write(last)
     info = mem.info()
     assert info.bytes <= 0.25 * 2**20
-    assert info.written > 3 * cap and mem.stored().size == cap
+    # a write makes room for itself (and one separator) before it starts
+    assert info.written > 3 * cap and cap - 102 <= mem.stored().size <= cap
     d = NgramDrafter(memory=mem)
     d.begin([1] + first[:10])
     assert not memory_nodes(d, d.propose(8, 32))  # evicted
@@ -417,3 +450,156 @@ def test_replay_counts_target_calls_with_and_without_memory():
     # the second repeats the first: only the memory drafts it
     assert row["calls_off"] == 120
     assert row["calls_on"] < 60 + 60 // 4
+
+
+def test_the_store_stays_within_its_budget_over_many_requests():
+    budget = 0.5
+    mem = DraftMemory(budget)
+    d = NgramDrafter(memory=mem)
+    rng = np.random.default_rng(2)
+    shared = rng.integers(0, 3000, 30).tolist()  # read by every request: kept by eviction
+    written = 0
+    for i in range(400):
+        prompt = shared + rng.integers(0, 3000, 60).tolist()
+        d.begin(prompt)
+        for k in range(0, 40, 4):
+            d.propose(16, 32)
+            d.accept(prompt[k : k + 4])  # outputs copy the prompt: drafts read the memory
+        d.close()
+        u = mem.usage()
+        assert u["bytes"] <= budget * 2**20 and u["stored"] <= u["capacity"] and u["entries"] < u["slots"] * 2 // 3
+        written = u["written"]
+    # the run wrote many times the capacity (copies of what was read included), at most about
+    # twice what the requests brought
+    assert mem.capacity * 4 < written < 2 * 400 * (90 + 40 + 2) + mem.capacity
+
+
+def test_bench_memory_rss_reports_resident_memory_against_the_budget(capsys):
+    from localspec.cli.main import main
+
+    assert main(["bench", "memory", "--rss", "200", "--mib", "2", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert [s["requests"] for s in rep["samples"]] == list(range(0, 201, 20))
+    last = rep["samples"][-1]
+    assert last["store_mib"] <= 2 and last["written"] > 3 * rep["capacity"]  # it ran past the capacity
+    assert 0 < last["growth_mib"] < 2 + 4  # the store, touched as it fills, and a little Python
+
+
+# -- bench memory's workloads -------------------------------------------------------------------
+
+
+def test_batch_workload_is_one_instruction_over_distinct_inputs():
+    from localspec.bench.memory import batch_workload
+
+    ps = batch_workload(200)
+    assert len(ps) == len(set(ps)) == 200
+    head = ps[0].split("Text:")[0]
+    assert all(p.startswith(head) for p in ps)
+
+
+def test_editor_workload_types_the_file_with_growing_infill_prompts(model, tmp_path):
+    from localspec.bench.memory import editor_workload
+
+    src = tmp_path / "m.py"
+    src.write_text("".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(40)))
+    reqs = editor_workload(model, src, 5, n_ctx=2048, n_predict=16)
+    assert len(reqs) == 5
+    for a, b in zip(reqs, reqs[1:]):  # the next request's prefix holds the previous one's typed lines
+        assert len(b.prompt) > len(a.prompt)
+    # the text below the typed part (the file's last functions) is there to draft from
+    tail = model.tokenize("def f39(x):", add_special=False)
+    ctx = [t for c in reqs[0].draft_context for t in c] + list(reqs[0].prompt)
+    assert any(ctx[i : i + len(tail)] == tail for i in range(len(ctx)))
+
+
+def test_project_workload_completes_held_out_files_with_the_others_as_corpus(model, tmp_path):
+    from localspec.bench.memory import project_workload
+
+    for k in range(10):
+        (tmp_path / f"mod{k}.py").write_text(
+            f'"""module {k}"""\n\n\ndef fun_{k}(a, b):\n    """Add them ({k})."""\n    c = a + b\n    d = c * {k}\n    return d\n'
+        )
+    w = project_workload(model, tmp_path, 10, held_every=5)
+    assert w.corpus_files == 8 and len(w.corpus) == 8  # mod0 and mod5 are held out
+    assert w.items == ['"""module 0"""\n\n\ndef fun_0(a, b):\n    """Add them (0)."""\n',
+                       '"""module 5"""\n\n\ndef fun_5(a, b):\n    """Add them (5)."""\n']  # fmt: skip
+    held = model.tokenize("d = c * 5", add_special=False)
+    assert not any(d[i : i + len(held)] == held for d in w.corpus for i in range(len(d)))
+
+
+def test_second_turn_workload_asks_the_second_question_after_the_models_answer(model, tmp_path):
+    from localspec.bench.memory import Request, second_turn_workload
+
+    data = tmp_path / "q.jsonl"
+    data.write_text("\n".join(json.dumps({"question_id": i, "category": "writing", "turns": [f"Name a colour {i}.",
+                                                                                             f"Now another {i}."]})
+                              for i in range(3)) + '\n{"question_id": 9, "category": "qa", "turns": ["one turn"]}\n')  # fmt: skip
+    items = second_turn_workload(model, data, 2)
+    assert len(items) == 4 and not items[0].measured and isinstance(items[0], Request)
+    answer = type("R", (), {"text": " Blue-ish green. "})()
+    second = items[1](answer)
+    assert second.measured and second.stop  # the transcript format ends a turn at "\nUser:"
+    assert second.prompt.index("Name a colour 0.") < second.prompt.index("Blue-ish green.") < second.prompt.index("Now another 0.")
+
+
+def test_bench_memory_writes_a_corpus_first_and_counts_only_measured_requests(engine, tmp_path):
+    from localspec.bench.memory import Request, Workload, format_report, plot_report, replay, run_memory_bench
+
+    text = "def handler(request):\n    payload = request.json()\n    return Response(payload, status=201)\n"
+    corpus = [engine.tokenize(text * 2, add_special=False)]
+    prompt = "def handler(request):\n    payload ="
+    w = Workload("proj", [Request("import json\n", measured=False), prompt], corpus=corpus, corpus_files=1)
+    rep = run_memory_bench(engine, [w], max_tokens=12)
+    (r,) = rep["workloads"]
+    assert r["identical"] and r["n_requests"] == 1 and r["corpus_files"] == 1
+    assert [q["measured"] for q in r["requests"]] == [False, True]
+    assert rep["memory"]["documents"] == 3  # the corpus, then both requests
+    assert r["on"]["tokens"] == r["off"]["tokens"] == len(r["requests"][1]["output"])
+    (row,) = replay(rep["workloads"], budget=16)
+    assert row["tokens"] == r["off"]["tokens"]
+    # the corpus drafts the code that follows the prompt: fewer calls with the memory
+    assert row["calls_on"] < row["calls_off"]
+    assert "proj" in format_report(rep)
+    plot_report(rep, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.skipif(not os.environ.get("LOCALSPEC_LLAMA_SERVER"), reason="LOCALSPEC_LLAMA_SERVER: a llama-server binary")
+def test_bench_memory_sends_the_same_requests_to_llama_server_modes(engine, tmp_path):
+    import argparse
+
+    from localspec.bench.memory import Workload, run_memory_bench
+    from localspec.cli.bench import _memory_peers
+
+    text = "def handler(request):\n    payload = request.json()\n    return Response(payload, status=201)\n"
+    w = Workload("proj", ["def handler(request):\n    payload ="], corpus=[engine.tokenize(text, add_special=False)])
+    a = argparse.Namespace(peer_llama_server=os.environ["LOCALSPEC_LLAMA_SERVER"], peer_modes="ngram-mod,ngram-cache",
+                           peer_kernels="same")  # fmt: skip
+    peers = _memory_peers(a, engine, [w], tmp_path)
+    try:
+        assert [p.mode for p in peers] == ["ngram-mod", "ngram-cache"]
+        assert "-lcs" in peers[1].args and (tmp_path / "corpus.lcs").stat().st_size > 0  # the corpus' static cache
+        rep = run_memory_bench(engine, [w], max_tokens=12, peers=peers)
+    finally:
+        for p in peers:
+            p.close()
+    (r,) = rep["workloads"]
+    assert set(r["peers"]) == {"ngram-mod", "ngram-cache"}
+    for p in r["peers"].values():
+        assert p["requests"] == 1 and p["tokens"] == 12 and p["same_output"] == 1
+
+
+def test_bench_memory_prompts_cut_every_workload_but_those_given_their_own_count(engine, tmp_path):
+    from localspec.cli.main import build_parser
+    from localspec.cli.bench import memory_workloads
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    for k in range(10):
+        (proj / f"m{k}.py").write_text("".join(f"def f{i}(x):\n    y = x + {i}\n    z = y * 2\n    return z\n\n" for i in range(5)))
+    a = build_parser().parse_args(["bench", "memory", "--prompts", "3", "--batch", "7", "--project", str(proj)])
+    ws = memory_workloads(a, engine)
+    assert [(w.name, len(w.items)) for w in ws] == [("code", 3), ("batch", 7), ("editor:prompt.py", 3), ("project:proj", 3)]
+    a = build_parser().parse_args(["bench", "memory", "--workloads", "specbench"])
+    with pytest.raises(SystemExit, match="needs --dataset"):
+        memory_workloads(a, engine)

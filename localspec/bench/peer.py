@@ -22,6 +22,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,7 +57,8 @@ class PeerRun:
 
 
 class PeerServer:
-    """One ``llama-server`` process in one speculative mode (``"none"`` = plain)."""
+    """One ``llama-server`` process in one speculative mode (``"none"`` = plain); ``extra_args``
+    are added to its command line (e.g. ``-lcs FILE``: ngram-cache's static cache)."""
 
     def __init__(
         self,
@@ -69,6 +71,7 @@ class PeerServer:
         log_dir: Path,
         exact: bool = True,
         tag: str = "",
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.mode = mode
         self.exact = exact
@@ -88,6 +91,7 @@ class PeerServer:
         ]  # fmt: skip
         if mode != "none":
             args += ["--spec-type", mode]
+        args += list(extra_args)
         env = dict(os.environ)
         if exact:
             args += ["--no-repack", "-ctk", "bf16", "-ctv", "f16", "-fa", "on"]
@@ -98,6 +102,7 @@ class PeerServer:
 
             if cpu_amx():  # llama.cpp's AMX matmul segfaults on batches (backend.cpu_amx)
                 args.append("--no-repack")
+        self.args = args
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
         self._wait_ready()
@@ -117,16 +122,20 @@ class PeerServer:
         self.close()
         raise RuntimeError(f"llama-server ({self.mode}) did not become ready; see {self.log_path}")
 
-    def complete(self, prompt_tokens: list[int], n_predict: int) -> PeerRun:
+    def complete(self, prompt_tokens: list[int], n_predict: int, *, stop: Sequence[str] = (), cache_prompt: bool = False) -> PeerRun:
+        """One greedy ``/completion`` (``cache_prompt``: reuse the KV of the previous request's
+        common prefix, as an editor's session does; only the prefill time changes)."""
         body = {
             "prompt": prompt_tokens,
             "n_predict": n_predict,
             "temperature": 0.0,
             "top_k": 1,
-            "cache_prompt": False,
+            "cache_prompt": cache_prompt,
             "return_tokens": True,
             "seed": 0,
         }
+        if stop:
+            body["stop"] = list(stop)
         req = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/completion",
             data=json.dumps(body).encode(),

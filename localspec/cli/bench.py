@@ -84,14 +84,37 @@ def register(sub) -> None:
         "(docs/drafters.md#drafting-memory), back to back, and must give the same tokens. Reports decode "
         "speed and tokens per target call per workload.",
     )
-    me.add_argument("--workloads", default="code,specbench",
-                    help="comma list of code, extract, specbench, run in that order (default code,specbench)")
+    me.add_argument("--workloads", default="all",
+                    help="comma list, run in this order: code, batch, specbench, turn2, editor, project (default all; "
+                         "specbench and turn2 need --dataset and are left out of 'all' without it)")  # fmt: skip
+    me.add_argument("--prompts", type=int, default=None, metavar="N",
+                    help="at most N measured requests per workload whose own count is not given (a cut-down run)")
     me.add_argument("--code", type=int, default=None, metavar="N", help="first N code prompts (default all 39)")
-    me.add_argument("--extract", type=int, default=12, metavar="N", help="extraction prompts (default 12)")
-    me.add_argument("--dataset", default=None, metavar="FILE", help="Spec-Bench question.jsonl (for specbench)")
-    me.add_argument("--per-category", type=int, default=5, help="Spec-Bench prompts per category (default 5)")
+    me.add_argument("--batch", type=int, default=None, metavar="N",
+                    help="prompts of the batch workload (one instruction, different inputs; default 200)")
+    me.add_argument("--dataset", default=None, metavar="FILE",
+                    help="Spec-Bench question.jsonl (for specbench, and its MT-Bench items for turn2)")
+    me.add_argument("--per-category", type=int, default=None, help="Spec-Bench prompts per category (default 5)")
+    me.add_argument("--turns", type=int, default=None, metavar="N", help="conversations of turn2 (default 20)")
+    me.add_argument("--editor-file", default=None, metavar="PATH",
+                    help="the file typed in the editor workload (default: localspec's server/prompt.py)")
+    me.add_argument("--editor", type=int, default=None, metavar="N", help="/infill requests of the editor workload (default 40)")
+    me.add_argument("--project", default=None, metavar="DIR",
+                    help="the Python project of the project workload (default: the installed starlette package)")
+    me.add_argument("--project-prompts", type=int, default=None, metavar="N", help="completions in it (default 40)")
     me.add_argument("-n", "--max-tokens", type=int, default=128)
     me.add_argument("--mib", type=float, default=64.0, help="memory budget (default 64 MiB)")
+    me.add_argument("--peer-llama-server", default=None, metavar="BIN",
+                    help="also run the same requests, in the same order, through one llama-server per mode "
+                         "(--peer-modes); ngram-cache gets a static cache of the project's corpus "
+                         "(llama-lookup-create beside BIN)")  # fmt: skip
+    me.add_argument("--peer-modes", default="ngram-mod,ngram-cache", help="llama-server --spec-type modes (default ngram-mod,ngram-cache)")
+    me.add_argument("--peer-kernels", choices=("same", "exact", "fast"), default="same",
+                    help="numerics of the peer server: the same as localspec (default), exact, or llama.cpp's defaults")
+    me.add_argument("--plot", default=None, metavar="PATH", help="write a plot (PNG) of speed-up and tokens per call per workload")
+    me.add_argument("--rss", type=int, default=None, metavar="N",
+                    help="instead: N synthetic requests (no model) through a memory of --mib; report the process's "
+                         "resident memory against the budget (issue 29: 10000)")  # fmt: skip
     me.add_argument("--json", action="store_true")
     me.add_argument("--out", default=None, help="also write the JSON report here")
     add_model_args(me)
@@ -196,35 +219,161 @@ def run_ngram(a: argparse.Namespace) -> int:
     return 0
 
 
-def run_memory(a: argparse.Namespace) -> int:
-    from ..bench.memory import code_workload, extract_workload, format_report, run_memory_bench, specbench_workload
+MEMORY_WORKLOADS = ("code", "batch", "specbench", "turn2", "editor", "project")
 
-    workloads = []
-    for w in [x.strip() for x in a.workloads.split(",") if x.strip()]:
-        if w == "code":
-            workloads.append(("code", code_workload(a.code)))
-        elif w == "extract":
-            workloads.append(("extract", extract_workload(a.extract)))
-        elif w == "specbench":
-            if not a.dataset:
-                raise SystemExit("localspec: error: the specbench workload needs --dataset FILE (a Spec-Bench question.jsonl)")
-            workloads += [(f"spec:{c}", ps) for c, ps in specbench_workload(a.dataset, a.per_category)]
-        else:
-            raise SystemExit(f"localspec: error: unknown workload {w!r} (code, extract, specbench)")
-    engine = make_engine(a, "ngram")
 
-    def progress(name, i, r_off, r_on) -> None:
-        print(f"{name} #{i}: off {r_off.stats.n_steps} steps, on {r_on.stats.n_steps} steps, "
-              f"{'same' if r_off.token_ids == r_on.token_ids else 'DIFFERENT'} output", file=sys.stderr)  # fmt: skip
+def memory_workload_names(a: argparse.Namespace) -> list[str]:
+    """The names of --workloads ('all': those whose inputs are there).
 
+    Raises:
+        SystemExit: an unknown workload (one line).
+    """
+    names = [x.strip() for x in a.workloads.split(",") if x.strip()]
+    if names == ["all"]:
+        names = [w for w in MEMORY_WORKLOADS if a.dataset or w not in ("specbench", "turn2")]
+        if not a.dataset:
+            print("localspec: specbench and turn2 need --dataset (a Spec-Bench question.jsonl): left out", file=sys.stderr)
+    bad = [w for w in names if w not in MEMORY_WORKLOADS]
+    if bad:
+        raise SystemExit(f"localspec: error: unknown workload {bad[0]!r} ({', '.join(MEMORY_WORKLOADS)})")
+    return names
+
+
+def memory_workloads(a: argparse.Namespace, engine, names: list[str] | None = None) -> list:
+    """The workloads of ``bench memory`` (``bench.memory.Workload``), in run order.
+
+    Raises:
+        SystemExit: an unknown workload, or one whose input is missing (one line).
+    """
+    from ..bench import memory as bm
+
+    names = memory_workload_names(a) if names is None else names
+    def first(given: int | None, default: int | None) -> int | None:
+        """A workload's count: its own option, else --prompts (at most the default), else the default."""
+        if given is not None:
+            return given
+        if a.prompts is None:
+            return default
+        return a.prompts if default is None else min(default, a.prompts)
+
+    model, out = engine.model, []
     try:
-        rep = run_memory_bench(engine, workloads, max_tokens=a.max_tokens, budget_mib=a.mib, on_request=progress)
+        for w in names:
+            if w == "code":
+                out.append(bm.Workload("code", bm.code_workload(first(a.code, None))))
+            elif w == "batch":
+                out.append(bm.Workload("batch", bm.batch_workload(first(a.batch, 200))))
+            elif w == "specbench":
+                if not a.dataset:
+                    raise SystemExit("localspec: error: the specbench workload needs --dataset FILE (a Spec-Bench question.jsonl)")
+                out += [bm.Workload(f"spec:{c}", ps) for c, ps in bm.specbench_workload(a.dataset, first(a.per_category, 5))]
+            elif w == "turn2":
+                if not a.dataset:
+                    raise SystemExit("localspec: error: the turn2 workload needs --dataset FILE (Spec-Bench, with MT-Bench items)")
+                out.append(bm.Workload("turn2", bm.second_turn_workload(model, a.dataset, first(a.turns, 20))))
+            elif w == "editor":
+                path = a.editor_file or str(Path(__file__).resolve().parent.parent / "server" / "prompt.py")
+                out.append(bm.Workload(f"editor:{Path(path).name}",
+                                       bm.editor_workload(model, path, first(a.editor, 40), n_ctx=engine.n_ctx, n_predict=a.max_tokens)))  # fmt: skip
+            elif w == "project":
+                root = a.project or bm.default_project()
+                if root is None:
+                    raise SystemExit("localspec: error: the project workload needs --project DIR (starlette is not installed)")
+                out.append(bm.project_workload(model, root, first(a.project_prompts, 40)))
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"localspec: error: {e}") from None
+    return out
+
+
+def _memory_peers(a: argparse.Namespace, engine, workloads: list, log_dir: Path) -> list:
+    """One llama-server per --peer-modes mode; ngram-cache with a static cache (-lcs) built by
+    llama-lookup-create from the corpora of the workloads, when that binary is beside BIN."""
+    import subprocess
+
+    from ..backend import exact_kernels
+    from ..bench.peer import PeerServer
+
+    exact = exact_kernels() if a.peer_kernels == "same" else a.peer_kernels == "exact"
+    modes = [m.strip() for m in a.peer_modes.split(",") if m.strip()]
+    log_dir.mkdir(parents=True, exist_ok=True)
+    static: list[str] = []
+    corpus = [d for w in workloads for d in w.corpus]
+    creator = Path(a.peer_llama_server).parent / "llama-lookup-create"
+    if "ngram-cache" in modes and corpus:
+        if not creator.exists():
+            print(f"localspec: {creator} not found: ngram-cache runs without a static cache", file=sys.stderr)
+        else:
+            text_path, cache_path = log_dir / "corpus.txt", log_dir / "corpus.lcs"
+            text_path.write_text("\n".join(engine.model.detokenize(d) for d in corpus))
+            with open(log_dir / "llama-lookup-create.log", "w") as log:
+                # it only tokenizes (no decode): a small context; --no-repack: llama.cpp's AMX
+                # repacking crashes in its warm-up on some CPUs (backend.cpu_amx)
+                cmd = [str(creator), "-m", str(engine.model.path), "-f", str(text_path), "-lcs", str(cache_path),
+                       "-c", "512", "--no-repack"]  # fmt: skip
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+            if rc != 0:
+                raise SystemExit(f"localspec: error: llama-lookup-create exited with {rc}; see {log_dir / 'llama-lookup-create.log'}")
+            static = ["-lcs", str(cache_path)]
+    peers = []
+    try:
+        for mode in modes:
+            peers.append(PeerServer(a.peer_llama_server, engine.model.path, mode, n_ctx=engine.n_ctx,
+                                    threads=engine.ctx.n_threads, log_dir=log_dir, exact=exact,
+                                    extra_args=static if mode == "ngram-cache" else ()))  # fmt: skip
+    except RuntimeError as e:
+        for p in peers:
+            p.close()
+        raise SystemExit(f"localspec: error: {e}") from None
+    return peers
+
+
+def run_memory(a: argparse.Namespace) -> int:
+    from ..bench.memory import format_report, plot_report, run_memory_bench
+
+    if a.rss is not None:
+        return _run_memory_rss(a)
+    names = memory_workload_names(a)  # a bad name fails before the model loads
+    engine = make_engine(a, "ngram")
+    peers = []
+    try:
+        workloads = memory_workloads(a, engine, names)
+        if a.peer_llama_server:
+            log_dir = Path(a.out).parent if a.out else Path("bench-out")
+            peers = _memory_peers(a, engine, workloads, log_dir / "memory-peer")
+
+        def progress(name, i, r_off, r_on) -> None:
+            print(f"{name} #{i}: off {r_off.stats.n_steps} steps, on {r_on.stats.n_steps} steps, "
+                  f"{'same' if r_off.token_ids == r_on.token_ids else 'DIFFERENT'} output", file=sys.stderr)  # fmt: skip
+
+        rep = run_memory_bench(engine, workloads, max_tokens=a.max_tokens, budget_mib=a.mib, on_request=progress, peers=peers)
+        rep["peer_static_cache"] = bool(peers) and any("-lcs" in p.args for p in peers)
     finally:
+        for p in peers:
+            p.close()
         engine.close()
-    if a.out:
-        Path(a.out).write_text(json.dumps(rep, indent=2))
+    if a.out:  # compact: the report holds every prompt, output and corpus token
+        Path(a.out).write_text(json.dumps(rep, separators=(",", ":")))
+    if a.plot:
+        plot_report(rep, a.plot)
     print(json.dumps(rep, indent=2) if a.json else format_report(rep))
     return 0 if all(w["identical"] for w in rep["workloads"]) else 1
+
+
+def _run_memory_rss(a: argparse.Namespace) -> int:
+    from ..bench.memory import format_rss, rss_run
+
+    if a.rss < 1:
+        raise SystemExit("localspec: error: --rss needs a number of requests >= 1")
+    every = max(1, a.rss // 10)
+
+    def progress(s: dict) -> None:
+        print(f"{s['requests']} requests: RSS {s['rss_mib']:.1f} MiB", file=sys.stderr)
+
+    rep = rss_run(a.rss, budget_mib=a.mib, every=every, on_sample=progress)
+    if a.out:
+        Path(a.out).write_text(json.dumps(rep, indent=2))
+    print(json.dumps(rep, indent=2) if a.json else format_rss(rep))
+    return 0
 
 
 def run_kernels(a: argparse.Namespace) -> int:

@@ -68,6 +68,23 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
+def corpus_documents(model, files: list[Path]) -> tuple[list[list[int]], int, int, int]:
+    """The documents of a static memory: each UTF-8 text file's token ids (no BOS).
+
+    Returns:
+        (documents, files used, tokens, files skipped: unreadable or not UTF-8 text).
+    """
+    docs: list[list[int]] = []
+    n_skipped = 0
+    for f in files:
+        text = _read_text(f)
+        if not text:
+            n_skipped += 1
+            continue
+        docs.append(model.tokenize(text, add_special=False))
+    return docs, len(docs), sum(len(d) for d in docs), n_skipped
+
+
 def run_build(a: argparse.Namespace) -> int:
     from ..backend import Model
     from ..drafters.memory import DEFAULT_BUDGET_MIB, DraftMemory, vocab_fingerprint
@@ -77,16 +94,9 @@ def run_build(a: argparse.Namespace) -> int:
     model = Model(resolve_model(a.model), vocab_only=True)
     try:
         mem = DraftMemory(a.mib or DEFAULT_BUDGET_MIB, vocab=vocab_fingerprint(model))
-        n_files = n_tokens = n_skipped = 0
-        for f in files:
-            text = _read_text(f)
-            if not text:
-                n_skipped += 1
-                continue
-            toks = model.tokenize(text, add_special=False)
-            mem.write(toks)
-            n_files += 1
-            n_tokens += len(toks)
+        docs, n_files, n_tokens, n_skipped = corpus_documents(model, files)
+        for doc in docs:
+            mem.write(doc)
     finally:
         model.close()
     try:

@@ -5,8 +5,9 @@ Desktop workloads are streams of related requests (a chat, an editor's completio
 agent's calls, a batch with one instruction): what one request wrote the next often writes
 again, and the request's own history cannot propose it. ``DraftMemory`` keeps the token
 sequences of finished requests (and of a corpus: ``localspec memory build``) in a ring of a
-fixed number of tokens, sized from a budget in MiB; once it is full the oldest tokens are
-evicted first. It is indexed by n-grams (orders ``min_n..max_n``) in C (``native/ls_memory.c``);
+fixed number of tokens, sized from a budget in MiB; once it is full, the oldest tokens that
+no draft read are evicted first (tokens a draft used are written again: second chance, see
+``native/ls_memory.c``). It is indexed by n-grams (orders ``min_n..max_n``) in C (``native/ls_memory.c``);
 a lookup reads at most ``max_occurrences`` occurrences of the longest stored suffix of the
 request's history, so its cost does not depend on how much is stored.
 
@@ -208,6 +209,15 @@ class DraftMemory:
         cuts = np.flatnonzero(toks < 0)
         parts = np.split(toks, cuts)
         return [p[p >= 0] for p in parts if np.any(p >= 0)]
+
+    def usage(self) -> dict:
+        """The store's counters, without copying what it holds: ``written`` (positions ever
+        written, separators included), ``stored`` (positions held now), ``capacity``,
+        ``entries`` / ``slots`` of its n-gram table, ``bytes`` allocated."""
+        with self._lock:
+            self._lib.ls_memory_stats(self._ptr, self._stats.ctypes.data)
+            total, base, cap, used, slots, nbytes = (int(x) for x in self._stats)
+        return dict(written=total, stored=total - base, capacity=cap, entries=used, slots=slots, bytes=nbytes)
 
     def info(self) -> MemoryInfo:
         toks = self.stored()
