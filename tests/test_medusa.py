@@ -284,8 +284,8 @@ def _steps_with_heads(costs_us: dict, n_steps: int = 100) -> tuple[int, int]:
     eng = SimpleNamespace(max_tree_nodes=8, adaptive=True, policy=SpeculationPolicy(cost, max_nodes=8),
                           cost_model=cost)  # fmt: skip
     calls = []
-    real = d.head_logits
-    d.head_logits = lambda h: (calls.append(1), real(h))[1]
+    real = d.heads.logits
+    d.heads.logits = lambda h: (calls.append(1), real(h))[1]
     g = np.random.default_rng(0)
     for _ in range(n_steps):
         p = engine_propose(eng, d, d.history[-1], 8, 1000)

@@ -179,6 +179,7 @@ class MtpDrafter(ModelDrafter):
     name = "mtp"
     source = TokenSource.DRAFT_MODEL  # the target's own draft block (no source of its own yet)
     target_feature_layers = (NEXTN_FEATURES,)
+    shares_context = False  # each request's block has a context of its own (levels: decode_level)
 
     def __init__(
         self,
@@ -207,6 +208,11 @@ class MtpDrafter(ModelDrafter):
         self.n_embd = 0
         self._reset_state()
 
+    def spawn(self) -> "MtpDrafter":
+        """A drafter for another request with the same options (it loads the block at ``attach``)."""
+        return MtpDrafter(n_gpu_layers=self.n_gpu_layers, max_depth=self.max_depth, max_width=self.max_width,
+                          shape=self.fixed_shape)  # fmt: skip
+
     def _reset_state(self) -> None:
         self.kv_len = 0  # MTP KV seq 0 holds entries of positions 0 .. kv_len - 1
         self.h = TargetFeatureBuffer(self.n_embd, "the MTP drafter")  # the target's h rows
@@ -230,9 +236,7 @@ class MtpDrafter(ModelDrafter):
         check_mtp_target(tm)
         if target.features is None or tuple(target.features.layers) != self.target_feature_layers:
             raise RuntimeError("the engine must capture the target's nextn hidden states (target_feature_layers)")
-        if self.ctx is not None:
-            self.ctx.close()
-            self.ctx = None
+        self._leave_hub()
         if self._owns_model and self.model is not None:
             self.model.close()
         if getattr(tm, "load_mtp", False):
@@ -287,9 +291,7 @@ class MtpDrafter(ModelDrafter):
         if getattr(self, "batch", None) is not None:
             self.batch.close()
             self.batch = None
-        if self.ctx is not None:
-            self.ctx.close()
-            self.ctx = None
+        self._leave_hub()
         if self._owns_model and self.model is not None:
             self.model.close()
         self.model = None
