@@ -43,8 +43,9 @@ and drafts stop paying, so speculation fades, and it returns when the batch empt
 decoded in one ``llama_decode`` with the prompt pieces, then verified, committed and emitted
 per request. The scheduler keeps only admission, prompt pieces, the prompt cache and
 compaction. Every drafter runs here: each slot has its own (the engine's name and options;
-slots after the first are slot 0's ``spawn``, sharing what it loaded and, for a draft model or
-an EAGLE-3 head, one draft context whose tree levels are decoded for all requests together)
+slots after the first are slot 0's ``spawn``, sharing what it loaded and, for a draft model,
+an EAGLE-3 head or an MTP block, one draft context whose tree levels are decoded for all
+requests together)
 and keeps it from request to request.
 """
 

@@ -151,29 +151,39 @@ def _count_calls(obj, method: str, monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("name", ["eagle3", "draft"])
+@pytest.mark.parametrize("name", ["eagle3", "draft", "mtp"])
 def test_model_drafters_of_four_requests_share_one_context_and_decode_each_level_once(
-    shared_model, derived_draft_path, name, monkeypatch
+    shared_model, derived_draft_path, name, monkeypatch, tmp_path
 ):
-    """``--parallel 4``: the four slots' drafters share the loaded head / draft model (loaded
-    once) and one draft context, and in a step where several requests draft, each tree level of
-    all of them is ONE llama.cpp call (the number of calls is the longest tree's levels, not the
-    sum over requests, as it was with a context per slot)."""
+    """``--parallel 4``: the four slots' drafters share the loaded head / draft model / MTP
+    block (loaded once) and one draft context, and in a step where several requests draft, each
+    tree level of all of them is ONE llama.cpp call (the number of calls with outputs is the
+    longest tree's levels, not the sum over requests, as it was with a context per slot)."""
     from localspec.backend import Model
 
+    target = shared_model
+    if name == "mtp":
+        from mtp_gguf import write_tiny_glm4moe
+
+        target = Model(write_tiny_glm4moe(tmp_path / "tiny-glm4moe-mtp.gguf"))
     loads = _count_calls(Model, "__init__", monkeypatch)
-    options = {} if name == "eagle3" else {"draft_model": derived_draft_path}
-    sched = _scheduler(shared_model, name, **options)
+    options = {"draft_model": derived_draft_path} if name == "draft" else {}
+    sched = _scheduler(target, name, **options)
     try:
-        assert len(loads) == 1  # the head / draft model, once for the four slots
+        assert len(loads) == 1  # the head / draft model / MTP block, once for the four slots
         first = sched._drafters[0]
         assert all(d.model is first.model and d.hub is first.hub and d.ctx is first.ctx for d in sched._drafters)
         assert sorted(d.seq0 for d in sched._drafters) == [first.hub.seqs_each * i for i in range(4)]
         ctx = first.hub.ctx
-        calls = _count_calls(ctx, "process" if name == "eagle3" else "decode", monkeypatch)
-        steps = _step_counts(sched, lambda: len(calls))
+        if name == "draft":
+            calls = _count_calls(ctx, "decode", monkeypatch)
+        else:  # a long catch-up's head is decoded first, without outputs, in a call of its own
+            calls = _count_calls(ctx, "process", monkeypatch)
+        steps = _step_counts(sched, lambda: sum(1 for a in calls if getattr(a[0], "n_outputs", 1)))
     finally:
         sched.close()
+        if target is not shared_model:
+            target.close()
     together = [(n, levels, c) for n, levels, c in steps if n > 1]
     assert together and max(n for n, _, _ in together) == 4
     assert all(c == levels for _, levels, c in together), together

@@ -66,7 +66,7 @@ from ..policy import TreeShape
 from ..tree import TokenSource, TreeBuilder
 from .base import TargetHandle
 from ..backend.kv import common_prefix
-from .level_drafter import LevelPart, ModelDrafter
+from .level_drafter import LevelPart, ModelDrafter, StateFedLevels
 from .target_features import TargetFeatureBuffer
 from .vocab_check import check_vocab
 
@@ -97,7 +97,7 @@ CPU): catching up a 634-token prompt took 990 ms of a 2.4 s, 128-token request (
 attended the whole context; only the head's own attention is windowed."""
 
 
-class Eagle3Drafter(ModelDrafter):
+class Eagle3Drafter(StateFedLevels, ModelDrafter):
     """Drafts dynamic token trees with an EAGLE-3 head (see the module docstring).
 
     Args:
@@ -288,41 +288,20 @@ class Eagle3Drafter(ModelDrafter):
             self.batch = None
         super().close()
 
-    # -- LevelDecoder -------------------------------------------------------------------------
+    # -- levels on the (shared) head context (``StateFedLevels``) ------------------------------
 
-    # -- levels on the (shared) head context ----------------------------------------------------
-
-    level_entries = CATCH_UP_OUTPUTS  # the root's level: the catch-up's last entries, every row out
-
-    def new_level_batch(self) -> ExtBatch:
-        return ExtBatch(self.ctx.handle)
-
-    def decode_parts(self, batch: ExtBatch, parts) -> None:
-        batch.clear()
-        for p in parts:
-            for e in p.entries:
-                batch.add(**e)
-        self.ctx.process(batch)
+    state_pos_offset = -1  # entry P reads the token at P + 1: a node at depth d is entry root_pos + d - 1
 
     def level_part(self, tree: TreeBuilder, nodes: list[int]) -> LevelPart:
         """Level 0: the catch-up (``_catch_up_part``); level d: each frontier node's entry
-        (its token, its parent's pre-norm state h) at position ``root_pos + depth - 1`` in
-        its own scratch sequence, every row out. Rows are draft-vocabulary rows, ``[n,
-        len(d2t)]`` (``DraftChildSelector`` maps them back), or ``n_vocab`` wide without a ``d2t``."""
+        (its token, its parent's pre-norm state h) at position ``root_pos + depth - 1``.
+        Rows are draft-vocabulary rows, ``[n, len(d2t)]`` (``DraftChildSelector`` maps them
+        back), or ``n_vocab`` wide without a ``d2t``."""
         if nodes == [0]:
             return self._catch_up_part(tree.tokens[0])
-        root_pos = len(self.history) - 1
-        entries = [dict(token=tree.tokens[n], pos=root_pos + tree.depth[n] - 1, seq_id=self.fork(tree.parents[n], n),
-                        output=True, embd=self._state[tree.parents[n]]) for n in nodes]  # fmt: skip
+        return self._frontier_part(tree, nodes)
 
-        def finish(logits, out0):
-            for i, n in enumerate(nodes):
-                self._state[n] = self._prenorm(out0 + i)
-            return self._draft_rows(logits)
-
-        return LevelPart(entries, len(nodes), finish)
-
-    def _draft_rows(self, logits: np.ndarray) -> np.ndarray:
+    def _level_rows(self, logits: np.ndarray) -> np.ndarray:
         """[n, n_vocab] target-wide rows of the last decode -> [n, width] draft-vocabulary rows."""
         if self.d2t is None:
             return logits
@@ -378,8 +357,8 @@ class Eagle3Drafter(ModelDrafter):
         def finish(logits, out0):
             self.kv_len = root_pos
             self.g_last = g_new[-1].copy()
-            self._state = {0: self._prenorm(out0 + tail - 1)}
-            return self._draft_rows(logits[tail - 1 : tail])
+            self._state = {0: self._out_state(out0 + tail - 1)}
+            return self._level_rows(logits[tail - 1 : tail])
 
         return LevelPart(entries, tail, finish)
 
@@ -407,12 +386,6 @@ class Eagle3Drafter(ModelDrafter):
             ptr = ext.llama_get_embeddings_nextn(self.ctx.handle)
             out[i0 : i0 + rows.shape[0]] = np.ctypeslib.as_array(ptr, shape=(rows.shape[0], self.n_embd))
         return out
-
-    def _prenorm(self, i: int) -> np.ndarray:
-        ptr = ext.llama_get_embeddings_nextn_ith(self.ctx.handle, i)
-        if not ptr:
-            raise RuntimeError(f"the EAGLE-3 head returned no pre-norm state for output {i}")
-        return np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).copy()
 
     def _truncate_kv(self, n: int) -> None:
         self.ctx.seq_rm(self.seq0, n, -1)

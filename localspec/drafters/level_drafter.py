@@ -178,6 +178,7 @@ class DraftHub:
         """
         trees: list[TokenTree | None] = [None] * len(drafters)
         runs = []  # [index, drafter, generator, (builder, nodes), level times]
+        done: dict[int, list[float]] = {}  # index -> the level times of its finished tree
         self.last_level_us = []
         t0 = time.perf_counter()
         try:
@@ -201,7 +202,7 @@ class DraftHub:
                         left.append(run)
                     except StopIteration as stop:
                         trees[run[0]] = stop.value
-                        run[1]._done_levels = run[4]
+                        done[run[0]] = run[4]
                 runs = left
         finally:
             for d in drafters:
@@ -209,11 +210,9 @@ class DraftHub:
                     d.slots.release()
                 d._slot_of = {}
                 d.check_cache()
-        drafted = [(i, d) for i, d in enumerate(drafters) if getattr(d, "_done_levels", None) is not None]
-        t_us = (time.perf_counter() - t0) * 1e6 / max(1, len(drafted))
-        for i, d in drafted:
-            d.stats.observe_draft(t_us, trees[i].n_nodes, d._done_levels)
-            d._done_levels = None
+        t_us = (time.perf_counter() - t0) * 1e6 / max(1, len(done))
+        for i, levels in done.items():
+            drafters[i].stats.observe_draft(t_us, trees[i].n_nodes, levels)
         return trees  # type: ignore[return-value]
 
 
@@ -235,8 +234,9 @@ class ModelDrafter(abc.ABC):
     source = TokenSource.DRAFT_MODEL
     shares_context = True
     """Whether the drafters of several requests (``spawn``) share one draft context and
-    decode each tree level together (``DraftHub``); a subclass that does provides
-    ``level_part``, ``new_level_batch`` and ``decode_parts``."""
+    decode each tree level together (``DraftHub``: ``level_part``, ``new_level_batch`` and
+    ``decode_parts``); False: a context per request, levels by ``decode_level`` (a subclass
+    that overrides it)."""
 
     def __init__(
         self,
@@ -271,7 +271,6 @@ class ModelDrafter(abc.ABC):
         self._limits = (0, 0)
         self._ran = False
         self._slot_of: dict[int, int] = {}
-        self._done_levels = None
 
     def spawn(self) -> "ModelDrafter":
         """A drafter for another request with the same options, sharing the loaded model
@@ -290,7 +289,6 @@ class ModelDrafter(abc.ABC):
     hub: "DraftHub | None" = None
     seq0 = 0
     slots: SeqSlots | None = None
-    _done_levels = None
 
     level_entries = 8
     """Most entries one request puts in a level decode (sizes the shared context's batch)."""
@@ -466,3 +464,49 @@ class ModelDrafter(abc.ABC):
         fam, self._family = getattr(self, "_family", None), None
         if fam is not None:
             fam.release()
+
+
+class StateFedLevels:
+    """The level decodes of drafters whose entries read a hidden-state row (EAGLE-3 heads, MTP
+    blocks, llama.cpp's extended batch: ``ExtBatch``): a frontier node's entry is its token and
+    its parent's output state (``llama_get_embeddings_nextn_ith``), and every entry of a level
+    is an output. Mixed into a ``ModelDrafter`` that keeps ``_state`` (node -> its output
+    state) and defines ``_level_rows`` (draft logits rows from the decode's) and
+    ``state_pos_offset`` (a node at depth ``d`` is an entry at ``root_pos + d + offset``)."""
+
+    level_entries = 16  # the root's level: a catch-up's last entries (``CATCH_UP_OUTPUTS``), every row out
+    state_pos_offset = 0
+
+    def new_level_batch(self):
+        from ..backend.batch_ext import ExtBatch
+
+        return ExtBatch(self.ctx.handle)
+
+    def decode_parts(self, batch, parts: Sequence[LevelPart]) -> None:
+        batch.clear()
+        for p in parts:
+            for e in p.entries:
+                batch.add(**e)
+        self.ctx.process(batch)
+
+    def _frontier_part(self, tree, nodes: list[int]) -> LevelPart:
+        """Each frontier node's entry in its own scratch sequence (forked from its parent's)."""
+        root_pos = len(self.history) - 1 + self.state_pos_offset
+        entries = [dict(token=tree.tokens[n], pos=root_pos + tree.depth[n], seq_id=self.fork(tree.parents[n], n),
+                        output=True, embd=self._state[tree.parents[n]]) for n in nodes]  # fmt: skip
+
+        def finish(logits, out0):
+            for i, n in enumerate(nodes):
+                self._state[n] = self._out_state(out0 + i)
+            return self._level_rows(logits)
+
+        return LevelPart(entries, len(nodes), finish)
+
+    def _out_state(self, i: int) -> np.ndarray:
+        """The output state of output row ``i`` of the last decode ([n_embd] float32, a copy)."""
+        from ..backend._llama import ext
+
+        ptr = ext.llama_get_embeddings_nextn_ith(self.ctx.handle, i)
+        if not ptr:
+            raise RuntimeError(f"the {self.name} drafter's context returned no output state for output {i}")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).copy()
