@@ -45,8 +45,7 @@ per request. The scheduler keeps only admission, prompt pieces, the prompt cache
 compaction. Every drafter runs here: each slot has its own (the engine's name and options;
 slots after the first are slot 0's ``spawn``, sharing what it loaded and, for a draft model,
 an EAGLE-3 head or an MTP block, one draft context whose tree levels are decoded for all
-requests together)
-and keeps it from request to request.
+requests together) and keeps it from request to request.
 """
 
 from __future__ import annotations

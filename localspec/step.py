@@ -2,7 +2,9 @@
 
 ::
 
-    for each request:  cheap drafts -> the policy's plan -> the model's drafts, if planned
+    for each request:  cheap drafts -> the policy's plan
+    planned requests:  the model's drafts, all requests together (one draft decode per tree
+                       level, one head computation: drafters.extend_together)
     all requests:      one node budget (SpeculationPolicy.allocate)
     ONE llama_decode:  every request's pending tokens and tree (+ prompt pieces)
     for each request:  verify -> commit its KV -> feed the drafter back -> emit
