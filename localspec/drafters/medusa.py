@@ -43,8 +43,11 @@ by score (``expand_tree``); the engine's policy then verifies its best ``n`` nod
 estimates are P(target accepts the node | it reached the parent) learned online per (head,
 confidence bucket) (``MedusaCalibration``), so scores are on the policy's scale.
 
-The heads run in the C kernels (``native.rows.gemv_t``: 2K matrix-vector products per step),
-numpy when the kernels are not built.
+The heads run in the C kernels (``native.rows.gemm_t``), numpy when the kernels are not built.
+Their weights are loaded once (``MedusaHeads``) and shared by the drafters of a batch's
+requests (``spawn``); a step runs each head matrix once over the hidden states of every
+request that drafts (``MedusaHeads.extend_many``: 2K products per step, K + 1 with a shared
+readout, whatever the number of requests; each row's sums are the same bits as alone).
 
 **The step, in two phases** (the model drafters' protocol, ``level_drafter``): ``propose`` is
 the cheap phase and drafts nothing; the engine's policy plans the step from the drafter's
