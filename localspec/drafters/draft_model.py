@@ -117,7 +117,8 @@ class DraftModelDrafter(ModelDrafter):
         pos = np.array([self._root_dpos + tree.depth[n] for n in nodes], dtype=np.int32)
         seqs = np.array([[self.fork(tree.parents[n], n)] for n in nodes], dtype=np.int32)
         ones = np.ones(len(nodes), dtype=np.int32)
-        return LevelPart((tokens, pos, seqs, ones, ones.astype(np.int8)), len(nodes), lambda logits, _: self._rows(logits))
+        cols = (tokens, pos, seqs, ones, ones.astype(np.int8))
+        return LevelPart(cols, len(nodes), lambda logits, _: self._rows(logits))
 
     def _root_part(self, root: int) -> LevelPart:
         """Bring ``seq0`` up to the root's predecessor (sliding the window if needed; a long
