@@ -42,8 +42,10 @@ sized by one node budget (``SpeculationPolicy.allocate``: as the batch fills, ``
 and drafts stop paying, so speculation fades, and it returns when the batch empties),
 decoded in one ``llama_decode`` with the prompt pieces, then verified, committed and emitted
 per request. The scheduler keeps only admission, prompt pieces, the prompt cache and
-compaction. Every drafter runs here: each slot makes its own (the engine's name and options)
-when it starts and keeps it from request to request.
+compaction. Every drafter runs here: each slot has its own (the engine's name and options;
+slots after the first are slot 0's ``spawn``, sharing what it loaded and, for a draft model,
+an EAGLE-3 head or an MTP block, one draft context whose tree levels are decoded for all
+requests together) and keeps it from request to request.
 """
 
 from __future__ import annotations
@@ -681,16 +683,23 @@ class BatchScheduler:
         """Every slot's drafter (``first``, if given, is slot 0's), attached to the current
         context now rather than on the slot's first request (a model drafter loads its head or
         draft model and makes a context: seconds that a request at a fresh slot would wait).
+        Slots after the first get slot 0's ``spawn`` when it has one: the drafters share what
+        it loaded (a draft model, heads' weights: loaded once) and draft together (one draft
+        context, with a range of sequence ids per slot: ``TargetHandle.n_requests``).
         Each keeps its state from request to request, as the engine's drafter does."""
+        handle = TargetHandle(self.model, n_ctx=self.n_ctx_slot, n_threads=self.ctx.n_threads,
+                              tensor_source=self.ctx, features=self._tap, n_requests=self.parallel)  # fmt: skip
         for i in range(self.parallel):
-            d = first if i == 0 and first is not None else self._new_drafter()
+            if i == 0:
+                d = first if first is not None else self._new_drafter()
+            else:
+                d = self._drafters[0].spawn() if hasattr(self._drafters[0], "spawn") else self._new_drafter()
             if d is None:
                 return
             self._drafters[i] = d  # closed by _close_drafters from here on
             attach = getattr(d, "attach", None)
             if attach is not None:
-                attach(TargetHandle(self.model, n_ctx=self.n_ctx_slot, n_threads=self.ctx.n_threads,
-                                    tensor_source=self.ctx, features=self._tap))  # fmt: skip
+                attach(handle)
 
     def _close_drafters(self) -> None:
         """Close every slot's drafter (``_make_drafters`` makes them again)."""

@@ -2,7 +2,9 @@
 
 ::
 
-    for each request:  cheap drafts -> the policy's plan -> the model's drafts, if planned
+    for each request:  cheap drafts -> the policy's plan
+    planned requests:  the model's drafts, all requests together (one draft decode per tree
+                       level, one head computation: drafters.extend_together)
     all requests:      one node budget (SpeculationPolicy.allocate)
     ONE llama_decode:  every request's pending tokens and tree (+ prompt pieces)
     for each request:  verify -> commit its KV -> feed the drafter back -> emit
@@ -29,6 +31,7 @@ from .backend import Batch, Context, SequenceCache
 from .backend.features import FeatureTap, FinalNormTap
 from .backend.kv import TreeRows
 from .drafters import Drafter
+from .drafters.base import extend_together
 from .generation import Generation, now_us
 from .policy import SpeculationPolicy
 from .results import StreamChunk, token_logprobs
@@ -146,10 +149,11 @@ class Step:
     # -- propose ------------------------------------------------------------------------------
 
     def propose(self, entries: Sequence[Entry], *, n_fixed: int = 0) -> list[Proposal]:
-        """Every request's tree for this step: its drafts and its own plan (``propose_one``),
-        then, for several requests, one node budget across them (``SpeculationPolicy.allocate``;
-        a request whose model drafted keeps its plan's size)."""
-        props = [self._propose_one(e) for e in entries]
+        """Every request's tree for this step: its drafts and its own plan, the model drafters
+        of all requests together (``propose_many``), then, for several requests, one node
+        budget across them (``SpeculationPolicy.allocate``; a request whose model drafted
+        keeps its plan's size)."""
+        props = propose_many(self.policy, [self._draft_request(e) for e in entries], adaptive=self.adaptive)
         if len(props) > 1 and self.adaptive:
             cands = [p.candidate if p.candidate is not None and not p.model_step else None for p in props]
             sizes = self.policy.allocate(
@@ -164,11 +168,10 @@ class Step:
                     p.tree = self._verified_tree(e, p.candidate, n)
         return props
 
-    def _propose_one(self, e: Entry) -> Proposal:
+    def _draft_request(self, e: Entry) -> "DraftRequest":
         g = e.gen
         max_depth, max_nodes = g.limits(e.kv.n_free, self.max_tree_nodes)
-        return propose_one(self.policy, g.drafter, g.root, max_depth, max_nodes, adaptive=self.adaptive,
-                           calibration=g.calibration, limits=g.draft_limits, n_scratch=e.kv.n_scratch)  # fmt: skip
+        return DraftRequest(g.drafter, g.root, max_depth, max_nodes, g.calibration, g.draft_limits, e.kv.n_scratch)
 
     def _verified_tree(self, e: Entry, cand: TokenTree | None, n: int) -> TokenTree:
         return verified_tree(cand, n, e.gen.root, e.kv.n_scratch)
@@ -311,46 +314,98 @@ class Step:
             d.add_target_features(e.kv.n_past, f_rows[off : off + n])
 
 
-def propose_one(policy: SpeculationPolicy, drafter: Drafter | None, root: int, max_depth: int, max_nodes: int, *,
-                adaptive: bool = True, calibration=None, limits=None, n_scratch: int | None = None) -> Proposal:  # fmt: skip
-    """One request's drafting for a step, decided once: the cheap drafts (``propose``), its
-    plan (``SpeculationPolicy.plan``: whether a model drafts, in which shape, how much to
-    verify), the model's drafts only if planned (``extend``), cut to ``max_depth`` and to
-    ``limits`` (``DraftLimits``); ``tree`` is what the request would verify alone.
+@dataclass
+class DraftRequest:
+    """One request's drafting inputs for a step (``propose_many``).
 
-    Args:
-        policy: the step's policy; ``calibration`` the request's ``ScoreCalibration``.
+    Attributes:
         drafter: the request's drafter (None: a plain step).
         root: the last emitted token (the tree's root).
         max_depth / max_nodes: what the step may verify (tokens still to emit, free cells).
-        n_scratch: the request's scratch sequences (leaves a tree may have).
+        calibration: the request's ``ScoreCalibration``, or None.
+        limits: the request's ``DraftLimits``, or None.
+        n_scratch: the request's scratch sequences (leaves a tree may have), or None.
     """
-    if drafter is None:
-        return Proposal(None, TokenTree.root_only(root))
-    if max_depth <= 0 or max_nodes <= 1:
-        t = TokenTree.root_only(root)
-        return Proposal(t, t)
-    t0 = now_us()
-    cand = _clip(drafter, drafter.propose(max_depth, max_nodes), root, max_depth, limits)
-    model = getattr(drafter, "model_stats", None)
-    plan = policy.plan(
-        cand,
-        model,
-        max_nodes=max_nodes,
-        max_depth=max_depth,
-        t_draft_us=now_us() - t0,
-        fixed_shape=getattr(drafter, "fixed_shape", None),
-        adaptive=adaptive,
-        calibration=calibration,
-    )
-    if plan.shape is not None:
-        cand = _clip(drafter, drafter.extend(plan.shape), root, max_depth, limits)
-        policy.cost.observe_draft_levels(model.last_level_us)
-    cap = max_nodes
-    if adaptive and calibration is not None:
-        cap = min(cap, calibration.trust_nodes())
-    n = min(plan.n_nodes, max_nodes)
-    return Proposal(cand, verified_tree(cand, n, root, n_scratch), now_us() - t0, n, cap, plan.shape is not None)
+
+    drafter: Drafter | None
+    root: int
+    max_depth: int
+    max_nodes: int
+    calibration: object = None
+    limits: object = None
+    n_scratch: int | None = None
+
+
+def propose_many(policy: SpeculationPolicy, reqs: Sequence[DraftRequest], *, adaptive: bool = True) -> list[Proposal]:
+    """Every request's drafting for a step, each decided once: its cheap drafts (``propose``),
+    its plan (``SpeculationPolicy.plan``: whether a model drafts, in which shape, how much to
+    verify), then the model's drafts of every request whose plan says so, together
+    (``drafters.extend_together``: the model drafters that share a draft context or heads
+    make one model call per tree level, or one head computation, for all of them), each cut
+    to its ``max_depth`` and ``limits`` (``DraftLimits``); each ``tree`` is what the request
+    would verify alone. The time of a shared model call is shared equally by its requests
+    (their ``t_draft_us``, and the per-level times the cost model learns)."""
+    out: list[Proposal | None] = [None] * len(reqs)
+    planned = []  # (index, cheap tree, plan, time of the cheap phase)
+    stats: dict[int, object] = {}  # the model's ModelDraftStats the plan used
+    for i, r in enumerate(reqs):
+        d = r.drafter
+        if d is None:
+            out[i] = Proposal(None, TokenTree.root_only(r.root))
+            continue
+        if r.max_depth <= 0 or r.max_nodes <= 1:
+            t = TokenTree.root_only(r.root)
+            out[i] = Proposal(t, t)
+            continue
+        t0 = now_us()
+        cand = _clip(d, d.propose(r.max_depth, r.max_nodes), r.root, r.max_depth, r.limits)
+        stats[i] = getattr(d, "model_stats", None)
+        plan = policy.plan(
+            cand,
+            stats[i],
+            max_nodes=r.max_nodes,
+            max_depth=r.max_depth,
+            t_draft_us=now_us() - t0,
+            fixed_shape=getattr(d, "fixed_shape", None),
+            adaptive=adaptive,
+            calibration=r.calibration,
+        )
+        planned.append((i, cand, plan, now_us() - t0))
+    ext = [(i, plan.shape) for i, _, plan, _ in planned if plan.shape is not None]
+    t_ext = 0.0
+    trees: dict[int, TokenTree] = {}
+    if ext:
+        t0 = now_us()
+        drafters = [reqs[i].drafter for i, _ in ext]
+        for (i, _), tree in zip(ext, extend_together(drafters, [s for _, s in ext])):
+            trees[i] = _clip(reqs[i].drafter, tree, reqs[i].root, reqs[i].max_depth, reqs[i].limits)
+        t_ext = (now_us() - t0) / len(ext)
+        seen: set[int] = set()
+        for i, _ in ext:  # each shared model call once (its levels' times are per-request shares)
+            part = getattr(reqs[i].drafter, "model_part", reqs[i].drafter)
+            group = getattr(part, "draft_group", None)
+            key = id(group if group is not None else part)
+            if key not in seen:
+                seen.add(key)
+                levels = getattr(group, "last_level_us", None)
+                policy.cost.observe_draft_levels(stats[i].last_level_us if levels is None else levels)
+    for i, cand, plan, t_cheap in planned:
+        r = reqs[i]
+        cand = trees.get(i, cand)
+        cap = r.max_nodes
+        if adaptive and r.calibration is not None:
+            cap = min(cap, r.calibration.trust_nodes())
+        n = min(plan.n_nodes, r.max_nodes)
+        out[i] = Proposal(cand, verified_tree(cand, n, r.root, r.n_scratch), t_cheap + (t_ext if i in trees else 0.0),
+                          n, cap, plan.shape is not None)  # fmt: skip
+    return out  # type: ignore[return-value]
+
+
+def propose_one(policy: SpeculationPolicy, drafter: Drafter | None, root: int, max_depth: int, max_nodes: int, *,
+                adaptive: bool = True, calibration=None, limits=None, n_scratch: int | None = None) -> Proposal:  # fmt: skip
+    """``propose_many`` of one request (see ``DraftRequest`` for the arguments)."""
+    req = DraftRequest(drafter, root, max_depth, max_nodes, calibration, limits, n_scratch)
+    return propose_many(policy, [req], adaptive=adaptive)[0]
 
 
 def _clip(drafter: Drafter, cand: TokenTree, root: int, max_depth: int, limits) -> TokenTree:

@@ -118,3 +118,98 @@ def test_generate_batch_runs_the_engines_model_drafter(shared_model):
         assert sum(r.stats.token_sources.get("eagle3", 0) for r in res) > 0
     finally:
         eng.close()
+
+
+# -- model drafters draft together ----------------------------------------------------------------
+
+def _step_counts(sched, count) -> list[tuple[int, int, int]]:
+    """Run ``sched`` to the end one step at a time: for each step in which a model drafted,
+    ``(requests that drafted, levels of the longest tree, model calls counted by count())``."""
+    out = []
+    while sched.n_active or sched._queue:
+        before = {id(d): d.stats.n_steps for d in sched._drafters}
+        c0 = count()
+        sched.step()
+        drafted = [d for d in sched._drafters if d.stats.n_steps > before[id(d)]]
+        if drafted:
+            out.append((len(drafted), max(len(d.stats.last_level_us) for d in drafted), count() - c0))
+    return out
+
+
+def _scheduler(model, name, **options):
+    sched = BatchScheduler(model, parallel=4, n_ctx=512, cost_model=fixed_cost_model(), adaptive=False,
+                           max_tree_nodes=16, drafter=name, drafter_options=options)  # fmt: skip
+    for p in PROMPTS:
+        sched.submit(model.tokenize(p), max_tokens=12, sampling=SamplingParams.greedy())
+    return sched
+
+
+def _count_calls(obj, method: str, monkeypatch) -> list:
+    calls = []
+    real = getattr(obj, method)
+    monkeypatch.setattr(obj, method, lambda *a, **k: (calls.append(a), real(*a, **k))[1])
+    return calls
+
+
+@pytest.mark.parametrize("name", ["eagle3", "draft", "mtp"])
+def test_model_drafters_of_four_requests_share_one_context_and_decode_each_level_once(
+    shared_model, derived_draft_path, name, monkeypatch, tmp_path
+):
+    """``--parallel 4``: the four slots' drafters share the loaded head / draft model / MTP
+    block (loaded once) and one draft context, and in a step where several requests draft, each
+    tree level of all of them is ONE llama.cpp call (the number of calls with outputs is the
+    longest tree's levels, not the sum over requests, as it was with a context per slot)."""
+    from localspec.backend import Model
+
+    target = shared_model
+    if name == "mtp":
+        from mtp_gguf import write_tiny_glm4moe
+
+        target = Model(write_tiny_glm4moe(tmp_path / "tiny-glm4moe-mtp.gguf"))
+    loads = _count_calls(Model, "__init__", monkeypatch)
+    options = {"draft_model": derived_draft_path} if name == "draft" else {}
+    sched = _scheduler(target, name, **options)
+    try:
+        assert len(loads) == 1  # the head / draft model / MTP block, once for the four slots
+        first = sched._drafters[0]
+        assert all(d.model is first.model and d.hub is first.hub and d.ctx is first.ctx for d in sched._drafters)
+        assert sorted(d.seq0 for d in sched._drafters) == [first.hub.seqs_each * i for i in range(4)]
+        ctx = first.hub.ctx
+        if name == "draft":
+            calls = _count_calls(ctx, "decode", monkeypatch)
+        else:  # a long catch-up's head is decoded first, without outputs, in a call of its own
+            calls = _count_calls(ctx, "process", monkeypatch)
+        steps = _step_counts(sched, lambda: sum(1 for a in calls if getattr(a[0], "n_outputs", 1)))
+    finally:
+        sched.close()
+        if target is not shared_model:
+            target.close()
+    together = [(n, levels, c) for n, levels, c in steps if n > 1]
+    assert together and max(n for n, _, _ in together) == 4
+    assert all(c == levels for _, levels, c in together), together
+
+
+def test_medusa_heads_of_four_requests_load_once_and_run_one_call_per_matrix(shared_model, monkeypatch):
+    """``--parallel 4`` with Medusa heads: the heads' weights are read once and shared by the
+    four slots, and a step in which several requests draft runs each head matrix once over
+    all their final-norm rows (``gemm_t`` of [R, n_embd]): as many C calls as one request's step."""
+    from localspec.models import medusa_gguf
+    from localspec.native import rows
+
+    reads = _count_calls(medusa_gguf, "read_medusa_gguf", monkeypatch)
+    sched = _scheduler(shared_model, "medusa")
+    try:
+        assert len(reads) == 1
+        first = sched._drafters[0]
+        assert all(d.heads is first.heads for d in sched._drafters)
+        heads = first.heads
+        per_step = heads.n_heads + (1 if heads.shared else heads.n_heads)
+        calls = _count_calls(rows, "gemm_t", monkeypatch)
+        steps = _step_counts(sched, lambda: len(calls))
+    finally:
+        sched.close()
+    together = [(n, c) for n, _, c in steps if n > 1]
+    assert together and max(n for n, _ in together) == 4
+    assert all(c == per_step for _, c in together), together
+    block_rows = [a[1].shape[0] for a in calls if any(a[0] is w for w in heads.w_t)]
+    assert max(block_rows) == 4  # each head's block: one call over the four requests' rows

@@ -119,7 +119,7 @@ def test_a_converted_head_computes_the_upstream_head(conv, target, layout):
         feats = e._tap.take()
         h.add_target_features(0, feats)
         root = h.decode_level(TreeBuilder(prompt[-1]), [0])[0]
-        got = h._draft_rows(h.ctx.logits())  # the entries decoded with outputs, the root's last
+        got = h._level_rows(h.ctx.logits())  # the entries decoded with outputs, the root's last
         ref = reference_head_logits(heads[layout].path, d / "target", feats, prompt[1:])[-got.shape[0] :]
         tol = {"f16": 0.01, "bf16": 0.03}[HEADS[layout][2]] * np.abs(ref).max()
         assert np.array_equal(root, got[-1])

@@ -149,17 +149,19 @@ TEXT = (
 
 
 def count_head_calls(d):
-    """Wrap ``d.extend``: per drafted step, (head calls made, levels grown)."""
+    """Wrap the extend of ``d``'s draft context (``DraftHub.extend_many``, which the step
+    calls): per drafted step, (head calls made, levels grown)."""
     log = []
-    inner = d.extend
+    hub = d.hub
+    inner = hub.extend_many
 
-    def extend(shape):
+    def extend_many(drafters, shapes):
         c0 = d.ctx.n_calls
-        tree = inner(shape)
+        trees = inner(drafters, shapes)
         log.append((d.ctx.n_calls - c0, len(d.stats.last_level_us)))
-        return tree
+        return trees
 
-    d.extend = extend
+    hub.extend_many = extend_many
     return log
 
 

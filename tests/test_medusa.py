@@ -82,6 +82,26 @@ def test_heads_in_c_and_numpy_agree(rng):
     assert np.allclose(ref[1], wts.out[1] @ r, rtol=1e-5, atol=1e-4)
 
 
+@needs_native
+@pytest.mark.parametrize("shared", [False, True])
+def test_heads_of_several_requests_in_one_call_are_each_requests_rows_bit_for_bit(rng, shared):
+    """``MedusaHeads.logits`` over the stacked hidden states of R requests (one C call per
+    matrix) gives each request exactly the rows it gets alone, for R around the kernel's
+    8-row blocks, with a shared readout or one per head; and a drafter's ``spawn`` shares the
+    heads (nothing copied)."""
+    wts = _synthetic_weights(rng, e=40, v=130, k=3)
+    if shared:
+        wts.out = wts.out[:1]
+    d = MedusaDrafter(wts)
+    assert d.heads.shared == shared
+    assert d.spawn().heads is d.heads
+    h = rng.standard_normal((11, 40)).astype(np.float32) * 3
+    for r in (1, 2, 8, 9, 11):
+        together = d.heads.logits(h[:r])
+        for i in range(r):
+            assert np.array_equal(together[i], d.head_logits(h[i]))
+
+
 # -- the file format and its errors ---------------------------------------------------------------
 
 
@@ -284,8 +304,8 @@ def _steps_with_heads(costs_us: dict, n_steps: int = 100) -> tuple[int, int]:
     eng = SimpleNamespace(max_tree_nodes=8, adaptive=True, policy=SpeculationPolicy(cost, max_nodes=8),
                           cost_model=cost)  # fmt: skip
     calls = []
-    real = d.head_logits
-    d.head_logits = lambda h: (calls.append(1), real(h))[1]
+    real = d.heads.logits
+    d.heads.logits = lambda h: (calls.append(1), real(h))[1]
     g = np.random.default_rng(0)
     for _ in range(n_steps):
         p = engine_propose(eng, d, d.history[-1], 8, 1000)

@@ -59,20 +59,22 @@ def mtp_engine(path, shape):
 
 
 class CacheChecks:
-    """Wraps the drafter's ``extend`` to check both caches after every drafted step."""
+    """Wraps the extend of the drafter's draft context (``DraftHub.extend_many``, which the
+    step calls) to check both caches after every drafted step."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.d: MtpDrafter = engine.drafter
         self.n_checked = 0
-        inner = self.d.extend
+        hub = self.d.hub
+        inner = hub.extend_many
 
-        def extend(shape):
-            tree = inner(shape)
+        def extend_many(drafters, shapes):
+            trees = inner(drafters, shapes)
             self.check()
-            return tree
+            return trees
 
-        self.d.extend = extend
+        hub.extend_many = extend_many
 
     def check(self) -> None:
         d, ctx = self.d, self.d.ctx

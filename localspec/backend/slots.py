@@ -21,20 +21,26 @@ from .context import Context
 
 
 class SeqSlots:
-    """Allocates sequence ids ``1 .. n_seq_max - 1`` of ``ctx`` for one tree expansion.
+    """Allocates sequence ids ``first .. first + capacity - 1`` of ``ctx`` for one tree
+    expansion (default: ``1 .. n_seq_max - 1``, sequence 0 holding the committed prefix; a
+    draft context shared by several requests gives each its own range).
 
     Args:
         ctx: the draft context (created with ``n_seq_max`` >= slots needed + 1, ``kv_unified``).
+        first: the first scratch id.
+        capacity: scratch ids (default: every id from ``first`` on).
     """
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, first: int = 1, capacity: int | None = None) -> None:
         self.ctx = ctx
+        self.first = int(first)
+        self._capacity = ctx.n_seq_max - self.first if capacity is None else int(capacity)
         self._used: list[int] = []
 
     @property
     def capacity(self) -> int:
-        """Slots available per expansion (sequence 0 is the committed prefix)."""
-        return self.ctx.n_seq_max - 1
+        """Slots available per expansion."""
+        return self._capacity
 
     @property
     def n_free(self) -> int:
@@ -48,7 +54,7 @@ class SeqSlots:
         """
         if not self.n_free:
             raise ValueError(f"no free sequence id: the draft context has n_seq_max={self.ctx.n_seq_max}")
-        seq = len(self._used) + 1
+        seq = self.first + len(self._used)
         self.ctx.seq_cp(int(parent_seq), seq, -1, -1)
         self._used.append(seq)
         return seq

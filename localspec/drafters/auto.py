@@ -133,10 +133,25 @@ class AutoDrafter:
             self.model.propose(max_depth, max_nodes)  # the model's (empty) cheap phase
         return self._ngram_tree
 
+    @property
+    def model_part(self) -> Drafter | None:
+        """The model drafter (``extend_together`` drafts it with other requests' models)."""
+        return self.model
+
     def extend(self, shape) -> TokenTree:
         """The model's tree of ``shape`` merged with this step's n-gram tree."""
-        self._model_tree = self.model.extend(shape)
-        return merge_trees(self._model_tree, self._ngram_tree)
+        return self.extended(self.model.extend(shape))
+
+    def extended(self, model_tree: TokenTree) -> TokenTree:
+        """This step's tree from the model's (``model_part``'s ``extend``): merged with the n-gram tree."""
+        self._model_tree = model_tree
+        return merge_trees(model_tree, self._ngram_tree)
+
+    def spawn(self) -> "AutoDrafter":
+        """An auto drafter for another request: its own n-gram drafter (on the same memory),
+        and the model drafter's ``spawn`` (sharing what it loaded)."""
+        model = self.model.spawn() if self.model is not None else None
+        return AutoDrafter(model, NgramDrafter(memory=self.ngram.memory))
 
     def observe(self, tree: TokenTree, emitted: Sequence[int]) -> None:
         if self._ngram_tree is not None:

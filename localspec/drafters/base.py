@@ -44,6 +44,14 @@ Optional hooks, called by the engine when a drafter defines them:
       distribution for classic rejection sampling).
     * ``target_feature_layers``: a tuple of target layer ids whose *inputs* the drafter reads
       after every target decode (EAGLE-3; see ``backend.features``).
+    * ``spawn()``: a drafter for another request with the same options that shares what is
+      loaded (a draft model, heads' weights) and, once attached, drafts together with this
+      one (the batch scheduler gives one to each slot).
+    * ``draft_group``: an object whose ``extend_many(drafters, shapes)`` runs the ``extend``
+      of several requests' drafters sharing it together (one model call per tree level for
+      all of them, or one head computation over all their hidden states); ``model_part``
+      and ``extended(tree)``: a drafter wrapping a model drafter (``AutoDrafter``) names it
+      and finishes its tree (``extend_together``).
 """
 
 from __future__ import annotations
@@ -90,6 +98,8 @@ class TargetHandle:
             draft context, never for decoding. Valid until the drafter is replaced.
         features: the ``FeatureTap`` on the target context, when the drafter asked for
             ``target_feature_layers``; else None.
+        n_requests: requests decoded together (the batch scheduler's slots): a drafter and
+            its ``spawn``-ed siblings make one draft context for that many.
     """
 
     model: "Model"
@@ -97,6 +107,7 @@ class TargetHandle:
     n_threads: int
     tensor_source: "Context | None" = None
     features: "FeatureTap | None" = None
+    n_requests: int = 1
 
 
 def target_reads(drafter: object | None) -> str | None:
@@ -113,3 +124,28 @@ def target_reads(drafter: object | None) -> str | None:
     if any(isinstance(k, str) for k in layers):  # (NEXTN_FEATURES,)
         return "the target's nextn hidden states"
     return "the target's layer features (EAGLE-3 feature tap)"
+
+
+def extend_together(drafters: Sequence, shapes: Sequence) -> list[TokenTree]:
+    """``drafters[i].extend(shapes[i])`` for every ``i``, the model drafters that share a
+    ``draft_group`` together (``extend_many``: one model call per tree level for all of them);
+    each request's tree is what it would draft alone. A wrapping drafter (``model_part``)
+    has its model part draft in the group and finishes the tree (``extended``).
+
+    Requires: ``propose`` was called on each drafter for this step.
+    """
+    trees: list[TokenTree | None] = [None] * len(drafters)
+    groups: dict[int, tuple[object, list[int]]] = {}
+    for i, d in enumerate(drafters):
+        part = getattr(d, "model_part", d)
+        group = getattr(part, "draft_group", None)
+        if group is None:
+            trees[i] = d.extend(shapes[i])
+        else:
+            groups.setdefault(id(group), (group, []))[1].append(i)
+    for group, idx in groups.values():
+        parts = [getattr(drafters[i], "model_part", drafters[i]) for i in idx]
+        for i, part, tree in zip(idx, parts, group.extend_many(parts, [shapes[i] for i in idx])):
+            d = drafters[i]
+            trees[i] = tree if part is d else d.extended(tree)
+    return trees  # type: ignore[return-value]

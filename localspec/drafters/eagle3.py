@@ -22,7 +22,7 @@ How the engine and the head work together::
     the policy plans the step (before any drafting): a tree shape, or no head call at all
     level 0 (one llama.cpp call): the encoder ``fc`` over the new feature rows -> g (numpy:
                 one small matmul, no llama.cpp call), then ONE decode of the entries
-                (t[P+1], g_P) of every position not yet in the head's KV seq 0 (the
+                (t[P+1], g_P) of every position not yet in the head's KV ``seq0`` (the
                 catch-up, all steps since the head last ran), the last one (P = root_pos - 1,
                 token = the root) -> children of the root and its pre-norm state h
                 (llama_get_embeddings_nextn_ith)
@@ -66,7 +66,7 @@ from ..policy import TreeShape
 from ..tree import TokenSource, TreeBuilder
 from .base import TargetHandle
 from ..backend.kv import common_prefix
-from .level_drafter import ModelDrafter
+from .level_drafter import LevelPart, ModelDrafter, StateFedLevels
 from .target_features import TargetFeatureBuffer
 from .vocab_check import check_vocab
 
@@ -97,7 +97,7 @@ CPU): catching up a 634-token prompt took 990 ms of a 2.4 s, 128-token request (
 attended the whole context; only the head's own attention is windowed."""
 
 
-class Eagle3Drafter(ModelDrafter):
+class Eagle3Drafter(StateFedLevels, ModelDrafter):
     """Drafts dynamic token trees with an EAGLE-3 head (see the module docstring).
 
     Args:
@@ -172,7 +172,7 @@ class Eagle3Drafter(ModelDrafter):
         return np.ascontiguousarray(w.T, dtype=np.float32)  # [3 * n_embd_target, n_embd]
 
     def _reset_state(self) -> None:
-        self.kv_first = 0  # head KV seq 0 holds entries for positions kv_first .. kv_len - 1
+        self.kv_first = 0  # head KV seq0 holds entries for positions kv_first .. kv_len - 1
         self.kv_len = 0
         self.feat = TargetFeatureBuffer(3 * self.n_embd_target, "the EAGLE-3 head")  # from kv_len on
         self.g_last: np.ndarray | None = None  # g of entry kv_len - 1 (to redo it)
@@ -239,8 +239,18 @@ class Eagle3Drafter(ModelDrafter):
             raise RuntimeError("the engine must capture the head's target layers (target_feature_layers)")
         self.bind(target, n_ctx=target.n_ctx, ctx_other=target.tensor_source)
         ext.llama_set_embeddings_nextn(self.ctx.handle, True, True)  # pre-norm rows of the outputs
-        self.batch = ExtBatch(self.ctx.handle)
+        if getattr(self, "batch", None) is not None:
+            self.batch.close()
+        self.batch = ExtBatch(self.ctx.handle)  # this request's own calls (a long catch-up, the encoder)
         self._reset_state()
+
+    def spawn(self) -> "Eagle3Drafter":
+        """A drafter for another request sharing the head (``ModelDrafter.spawn``) and its
+        host encoder matrix."""
+        new = super().spawn()
+        new.batch = None
+        new._reset_state()
+        return new
 
     # -- protocol (besides ModelDrafter's) ------------------------------------------------------
 
@@ -270,7 +280,7 @@ class Eagle3Drafter(ModelDrafter):
 
     def check_cache(self) -> None:
         n = max(0, self.kv_len - self.kv_first)
-        self.ctx.expect_positions(0, n, "the EAGLE-3 head's KV", lo=self.kv_first if n else 0)
+        self.ctx.expect_positions(self.seq0, n, "the EAGLE-3 head's KV", lo=self.kv_first if n else 0)
 
     def close(self) -> None:
         if getattr(self, "batch", None) is not None:
@@ -278,25 +288,20 @@ class Eagle3Drafter(ModelDrafter):
             self.batch = None
         super().close()
 
-    # -- LevelDecoder -------------------------------------------------------------------------
+    # -- levels on the (shared) head context (``StateFedLevels``) ------------------------------
 
-    def decode_level(self, tree: TreeBuilder, nodes: list[int]) -> np.ndarray:
-        """Draft logits after ``nodes``: [len(nodes), width] float32, ``width = len(d2t)``
-        (draft ids; ``DraftChildSelector`` maps them back) or ``n_vocab`` without a ``d2t``."""
+    state_pos_offset = -1  # entry P reads the token at P + 1: a node at depth d is entry root_pos + d - 1
+
+    def level_part(self, tree: TreeBuilder, nodes: list[int]) -> LevelPart:
+        """Level 0: the catch-up (``_catch_up_part``); level d: each frontier node's entry
+        (its token, its parent's pre-norm state h) at position ``root_pos + depth - 1``.
+        Rows are draft-vocabulary rows, ``[n, len(d2t)]`` (``DraftChildSelector`` maps them
+        back), or ``n_vocab`` wide without a ``d2t``."""
         if nodes == [0]:
-            return self._draft_rows(self._catch_up(tree.tokens[0]))
-        root_pos = len(self.history) - 1
-        b = self.batch
-        b.clear()
-        for n in nodes:
-            seq = self.fork(tree.parents[n], n)
-            b.add(token=tree.tokens[n], pos=root_pos + tree.depth[n] - 1, seq_id=seq, output=True, embd=self._state[tree.parents[n]])
-        self.ctx.process(b)
-        for i, n in enumerate(nodes):
-            self._state[n] = self._prenorm(i)
-        return self._draft_rows(self.ctx.logits())
+            return self._catch_up_part(tree.tokens[0])
+        return self._frontier_part(tree, nodes)
 
-    def _draft_rows(self, logits: np.ndarray) -> np.ndarray:
+    def _level_rows(self, logits: np.ndarray) -> np.ndarray:
         """[n, n_vocab] target-wide rows of the last decode -> [n, width] draft-vocabulary rows."""
         if self.d2t is None:
             return logits
@@ -311,11 +316,11 @@ class Eagle3Drafter(ModelDrafter):
         out[:, self.d2t] = rows
         return out
 
-    def _catch_up(self, root: int) -> np.ndarray:
-        """Write the entries of every position up to the root's predecessor, the last one
-        (token = the root) with output; returns the root's row ([1, n_vocab]) and keeps its
-        pre-norm state. One llama.cpp call for a catch-up of up to ``CATCH_UP_OUTPUTS``
-        entries (every row out, the last one used)."""
+    def _catch_up_part(self, root: int) -> LevelPart:
+        """The entries of every position up to the root's predecessor, the last one (token =
+        the root) with output: the last ``CATCH_UP_OUTPUTS`` of them (every row out, the last
+        one used) go into the level decode, a longer catch-up's head into calls of its own
+        before it. The part's rows: the root's ([1, width]); it keeps the root's pre-norm state."""
         root_pos = len(self.history) - 1
         if self.kv_len >= root_pos:  # asked twice for the same root: redo its entry
             assert self.kv_len == root_pos and self.g_last is not None
@@ -326,7 +331,7 @@ class Eagle3Drafter(ModelDrafter):
             n_new = root_pos - self.kv_len
             w = self.context_window
             if w is not None and n_new > w:  # keep only the last w entries (CONTEXT_WINDOW)
-                self.ctx.seq_rm(0, 0, -1)
+                self.ctx.seq_rm(self.seq0, 0, -1)
                 self.kv_first = self.kv_len = root_pos - w
                 self.feat.drop_before(root_pos - w)
                 n_new = w
@@ -341,17 +346,21 @@ class Eagle3Drafter(ModelDrafter):
             b.clear()
             for i in range(i0, min(i0 + n_batch, n - tail)):
                 p = first + i
-                b.add(token=self.history[p + 1], pos=p, seq_id=0, output=False, embd=g_new[i])
+                b.add(token=self.history[p + 1], pos=p, seq_id=self.seq0, output=False, embd=g_new[i])
             self.ctx.process(b)
-        b.clear()
-        for i in range(n - tail, n):  # the rest and the root's entry: one call, every row out
+        entries = []
+        for i in range(n - tail, n):  # the rest and the root's entry: every row out
             p = first + i
-            b.add(token=self.history[p + 1] if p + 1 < root_pos else root, pos=p, seq_id=0, output=True, embd=g_new[i])
-        self.ctx.process(b)
-        self.kv_len = root_pos
-        self.g_last = g_new[-1].copy()
-        self._state = {0: self._prenorm(tail - 1)}
-        return self.ctx.logits()[tail - 1 : tail]
+            entries.append(dict(token=self.history[p + 1] if p + 1 < root_pos else root, pos=p, seq_id=self.seq0,
+                                output=True, embd=g_new[i]))  # fmt: skip
+
+        def finish(logits, out0):
+            self.kv_len = root_pos
+            self.g_last = g_new[-1].copy()
+            self._state = {0: self._out_state(out0 + tail - 1)}
+            return self._level_rows(logits[tail - 1 : tail])
+
+        return LevelPart(entries, tail, finish)
 
     def _encode(self, feats: np.ndarray) -> np.ndarray:
         """The encoder (``fc``) over target feature rows: [n, 3 * n_embd_target] -> [n, n_embd]
@@ -372,20 +381,14 @@ class Eagle3Drafter(ModelDrafter):
             rows = feats[i0 : i0 + n_batch]
             b.clear()
             for j, row in enumerate(rows):
-                b.add(token=None, pos=self.kv_len + i0 + j, seq_id=0, output=True, embd=row)
+                b.add(token=None, pos=self.kv_len + i0 + j, seq_id=self.seq0, output=True, embd=row)
             self.ctx.process(b, encode=True)
             ptr = ext.llama_get_embeddings_nextn(self.ctx.handle)
             out[i0 : i0 + rows.shape[0]] = np.ctypeslib.as_array(ptr, shape=(rows.shape[0], self.n_embd))
         return out
 
-    def _prenorm(self, i: int) -> np.ndarray:
-        ptr = ext.llama_get_embeddings_nextn_ith(self.ctx.handle, i)
-        if not ptr:
-            raise RuntimeError(f"the EAGLE-3 head returned no pre-norm state for output {i}")
-        return np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).copy()
-
     def _truncate_kv(self, n: int) -> None:
-        self.ctx.seq_rm(0, n, -1)
+        self.ctx.seq_rm(self.seq0, n, -1)
         self.kv_len = n
         self.kv_first = min(self.kv_first, n)  # nothing left below kv_first: empty from n
         self.check_cache()

@@ -43,8 +43,11 @@ by score (``expand_tree``); the engine's policy then verifies its best ``n`` nod
 estimates are P(target accepts the node | it reached the parent) learned online per (head,
 confidence bucket) (``MedusaCalibration``), so scores are on the policy's scale.
 
-The heads run in the C kernels (``native.rows.gemv_t``: 2K matrix-vector products per step),
-numpy when the kernels are not built.
+The heads run in the C kernels (``native.rows.gemm_t``), numpy when the kernels are not built.
+Their weights are loaded once (``MedusaHeads``) and shared by the drafters of a batch's
+requests (``spawn``); a step runs each head matrix once over the hidden states of every
+request that drafts (``MedusaHeads.extend_many``: 2K products per step, K + 1 with a shared
+readout, whatever the number of requests; each row's sums are the same bits as alone).
 
 **The step, in two phases** (the model drafters' protocol, ``level_drafter``): ``propose`` is
 the cheap phase and drafts nothing; the engine's policy plans the step from the drafter's
@@ -144,6 +147,94 @@ class _SameDepthChildren:
         return ch
 
 
+class MedusaHeads:
+    """The heads' weights in the layout the C kernels read, loaded once and shared by the
+    drafters of every request (``MedusaDrafter.spawn``), and the heads' logits for the
+    hidden states of all the requests that draft in a step (``logits``).
+
+    Args:
+        weights: the ``MedusaWeights`` read from the GGUF.
+        max_depth: heads used (default: all).
+        where: the file, for messages (None: weights given in memory).
+    Raises:
+        ModelLoadError: ``d2t`` does not hold distinct non-negative target ids.
+    """
+
+    def __init__(self, weights, max_depth: int | None = None, *, where: str | None = None) -> None:
+        self.weights = weights
+        self.n_heads = weights.n_heads if max_depth is None else max(1, min(int(max_depth), weights.n_heads))
+        self.n_embd = weights.n_embd
+        self.d2t = np.ascontiguousarray(weights.d2t, dtype=np.int64)
+        if self.d2t.size == 0 or np.unique(self.d2t).size != self.d2t.size or self.d2t.min() < 0:
+            raise ModelLoadError(f"{where}: d2t must hold distinct non-negative target ids")
+        # transposed, float32, C-contiguous: what the gemm kernel reads ([n_in, n_out])
+        self.w_t = [np.ascontiguousarray(weights.w[k].T, dtype=np.float32) for k in range(self.n_heads)]
+        self.b = [np.ascontiguousarray(weights.b[k], dtype=np.float32) for k in range(self.n_heads)]
+        self.shared = weights.shared_readout
+        n_out = 1 if self.shared else self.n_heads
+        self.out_t = [np.ascontiguousarray(weights.out[k].T, dtype=np.float32) for k in range(n_out)]
+        self.softcap = float(weights.softcap)
+
+    def logits(self, h: np.ndarray) -> np.ndarray:
+        """Every head's draft-vocabulary logits for the hidden states ``h`` of ``R`` requests
+        ([R, n_embd] float32) -> [R, K, V] float32. One C call per matrix over all ``R`` rows
+        (``native.rows.gemm_t``: each row's sums in row order, the same bits whatever ``R``;
+        numpy when the kernels are not built): ``K`` block products and ``K`` readouts (one
+        over all ``R * K`` rows when the heads share their readout)."""
+        h = np.ascontiguousarray(h, dtype=np.float32)
+        n_req = h.shape[0]
+        use_c = native.enabled()
+        if use_c:
+            from ..native import rows as native_rows
+
+            def mm(wt, x):
+                return native_rows.gemm_t(wt, x)
+        else:
+
+            def mm(wt, x):
+                return np.ascontiguousarray(x @ wt, dtype=np.float32)
+
+        r = np.empty((n_req, self.n_heads, self.n_embd), dtype=np.float32)
+        for k in range(self.n_heads):
+            u = mm(self.w_t[k], h) + self.b[k]
+            r[:, k] = h + u / (1.0 + np.exp(-u))  # h + SiLU(W h + b)
+        v = self.d2t.size
+        if self.shared:  # one readout: read once for every head of every request
+            out = mm(self.out_t[0], r.reshape(n_req * self.n_heads, self.n_embd)).reshape(n_req, self.n_heads, v)
+        else:
+            out = np.empty((n_req, self.n_heads, v), dtype=np.float32)
+            for k in range(self.n_heads):
+                out[:, k] = mm(self.out_t[k], r[:, k])
+        if self.softcap:
+            out = np.tanh(out / self.softcap) * self.softcap
+        return out
+
+    def extend_many(self, drafters: Sequence["MedusaDrafter"], shapes: Sequence[TreeShape]) -> list[TokenTree]:
+        """``extend`` of several requests' drafters (sharing these heads) in one step: the
+        heads run once over the hidden states of all that can draft (``logits``), then each
+        request's tree is built from its rows. Each drafter's statistics get an equal share
+        of the time.
+
+        Requires: ``propose`` was called on each drafter for this step.
+        """
+        t0 = time.perf_counter()
+        go = [(i, d, d._step_shape(s, self.n_heads, d.width)) for i, (d, s) in enumerate(zip(drafters, shapes))]
+        trees = [TokenTree.root_only(d.history[-1]) for d in drafters]
+        go = [(i, d, s) for i, d, s in go if s is not None]
+        if not go:
+            return trees
+        rows = self.logits(np.stack([d._h for _, d, _ in go]))
+        for j, (i, d, s) in enumerate(go):
+            trees[i] = expand_tree(d.history[-1], len(d.history) - 1, s, _LevelRows(rows[j]),
+                                   _SameDepthChildren(d.sampler), d.calib, d.source)  # fmt: skip
+        t_us = (time.perf_counter() - t0) * 1e6 / len(go)
+        for i, d, _ in go:
+            # no per-level model calls: the whole time is the drafter's own (``t_host_us``)
+            d.stats.observe_draft(t_us, trees[i].n_nodes)
+            d.n_drafted_steps += 1
+        return trees
+
+
 class MedusaDrafter:
     """Drafts sparse token trees with Medusa heads (see the module docstring).
 
@@ -181,20 +272,18 @@ class MedusaDrafter:
                 raise ModelLoadError(f"Medusa heads file {self.path} does not exist") from None
             except MedusaFormatError as e:
                 raise ModelLoadError(str(e)) from None
+        self.heads = MedusaHeads(wts, max_depth, where=self.path)
+        self._init_request_state(width, shape)
+
+    def _init_request_state(self, width: int, shape: TreeShape | None) -> None:
+        """What belongs to one request (the heads are shared): sampling, history, hidden
+        state, calibration and statistics."""
+        wts = self.heads.weights
         self.weights = wts
-        self.n_heads = wts.n_heads if max_depth is None else max(1, min(int(max_depth), wts.n_heads))
+        self.n_heads = self.heads.n_heads
         self.n_embd = wts.n_embd
         self.width = int(width)
-        self.d2t = np.ascontiguousarray(wts.d2t, dtype=np.int64)
-        if self.d2t.size == 0 or np.unique(self.d2t).size != self.d2t.size or self.d2t.min() < 0:
-            raise ModelLoadError(f"{self.path}: d2t must hold distinct non-negative target ids")
-        # transposed, float32, C-contiguous: what the gemv kernel reads ([n_in, n_out])
-        self.w_t = [np.ascontiguousarray(wts.w[k].T, dtype=np.float32) for k in range(self.n_heads)]
-        self.b = [np.ascontiguousarray(wts.b[k], dtype=np.float32) for k in range(self.n_heads)]
-        self.shared = wts.shared_readout
-        n_out = 1 if self.shared else self.n_heads
-        self.out_t = [np.ascontiguousarray(wts.out[k].T, dtype=np.float32) for k in range(n_out)]
-        self.softcap = float(wts.softcap)
+        self.d2t = self.heads.d2t
         self.calib = MedusaCalibration(self.n_heads)
         self.history: list[int] = []
         self.sampler: DraftChildSelector | None = None
@@ -272,31 +361,9 @@ class MedusaDrafter:
         self._h_pos = int(pos)
 
     def head_logits(self, h: np.ndarray) -> np.ndarray:
-        """The heads' draft-vocabulary logits for hidden state ``h``: [K, V] float32
-        (C kernels when built; numpy otherwise)."""
-        h = np.ascontiguousarray(h, dtype=np.float32)
-        out = np.empty((self.n_heads, self.d2t.size), dtype=np.float32)
-        r = np.empty((self.n_heads, self.n_embd), dtype=np.float32)
-        use_c = native.enabled()
-        if use_c:
-            from ..native import rows as native_rows
-        for k in range(self.n_heads):
-            if use_c:
-                u = native_rows.gemv_t(self.w_t[k], h, self.b[k])
-            else:
-                u = h @ self.w_t[k] + self.b[k]
-            r[k] = h + u / (1.0 + np.exp(-u))  # h + SiLU(W h + b)
-        if self.shared:  # one readout: read once for every head
-            out[:] = native_rows.gemm_t(self.out_t[0], r) if use_c else r @ self.out_t[0]
-        else:
-            for k in range(self.n_heads):
-                if use_c:
-                    native_rows.gemv_t(self.out_t[k], r[k], out=out[k])
-                else:
-                    out[k] = r[k] @ self.out_t[k]
-        if self.softcap:
-            out = np.tanh(out / self.softcap) * self.softcap
-        return out
+        """The heads' draft-vocabulary logits for hidden state ``h`` ([n_embd]): [K, V]
+        float32 (``MedusaHeads.logits`` of one row)."""
+        return self.heads.logits(np.asarray(h, dtype=np.float32)[None, :])[0]
 
     def ready(self) -> bool:
         """Whether this step can draft: the hidden state of the position before the root is here."""
@@ -309,24 +376,29 @@ class MedusaDrafter:
     observe = ModelDrafter.observe
     _step_shape = ModelDrafter._step_shape
 
+    @property
+    def draft_group(self) -> MedusaHeads:
+        """Drafters sharing these heads draft together (``MedusaHeads.extend_many``)."""
+        return self.heads
+
     def extend(self, shape: TreeShape) -> TokenTree:
         """The heads' sparse tree below the root, of ``shape`` clipped to the limits given to
-        ``propose``, the heads (depth) and ``width``; root-only without a hidden state for it.
+        ``propose``, the heads (depth) and ``width``; root-only without a hidden state for it
+        (``MedusaHeads.extend_many`` of this request alone).
 
         Requires: ``propose`` was called for this step.
         """
-        root = self.history[-1]
-        shape = self._step_shape(shape, self.n_heads, self.width)
-        if shape is None:
-            return TokenTree.root_only(root)
-        t0 = time.perf_counter()
-        rows = self.head_logits(self._h)
-        tree = expand_tree(root, len(self.history) - 1, shape, _LevelRows(rows), _SameDepthChildren(self.sampler),
-                           self.calib, self.source)  # fmt: skip
-        # no per-level model calls: the whole time is the drafter's own (``t_host_us``)
-        self.stats.observe_draft((time.perf_counter() - t0) * 1e6, tree.n_nodes)
-        self.n_drafted_steps += 1
-        return tree
+        return self.heads.extend_many([self], [shape])[0]
+
+    def spawn(self) -> "MedusaDrafter":
+        """A drafter for another request with the same options, sharing these heads (their
+        weights are loaded once), attached to the same target."""
+        new = object.__new__(MedusaDrafter)
+        new.path = self.path
+        new.heads = self.heads
+        new._init_request_state(self.width, self.fixed_shape)
+        new.n_vocab, new.suppress_ids = self.n_vocab, self.suppress_ids
+        return new
 
     def close(self) -> None:
         pass

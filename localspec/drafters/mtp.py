@@ -21,7 +21,7 @@ with its own KV cache holding only that layer. The conventions below are llama.c
 * the MTP context's entry at position ``p`` is the token ``x_p`` with ``h_{p-1}`` as its
   embedding row (``llama_batch_ext_set_embd_token``; the ``set_embd_state`` API is an
   unimplemented stub in this llama.cpp, ``src/llama-batch.cpp``), position 0 with a zero row;
-  the MTP KV (seq 0) holds an entry for every committed position;
+  the MTP KV (here: the request's sequence ``seq0``) holds an entry for every committed position;
 * drafting a chain: the root's entry ``(root, h_{root_pos-1})`` gives the first draft's
   logits and the block's own output state ``h'`` (``llama_get_embeddings_nextn_ith`` of the
   MTP context, masked = output rows); each further step feeds the drafted token with the
@@ -43,6 +43,10 @@ How the engine and the block work together (mirrors ``drafters.eagle3``)::
     level 0 (one call): the catch-up entries (x_p, h_{p-1}) of every committed position the
             block has not seen, the last one the root's, with output -> root's children, h'
     level d (one call): the frontier's entries in scratch sequences -> children, h'
+
+In a batch the slots' drafters share the loaded block and one MTP context (``spawn``,
+``level_drafter.DraftHub``): each level's call holds the entries of every request drafting in
+the step (a catch-up longer than ``CATCH_UP_OUTPUTS`` decodes its head in calls of its own).
 
 Output rows: the MTP graphs take ``t_h_nextn`` *before* selecting the output rows
 (``src/models/glm4-moe.cpp``: ``res->t_h_nextn = cur`` then ``ggml_get_rows(.., inp_out_ids)``)
@@ -70,13 +74,12 @@ from ..backend._llama import ext, lib
 from ..backend.batch_ext import ExtBatch
 from ..backend.features import NEXTN_FEATURES
 from ..errors import ModelLoadError
-from ..policy import ModelDraftStats, TreeShape
+from ..policy import TreeShape
 from ..tree import TokenSource, TreeBuilder
 from .base import TargetHandle
 from ..backend.kv import common_prefix
-from .level_drafter import ModelDrafter
+from .level_drafter import LevelPart, ModelDrafter, StateFedLevels, _Family
 from .target_features import TargetFeatureBuffer
-from .tree_expand import DraftCalibration
 
 CATCH_UP_OUTPUTS = 16
 """Longest catch-up decoded in the same call as the root's entry (every row an output)."""
@@ -160,7 +163,7 @@ def _check_nextn_tensors(model: Model) -> None:
         )
 
 
-class MtpDrafter(ModelDrafter):
+class MtpDrafter(StateFedLevels, ModelDrafter):
     """Drafts token trees with the target's own MTP / NextN block (module docstring).
 
     The drafter is made without a model: ``attach`` checks the target (``check_mtp_target``)
@@ -179,6 +182,7 @@ class MtpDrafter(ModelDrafter):
     name = "mtp"
     source = TokenSource.DRAFT_MODEL  # the target's own draft block (no source of its own yet)
     target_feature_layers = (NEXTN_FEATURES,)
+    state_pos_offset = 0  # a node at depth d is the entry at root_pos + d
 
     def __init__(
         self,
@@ -188,27 +192,24 @@ class MtpDrafter(ModelDrafter):
         max_width: int = 8,
         shape: TreeShape | None = None,
     ) -> None:
-        # ModelDrafter's state, without a model until attach
-        self._owns_model = False
+        # ModelDrafter's state, without a model until attach (then shared with its spawn)
         self.model: Model | None = None
+        self._family = _Family(None, False)
         self.n_gpu_layers = n_gpu_layers
         self.max_depth = max_depth
         self.max_width = max_width
         self.fixed_shape = shape
-        self.calib = DraftCalibration()
-        self.stats = ModelDraftStats(max_depth=max_depth, max_width=max_width)
-        self.history: list[int] = []
-        self.sampler = None
-        self.ctx = None
         self.batch: ExtBatch | None = None
-        self._limits = (0, 0)
-        self._ran = False
-        self._slot_of: dict[int, int] = {}
         self.n_embd = 0
+        self._init_request_state()
+
+    def _init_request_state(self) -> None:
+        super()._init_request_state()
+        self.batch = None
         self._reset_state()
 
     def _reset_state(self) -> None:
-        self.kv_len = 0  # MTP KV seq 0 holds entries of positions 0 .. kv_len - 1
+        self.kv_len = 0  # MTP KV seq0 holds entries of positions 0 .. kv_len - 1
         self.h = TargetFeatureBuffer(self.n_embd, "the MTP drafter")  # the target's h rows
         self._state: dict[int, np.ndarray] = {}  # tree node -> the block's output state h'
 
@@ -230,16 +231,17 @@ class MtpDrafter(ModelDrafter):
         check_mtp_target(tm)
         if target.features is None or tuple(target.features.layers) != self.target_feature_layers:
             raise RuntimeError("the engine must capture the target's nextn hidden states (target_feature_layers)")
-        if self.ctx is not None:
-            self.ctx.close()
-            self.ctx = None
-        if self._owns_model and self.model is not None:
-            self.model.close()
+        self._leave_hub()
+        fam = self._family
         if getattr(tm, "load_mtp", False):
-            self.model, self._owns_model = tm, False
-        else:
-            self.model = Model(tm.path, n_gpu_layers=self.n_gpu_layers, load_mtp=True)
-            self._owns_model = True
+            self.model = tm
+        else:  # loaded again by a drafter alone (a reconnect), once for a drafter and its spawn
+            if fam.n_users <= 1 or fam.model is None or fam.model.path != tm.path:
+                if fam.owns_model and fam.model is not None and fam.n_users <= 1:
+                    fam.model.close()
+                fam.model = Model(tm.path, n_gpu_layers=self.n_gpu_layers, load_mtp=True)
+                fam.owns_model = True
+            self.model = fam.model
         self.n_embd = self.model.n_embd_out
         if self.n_embd != tm.n_embd_out:  # pragma: no cover - same file
             raise ModelLoadError("the MTP model's hidden size differs from the target's")
@@ -247,7 +249,7 @@ class MtpDrafter(ModelDrafter):
         ext.llama_set_embeddings_nextn(self.ctx.handle, True, True)  # h' of the output rows
         if self.batch is not None:
             self.batch.close()
-        self.batch = ExtBatch(self.ctx.handle)
+        self.batch = ExtBatch(self.ctx.handle)  # this request's own calls (a long catch-up)
         self._reset_state()
 
     # -- protocol (besides ModelDrafter's) ------------------------------------------------------
@@ -280,37 +282,28 @@ class MtpDrafter(ModelDrafter):
         return self.ctx is not None and root_pos >= 0 and self.n_target_features >= root_pos
 
     def check_cache(self) -> None:
-        """Raise ``KVCacheError`` unless the MTP KV seq 0 holds exactly ``[0, kv_len)``."""
-        self.ctx.expect_positions(0, self.kv_len, "the MTP block's KV")
+        """Raise ``KVCacheError`` unless the MTP KV ``seq0`` holds exactly ``[0, kv_len)``."""
+        self.ctx.expect_positions(self.seq0, self.kv_len, "the MTP block's KV")
 
     def close(self) -> None:
         if getattr(self, "batch", None) is not None:
             self.batch.close()
             self.batch = None
-        if self.ctx is not None:
-            self.ctx.close()
-            self.ctx = None
-        if self._owns_model and self.model is not None:
-            self.model.close()
+        super().close()
         self.model = None
-        self._owns_model = False
 
-    # -- LevelDecoder -------------------------------------------------------------------------
+    # -- levels on the (shared) MTP context (``StateFedLevels``) -------------------------------
 
-    def decode_level(self, tree: TreeBuilder, nodes: list[int]) -> np.ndarray:
-        """MTP logits after ``nodes``: [len(nodes), n_vocab] float32 (a view of the last call)."""
+    def level_part(self, tree: TreeBuilder, nodes: list[int]) -> LevelPart:
+        """Level 0: the catch-up (``_catch_up_part``); level d: each frontier node's entry (its
+        token, the block's output state h' of its parent) at position ``root_pos + depth``.
+        Rows: [len(nodes), n_vocab] float32."""
         if nodes == [0]:
-            return self._catch_up(tree.tokens[0])
-        root_pos = len(self.history) - 1
-        b = self.batch
-        b.clear()
-        for n in nodes:
-            seq = self.fork(tree.parents[n], n)
-            b.add(token=tree.tokens[n], pos=root_pos + tree.depth[n], seq_id=seq, output=True, embd=self._state[tree.parents[n]])
-        self.ctx.process(b)
-        for i, n in enumerate(nodes):
-            self._state[n] = self._h_out(i)
-        return self.ctx.logits()
+            return self._catch_up_part(tree.tokens[0])
+        return self._frontier_part(tree, nodes)
+
+    def _level_rows(self, logits: np.ndarray) -> np.ndarray:
+        return logits
 
     def _h_row(self, p: int) -> np.ndarray:
         """The input state of entry ``p``: the target's ``h_{p-1}`` (zeros at position 0)."""
@@ -318,9 +311,11 @@ class MtpDrafter(ModelDrafter):
             return np.zeros(self.n_embd, dtype=np.float32)
         return self.h.row(p - 1)
 
-    def _catch_up(self, root: int) -> np.ndarray:
-        """Write the entries of every committed position up to the root's (the last one with
-        output): returns the root's row ([1, n_vocab]) and keeps the block's state h'."""
+    def _catch_up_part(self, root: int) -> LevelPart:
+        """The entries of every committed position up to the root's, the last one with output:
+        the last ``CATCH_UP_OUTPUTS`` of them (every row out) go into the level decode, a
+        longer catch-up's head into calls of its own before it. The part's rows: the root's
+        ([1, n_vocab]); it keeps the block's state h'."""
         root_pos = len(self.history) - 1
         if self.kv_len > root_pos:  # asked twice for the same root: redo its entry
             self._truncate_kv(root_pos)
@@ -332,26 +327,21 @@ class MtpDrafter(ModelDrafter):
         for i0 in range(first, root_pos + 1 - tail, n_batch):  # a long catch-up: no outputs
             b.clear()
             for p in range(i0, min(i0 + n_batch, root_pos + 1 - tail)):
-                b.add(token=self.history[p], pos=p, seq_id=0, output=False, embd=self._h_row(p))
+                b.add(token=self.history[p], pos=p, seq_id=self.seq0, output=False, embd=self._h_row(p))
             self.ctx.process(b)
-        b.clear()
-        for p in range(root_pos + 1 - tail, root_pos + 1):  # the rest and the root: every row out
-            b.add(token=self.history[p] if p < root_pos else root, pos=p, seq_id=0, output=True, embd=self._h_row(p))
-        self.ctx.process(b)
-        self.kv_len = root_pos + 1
-        keep_from = max(0, root_pos - 1)  # h_{root_pos-1}: to redo the root's entry
-        self.h.drop_before(keep_from)
-        self._state = {0: self._h_out(tail - 1)}
-        return self.ctx.logits()[tail - 1 : tail]
+        entries = [dict(token=self.history[p] if p < root_pos else root, pos=p, seq_id=self.seq0, output=True,
+                        embd=self._h_row(p)) for p in range(root_pos + 1 - tail, root_pos + 1)]  # fmt: skip
 
-    def _h_out(self, i: int) -> np.ndarray:
-        ptr = ext.llama_get_embeddings_nextn_ith(self.ctx.handle, i)
-        if not ptr:
-            raise RuntimeError(f"the MTP block returned no state for output {i}")
-        return np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).copy()
+        def finish(logits, out0):
+            self.kv_len = root_pos + 1
+            self.h.drop_before(max(0, root_pos - 1))  # keep h_{root_pos-1}: to redo the root's entry
+            self._state = {0: self._out_state(out0 + tail - 1)}
+            return logits[tail - 1 : tail]
+
+        return LevelPart(entries, tail, finish)
 
     def _truncate_kv(self, n: int) -> None:
-        self.ctx.seq_rm(0, n, -1)
+        self.ctx.seq_rm(self.seq0, n, -1)
         self.kv_len = n
         self.check_cache()
 

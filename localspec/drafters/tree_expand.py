@@ -229,7 +229,8 @@ def expand_tree(
     calib: DraftCalibration,
     source: TokenSource,
 ) -> TokenTree:
-    """Grow a dynamic draft tree (see the module docstring).
+    """Grow a dynamic draft tree (see the module docstring): ``expand_levels`` with
+    ``decoder.decode_level`` answering each level.
 
     Args:
         root_token: the last emitted token (node 0).
@@ -244,11 +245,27 @@ def expand_tree(
         a ``TokenTree`` of at most ``shape.max_nodes`` nodes, scores non-increasing along
         every path.
     """
+    gen = expand_levels(root_token, root_pos, shape, sampler, calib, source)
+    try:
+        b, frontier = next(gen)
+        while True:
+            b, frontier = gen.send(decoder.decode_level(b, frontier))
+    except StopIteration as stop:
+        return stop.value
+
+
+def expand_levels(root_token: int, root_pos: int, shape: TreeShape, sampler: DraftChildSelector,
+                  calib: DraftCalibration, source: TokenSource):  # fmt: skip
+    """``expand_tree`` as a generator, so that a caller can answer the levels of several
+    requests' trees with one model call: it yields ``(builder, nodes)`` (the tree under
+    construction and the frontier to decode, ``[0]`` first), is sent the frontier's draft
+    logits rows ([len(nodes), width] float32, ``LevelDecoder.decode_level``), and returns the
+    ``TokenTree`` (``StopIteration.value``). Arguments as ``expand_tree``'s."""
     b = TreeBuilder(root_token)
     b.feature = [0]
     frontier = [0]
     for level in range(shape.depth):
-        rows = decoder.decode_level(b, frontier)
+        rows = yield b, frontier
         new: list[int] = []
         for node, row in zip(frontier, rows):
             depth = b.depth[node] + 1
