@@ -293,14 +293,10 @@ LS_API int32_t ls_memory_draft(ls_memory *m, const int32_t *query, int64_t n_que
 
 /* ---- dense heads (ls_matvec.c) --------------------------------------------------------- */
 
-/* y = x @ wt + b: wt is [n, m] row-major (the transposed weight W^T of y = W x + b), x [n],
- * b [m] or NULL, y [m]; float32. Each y[i] sums over j = 0 .. n-1 in order (the result does
- * not depend on n_threads, which split the columns).
- * returns: 0, or LS_ERR_ARG. */
-LS_API int32_t ls_gemv_t(const float *wt, int64_t n, int64_t m, const float *x, const float *b, float *y,
-                         int32_t n_threads);
-/* Y = X @ wt: X [nr, n], Y [nr, m] row-major float32, wt as above; the matrix is read once
- * per 8 rows (Medusa heads sharing one readout). Sums in j order, as ls_gemv_t.
+/* Y = X @ wt: X [nr, n], Y [nr, m] row-major float32, wt [n, m] row-major (the transposed
+ * weight W^T of y = W x); the matrix is read once per 8 rows (every drafting request's row of a
+ * Medusa head). Each Y[r, i] sums over j = 0 .. n-1 in order: a row's result does not depend
+ * on the other rows or on n_threads (which split the columns).
  * returns: 0, or LS_ERR_ARG. */
 LS_API int32_t ls_gemm_t(const float *wt, int64_t n, int64_t m, const float *x, int64_t nr, float *y,
                          int32_t n_threads);

@@ -1,48 +1,8 @@
-/* Dense matrix-vector products for small heads on the target's hidden state (Medusa heads:
- * localspec/drafters/medusa.py). Reference: numpy ``x @ wt + b`` (tests/test_medusa.py). */
+/* Dense matrix products for small heads on the target's hidden states (Medusa heads:
+ * localspec/drafters/medusa.py). Reference: numpy ``x @ wt`` (tests/test_medusa.py). */
 #include "ls_internal.h"
 
 #define LS_GEMV_COLS 64
-
-/* y[i0..i1) = b + x @ wt[:, i0..i1): column block in registers, rows in order */
-LS_HOT static void gemv_t_block(const float *wt, int64_t n, int64_t m, const float *x, const float *b, float *y,
-                                int64_t i0, int64_t i1) {
-    for (int64_t c0 = i0; c0 < i1; c0 += LS_GEMV_COLS) {
-        int64_t w = i1 - c0 < LS_GEMV_COLS ? i1 - c0 : LS_GEMV_COLS;
-        float acc[LS_GEMV_COLS];
-        for (int c = 0; c < LS_GEMV_COLS; c++) acc[c] = 0.0f;
-        if (w == LS_GEMV_COLS) {
-            for (int64_t j = 0; j < n; j++) {
-                const float xj = x[j];
-                const float *row = wt + j * m + c0;
-                for (int c = 0; c < LS_GEMV_COLS; c++) acc[c] += xj * row[c];
-            }
-        } else {
-            for (int64_t j = 0; j < n; j++) {
-                const float xj = x[j];
-                const float *row = wt + j * m + c0;
-                for (int64_t c = 0; c < w; c++) acc[c] += xj * row[c];
-            }
-        }
-        for (int64_t c = 0; c < w; c++) y[c0 + c] = b ? acc[c] + b[c0 + c] : acc[c];
-    }
-}
-
-int32_t ls_gemv_t(const float *wt, int64_t n, int64_t m, const float *x, const float *b, float *y, int32_t n_threads) {
-    if (!wt || !x || !y || n < 0 || m < 0) return LS_ERR_ARG;
-    int nt = n_threads < 1 ? 1 : n_threads;
-    int64_t nblk = (m + LS_GEMV_COLS - 1) / LS_GEMV_COLS;
-    if (nt > nblk) nt = (int)(nblk > 0 ? nblk : 1);
-#if defined(_OPENMP)
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-#endif
-    for (int t = 0; t < nt; t++) {
-        int64_t lo = (nblk * t) / nt * LS_GEMV_COLS, hi = (nblk * (t + 1)) / nt * LS_GEMV_COLS;
-        if (hi > m) hi = m;
-        if (lo < hi) gemv_t_block(wt, n, m, x, b, y, lo, hi);
-    }
-    return 0;
-}
 
 /* Y[r, i0..i1) = X[r, :] @ wt[:, i0..i1) for r < nr <= LS_GEMM_ROWS: the column block of
  * every row in registers, the matrix read once for all rows */

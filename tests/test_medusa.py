@@ -1,4 +1,4 @@
-"""Medusa heads (``drafters.medusa``): the gemv kernel against numpy, the GGUF format and its
+"""Medusa heads (``drafters.medusa``): the gemm kernel against numpy, the GGUF format and its
 one-line errors, the final hidden states the engine hands the heads, exactness of rejection
 sampling through the engine's propose path (exact enumeration, with the mutation it must
 catch), and temperature 0 identical to plain decoding over 500 tokens past the 512-token
@@ -32,26 +32,22 @@ GREEDY = SamplingParams.greedy()
 
 
 @needs_native
-def test_gemv_kernel_matches_numpy(rng):
-    """``ls_gemv_t`` = ``x @ wt + b`` (float64 reference) for shapes around the 64-column
-    blocks, with and without a bias, and the same bits for 1 and 3 threads."""
+def test_gemm_kernel_matches_numpy(rng):
+    """``ls_gemm_t`` = ``x @ wt`` (float64 reference) for shapes around the 64-column blocks
+    and the 8-row groups, the same bits for 1 and 3 threads, and a shape mismatch refused."""
     from localspec.native import rows
 
-    for n, m in [(1, 1), (7, 63), (64, 64), (33, 65), (640, 640), (640, 2051), (5, 200)]:
+    for n, m, r in [(1, 1, 1), (7, 63, 2), (64, 64, 8), (33, 65, 9), (640, 640, 1), (640, 2051, 3), (5, 200, 17)]:
         wt = rng.standard_normal((n, m)).astype(np.float32)
-        x = rng.standard_normal(n).astype(np.float32)
-        b = rng.standard_normal(m).astype(np.float32)
+        x = rng.standard_normal((r, n)).astype(np.float32)
         ref = x.astype(np.float64) @ wt.astype(np.float64)
         scale = np.abs(x).astype(np.float64) @ np.abs(wt).astype(np.float64) + 1.0
-        y = rows.gemv_t(wt, x)
-        assert np.all(np.abs(y - ref) <= 1e-5 * scale)
-        yb = rows.gemv_t(wt, x, b)
-        assert np.all(np.abs(yb - (ref + b)) <= 1e-5 * (scale + np.abs(b)))
+        y = rows.gemm_t(wt, x)
+        assert y.shape == (r, m) and np.all(np.abs(y - ref) <= 1e-5 * scale)
         with _threads(3):
-            y3 = rows.gemv_t(wt, x, b)
-        assert np.array_equal(y3, yb)
+            assert np.array_equal(rows.gemm_t(wt, x), y)
     with pytest.raises(ValueError):
-        rows.gemv_t(np.zeros((3, 4), np.float32), np.zeros(5, np.float32))
+        rows.gemm_t(np.zeros((3, 4), np.float32), np.zeros((1, 5), np.float32))
 
 
 class _threads:

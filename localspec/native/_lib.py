@@ -131,7 +131,6 @@ _SIGNATURES = {
         c_int32,
         [c_void_p, _P, c_int64, POINTER(DraftParams), c_double, c_int32, c_int32, c_int32, _P, _P, _P, _P, _P, _P],
     ),
-    "ls_gemv_t": (c_int32, [_P, c_int64, c_int64, _P, c_void_p, _P, c_int32]),
     "ls_gemm_t": (c_int32, [_P, c_int64, c_int64, _P, c_int64, _P, c_int32]),
     "ls_tap_new": (c_void_p, [c_int32, c_void_p, c_int64, c_int64, c_int64, c_int64, c_void_p]),
     "ls_tap_free": (None, [c_void_p]),

@@ -196,35 +196,10 @@ def sample_from(probs: np.ndarray, u: float) -> int:
     return int(lib.ls_sample_from(p.ctypes.data, p.size, float(u)))
 
 
-def gemv_t(wt: np.ndarray, x: np.ndarray, b: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
-    """``x @ wt + b`` ([m] float32) for ``wt`` [n, m] C-contiguous float32, ``x`` [n], ``b`` [m]
-    or None (``ls_gemv_t``; sums in row order, the same for any thread count).
-
-    Raises:
-        ValueError: shapes that do not match.
-    """
-    if wt.dtype != np.float32 or not wt.flags.c_contiguous or wt.ndim != 2:
-        raise ValueError("gemv_t needs a C-contiguous float32 [n, m] matrix")
-    n, m = wt.shape
-    x = _f32(x)
-    if x.shape != (n,):
-        raise ValueError(f"x has shape {x.shape}, the matrix {wt.shape}")
-    if b is not None:
-        b = _f32(b)
-        if b.shape != (m,):
-            raise ValueError(f"b has shape {b.shape}, expected ({m},)")
-    y = np.empty(m, dtype=np.float32) if out is None else out
-    rc = lib.ls_gemv_t(wt.ctypes.data, n, m, x.ctypes.data, None if b is None else b.ctypes.data, y.ctypes.data,
-                       _threads())  # fmt: skip
-    if rc < 0:
-        raise_for(rc)
-    return y
-
-
 def gemm_t(wt: np.ndarray, x: np.ndarray) -> np.ndarray:
     """``x @ wt`` ([r, m] float32) for ``wt`` [n, m] C-contiguous float32 and ``x`` [r, n]
-    (``ls_gemm_t``: the matrix read once per 8 rows; each entry sums in row order, the same
-    bits as ``gemv_t`` of that row).
+    (``ls_gemm_t``: the matrix read once per 8 rows; each entry sums in row order, so a
+    row's bits do not depend on the other rows or the thread count).
 
     Raises:
         ValueError: shapes that do not match.
