@@ -24,7 +24,11 @@ drafter, whether running the model this step is expected to beat the cheap tree 
 decoding) once its drafting time is paid (``prefer_model``), with the shape of the tree to
 grow (``tree_shape``: depth, top-k width, node budget) and the size to verify. The model's
 drafting time is the cost model's measured time per draft level (``CostModel.t_draft_us``),
-weighed like the target's ``t(b)``. A plan without the model makes no model call.
+weighed like the target's ``t(b)``. A plan without the model makes no model call. A model
+that does not pay is probed (it drafts, the step verifies only the cheap drafts) after gaps
+that double from ``explore_every`` steps up to where probes cost at most ``explore_budget``
+of the steps and of their time (``max_explore_gap``), and runs again as soon as what it
+would have got accepted pays for it.
 """
 
 from __future__ import annotations
@@ -197,6 +201,13 @@ class ScoreCalibration:
     unique; it is found on ``log gamma`` in [``lo``, ``hi``] by safeguarded Newton steps from
     the last fit (a handful of evaluations per step). Overconfident
     drafts get ``gamma > 1`` (verified trees shrink or stop), underconfident ones ``< 1``.
+
+    Before a request has verified a tree the exponent is the long-run one but never below 1:
+    other requests' underconfident drafts (a translation that copied more than its scores
+    said) do not inflate a new request's first trees; those are verified only where the
+    drafts' own estimates (``AcceptanceTracker``: match length, support) pay for their rows
+    at the cost table's price. A short answer (a 12-token summary) never earns back a tree
+    risked on borrowed optimism.
     """
 
     def __init__(
@@ -269,8 +280,8 @@ class ScoreCalibration:
     def exponent(self) -> float:
         if self._gamma is not None:
             return self._gamma
-        if not self._trees:
-            self._gamma = float(min(max(math.exp(self.log_center), self.lo), self.hi))
+        if not self._trees:  # no evidence of this request's own: never more optimistic than its drafts' scores
+            self._gamma = float(min(max(math.exp(self.log_center), 1.0), self.hi))
             return self._gamma
         w_tree = [self.decay ** (self._step - step) for _, _, step in self._trees]  # forgotten per step
         s = np.concatenate([t for t, _, _ in self._trees])
@@ -362,6 +373,9 @@ class ModelDraftStats:
         gain_length: moving average of the tokens the model's drafts got accepted *beyond*
             the cheap drafts verified with them (``AutoDrafter``: beyond what the n-gram
             tree alone got accepted); for a drafter alone it is ``accept_length``.
+        explore_gap: steps without the model before the policy probes it again while it does
+            not pay (0: none probed yet; ``SpeculationPolicy.plan`` doubles it at each probe
+            and resets it when the model pays).
     """
 
     t_draft_us: float = 0.0
@@ -375,6 +389,7 @@ class ModelDraftStats:
     max_width: int = 8
     last_level_us: list[float] = field(default_factory=list)
     t_host_us: float = 0.0
+    explore_gap: int = 0
 
     def _ema(self, old: float, new: float) -> float:
         return new if self.n_steps <= 1 else old + self.alpha * (new - old)
@@ -453,7 +468,8 @@ class SpeculationPolicy:
         self._host_node_load = 1.0  # cost.load() when t_host_node_us was last refined
         self._alpha = 0.1
         self.verify_cost_factor = 2.5  # tree_shape: verification budget, in plain decodes
-        self.explore_every = 32  # prefer_model: steps without the model drafter before retrying it
+        self.explore_every = 32  # plan: first gap (steps) between probes of a model drafter that does not pay
+        self.explore_budget = 0.01  # plan: probes take at most this fraction of the steps and of their time
         self.calibration = ScoreCalibration()
 
     def host_us(self, b: int) -> float:
@@ -548,11 +564,10 @@ class SpeculationPolicy:
         return stats.t_draft_us if t is None else t + stats.t_host_us
 
     def prefer_model(self, cheap: Choice, stats: ModelDraftStats, shape: TreeShape | None = None) -> bool:
-        """Run the model drafter this step, rather than verify only the cheap drafts (the
-        n-gram tree, or nothing), whose best choice is ``cheap``? Compares the expected
-        tokens per µs of a model step of ``shape``, including its drafting time, with the
-        cheap step; every ``explore_every`` steps without the model it runs anyway so that
-        its estimates stay current.
+        """Does running the model drafter this step pay, rather than verifying only the cheap
+        drafts (the n-gram tree, or nothing), whose best choice is ``cheap``? Compares the
+        expected tokens per µs of a model step of ``shape``, including its drafting time, with
+        the cheap step. False for a model never run (no evidence: ``plan`` probes it).
 
         The model step is credited with what the model gets accepted beyond the cheap drafts
         verified with it (``stats.gain_length``; for a model drafting alone its acceptance
@@ -563,13 +578,26 @@ class SpeculationPolicy:
         ``auto`` 0.86x of ``ngram``; crediting the cheap tree's expected tokens plus the gain
         0.55x, because the head then ran, with its small budget, where the n-grams had long
         runs.)"""
-        if stats.n_steps == 0 or stats.steps_since_run >= self.explore_every:
-            return True
+        if stats.n_steps == 0:
+            return False
         b = shape.max_nodes if shape is not None else max(2, int(round(stats.n_nodes)))
         t_draft = self.model_step_us(stats, shape) if shape is not None else stats.t_draft_us
         tokens = 1.0 + stats.gain_length
         rate = tokens / (t_draft + self.cost.t_decode_us(b) + self.host_us(b))
         return rate > cheap.expected_rate * (1.0 + self.min_gain)
+
+    def max_explore_gap(self, stats: ModelDraftStats, shape: TreeShape) -> int:
+        """Longest gap (steps) between probes of a model drafter that does not pay: probes on
+        at most ``explore_budget`` of the steps, and their drafting time (``model_step_us``, the
+        cost model's measured levels) at most ``explore_budget`` of the time of the plain steps
+        between them. Never below ``explore_every``."""
+        probe_us = self.model_step_us(stats, shape)
+        return max(self.explore_every, math.ceil(max(1.0, probe_us / self.step_us(1)) / self.explore_budget))
+
+    def probe_due(self, stats: ModelDraftStats) -> bool:
+        """Whether a model drafter that does not pay is due a probe: never run yet, or
+        ``stats.explore_gap`` steps (``explore_every`` before the first probe) without it."""
+        return stats.n_steps == 0 or stats.steps_since_run >= (stats.explore_gap or self.explore_every)
 
     def plan(
         self,
@@ -606,13 +634,22 @@ class SpeculationPolicy:
             shape = fixed_shape
         else:
             shape = self.tree_shape(model, max_depth=min(max_depth, model.max_depth), max_nodes=max_nodes, max_width=model.max_width)
-        if adaptive and fixed_shape is None and not self.prefer_model(c, model, shape):
-            return StepPlan(c.n_nodes, None)
         if not adaptive:
             return StepPlan(c.n_nodes, shape)
+        if fixed_shape is None and not self.prefer_model(c, model, shape):
+            if not self.probe_due(model):
+                return StepPlan(c.n_nodes, None)
+            # a probe: the model drafts and learns what it would have got accepted from the
+            # emitted tokens (``observe``), but the step verifies only what the cheap drafts
+            # alone would, so a probe costs the model's drafting time and no rows; each probe
+            # that does not pay doubles the gap to the next, up to ``max_explore_gap``
+            gap = 2 * model.explore_gap if model.explore_gap else self.explore_every
+            model.explore_gap = min(gap, self.max_explore_gap(model, shape))
+            return StepPlan(c.n_nodes, shape)
+        model.explore_gap = 0  # it pays: once it stops paying, probes start again at explore_every
         # the merged tree's best nodes: the model's budget, and never fewer than the cheap drafts
-        # would have had alone (a model step, e.g. an exploring one, must not cut a long n-gram
-        # run down to the model's few nodes)
+        # would have had alone (a model step must not cut a long n-gram run down to the
+        # model's few nodes)
         return StepPlan(max(c.n_nodes, min(shape.max_nodes, max_nodes)), shape)
 
     def begin_request(self) -> None:

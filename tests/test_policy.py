@@ -408,20 +408,26 @@ def test_the_model_step_is_credited_only_with_what_it_adds():
 
 
 def test_a_model_step_verifies_at_least_what_the_cheap_drafts_alone_would():
-    """A step that runs the model (here its first: the model always explores then) verifies
-    the merged tree's best nodes, never fewer than the n-gram tree alone would have had: a
-    long confident n-gram run is not cut down to the model's budget (5 nodes here). Where
-    the cheap drafts are weak the model's budget is what is verified."""
+    """A step that runs the model verifies the merged tree's best nodes, never fewer than the
+    n-gram tree alone would have had: a long confident n-gram run is not cut down to the
+    model's budget. Where the cheap drafts are weak, a model that pays gets its budget
+    verified; a probe (the model never ran: no evidence) drafts but verifies only what the
+    cheap drafts alone would (here nothing), so it costs no rows."""
     pol = SpeculationPolicy(fixed_cost_model(), max_nodes=64)
     pol.calibration = ScoreCalibration(first_nodes=64)
-    stats = ModelDraftStats(t_draft_us=2000.0, n_steps=0, t_host_us=200.0)  # never run: explores
+    stats = ModelDraftStats(t_draft_us=2000.0, n_steps=0, t_host_us=200.0)  # never run: a probe
     long_run = chain_with(0.995, 40)
     alone = pol.choose(long_run).n_nodes
     assert alone > 5
     plan = pol.plan(long_run, stats, max_nodes=64, max_depth=40, fixed_shape=None)
     assert plan.shape is not None and plan.n_nodes == alone
-    weak = pol.plan(chain_with(0.3, 10), stats, max_nodes=64, max_depth=40)
-    assert weak.shape is not None and weak.n_nodes == weak.shape.max_nodes
+    weak_tree = chain_with(0.3, 10)
+    assert pol.choose(weak_tree).n_nodes == 1
+    probe = pol.plan(weak_tree, stats, max_nodes=64, max_depth=40)
+    assert probe.shape is not None and probe.n_nodes == 1
+    stats.n_steps, stats.accept_length, stats.gain_length = 10, 3.0, 3.0  # it pays
+    weak = pol.plan(weak_tree, stats, max_nodes=64, max_depth=40)
+    assert weak.shape is not None and weak.n_nodes == weak.shape.max_nodes > 1
 
 
 def test_auto_records_the_heads_gain_beyond_the_ngram_tree():
@@ -490,9 +496,10 @@ def test_the_calibration_exponent_is_the_root_of_its_equation():
                 c.observe(np.empty(0), 0)
             got = c.exponent()
             if not c._trees:
-                # the prior: the long-run exponent (math.exp, as the rule computes it; numpy's
-                # SIMD exp can differ from libm's in the last bit, e.g. on AVX-512 CPUs)
-                assert got == min(max(math.exp(c.log_center), c.lo), c.hi)
+                # the prior: the long-run exponent, never below 1 (math.exp, as the rule
+                # computes it; numpy's SIMD exp can differ from libm's in the last bit, e.g. on
+                # AVX-512 CPUs)
+                assert got == min(max(math.exp(c.log_center), 1.0), c.hi)
                 continue
             w = np.concatenate([np.full(t.size, c.decay ** (c._step - st)) for t, _, st in c._trees])
             a = sum(c.decay ** (c._step - st) * a_i for _, a_i, st in c._trees)
