@@ -25,10 +25,9 @@ decoding) once its drafting time is paid (``prefer_model``), with the shape of t
 grow (``tree_shape``: depth, top-k width, node budget) and the size to verify. The model's
 drafting time is the cost model's measured time per draft level (``CostModel.t_draft_us``),
 weighed like the target's ``t(b)``. A plan without the model makes no model call. A model
-that does not pay is probed (it drafts, the step verifies only the cheap drafts) after gaps
-that double from ``explore_every`` steps up to where probes cost at most ``explore_budget``
-of the steps and of their time (``max_explore_gap``), and runs again as soon as what it
-would have got accepted pays for it.
+that does not pay is probed (a model step) after gaps that double from ``explore_every``
+steps up to where probes cost at most ``explore_budget`` of the steps and of their time
+(``max_explore_gap``: drafting time and rows), and runs again as soon as a probe pays.
 """
 
 from __future__ import annotations
@@ -376,6 +375,8 @@ class ModelDraftStats:
         explore_gap: steps without the model before the policy probes it again while it does
             not pay (0: none probed yet; ``SpeculationPolicy.plan`` doubles it at each probe
             and resets it when the model pays).
+        probe: the step the model drafts now is a probe (``plan``): its outcome replaces the
+            averages of ``accept_length`` and ``gain_length``, which are stale after the gap.
     """
 
     t_draft_us: float = 0.0
@@ -390,6 +391,7 @@ class ModelDraftStats:
     last_level_us: list[float] = field(default_factory=list)
     t_host_us: float = 0.0
     explore_gap: int = 0
+    probe: bool = False
 
     def _ema(self, old: float, new: float) -> float:
         return new if self.n_steps <= 1 else old + self.alpha * (new - old)
@@ -406,9 +408,15 @@ class ModelDraftStats:
 
     def observe_accept(self, n_accepted: int, gain: int | None = None) -> None:
         """A drafted step: ``n_accepted`` tokens along the model's tree, ``gain`` of them beyond
-        what the cheap drafts got (None: the model drafted alone, gain = ``n_accepted``)."""
+        what the cheap drafts got (None: the model drafted alone, gain = ``n_accepted``); a
+        probe's outcome replaces the averages."""
+        gain = float(n_accepted if gain is None else gain)
+        if self.probe:
+            self.probe = False
+            self.accept_length, self.gain_length = float(n_accepted), gain
+            return
         self.accept_length = self._ema(self.accept_length, float(n_accepted))
-        self.gain_length = self._ema(self.gain_length, float(n_accepted if gain is None else gain))
+        self.gain_length = self._ema(self.gain_length, gain)
 
     def skipped(self) -> None:
         self.steps_since_run += 1
@@ -586,13 +594,18 @@ class SpeculationPolicy:
         rate = tokens / (t_draft + self.cost.t_decode_us(b) + self.host_us(b))
         return rate > cheap.expected_rate * (1.0 + self.min_gain)
 
+    def probe_us(self, stats: ModelDraftStats, shape: TreeShape) -> float:
+        """What a probe costs beyond a plain step (µs), where the model does not pay: its
+        drafting time (``model_step_us``, the cost model's measured levels) and the rows of
+        the ``shape.max_nodes`` nodes it verifies (the cost table)."""
+        return self.model_step_us(stats, shape) + self.step_us(max(1, shape.max_nodes)) - self.step_us(1)
+
     def max_explore_gap(self, stats: ModelDraftStats, shape: TreeShape) -> int:
         """Longest gap (steps) between probes of a model drafter that does not pay: probes on
-        at most ``explore_budget`` of the steps, and their drafting time (``model_step_us``, the
-        cost model's measured levels) at most ``explore_budget`` of the time of the plain steps
-        between them. Never below ``explore_every``."""
-        probe_us = self.model_step_us(stats, shape)
-        return max(self.explore_every, math.ceil(max(1.0, probe_us / self.step_us(1)) / self.explore_budget))
+        at most ``explore_budget`` of the steps, and their cost (``probe_us``) at most
+        ``explore_budget`` of the time of the plain steps between them. Never below
+        ``explore_every``."""
+        return max(self.explore_every, math.ceil(max(1.0, self.probe_us(stats, shape) / self.step_us(1)) / self.explore_budget))
 
     def probe_due(self, stats: ModelDraftStats) -> bool:
         """Whether a model drafter that does not pay is due a probe: never run yet, or
@@ -639,14 +652,16 @@ class SpeculationPolicy:
         if fixed_shape is None and not self.prefer_model(c, model, shape):
             if not self.probe_due(model):
                 return StepPlan(c.n_nodes, None)
-            # a probe: the model drafts and learns what it would have got accepted from the
-            # emitted tokens (``observe``), but the step verifies only what the cheap drafts
-            # alone would, so a probe costs the model's drafting time and no rows; each probe
-            # that does not pay doubles the gap to the next, up to ``max_explore_gap``
+            # a probe: a model step like any other (the target can only accept what it
+            # verifies), whose cost is bounded by the gap: each probe that does not pay
+            # doubles the gap to the next, up to ``max_explore_gap``; its outcome replaces
+            # the model's averages (``ModelDraftStats.probe``), so one probe that pays
+            # brings the model back
             gap = 2 * model.explore_gap if model.explore_gap else self.explore_every
             model.explore_gap = min(gap, self.max_explore_gap(model, shape))
-            return StepPlan(c.n_nodes, shape)
-        model.explore_gap = 0  # it pays: once it stops paying, probes start again at explore_every
+            model.probe = True
+        else:
+            model.explore_gap, model.probe = 0, False  # it pays: once it stops, probes start again at explore_every
         # the merged tree's best nodes: the model's budget, and never fewer than the cheap drafts
         # would have had alone (a model step must not cut a long n-gram run down to the
         # model's few nodes)
