@@ -26,8 +26,10 @@ grow (``tree_shape``: depth, top-k width, node budget) and the size to verify. T
 drafting time is the cost model's measured time per draft level (``CostModel.t_draft_us``),
 weighed like the target's ``t(b)``. A plan without the model makes no model call. A model
 that does not pay is probed (a model step) after gaps that double from ``explore_every``
-steps up to where probes cost at most ``explore_budget`` of the steps and of their time
-(``max_explore_gap``: drafting time and rows), and runs again as soon as a probe pays.
+steps, each long enough that the probe costs at most ``explore_budget`` of the time since
+the last (drafting time and rows: ``paid_explore_gap``), up to where probes take at most
+``explore_budget`` of the steps and of their time (``max_explore_gap``), and runs again as
+soon as a probe pays.
 """
 
 from __future__ import annotations
@@ -614,12 +616,23 @@ class SpeculationPolicy:
         the ``shape.max_nodes`` nodes it verifies (the cost table)."""
         return self.model_step_us(stats, shape) + self.step_us(max(1, shape.max_nodes)) - self.step_us(1)
 
+    def paid_explore_gap(self, stats: ModelDraftStats, shape: TreeShape) -> int:
+        """Shortest gap (steps) after which a probe's cost (``probe_us``) is at most
+        ``explore_budget`` of the time of the plain steps before it."""
+        return math.ceil(self.probe_us(stats, shape) / (self.explore_budget * self.step_us(1)))
+
     def max_explore_gap(self, stats: ModelDraftStats, shape: TreeShape) -> int:
         """Longest gap (steps) between probes of a model drafter that does not pay: probes on
-        at most ``explore_budget`` of the steps, and their cost (``probe_us``) at most
-        ``explore_budget`` of the time of the plain steps between them. Never below
-        ``explore_every``."""
-        return max(self.explore_every, math.ceil(max(1.0, self.probe_us(stats, shape) / self.step_us(1)) / self.explore_budget))
+        at most ``explore_budget`` of the steps, and their cost at most ``explore_budget`` of
+        the time (``paid_explore_gap``). Never below ``explore_every``."""
+        return max(self.explore_every, math.ceil(1.0 / self.explore_budget), self.paid_explore_gap(stats, shape))
+
+    def next_explore_gap(self, stats: ModelDraftStats, shape: TreeShape) -> int:
+        """The gap after a probe: twice the last one (``explore_every`` at first), never one
+        that the probe's cost does not fit in (``paid_explore_gap``: a probe that costs a few
+        decodes waits hundreds of steps from the start), at most ``max_explore_gap``."""
+        gap = 2 * stats.explore_gap if stats.explore_gap else self.explore_every
+        return min(max(gap, self.paid_explore_gap(stats, shape)), self.max_explore_gap(stats, shape))
 
     def probe_due(self, stats: ModelDraftStats) -> bool:
         """Whether a model drafter that does not pay is due a probe: never run yet, or
@@ -668,11 +681,10 @@ class SpeculationPolicy:
                 return StepPlan(c.n_nodes, None)
             # a probe: a model step like any other (the target can only accept what it
             # verifies), whose cost is bounded by the gap: each probe that does not pay
-            # doubles the gap to the next, up to ``max_explore_gap``; its outcome replaces
+            # doubles the gap to the next (``next_explore_gap``); its outcome replaces
             # the model's averages (``ModelDraftStats.probe``), so one probe that pays
             # brings the model back
-            gap = 2 * model.explore_gap if model.explore_gap else self.explore_every
-            model.explore_gap = min(gap, self.max_explore_gap(model, shape))
+            model.explore_gap = self.next_explore_gap(model, shape)
             model.probe = True
         else:
             model.explore_gap, model.probe = 0, False  # it pays: once it stops, probes start again at explore_every

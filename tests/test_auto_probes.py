@@ -15,9 +15,10 @@ TEXT = "Write a short story about a lighthouse keeper who finds a message in a b
 
 def test_auto_probes_a_model_that_does_not_pay_rarely_and_takes_it_back_when_right(model):
     """A scripted model drafter whose drafts are wrong drafts only on the policy's probes
-    (gaps doubling from ``explore_every``, 4 here, up to the 10% budget's 15 or so: about 6
-    of 64 steps; every 5th step before), and the output is plain decoding's; with its drafts
-    right, its next probe pays and it drafts most of the tokens, still plain decoding's."""
+    (gaps of at least ``explore_every``, 4 here, long enough that a probe's rows cost at most
+    10% of the steps between: 15 or so, about 4 of 64 steps; every 5th step before), and the
+    output is plain decoding's; with its drafts right, its next probe pays and it drafts most
+    of the tokens, still plain decoding's."""
     e = Engine(model, drafter="none", n_ctx=2048, cost_model=fixed_cost_model())
     try:
         prompt = e.tokenize(TEXT)

@@ -582,8 +582,10 @@ def test_a_model_drafter_that_does_not_pay_is_probed_at_bounded_cost_and_comes_b
     from localspec.drafters.ngram import NgramDrafter
     from helpers import ScriptedModelDrafter
 
+    from localspec.costmodel import CostModel
+
     script = list(range(1000, 9000))  # no token repeats: the n-grams never draft
-    pol = SpeculationPolicy(fixed_cost_model(), max_nodes=16)
+    pol = SpeculationPolicy(CostModel(dict(FLAT_COSTS_US)), max_nodes=16)  # probes cheaper than a step
     model = ScriptedModelDrafter(script, level_us=1000.0, right=False)
     auto = AutoDrafter(model, NgramDrafter())
     auto.begin(script[:20])
@@ -592,8 +594,6 @@ def test_a_model_drafter_that_does_not_pay_is_probed_at_bounded_cost_and_comes_b
     assert drafted[0] == 0 and set(verified) <= set(drafted)  # only the probes verified drafts
     after = [i for i in drafted if i >= warm]
     assert 1 <= len(after) <= pol.explore_budget * (n_steps - warm) + 1, drafted
-    gaps = np.diff(drafted)
-    assert np.all(np.diff(gaps[:3]) > 0)  # the first gaps grow
     model.right = True
     drafted, verified, _ = _auto_steps(pol, auto, model, script, pos, 300)
     first = drafted[0]
@@ -604,7 +604,8 @@ def test_a_model_drafter_that_does_not_pay_is_probed_at_bounded_cost_and_comes_b
 def test_probes_cost_at_most_the_exploration_budget_of_the_time():
     """The longest gap between probes: probes on at most 1% of the steps, and, where a probe
     (the model's drafting time and the rows it verifies) costs more than a plain step, their
-    cost at most 1% of the time of the plain steps between them."""
+    cost at most 1% of the time of the plain steps between them; an expensive probe waits
+    that long from the first gap on, a cheap one doubles its gaps from ``explore_every``."""
     from localspec.costmodel import CostModel
 
     stats = ModelDraftStats(t_draft_us=500.0, n_steps=5)
@@ -617,3 +618,11 @@ def test_probes_cost_at_most_the_exploration_budget_of_the_time():
         probe_us = pol.probe_us(stats, shape)
         assert probe_us > pol.step_us(1)
         assert probe_us / (gap * pol.step_us(1)) <= pol.explore_budget < probe_us / ((gap - 1) * pol.step_us(1))
+        assert pol.next_explore_gap(stats, shape) == gap  # the first gap already pays for the probe
+    fresh = ModelDraftStats(t_draft_us=500.0, n_steps=5)
+    flat = SpeculationPolicy(CostModel(dict(FLAT_COSTS_US)), max_nodes=16)
+    gaps = []
+    for _ in range(5):  # a probe of one node, about 0.15 of a step
+        fresh.explore_gap = flat.next_explore_gap(fresh, TreeShape(1, 1, 2))
+        gaps.append(fresh.explore_gap)
+    assert gaps == [32, 64, 100, 100, 100]
