@@ -466,10 +466,14 @@ class StepPlan:
         n_nodes: nodes to verify (root included; 1 = plain decode): the best ``n_nodes`` of
             the step's candidate tree by score.
         shape: the tree the model drafter grows this step, or None: no model call.
+        probe: the model drafts because a probe is due, not because it pays: the step's
+            outcome is no evidence about the calibration of the request's drafts (a head that
+            fails its probe must not make the request's n-gram trees look overconfident).
     """
 
     n_nodes: int
     shape: TreeShape | None
+    probe: bool = False
 
 
 class SpeculationPolicy:
@@ -634,10 +638,14 @@ class SpeculationPolicy:
         gap = 2 * stats.explore_gap if stats.explore_gap else self.explore_every
         return min(max(gap, self.paid_explore_gap(stats, shape)), self.max_explore_gap(stats, shape))
 
-    def probe_due(self, stats: ModelDraftStats) -> bool:
+    def probe_due(self, stats: ModelDraftStats, shape: TreeShape) -> bool:
         """Whether a model drafter that does not pay is due a probe: never run yet, or
-        ``stats.explore_gap`` steps (``explore_every`` before the first probe) without it."""
-        return stats.n_steps == 0 or stats.steps_since_run >= (stats.explore_gap or self.explore_every)
+        ``stats.explore_gap`` steps (``explore_every`` before the first probe) without it, and
+        at least ``paid_explore_gap`` with the cost as measured now (the last probe's own
+        time was not known when its gap was set)."""
+        if stats.n_steps == 0:
+            return True
+        return stats.steps_since_run >= max(stats.explore_gap or self.explore_every, self.paid_explore_gap(stats, shape))
 
     def plan(
         self,
@@ -677,7 +685,7 @@ class SpeculationPolicy:
         if not adaptive:
             return StepPlan(c.n_nodes, shape)
         if fixed_shape is None and not self.prefer_model(c, model, shape):
-            if not self.probe_due(model):
+            if not self.probe_due(model, shape):
                 return StepPlan(c.n_nodes, None)
             # a probe: a model step like any other (the target can only accept what it
             # verifies), whose cost is bounded by the gap: each probe that does not pay
@@ -691,7 +699,7 @@ class SpeculationPolicy:
         # the merged tree's best nodes: the model's budget, and never fewer than the cheap drafts
         # would have had alone (a model step must not cut a long n-gram run down to the
         # model's few nodes)
-        return StepPlan(max(c.n_nodes, min(shape.max_nodes, max_nodes)), shape)
+        return StepPlan(max(c.n_nodes, min(shape.max_nodes, max_nodes)), shape, probe=model.probe)
 
     def begin_request(self) -> None:
         """A new request: its score calibration starts from the long-run exponent."""

@@ -99,6 +99,8 @@ class Proposal:
         plan_nodes: the size the request's own plan chose (root included).
         max_nodes: the largest tree it may verify.
         model_step: True when a model drafted this step (its plan's size is kept).
+        probe: the model drafted as a probe (``StepPlan.probe``): the request's score
+            calibration does not learn from this step.
     """
 
     candidate: TokenTree | None
@@ -107,6 +109,7 @@ class Proposal:
     plan_nodes: int = 1
     max_nodes: int = 1
     model_step: bool = False
+    probe: bool = False
 
 
 @dataclass
@@ -294,8 +297,9 @@ class Step:
                 # the row that produced the last emitted token: it predicts the next root
                 d.set_final_hidden(kv.root_pos - 1, h_rows[res.rows[-1]])
         g.state.commit(res.tokens)
-        if g.calibration is not None:  # every step, so that plain steps age the evidence
-            g.calibration.observe(np.asarray(tree.score[1:], dtype=np.float64), len(res.path))
+        if g.calibration is not None:  # every step, so that plain steps age the evidence; a probe ages it only
+            scores = tree.score[1:] if not p.probe else ()
+            g.calibration.observe(np.asarray(scores, dtype=np.float64), len(res.path))
         chunks = g.emit(tree, res, lps)
         st = g.stats
         st.t_draft_us += p.t_draft_us
@@ -350,7 +354,7 @@ def propose_one(policy: SpeculationPolicy, drafter: Drafter | None, root: int, m
     if adaptive and calibration is not None:
         cap = min(cap, calibration.trust_nodes())
     n = min(plan.n_nodes, max_nodes)
-    return Proposal(cand, verified_tree(cand, n, root, n_scratch), now_us() - t0, n, cap, plan.shape is not None)
+    return Proposal(cand, verified_tree(cand, n, root, n_scratch), now_us() - t0, n, cap, plan.shape is not None, plan.probe)
 
 
 def _clip(drafter: Drafter, cand: TokenTree, root: int, max_depth: int, limits) -> TokenTree:

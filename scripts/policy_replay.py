@@ -41,9 +41,16 @@ def policy_at(rev: str) -> types.ModuleType:
 
 
 def use(mod) -> None:
-    """The plan, ``prefer_model`` and the calibration exponent of ``mod``'s policy."""
+    """The plan, ``prefer_model`` and the calibration exponent of ``mod``'s policy (its plans
+    as this tree's ``StepPlan``)."""
     for cls, name in PATCHED:
         setattr(getattr(P, cls), name, getattr(getattr(mod, cls), name))
+    plan = mod.SpeculationPolicy.plan
+    P.SpeculationPolicy.plan = lambda *a, **k: _as_step_plan(plan(*a, **k))
+
+
+def _as_step_plan(p) -> "P.StepPlan":
+    return P.StepPlan(p.n_nodes, p.shape)
 
 
 def run(ids: list[int], n: int, drafter: str = "auto") -> dict[int, dict]:
