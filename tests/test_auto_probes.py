@@ -17,8 +17,9 @@ def test_auto_probes_a_model_that_does_not_pay_rarely_and_takes_it_back_when_rig
     """A scripted model drafter whose drafts are wrong drafts only on the policy's probes
     (gaps of at least ``explore_every``, 4 here, long enough that a probe's rows cost at most
     10% of the steps between: 15 or so, about 4 of 64 steps; every 5th step before), and the
-    output is plain decoding's; with its drafts right, its next probe pays and it drafts most
-    of the tokens, still plain decoding's."""
+    output is plain decoding's, and the failed probes leave the score calibration alone; with
+    its drafts right, its next probe pays and it drafts most of the tokens, still plain
+    decoding's."""
     e = Engine(model, drafter="none", n_ctx=2048, cost_model=fixed_cost_model())
     try:
         prompt = e.tokenize(TEXT)
@@ -33,6 +34,9 @@ def test_auto_probes_a_model_that_does_not_pay_rarely_and_takes_it_back_when_rig
         assert_same_as_plain(e, prompt, ref.token_ids, res.token_ids)
         n_steps = res.stats.n_steps
         assert n_steps >= 40 and 3 <= m.extends <= 8, (n_steps, m.extends)
+        # the failed probes are no evidence about the request's drafts: its score calibration
+        # saw no verified tree, and the long-run exponent the next request starts from is 1
+        assert e.policy.calibration.log_center == 0.0
         m.right = True
         m.extends = 0
         e.reset()
