@@ -136,23 +136,16 @@ class AcceptanceTracker:
         w = self.factor_weight
         return (self.req_accepted + w) / (self.req_expected + w)
 
-    def _request_base(self) -> np.ndarray:
-        """The long-run rates with this request's odds ratio applied. [n_buckets] float64."""
-        f = self.request_factor()
-        base = np.clip(self._base, 1e-6, 1.0 - 1e-6)
-        odds = f * base / (1.0 - base)
-        return odds / (1.0 + odds)
-
     def estimates(self) -> list[float]:
         """``estimate(b)`` of every bucket (one vectorised computation per step)."""
         return self.estimates_array().tolist()
 
     def estimates_array(self) -> np.ndarray:
-        """``estimates`` as a new [n_buckets] float64 array: the request-calibrated long-run
-        rate ``f b / (1 - b + f b)`` (``_request_base`` in closed form, ``b`` clipped once per
-        step in ``end_step``) shrunk with the request's counts, in a handful of numpy calls
-        (the n-gram drafter calls it every step, right after a decode has evicted the caches:
-        the longer form cost about 40 µs there)."""
+        """``estimates`` as a new [n_buckets] float64 array: the long-run rates ``b`` (clipped
+        to [1e-6, 1 - 1e-6] once per step, in ``end_step``) with this request's odds ratio
+        ``f`` applied, ``f b / (1 - b + f b)``, shrunk with the request's counts, in a handful
+        of numpy calls (the n-gram drafter calls it every step, right after a decode has
+        evicted the caches)."""
         f = self.request_factor()
         b = self._base_clipped
         fb = f * b
