@@ -24,7 +24,12 @@ drafter, whether running the model this step is expected to beat the cheap tree 
 decoding) once its drafting time is paid (``prefer_model``), with the shape of the tree to
 grow (``tree_shape``: depth, top-k width, node budget) and the size to verify. The model's
 drafting time is the cost model's measured time per draft level (``CostModel.t_draft_us``),
-weighed like the target's ``t(b)``. A plan without the model makes no model call.
+weighed like the target's ``t(b)``. A plan without the model makes no model call. A model
+that does not pay is probed (a model step) after gaps that double from ``explore_every``
+steps, each long enough that the probe costs at most ``explore_budget`` of the time since
+the last (drafting time and rows: ``paid_explore_gap``), up to where probes take at most
+``explore_budget`` of the steps and of their time (``max_explore_gap``), and runs again as
+soon as a probe pays.
 """
 
 from __future__ import annotations
@@ -117,7 +122,9 @@ class AcceptanceTracker:
         self.req_expected = 0.0  # sum of the long-run rates of the nodes tried this request
 
     def _base_rates(self) -> np.ndarray:
-        return (self.acc + self.prior_weight * self.prior) / (self.n + self.prior_weight)
+        base = (self.acc + self.prior_weight * self.prior) / (self.n + self.prior_weight)
+        self._base_clipped = np.clip(base, 1e-6, 1.0 - 1e-6)
+        return base
 
     def base_rate(self, bucket: int) -> float:
         """Long-run rate of ``bucket`` (all requests so far, with the prior)."""
@@ -129,18 +136,23 @@ class AcceptanceTracker:
         w = self.factor_weight
         return (self.req_accepted + w) / (self.req_expected + w)
 
-    def _request_base(self) -> np.ndarray:
-        """The long-run rates with this request's odds ratio applied. [n_buckets] float64."""
-        f = self.request_factor()
-        base = np.clip(self._base, 1e-6, 1.0 - 1e-6)
-        odds = f * base / (1.0 - base)
-        return odds / (1.0 + odds)
-
     def estimates(self) -> list[float]:
         """``estimate(b)`` of every bucket (one vectorised computation per step)."""
+        return self.estimates_array().tolist()
+
+    def estimates_array(self) -> np.ndarray:
+        """``estimates`` as a new [n_buckets] float64 array: the long-run rates ``b`` (clipped
+        to [1e-6, 1 - 1e-6] once per step, in ``end_step``) with this request's odds ratio
+        ``f`` applied, ``f b / (1 - b + f b)``, shrunk with the request's counts, in a handful
+        of numpy calls (the n-gram drafter calls it every step, right after a decode has
+        evicted the caches)."""
+        f = self.request_factor()
+        b = self._base_clipped
+        fb = f * b
+        rb = fb / (1.0 - b + fb)
         w = self.local_weight
-        p = (self.local_acc + w * self._request_base()) / (self.local_n + w)
-        return np.minimum(p, 0.995).tolist()
+        p = (self.local_acc + w * rb) / (self.local_n + w)
+        return np.minimum(p, 0.995, out=p)
 
     def estimate(self, bucket: int) -> float:
         return self.estimates()[bucket]
@@ -197,6 +209,13 @@ class ScoreCalibration:
     unique; it is found on ``log gamma`` in [``lo``, ``hi``] by safeguarded Newton steps from
     the last fit (a handful of evaluations per step). Overconfident
     drafts get ``gamma > 1`` (verified trees shrink or stop), underconfident ones ``< 1``.
+
+    Before a request has verified a tree the exponent is the long-run one but never below 1:
+    other requests' underconfident drafts (a translation that copied more than its scores
+    said) do not inflate a new request's first trees; those are verified only where the
+    drafts' own estimates (``AcceptanceTracker``: match length, support) pay for their rows
+    at the cost table's price. A short answer (a 12-token summary) never earns back a tree
+    risked on borrowed optimism.
     """
 
     def __init__(
@@ -269,8 +288,8 @@ class ScoreCalibration:
     def exponent(self) -> float:
         if self._gamma is not None:
             return self._gamma
-        if not self._trees:
-            self._gamma = float(min(max(math.exp(self.log_center), self.lo), self.hi))
+        if not self._trees:  # no evidence of this request's own: never more optimistic than its drafts' scores
+            self._gamma = float(min(max(math.exp(self.log_center), 1.0), self.hi))
             return self._gamma
         w_tree = [self.decay ** (self._step - step) for _, _, step in self._trees]  # forgotten per step
         s = np.concatenate([t for t, _, _ in self._trees])
@@ -362,6 +381,11 @@ class ModelDraftStats:
         gain_length: moving average of the tokens the model's drafts got accepted *beyond*
             the cheap drafts verified with them (``AutoDrafter``: beyond what the n-gram
             tree alone got accepted); for a drafter alone it is ``accept_length``.
+        explore_gap: steps without the model before the policy probes it again while it does
+            not pay (0: none probed yet; ``SpeculationPolicy.plan`` doubles it at each probe
+            and resets it when the model pays).
+        probe: the step the model drafts now is a probe (``plan``): its outcome replaces the
+            averages of ``accept_length`` and ``gain_length``, which are stale after the gap.
     """
 
     t_draft_us: float = 0.0
@@ -375,6 +399,8 @@ class ModelDraftStats:
     max_width: int = 8
     last_level_us: list[float] = field(default_factory=list)
     t_host_us: float = 0.0
+    explore_gap: int = 0
+    probe: bool = False
 
     def _ema(self, old: float, new: float) -> float:
         return new if self.n_steps <= 1 else old + self.alpha * (new - old)
@@ -391,9 +417,15 @@ class ModelDraftStats:
 
     def observe_accept(self, n_accepted: int, gain: int | None = None) -> None:
         """A drafted step: ``n_accepted`` tokens along the model's tree, ``gain`` of them beyond
-        what the cheap drafts got (None: the model drafted alone, gain = ``n_accepted``)."""
+        what the cheap drafts got (None: the model drafted alone, gain = ``n_accepted``); a
+        probe's outcome replaces the averages."""
+        gain = float(n_accepted if gain is None else gain)
+        if self.probe:
+            self.probe = False
+            self.accept_length, self.gain_length = float(n_accepted), gain
+            return
         self.accept_length = self._ema(self.accept_length, float(n_accepted))
-        self.gain_length = self._ema(self.gain_length, float(n_accepted if gain is None else gain))
+        self.gain_length = self._ema(self.gain_length, gain)
 
     def skipped(self) -> None:
         self.steps_since_run += 1
@@ -427,10 +459,14 @@ class StepPlan:
         n_nodes: nodes to verify (root included; 1 = plain decode): the best ``n_nodes`` of
             the step's candidate tree by score.
         shape: the tree the model drafter grows this step, or None: no model call.
+        probe: the model drafts because a probe is due, not because it pays: the step's
+            outcome is no evidence about the calibration of the request's drafts (a head that
+            fails its probe must not make the request's n-gram trees look overconfident).
     """
 
     n_nodes: int
     shape: TreeShape | None
+    probe: bool = False
 
 
 class SpeculationPolicy:
@@ -453,7 +489,8 @@ class SpeculationPolicy:
         self._host_node_load = 1.0  # cost.load() when t_host_node_us was last refined
         self._alpha = 0.1
         self.verify_cost_factor = 2.5  # tree_shape: verification budget, in plain decodes
-        self.explore_every = 32  # prefer_model: steps without the model drafter before retrying it
+        self.explore_every = 32  # plan: first gap (steps) between probes of a model drafter that does not pay
+        self.explore_budget = 0.01  # plan: probes take at most this fraction of the steps and of their time
         self.calibration = ScoreCalibration()
 
     def host_us(self, b: int) -> float:
@@ -548,11 +585,10 @@ class SpeculationPolicy:
         return stats.t_draft_us if t is None else t + stats.t_host_us
 
     def prefer_model(self, cheap: Choice, stats: ModelDraftStats, shape: TreeShape | None = None) -> bool:
-        """Run the model drafter this step, rather than verify only the cheap drafts (the
-        n-gram tree, or nothing), whose best choice is ``cheap``? Compares the expected
-        tokens per µs of a model step of ``shape``, including its drafting time, with the
-        cheap step; every ``explore_every`` steps without the model it runs anyway so that
-        its estimates stay current.
+        """Does running the model drafter this step pay, rather than verifying only the cheap
+        drafts (the n-gram tree, or nothing), whose best choice is ``cheap``? Compares the
+        expected tokens per µs of a model step of ``shape``, including its drafting time, with
+        the cheap step. False for a model never run (no evidence: ``plan`` probes it).
 
         The model step is credited with what the model gets accepted beyond the cheap drafts
         verified with it (``stats.gain_length``; for a model drafting alone its acceptance
@@ -563,13 +599,46 @@ class SpeculationPolicy:
         ``auto`` 0.86x of ``ngram``; crediting the cheap tree's expected tokens plus the gain
         0.55x, because the head then ran, with its small budget, where the n-grams had long
         runs.)"""
-        if stats.n_steps == 0 or stats.steps_since_run >= self.explore_every:
-            return True
+        if stats.n_steps == 0:
+            return False
         b = shape.max_nodes if shape is not None else max(2, int(round(stats.n_nodes)))
         t_draft = self.model_step_us(stats, shape) if shape is not None else stats.t_draft_us
         tokens = 1.0 + stats.gain_length
         rate = tokens / (t_draft + self.cost.t_decode_us(b) + self.host_us(b))
         return rate > cheap.expected_rate * (1.0 + self.min_gain)
+
+    def probe_us(self, stats: ModelDraftStats, shape: TreeShape) -> float:
+        """What a probe costs beyond a plain step (µs), where the model does not pay: its
+        drafting time (``model_step_us``, the cost model's measured levels) and the rows of
+        the ``shape.max_nodes`` nodes it verifies (the cost table)."""
+        return self.model_step_us(stats, shape) + self.step_us(max(1, shape.max_nodes)) - self.step_us(1)
+
+    def paid_explore_gap(self, stats: ModelDraftStats, shape: TreeShape) -> int:
+        """Shortest gap (steps) after which a probe's cost (``probe_us``) is at most
+        ``explore_budget`` of the time of the plain steps before it."""
+        return math.ceil(self.probe_us(stats, shape) / (self.explore_budget * self.step_us(1)))
+
+    def max_explore_gap(self, stats: ModelDraftStats, shape: TreeShape) -> int:
+        """Longest gap (steps) between probes of a model drafter that does not pay: probes on
+        at most ``explore_budget`` of the steps, and their cost at most ``explore_budget`` of
+        the time (``paid_explore_gap``). Never below ``explore_every``."""
+        return max(self.explore_every, math.ceil(1.0 / self.explore_budget), self.paid_explore_gap(stats, shape))
+
+    def next_explore_gap(self, stats: ModelDraftStats, shape: TreeShape) -> int:
+        """The gap after a probe: twice the last one (``explore_every`` at first), never one
+        that the probe's cost does not fit in (``paid_explore_gap``: a probe that costs a few
+        decodes waits hundreds of steps from the start), at most ``max_explore_gap``."""
+        gap = 2 * stats.explore_gap if stats.explore_gap else self.explore_every
+        return min(max(gap, self.paid_explore_gap(stats, shape)), self.max_explore_gap(stats, shape))
+
+    def probe_due(self, stats: ModelDraftStats, shape: TreeShape) -> bool:
+        """Whether a model drafter that does not pay is due a probe: never run yet, or
+        ``stats.explore_gap`` steps (``explore_every`` before the first probe) without it, and
+        at least ``paid_explore_gap`` with the cost as measured now (the last probe's own
+        time was not known when its gap was set)."""
+        if stats.n_steps == 0:
+            return True
+        return stats.steps_since_run >= max(stats.explore_gap or self.explore_every, self.paid_explore_gap(stats, shape))
 
     def plan(
         self,
@@ -606,14 +675,24 @@ class SpeculationPolicy:
             shape = fixed_shape
         else:
             shape = self.tree_shape(model, max_depth=min(max_depth, model.max_depth), max_nodes=max_nodes, max_width=model.max_width)
-        if adaptive and fixed_shape is None and not self.prefer_model(c, model, shape):
-            return StepPlan(c.n_nodes, None)
         if not adaptive:
             return StepPlan(c.n_nodes, shape)
+        if fixed_shape is None and not self.prefer_model(c, model, shape):
+            if not self.probe_due(model, shape):
+                return StepPlan(c.n_nodes, None)
+            # a probe: a model step like any other (the target can only accept what it
+            # verifies), whose cost is bounded by the gap: each probe that does not pay
+            # doubles the gap to the next (``next_explore_gap``); its outcome replaces
+            # the model's averages (``ModelDraftStats.probe``), so one probe that pays
+            # brings the model back
+            model.explore_gap = self.next_explore_gap(model, shape)
+            model.probe = True
+        else:
+            model.explore_gap, model.probe = 0, False  # it pays: once it stops, probes start again at explore_every
         # the merged tree's best nodes: the model's budget, and never fewer than the cheap drafts
-        # would have had alone (a model step, e.g. an exploring one, must not cut a long n-gram
-        # run down to the model's few nodes)
-        return StepPlan(max(c.n_nodes, min(shape.max_nodes, max_nodes)), shape)
+        # would have had alone (a model step must not cut a long n-gram run down to the
+        # model's few nodes)
+        return StepPlan(max(c.n_nodes, min(shape.max_nodes, max_nodes)), shape, probe=model.probe)
 
     def begin_request(self) -> None:
         """A new request: its score calibration starts from the long-run exponent."""

@@ -102,6 +102,8 @@ class Proposal:
         plan_nodes: the size the request's own plan chose (root included).
         max_nodes: the largest tree it may verify.
         model_step: True when a model drafted this step (its plan's size is kept).
+        probe: the model drafted as a probe (``StepPlan.probe``): the request's score
+            calibration does not learn from this step.
     """
 
     candidate: TokenTree | None
@@ -110,6 +112,7 @@ class Proposal:
     plan_nodes: int = 1
     max_nodes: int = 1
     model_step: bool = False
+    probe: bool = False
 
 
 @dataclass
@@ -297,8 +300,9 @@ class Step:
                 # the row that produced the last emitted token: it predicts the next root
                 d.set_final_hidden(kv.root_pos - 1, h_rows[res.rows[-1]])
         g.state.commit(res.tokens)
-        if g.calibration is not None:  # every step, so that plain steps age the evidence
-            g.calibration.observe(np.asarray(tree.score[1:], dtype=np.float64), len(res.path))
+        if g.calibration is not None:  # every step, so that plain steps age the evidence; a probe ages it only
+            scores = tree.score[1:] if not p.probe else ()
+            g.calibration.observe(np.asarray(scores, dtype=np.float64), len(res.path))
         chunks = g.emit(tree, res, lps)
         st = g.stats
         st.t_draft_us += p.t_draft_us
@@ -397,7 +401,7 @@ def propose_many(policy: SpeculationPolicy, reqs: Sequence[DraftRequest], *, ada
             cap = min(cap, r.calibration.trust_nodes())
         n = min(plan.n_nodes, r.max_nodes)
         out[i] = Proposal(cand, verified_tree(cand, n, r.root, r.n_scratch), t_cheap + (t_ext if i in trees else 0.0),
-                          n, cap, plan.shape is not None)  # fmt: skip
+                          n, cap, plan.shape is not None, plan.probe)  # fmt: skip
     return out  # type: ignore[return-value]
 
 

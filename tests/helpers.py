@@ -6,7 +6,7 @@ import numpy as np
 
 from localspec.bench.specbench import divergence, top2_gap
 from localspec.drafters.tree_expand import DraftCalibration, DraftChildSelector, expand_tree
-from localspec.policy import TreeShape
+from localspec.policy import ModelDraftStats, TreeShape, accepted_length
 from localspec.request_state import RequestState
 from localspec.sampling import SamplingParams
 from localspec.tree import TokenSource, TokenTree, TreeBuilder
@@ -89,6 +89,72 @@ class RandomDrafter(ScriptedDrafter):
                     break
                 node = b.add(node, int(self.rng.integers(0, 262144)), source=TokenSource.NGRAM, score=0.5)
         return b.build()
+
+
+class ScriptedModelDrafter:
+    """A model drafter (``ModelDrafter``'s two-phase protocol: ``model_stats``, an empty
+    ``propose``, ``extend(shape)``) that drafts a chain of ``shape.depth`` tokens of the known
+    continuation ``script`` while ``right`` is true, and wrong tokens (each script token + 1)
+    otherwise. Each level takes ``level_us`` (recorded as its measured time, as a real head's
+    calls are); ``extends`` counts the steps it drafted.
+
+    Args:
+        script: the full expected sequence (prompt + continuation).
+        level_us: the time of one draft level, µs.
+        right: whether its drafts are the script's.
+        score: per-node acceptance estimate (a path of d nodes scores ``score ** d``).
+    """
+
+    name = "scripted-model"
+    source = TokenSource.DRAFT_MODEL
+
+    def __init__(self, script, *, level_us: float = 1000.0, right: bool = False, score: float = 0.6) -> None:
+        self.script = [int(t) for t in script]
+        self.level_us, self.right, self.score = level_us, right, score
+        self.stats = ModelDraftStats(max_depth=8, max_width=1)
+        self.history: list[int] = []
+        self.extends = 0
+        self._limits = (0, 0)
+        self._ran = False
+
+    @property
+    def model_stats(self):
+        return self.stats
+
+    def begin(self, history, context=()):
+        self.history = [int(t) for t in history]
+
+    def accept(self, tokens):
+        self.history.extend(int(t) for t in tokens)
+
+    def propose(self, max_depth, max_nodes):
+        self._limits, self._ran = (max_depth, max_nodes), False
+        return TokenTree.root_only(self.history[-1])
+
+    def extend(self, shape):
+        self._ran = True
+        n = len(self.history)
+        depth = min(shape.depth, self._limits[0], self._limits[1] - 1, len(self.script) - n)
+        b = TreeBuilder(self.history[-1])
+        node = 0
+        for d in range(max(0, depth)):
+            tok = self.script[n + d] if self.right else self.script[n + d] + 1
+            node = b.add(node, tok, source=self.source, score=self.score ** (d + 1))
+        self.extends += 1
+        self.stats.observe_draft(self.level_us * max(1, depth), len(b), [self.level_us] * max(1, depth))
+        return b.build()
+
+    def observe(self, tree, emitted, *, baseline=None):
+        if not self._ran:
+            self.stats.skipped()
+            return
+        self._ran = False
+        if tree.n_nodes > 1:
+            n = accepted_length(tree, emitted)
+            self.stats.observe_accept(n, None if baseline is None else max(0, n - baseline))
+
+    def close(self):
+        pass
 
 
 class PlainReferences:

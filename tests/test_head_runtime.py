@@ -276,6 +276,8 @@ def test_shipped_head_greedy_equals_plain_over_500_tokens_of_long_context(model,
         e.set_drafter(drafter, eagle=None) if drafter == "eagle3" else e.set_drafter(drafter, eagle=_shipped(model))
         e.reset()
         e.adaptive = drafter == "eagle3"  # auto: the policy would leave this text to the n-grams
+        # the head rarely pays on this cost table: probe it often, so that its drafts are verified
+        e.policy.explore_every, e.policy.explore_budget = 4, 0.25
         res = e.generate(prompt, max_tokens=500, sampling=GREEDY)
         assert res.stats.n_generated_tokens == 500
         if drafter == "eagle3":

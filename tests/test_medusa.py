@@ -314,12 +314,12 @@ def _steps_with_heads(costs_us: dict, n_steps: int = 100) -> tuple[int, int]:
 
 def test_a_step_the_policy_does_not_draft_runs_no_head():
     """Where a tree of b nodes costs 2.5 b plain decodes (no tree can pay), the heads run only
-    on the policy's exploration steps -- the first, then one every ``explore_every`` (32)
-    skipped steps: 4 of 100 -- and build no tree on the others (before the two-phase step
-    every step ran the heads: 100). Where a tree costs what one token costs and the target
-    accepts its drafts, they run on every step."""
+    on the policy's probes -- the first, then after a gap whose plain steps' time pays 100
+    times for a probe's rows (132 steps here): 1 of 100 -- and build no tree on the others
+    (before the two-phase step every step ran the heads: 100). Where a tree costs what one
+    token costs and the target accepts its drafts, they run on every step."""
     calls, drafted = _steps_with_heads({1: 10_000.0, 2: 25_000.0, 4: 50_000.0, 8: 100_000.0})
-    assert calls == drafted == 4
+    assert calls == drafted == 1
     calls, drafted = _steps_with_heads({1: 1e6, 2: 1e6, 4: 1e6, 8: 1e6})
     assert calls == drafted == 100
 

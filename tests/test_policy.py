@@ -408,13 +408,13 @@ def test_the_model_step_is_credited_only_with_what_it_adds():
 
 
 def test_a_model_step_verifies_at_least_what_the_cheap_drafts_alone_would():
-    """A step that runs the model (here its first: the model always explores then) verifies
-    the merged tree's best nodes, never fewer than the n-gram tree alone would have had: a
-    long confident n-gram run is not cut down to the model's budget (5 nodes here). Where
-    the cheap drafts are weak the model's budget is what is verified."""
+    """A step that runs the model (here its first: a probe) verifies the merged tree's best
+    nodes, never fewer than the n-gram tree alone would have had: a long confident n-gram
+    run is not cut down to the model's budget (5 nodes here). Where the cheap drafts are
+    weak the model's budget is what is verified."""
     pol = SpeculationPolicy(fixed_cost_model(), max_nodes=64)
     pol.calibration = ScoreCalibration(first_nodes=64)
-    stats = ModelDraftStats(t_draft_us=2000.0, n_steps=0, t_host_us=200.0)  # never run: explores
+    stats = ModelDraftStats(t_draft_us=2000.0, n_steps=0, t_host_us=200.0)  # never run: a probe
     long_run = chain_with(0.995, 40)
     alone = pol.choose(long_run).n_nodes
     assert alone > 5
@@ -490,9 +490,10 @@ def test_the_calibration_exponent_is_the_root_of_its_equation():
                 c.observe(np.empty(0), 0)
             got = c.exponent()
             if not c._trees:
-                # the prior: the long-run exponent (math.exp, as the rule computes it; numpy's
-                # SIMD exp can differ from libm's in the last bit, e.g. on AVX-512 CPUs)
-                assert got == min(max(math.exp(c.log_center), c.lo), c.hi)
+                # the prior: the long-run exponent, never below 1 (math.exp, as the rule
+                # computes it; numpy's SIMD exp can differ from libm's in the last bit, e.g. on
+                # AVX-512 CPUs)
+                assert got == min(max(math.exp(c.log_center), 1.0), c.hi)
                 continue
             w = np.concatenate([np.full(t.size, c.decay ** (c._step - st)) for t, _, st in c._trees])
             a = sum(c.decay ** (c._step - st) * a_i for _, a_i, st in c._trees)
@@ -513,3 +514,115 @@ def test_the_calibration_exponent_is_the_root_of_its_equation():
                 want, n_in = float(np.exp(0.5 * (lo + hi))), n_in + 1
             assert abs(np.log(got) - np.log(want)) < 1e-9, (got, want)
     assert n_in > 50 and n_lo > 5 and n_hi > 5, (n_in, n_lo, n_hi)
+
+
+# -- risk before evidence, and probes of a model drafter that does not pay ----------------------
+
+FLAT_COSTS_US = {1: 10000.0, 2: 11000.0, 3: 12000.0, 4: 13000.0, 8: 17000.0, 16: 25000.0, 32: 41000.0, 64: 73000.0}
+
+
+def test_a_new_request_risks_no_tree_on_borrowed_optimism():
+    """Issue 31's held-out summary (a 12-token answer) lost 4% on one rejected 2-token draft
+    risked before the request had any evidence. A request whose drafts were underconfident
+    (accepted more than their scores said) leaves a long-run exponent below 1; a new request
+    must not verify weak drafts on that borrowed optimism: its first trees are priced by its
+    drafts' own scores against the cost table (here 0.12 per node cannot pay for a row at
+    1.1 plain decodes). Once the request's own verified trees show its drafts underconfident,
+    the same drafts are verified."""
+    from localspec.costmodel import CostModel
+
+    pol = SpeculationPolicy(CostModel(dict(FLAT_COSTS_US)), max_nodes=64)
+    earlier = pol.calibration.for_request()
+    for _ in range(20):  # verified 3-node chains scored 0.5 per node, every draft accepted
+        earlier.observe(0.5 ** np.arange(1, 4), 3)
+    assert earlier.exponent() < 1.0
+    pol.calibration.end_request(earlier)
+    assert pol.calibration.log_center < 0.0  # the long-run exponent is below 1 now
+    weak = chain_with(0.12, 6)
+    new = pol.calibration.for_request()
+    assert pol.choose(weak, calibration=new).n_nodes == 1  # step 1: no tree
+    for _ in range(5):  # the request's own trees: underconfident too
+        new.observe(np.array([0.12, 0.12**2]), 2)
+    assert new.exponent() < 1.0
+    assert pol.choose(weak, calibration=new).n_nodes > 1
+
+
+def _auto_steps(pol, auto, model, script, pos, n_steps):
+    """``n_steps`` steps of the engine's ``propose_one`` with ``auto`` over the token sequence
+    ``script`` from ``pos`` (greedy: the target emits the script); returns (the steps on which
+    the model drafted, the steps whose verified tree had drafts, the new position)."""
+    from localspec.policy import accepted_length
+    from localspec.step import propose_one
+
+    cal = pol.calibration.for_request()
+    drafted, verified = [], []
+    for i in range(n_steps):
+        before = model.extends
+        p = propose_one(pol, auto, script[pos - 1], 16, 16, adaptive=True, calibration=cal)
+        n = accepted_length(p.tree, script[pos : pos + 17])
+        emitted = script[pos : pos + n + 1]
+        auto.observe(p.candidate, emitted)
+        auto.accept(emitted)
+        cal.observe(np.asarray(p.tree.score[1:], dtype=np.float64), n)
+        pos += len(emitted)
+        if model.extends > before:
+            drafted.append(i)
+        if p.tree.n_nodes > 1:
+            verified.append(i)
+    return drafted, verified, pos
+
+
+def test_a_model_drafter_that_does_not_pay_is_probed_at_bounded_cost_and_comes_back():
+    """``auto`` (issue 30, part 4): a model drafter whose drafts are never accepted is probed
+    after gaps that double from ``explore_every`` (32) steps: after warm-up it drafts on at
+    most ``explore_budget`` (1%) of the steps (it drafted on every 32nd before: 3%). When its
+    drafts become right, the next probe brings it back: it then drafts, and is verified, on
+    nearly every step."""
+    from localspec.drafters.auto import AutoDrafter
+    from localspec.drafters.ngram import NgramDrafter
+    from helpers import ScriptedModelDrafter
+
+    from localspec.costmodel import CostModel
+
+    script = list(range(1000, 9000))  # no token repeats: the n-grams never draft
+    pol = SpeculationPolicy(CostModel(dict(FLAT_COSTS_US)), max_nodes=16)  # probes cheaper than a step
+    model = ScriptedModelDrafter(script, level_us=1000.0, right=False)
+    auto = AutoDrafter(model, NgramDrafter())
+    auto.begin(script[:20])
+    warm, n_steps = 200, 3000
+    drafted, verified, pos = _auto_steps(pol, auto, model, script, 20, n_steps)
+    assert drafted[0] == 0 and set(verified) <= set(drafted)  # only the probes verified drafts
+    after = [i for i in drafted if i >= warm]
+    assert 1 <= len(after) <= pol.explore_budget * (n_steps - warm) + 1, drafted
+    model.right = True
+    drafted, verified, _ = _auto_steps(pol, auto, model, script, pos, 300)
+    first = drafted[0]
+    assert first <= pol.max_explore_gap(model.stats, TreeShape(2, 1, 4))
+    assert len(drafted) >= 0.9 * (300 - first) and len(verified) >= 0.9 * (300 - first - 1)
+
+
+def test_probes_cost_at_most_the_exploration_budget_of_the_time():
+    """The longest gap between probes: probes on at most 1% of the steps, and, where a probe
+    (the model's drafting time and the rows it verifies) costs more than a plain step, their
+    cost at most 1% of the time of the plain steps between them; an expensive probe waits
+    that long from the first gap on, a cheap one doubles its gaps from ``explore_every``."""
+    from localspec.costmodel import CostModel
+
+    stats = ModelDraftStats(t_draft_us=500.0, n_steps=5)
+    shape = TreeShape(2, 1, 4)
+    cheap = SpeculationPolicy(CostModel(dict(FLAT_COSTS_US)), max_nodes=16)
+    assert cheap.probe_us(stats, shape) < cheap.step_us(1) and cheap.max_explore_gap(stats, shape) == 100
+    for pol in (SpeculationPolicy(fixed_cost_model(), max_nodes=16), cheap):
+        pol.cost.observe_draft_levels([30000.0, 30000.0])  # two levels of 30 ms each
+        gap = pol.max_explore_gap(stats, shape)
+        probe_us = pol.probe_us(stats, shape)
+        assert probe_us > pol.step_us(1)
+        assert probe_us / (gap * pol.step_us(1)) <= pol.explore_budget < probe_us / ((gap - 1) * pol.step_us(1))
+        assert pol.next_explore_gap(stats, shape) == gap  # the first gap already pays for the probe
+    fresh = ModelDraftStats(t_draft_us=500.0, n_steps=5)
+    flat = SpeculationPolicy(CostModel(dict(FLAT_COSTS_US)), max_nodes=16)
+    gaps = []
+    for _ in range(5):  # a probe of one node, about 0.15 of a step
+        fresh.explore_gap = flat.next_explore_gap(fresh, TreeShape(1, 1, 2))
+        gaps.append(fresh.explore_gap)
+    assert gaps == [32, 64, 100, 100, 100]

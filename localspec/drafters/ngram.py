@@ -198,9 +198,9 @@ class NgramDrafter:
         self.index.extend(tokens)
 
     def propose(self, max_depth: int, max_nodes: int) -> TokenTree:
-        tree = self._propose_ngram(max_depth, max_nodes, np.asarray(self.tracker.estimates(), dtype=np.float64))
+        tree = self._propose_ngram(max_depth, max_nodes, self.tracker.estimates_array())
         if self._use_memory and self.memory.n_written and min(max_depth, self.max_depth) > 0 and max_nodes > 1:
-            est = np.asarray(self.memory_tracker.estimates(), dtype=np.float64)
+            est = self.memory_tracker.estimates_array()
             tree = self._merge_memory(tree, min(max_depth, self.max_depth), max_nodes, est)
         return tree
 
