@@ -66,16 +66,14 @@ def run(ids: list[int], n: int, drafter: str = "auto") -> dict[int, dict]:
             tokens = e.tokenize(questions[q]["turns"][0])
             e.reset()
             sizes.clear()
-            levels: list[float] = []
-            if model is not None:
-                extend = model.extend
-                model.extend = lambda shape: (t := extend(shape), levels.append(sum(model.stats.last_level_us)))[0]
+            levels: list[float] = []  # the model's drafting time of each drafted step (µs)
+            observe_levels = e.policy.cost.observe_draft_levels
+            e.policy.cost.observe_draft_levels = lambda ts: (levels.append(sum(ts)), observe_levels(ts))[1]
             n0 = model.stats.n_steps if model is not None else 0
             try:
                 r = e.generate(tokens, max_tokens=n, sampling=SamplingParams.greedy())
             finally:
-                if model is not None:
-                    model.extend = extend
+                e.policy.cost.observe_draft_levels = observe_levels
             est_us = sum(e.policy.cost._table_at(b) for b in sizes) + sum(levels)
             st = r.stats
             out[q] = dict(steps=st.n_steps, head_steps=model.stats.n_steps - n0 if model is not None else 0, head_tokens=st.token_sources.get("eagle3", 0),

@@ -180,7 +180,7 @@ def test_steps_that_draft_nothing_make_no_head_call(model, random_head_path):
         ref = e.generate(prompt, max_tokens=40, sampling=GREEDY, speculative=False)
         d = Eagle3Drafter(random_head_path)
         e.set_drafter(d)
-        e.policy.explore_every = 4  # retry the head every 4 skipped steps
+        e.policy.explore_every, e.policy.explore_budget = 4, 0.25  # retry the head after short gaps
         log = count_head_calls(d)
         e.reset()
         calls0 = d.ctx.n_calls
