@@ -5,7 +5,7 @@ batched decode).
 Requests follow the OpenAI API reference (fields: ``model``, ``prompt`` / ``messages``,
 ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
 ``stream`` (+ ``stream_options.include_usage``), ``logprobs`` / ``top_logprobs``,
-``presence_penalty``, ``frequency_penalty``, ``response_format`` with ``json_object`` or
+``presence_penalty``, ``frequency_penalty``, ``logit_bias`` (llama.cpp's forms: ``{"token id": bias}`` or text keys), ``response_format`` with ``json_object`` or
 ``json_schema``, ``n`` = 1), and localspec's **LOSSY** opt-in ``accept_threshold_single`` /
 ``accept_threshold_acc`` (numbers in (0, 1]; below 1 the reply's ``timings`` say ``"lossy": true``,
 see ``localspec.verify.verify_thresholds``), and ``draft_memory`` (a boolean; false keeps the
@@ -49,6 +49,7 @@ from ..text import ReleaseTracker, token_offsets
 from ..draft_limits import DraftLimits
 from .fields import RequestError, get_speculation, lone_surrogate_at
 from .prompt import PromptTooLongError, tokenize_bounded
+from .sampling_fields import parse_logit_bias, resolve_logit_bias
 from .response import HEALTH_STALL_S, dumps, request_log_line, stall_error
 
 log = logging.getLogger("localspec.server")
@@ -107,6 +108,7 @@ class OAIRequest:
     speculative: bool | None = None  # False: no drafter for this request
     draft_limits: DraftLimits | None = None  # llama.cpp's speculative.n_max / p_min
     notes: tuple[str, ...] = ()  # request fields that change nothing here
+    logit_bias: list[tuple[int | str, float]] | None = None  # sampling_fields.parse_logit_bias; None: the defaults
 
 
 def _grammar(body: dict) -> str | None:
@@ -269,12 +271,16 @@ def parse_oai(kind: str, body: Any, defaults: SamplingParams) -> OAIRequest:
         spec = get_speculation(body)
     except RequestError as e:
         raise OAIError(e.message, param="speculative") from None
+    try:  # llama.cpp's /v1 endpoints take its /completion forms: {"token id": bias}, text keys too
+        logit_bias = parse_logit_bias(body["logit_bias"]) if body.get("logit_bias") is not None else None
+    except RequestError as e:
+        raise OAIError(e.message, param="logit_bias") from None
     try:
         sampling = replace(defaults, **kw)
     except (ValueError, TypeError) as e:
         raise OAIError(str(e)) from None
     return OAIRequest(kind, prompt, max_tokens, stream, bool(so.get("include_usage")), stops, sampling, logprobs, echo,
-                      cache_prompt, spec.enabled, spec.limits, spec.notes)  # fmt: skip
+                      cache_prompt, spec.enabled, spec.limits, spec.notes, logit_bias)  # fmt: skip
 
 
 # -- the service -----------------------------------------------------------------------------
@@ -377,10 +383,16 @@ class OpenAIService:
         if waiting >= self.max_queue:
             raise OAIError(f"too many requests waiting ({waiting}); try again later", 503)
         tokens, extra_stops, strip = self.prompt_tokens(req)
+        sampling = req.sampling
+        if req.logit_bias is not None:
+            try:
+                sampling = replace(sampling, logit_bias=resolve_logit_bias(req.logit_bias, self.model))
+            except RequestError as e:
+                raise OAIError(e.message, param="logit_bias") from None
         n_ctx = self.scheduler.n_ctx_slot
         max_tokens = req.max_tokens if req.max_tokens is not None else max(0, n_ctx - len(tokens))
         try:
-            job = self.scheduler.submit(tokens, max_tokens=max_tokens, sampling=req.sampling, stop=req.stop + extra_stops,
+            job = self.scheduler.submit(tokens, max_tokens=max_tokens, sampling=sampling, stop=req.stop + extra_stops,
                                         speculative=self.speculative and req.speculative is not False,
                                         on_chunk=on_chunk, on_done=on_done, cache_prompt=req.cache_prompt,
                                         draft_limits=req.draft_limits)  # fmt: skip
