@@ -181,6 +181,25 @@ def test_waiting_requests_are_counted_beyond_the_free_slots(model):
         sched.close()
 
 
+def test_stop_accepting_cancels_what_was_submitted_and_refuses_more(model):
+    sched = BatchScheduler(model, parallel=1, n_ctx=64, cost_model=fixed_cost_model())  # not started: nothing runs
+    try:
+        svc = OpenAIService(sched, model_name="m", sampling=SamplingParams.greedy())
+        req = parse_oai("completion", {"prompt": "Hello", "max_tokens": 8}, svc.sampling)
+        done = []
+        jobs = [svc.submit(req, on_chunk=None, on_done=done.append) for _ in range(2)]  # one in a slot, one waits
+        svc.stop_accepting()
+        assert all(j.cancelled.is_set() for j in jobs)
+        with pytest.raises(OAIError) as e:
+            svc.submit(req, on_chunk=None, on_done=None)
+        assert e.value.status == 503 and "shutting down" in e.value.message
+        sched.run_until_idle()
+        assert done == jobs or done == jobs[::-1]  # each is still answered
+        assert all(j.result.finish_reason == "cancelled" for j in jobs)
+    finally:
+        sched.close()
+
+
 def test_context_overflow_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="x", prompt="word " * 700, max_tokens=2)

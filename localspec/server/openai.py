@@ -33,6 +33,7 @@ import asyncio
 import json
 import logging
 import math
+import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -308,6 +309,9 @@ class OpenAIService:
         self.stall_s = stall_s
         self.created = int(time.time())
         self._chat_format = None
+        self._lock = threading.Lock()
+        self._live: set = set()  # jobs submitted and not yet done
+        self._closing = False
 
     def health(self) -> tuple[int, dict]:
         """``/health``: HTTP status and body. ``slots_idle`` / ``slots_processing`` (requests
@@ -329,6 +333,16 @@ class OpenAIService:
             body.update(status="error", error=error)
             return 503, body
         return 200, body
+
+    def stop_accepting(self) -> None:
+        """Refuse new requests (503 ``the server is shutting down``) and cancel every queued or
+        running one: each still gets its answer (a stream its last chunk and ``[DONE]``), so a
+        shutdown need not wait for long generations. Thread-safe; idempotent."""
+        with self._lock:
+            self._closing = True
+            jobs = list(self._live)
+        for j in jobs:
+            j.cancel()
 
     def chat_format(self):
         if self._chat_format is None:
@@ -375,9 +389,12 @@ class OpenAIService:
         """Tokenize ``req`` and queue it (call it off the event loop: tokenizing takes time).
 
         Raises:
-            OAIError: 503 when more than ``max_queue`` requests would wait for a free slot; 400
+            OAIError: 503 when more than ``max_queue`` requests would wait for a free slot or after
+                ``stop_accepting``; 400
                 for a prompt that does not fit.
         """
+        if self._closing:
+            raise OAIError("the server is shutting down", 503)
         sched = self.scheduler
         waiting = sched.n_waiting - (sched.parallel - sched.n_active)  # those that will not get a slot now
         if waiting >= self.max_queue:
@@ -391,14 +408,25 @@ class OpenAIService:
                 raise OAIError(e.message, param="logit_bias") from None
         n_ctx = self.scheduler.n_ctx_slot
         max_tokens = req.max_tokens if req.max_tokens is not None else max(0, n_ctx - len(tokens))
+
+        def done(j) -> None:
+            with self._lock:
+                self._live.discard(j)
+            on_done(j)
+
         try:
             job = self.scheduler.submit(tokens, max_tokens=max_tokens, sampling=sampling, stop=req.stop + extra_stops,
                                         speculative=self.speculative and req.speculative is not False,
-                                        on_chunk=on_chunk, on_done=on_done, cache_prompt=req.cache_prompt,
+                                        on_chunk=on_chunk, on_done=done, cache_prompt=req.cache_prompt,
                                         draft_limits=req.draft_limits)  # fmt: skip
         except LocalSpecError as e:
             code = "context_length_exceeded" if "context" in str(e) else None
             raise OAIError(str(e), param="messages" if req.kind == "chat" else "prompt", code=code) from None
+        with self._lock:
+            if self._closing:  # stop_accepting ran while this was being submitted
+                job.cancel()
+            elif not job.done.is_set():  # (once done, ``done`` has run or will find nothing to drop)
+                self._live.add(job)
         job.strip_space = strip  # type: ignore[attr-defined]
         return job
 
