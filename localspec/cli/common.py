@@ -167,8 +167,9 @@ def memory_from_args(a: argparse.Namespace):
 
 
 def attach_memory_file(mem, path: str, model) -> None:
-    """Tie ``mem`` to ``model``'s vocabulary, fill it from ``path`` when the file exists (a
-    bad file is one line on stderr and the memory stays empty) and save it there at exit."""
+    """Tie ``mem`` to ``model``'s vocabulary, fill it from ``path`` when the file exists and
+    save it there at exit. A file that cannot be loaded (not a memory, damaged, another model's
+    or version's) is one line on stderr: the memory starts empty and is not saved over it."""
     import atexit
 
     from ..drafters.memory import DraftMemory, MemoryFileError, vocab_fingerprint
@@ -178,7 +179,9 @@ def attach_memory_file(mem, path: str, model) -> None:
         try:
             mem.absorb(DraftMemory.load(path, vocab=mem.vocab, budget_mib=mem.budget_mib))
         except MemoryFileError as e:
-            print(f"localspec: {e}; starting with an empty drafting memory", file=sys.stderr)
+            print(f"localspec: {e}; starting with an empty drafting memory, which is not saved over it "
+                  "(give another path, or delete the file)", file=sys.stderr)  # fmt: skip
+            return
     if not _SAVE_AT_EXIT:
         atexit.register(_save_memories)
     _SAVE_AT_EXIT[path] = mem
