@@ -436,3 +436,14 @@ def test_replay_counts_target_calls_with_and_without_memory():
     # the second repeats the first: only the memory drafts it
     assert row["calls_off"] == 120
     assert row["calls_on"] < 60 + 60 // 4
+
+
+@pytest.mark.parametrize("mib", ["0", "-5", "nan"])
+def test_memory_build_refuses_a_budget_that_is_not_positive(tmp_path, mib):
+    from localspec.cli.main import main
+
+    (tmp_path / "a.py").write_text("x = 1\n")
+    out = tmp_path / "m.lsmem"
+    with pytest.raises(SystemExit) as e:  # --mib 0 built a 64 MiB memory; -5 was a traceback
+        main(["memory", "build", str(tmp_path / "a.py"), "--out", str(out), "--mib", mib])
+    assert str(e.value) == f"localspec: error: --mib must be > 0, got {float(mib)}" and not out.exists()
