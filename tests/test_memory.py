@@ -447,3 +447,12 @@ def test_memory_build_refuses_a_budget_that_is_not_positive(tmp_path, mib):
     with pytest.raises(SystemExit) as e:  # --mib 0 built a 64 MiB memory; -5 was a traceback
         main(["memory", "build", str(tmp_path / "a.py"), "--out", str(out), "--mib", mib])
     assert str(e.value) == f"localspec: error: --mib must be > 0, got {float(mib)}" and not out.exists()
+
+
+def test_a_memory_that_cannot_be_saved_is_one_line_naming_the_given_path(tmp_path):
+    path = tmp_path / "missing-folder" / "m.lsmem"
+    r = run_cli("generate", "def add(a, b):", "-n", "2", "--temperature", "0", "--draft-memory", str(path))
+    assert r.returncode == 0, r.stderr
+    (line,) = [x for x in r.stderr.splitlines() if "not saved" in x]
+    # not the name of the temporary file it was written to first ('.draftmem-...')
+    assert line == f"localspec: the drafting memory was not saved to {path}: No such file or directory"

@@ -142,7 +142,9 @@ def _save_memories() -> None:
     for path, mem in _SAVE_AT_EXIT.items():
         try:
             mem.save(path)
-        except (OSError, ValueError) as e:
+        except OSError as e:  # its message names the temporary file written first
+            print(f"localspec: the drafting memory was not saved to {path}: {e.strerror or e}", file=sys.stderr)
+        except ValueError as e:
             print(f"localspec: the drafting memory was not saved to {path}: {e}", file=sys.stderr)
 
 
