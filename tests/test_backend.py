@@ -168,6 +168,17 @@ def test_missing_and_corrupt_gguf(tmp_path):
         Model(tmp_path)
 
 
+def test_the_vocabulary_of_a_closed_model_is_an_error_not_a_crash(model_path):
+    # after close() the vocabulary pointer dangles: llama_tokenize on it aborted the process
+    # (std::out_of_range in llama_vocab::byte_to_token), e.g. Engine.generate("hi") after close()
+    m = Model(model_path, vocab_only=True)
+    m.close()
+    with pytest.raises(ModelLoadError, match="model is closed"):
+        m.tokenize("hi")
+    with pytest.raises(ModelLoadError, match="model is closed"):
+        m.token_bytes(9259)
+
+
 def test_a_tree_batch_token_in_no_sequence_is_refused():
     # llama.cpp segfaulted on such a batch (a token with n_seq_id 0) instead of failing
     from localspec.backend import Batch

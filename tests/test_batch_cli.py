@@ -33,3 +33,37 @@ def test_batch_matches_generate_and_resumes(tmp_path, engine, capsys):
     assert main(["batch", str(inp), "--out", str(out), "--no-progress"]) == 0  # nothing left to do
     assert "0 to do" in capsys.readouterr().err
     assert len(out.read_text().splitlines()) == 5
+
+
+def test_a_bad_field_on_one_line_is_that_lines_error_and_the_run_goes_on(tmp_path, engine):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    bad = {"mt": {"max_tokens": "abc"}, "null": {"max_tokens": None}, "frac": {"max_tokens": 1.5},
+           "neg": {"max_tokens": -1}, "temp": {"temperature": "hot"}, "cold": {"temperature": -1},
+           "seed": {"seed": "x"}, "bool": {"seed": True}}  # fmt: skip
+    lines = [json.dumps({"id": k, "prompt": "Hi", **v}) for k, v in bad.items()]
+    lines.append(json.dumps({"id": "ok", "prompt": PROMPTS["a"], "max_tokens": 4, "temperature": 0, "seed": 3}))
+    inp.write_text("\n".join(lines) + "\n")
+    assert main(["batch", str(inp), "--out", str(out), "--no-progress", "--n-ctx", "512"]) == 0
+    by_id = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(by_id) == {*bad, "ok"}
+    for n, k in enumerate(bad, start=1):
+        field = next(iter(bad[k]))
+        assert by_id[k]["error"].startswith(f"line {n}: ") and f'"{field}"' in by_id[k]["error"], by_id[k]
+    engine.reset()
+    assert by_id["ok"]["text"] == engine.generate(PROMPTS["a"], max_tokens=4, sampling=SamplingParams.greedy()).text
+
+
+def test_out_the_input_file_or_parallel_0_is_refused_before_anything_is_written(tmp_path, capsys):
+    import pytest
+
+    inp = tmp_path / "in.jsonl"
+    text = json.dumps({"id": "a", "prompt": "Hi"}) + "\n{not json\n"
+    inp.write_text(text)
+    with pytest.raises(SystemExit) as e:
+        main(["batch", str(inp), "--out", str(tmp_path / "." / "in.jsonl"), "--no-progress"])
+    assert "is the input file" in str(e.value)
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(SystemExit) as e:
+        main(["batch", str(inp), "--out", str(out), "--parallel", "0", "--no-progress"])
+    assert "--parallel must be >= 1, got 0" in str(e.value)
+    assert inp.read_text() == text and not out.exists()  # nothing written, nothing loaded

@@ -28,3 +28,17 @@ def test_grammar_error_mid_step_keeps_the_cache_consistent(engine, drafter):
         assert r.stats.n_generated_tokens == 4 and r.stats.n_cached_tokens > 0
     finally:
         engine.set_drafter(old)
+
+
+def test_a_closed_engine_is_an_error_not_a_crash(model):
+    # generating from a closed engine handed llama.cpp the freed KV cache: a segfault of the
+    # whole process (a token-id prompt; a text prompt aborted in the freed vocabulary instead)
+    from conftest import fixed_cost_model
+    from localspec import Engine
+    from localspec.errors import LocalSpecError
+
+    e = Engine(model, drafter="ngram", n_ctx=256, cost_model=fixed_cost_model())
+    assert e.generate([2, 9259], max_tokens=2, sampling=SamplingParams.greedy()).finish_reason == "length"
+    e.close()
+    with pytest.raises(LocalSpecError, match="closed"):
+        e.generate([2, 9259], max_tokens=2, sampling=SamplingParams.greedy())

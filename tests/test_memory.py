@@ -393,25 +393,44 @@ def test_memory_build_and_info(tmp_path):
     assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and "truncated" in r.stderr
 
 
-def test_generate_with_a_bad_memory_file_goes_on_and_saves_a_good_one(tmp_path):
+@pytest.mark.parametrize("kind", ["damaged", "not a memory", "another model's"])
+def test_generate_with_a_memory_file_it_cannot_use_goes_on_and_leaves_the_file_alone(tmp_path, kind):
+    # --draft-memory PATH saves at exit: a file it could not read (a typo'd path to the user's
+    # own file, another model's memory) must not be replaced by this run's memory
     path = tmp_path / "m.lsmem"
-    path.write_bytes(b"LSDRAFTMEM\ngarbage")
+    if kind == "damaged":
+        path.write_bytes(b"LSDRAFTMEM\ngarbage")
+    elif kind == "not a memory":
+        path.write_text("my notes, not a drafting memory\n")
+    else:
+        other = DraftMemory(1, vocab="0" * 64)
+        other.write([1, 2, 3, 4, 5])
+        other.save(path)
+    before = path.read_bytes()
     r = run_cli("generate", "def add(a, b):", "-n", "8", "--temperature", "0", "--json", "--draft-memory", str(path))
     assert r.returncode == 0, r.stderr
-    assert [x for x in r.stderr.splitlines() if str(path) in x] == [
-        f"localspec: {path} is not a localspec drafting memory; starting with an empty drafting memory"
-    ]
-    mem = DraftMemory.load(path)
-    import json
-
-    out = json.loads(r.stdout)
-    (doc,) = mem.documents()
-    assert doc.tolist()[-len(out["token_ids"]) :] == out["token_ids"]
+    (line,) = [x for x in r.stderr.splitlines() if str(path) in x]
+    assert line.startswith(f"localspec: {path} ") and line.endswith(
+        "; starting with an empty drafting memory, which is not saved over it (give another path, or delete the file)")
+    assert path.read_bytes() == before
     # --no-draft-memory: the file is neither read nor written
-    before = path.read_bytes()
     r = run_cli("generate", "def sub(a, b):", "-n", "4", "--temperature", "0", "--draft-memory", str(path), "--no-draft-memory")
     assert r.returncode == 0, r.stderr
     assert path.read_bytes() == before
+
+
+def test_generate_saves_its_memory_to_a_new_path_and_draws_on_it_next_time(tmp_path):
+    path = tmp_path / "m.lsmem"
+    r = run_cli("generate", "def add(a, b):", "-n", "8", "--temperature", "0", "--json", "--draft-memory", str(path))
+    assert r.returncode == 0, r.stderr
+    import json
+
+    out = json.loads(r.stdout)
+    (doc,) = DraftMemory.load(path).documents()
+    assert doc.tolist()[-len(out["token_ids"]) :] == out["token_ids"]
+    r = run_cli("generate", "def mul(a, b):", "-n", "4", "--temperature", "0", "--draft-memory", str(path))
+    assert r.returncode == 0, r.stderr
+    assert len(DraftMemory.load(path).documents()) == 2  # loaded, added to, saved again
 
 
 def test_auto_drafts_from_the_memory_through_its_ngram_part():
@@ -605,3 +624,23 @@ def test_bench_memory_prompts_cut_every_workload_but_those_given_their_own_count
     a = build_parser().parse_args(["bench", "memory", "--workloads", "specbench"])
     with pytest.raises(SystemExit, match="needs --dataset"):
         memory_workloads(a, engine)
+
+
+@pytest.mark.parametrize("mib", ["0", "-5", "nan"])
+def test_memory_build_refuses_a_budget_that_is_not_positive(tmp_path, mib):
+    from localspec.cli.main import main
+
+    (tmp_path / "a.py").write_text("x = 1\n")
+    out = tmp_path / "m.lsmem"
+    with pytest.raises(SystemExit) as e:  # --mib 0 built a 64 MiB memory; -5 was a traceback
+        main(["memory", "build", str(tmp_path / "a.py"), "--out", str(out), "--mib", mib])
+    assert str(e.value) == f"localspec: error: --mib must be > 0, got {float(mib)}" and not out.exists()
+
+
+def test_a_memory_that_cannot_be_saved_is_one_line_naming_the_given_path(tmp_path):
+    path = tmp_path / "missing-folder" / "m.lsmem"
+    r = run_cli("generate", "def add(a, b):", "-n", "2", "--temperature", "0", "--draft-memory", str(path))
+    assert r.returncode == 0, r.stderr
+    (line,) = [x for x in r.stderr.splitlines() if "not saved" in x]
+    # not the name of the temporary file it was written to first ('.draftmem-...')
+    assert line == f"localspec: the drafting memory was not saved to {path}: No such file or directory"

@@ -120,6 +120,24 @@ def test_error_objects(client, kw, param):
     assert e.value.body["param"] == param and e.value.body["type"] == "invalid_request_error"
 
 
+def test_logit_bias_is_applied_as_in_llama_cpp(client, engine):
+    # the OpenAI form {"token id": bias}; llama.cpp's /v1 endpoints apply it (and its text keys)
+    greedy = client.completions.create(model="x", prompt=PROMPT, max_tokens=4, temperature=0)
+    first = engine.tokenize(greedy.choices[0].text, add_special=False)[0]
+    r = client.completions.create(model="x", prompt=PROMPT, max_tokens=4, temperature=0,
+                                  logit_bias={str(first): -100})
+    engine.reset()
+    ref = engine.generate(PROMPT, max_tokens=4, sampling=SamplingParams.greedy(logit_bias={first: -100.0}))
+    assert r.choices[0].text == ref.text != greedy.choices[0].text
+    chat = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          temperature=0, logit_bias={str(first): -100})  # accepted on chat too
+    assert chat.choices[0].finish_reason
+    for bias, message in [({"99999999": 1}, "outside the vocabulary"), ({"5": "x"}, "biases must be numbers")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="x", prompt=PROMPT, max_tokens=2, logit_bias=bias)
+        assert e.value.body["param"] == "logit_bias" and message in e.value.body["message"]
+
+
 def test_the_next_chat_turn_reuses_the_first_turns_cells(client):
     first = [{"role": "user", "content": "Describe a lighthouse in two sentences."}]
     r1 = client.chat.completions.create(model="x", messages=first, max_tokens=24, temperature=0)
@@ -159,6 +177,25 @@ def test_waiting_requests_are_counted_beyond_the_free_slots(model):
         with pytest.raises(OAIError) as e:
             svc.submit(req, on_chunk=None, on_done=None)
         assert e.value.status == 503 and "(1)" in e.value.message
+    finally:
+        sched.close()
+
+
+def test_stop_accepting_cancels_what_was_submitted_and_refuses_more(model):
+    sched = BatchScheduler(model, parallel=1, n_ctx=64, cost_model=fixed_cost_model())  # not started: nothing runs
+    try:
+        svc = OpenAIService(sched, model_name="m", sampling=SamplingParams.greedy())
+        req = parse_oai("completion", {"prompt": "Hello", "max_tokens": 8}, svc.sampling)
+        done = []
+        jobs = [svc.submit(req, on_chunk=None, on_done=done.append) for _ in range(2)]  # one in a slot, one waits
+        svc.stop_accepting()
+        assert all(j.cancelled.is_set() for j in jobs)
+        with pytest.raises(OAIError) as e:
+            svc.submit(req, on_chunk=None, on_done=None)
+        assert e.value.status == 503 and "shutting down" in e.value.message
+        sched.run_until_idle()
+        assert done == jobs or done == jobs[::-1]  # each is still answered
+        assert all(j.result.finish_reason == "cancelled" for j in jobs)
     finally:
         sched.close()
 

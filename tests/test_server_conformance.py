@@ -3,6 +3,7 @@ logprobs and offsets of the non-streamed one, on the OpenAI endpoints (official 
 client) and on llama.cpp's ``/completion``; per-request speculation fields; ``/health``; the
 per-request log line. Real default model, real servers on 127.0.0.1."""
 
+import json
 import threading
 import time
 
@@ -347,3 +348,46 @@ def test_serve_cli_logs_each_request_and_stops_on_sigterm(model_path):
     logged = [ln for ln in err.splitlines() if ln.startswith("localspec.server: request ")]
     assert len(logged) == 1 and "/v1/completions: prompt " in logged[0] and "completion 3 tokens" in logged[0], err
     assert "localspec serve: stopped" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("sig_name", ["SIGINT", "SIGTERM"])
+def test_serve_cli_stopped_while_a_stream_runs_ends_the_stream_and_exits_cleanly(model, model_path, sig_name):
+    # Ctrl-C (or SIGTERM) with an OpenAI stream in flight: the stream gets its last chunk and
+    # [DONE], the server exits 0 without uvicorn's 'timeout graceful shutdown exceeded' traceback
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "localspec", "serve", "--port", "0", "--drafter", "none", "--parallel", "1",
+           "--ctx-per-request", "4096", "-m", str(model_path), "-t", "1", "--no-editor"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    watchdog = threading.Timer(900, proc.kill)  # a hung process fails the test instead of the run
+    watchdog.start()
+    try:
+        line = proc.stdout.readline()
+        assert "listening on " in line, line
+        url = line.split("listening on ", 1)[1].split()[0]
+        body = {"prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0, "stream": True,
+                "logit_bias": {str(t): False for t in model.eog_ids}}  # fmt: skip  (no end of text: runs on)
+        frames = []
+        with httpx.Client(base_url=url, timeout=600) as h, h.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for ln in r.iter_lines():
+                if not ln:
+                    continue
+                if not frames:  # the first token is out: stop the server
+                    proc.send_signal(getattr(signal, sig_name))
+                frames.append(ln)
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert frames[-1] == "data: [DONE]", frames[-3:]
+    last = json.loads(frames[-2][len("data: "):])
+    assert last["choices"][0]["finish_reason"] is not None and last["timings"]["predicted_n"] < 4000
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "ASGI" not in err and "localspec serve: stopped" in err, err

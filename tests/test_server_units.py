@@ -185,6 +185,8 @@ def test_logit_bias_forms_and_ignore_eos():
     assert p.logit_bias[5] == -1.0 and p.logit_bias[ord("a") % 100] == -math.inf
     assert p.logit_bias[1] == p.logit_bias[2] == -math.inf
     assert resolve({"logit_bias": {"7": 2}}).params.logit_bias == {7: 2.0}
+    # a key of other digits than 0-9 is text, as llama.cpp's strtol reads it (int("²") would raise)
+    assert resolve({"logit_bias": {"²": 1}}).params.logit_bias == {ord("²") % 100: 1.0}
     with pytest.raises(RequestError, match="outside the vocabulary"):
         resolve({"logit_bias": [[1000, 1]]})
 

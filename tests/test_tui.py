@@ -263,6 +263,19 @@ def test_cli_chat_has_the_generate_flags(capsys):
         assert flag in out
 
 
+def test_cli_chat_without_a_terminal_is_a_one_line_error(tmp_path):
+    # `localspec chat < questions.txt > answers.txt` ran the full-screen app anyway: escape codes
+    # into the file, SIGINT ignored, until killed
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "localspec", "chat", "-m", str(tmp_path / "never-loaded.gguf")],
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr == ("localspec: error: localspec chat needs a terminal (its standard input and output); "
+                        "for scripts use localspec generate, batch or serve\n")  # fmt: skip
+
+
 @pytest.mark.anyio
 async def test_multiline_message_and_theme_switch():
     """ctrl+j adds a line, enter sends the whole message; a light theme redraws the colours."""

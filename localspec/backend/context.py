@@ -141,7 +141,7 @@ class Context:
             why = "; ".join(recent_errors()) or "no reason logged"
             raise ModelLoadError(f"llama.cpp could not create a context (n_ctx={n_ctx}): {why}")
         self._ctx = ctx
-        self.mem = lib.llama_get_memory(ctx)
+        self._mem = lib.llama_get_memory(ctx)
         # llama.cpp rounds the KV cache up (to a multiple of 256); the context holds to the size
         # asked for, so that `--n-ctx 20` means 20 tokens (positions, prompt checks, trees)
         self.n_ctx_allocated: int = lib.llama_n_ctx(ctx)
@@ -163,6 +163,17 @@ class Context:
         if self._ctx is None:
             raise DecodeError("context is closed")
         return self._ctx
+
+    @property
+    def mem(self):
+        """The raw ``llama_memory_t`` of the KV cache.
+
+        Raises:
+            DecodeError: the context is closed (the pointer would dangle: a segfault).
+        """
+        if self._ctx is None:
+            raise DecodeError("context is closed")
+        return self._mem
 
     def close(self) -> None:
         if self._ctx is not None:

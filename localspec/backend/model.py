@@ -254,9 +254,12 @@ class Model:
     @property
     def handle(self):
         """The raw ``llama_model *`` (valid until ``close()``)."""
+        self._check_open()
+        return self._model
+
+    def _check_open(self) -> None:
         if self._model is None:
             raise ModelLoadError("model is closed")
-        return self._model
 
     def close(self) -> None:
         """Free the model. Contexts made from it must be closed first."""
@@ -329,7 +332,11 @@ class Model:
 
         ``add_special`` adds BOS (and EOS) where the model asks for it; ``parse_special``
         turns special-token text such as ``<start_of_turn>`` into its id.
+
+        Raises:
+            ModelLoadError: the model is closed.
         """
+        self._check_open()  # a closed model's vocabulary pointer dangles: llama.cpp would abort the process
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
         n_max = len(data) + 16
         buf = (lib.llama_token * n_max)()
@@ -348,6 +355,7 @@ class Model:
         key = token if not special else ~token
         piece = self._pieces.get(key)
         if piece is None:
+            self._check_open()
             buf = self._piece_buf
             n = lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
             if n < 0:

@@ -57,10 +57,37 @@ def read_jobs(path: str) -> list[dict]:
             out.append({"id": str(n), "_error": f"line {n} is not a JSON object: {e}"})
             continue
         obj["id"] = str(obj.get("id", n))
+        obj["_line"] = n
         if not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
             obj["_error"] = f'line {n}: "prompt" must be a non-empty string'
         out.append(obj)
     return out
+
+
+def line_settings(x: dict, default_max_tokens: int, base):
+    """``(max_tokens, sampling)`` of one input line: its ``max_tokens`` / ``temperature`` / ``seed``
+    over the command line's.
+
+    Raises:
+        ValueError: ``line N: ...`` naming the field that is not a count, a number, a seed.
+    """
+    n = x["_line"]
+    mt = x.get("max_tokens", default_max_tokens)
+    if isinstance(mt, bool) or not isinstance(mt, int) or mt < 0:
+        raise ValueError(f'line {n}: "max_tokens" must be an integer >= 0, got {json.dumps(mt)}')
+    t, seed = x.get("temperature", 0.0), x.get("seed", 0)
+    if isinstance(t, bool) or not isinstance(t, (int, float)):
+        raise ValueError(f'line {n}: "temperature" must be a number, got {json.dumps(t)}')
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f'line {n}: "seed" must be an integer, got {json.dumps(seed)}')
+    sampling = base
+    for k in ("temperature", "seed"):
+        if k in x:
+            try:
+                sampling = dataclasses.replace(sampling, **{k: x[k]})
+            except ValueError as e:  # SamplingParams' range checks (InvalidRequestError)
+                raise ValueError(f'line {n}: "{k}": {e}') from None
+    return mt, sampling
 
 
 def done_ids(path: Path) -> set[str]:
@@ -100,8 +127,12 @@ def result_record(job_id: str, r) -> dict:
 def run(a) -> int:
     from tqdm import tqdm
 
-    items = read_jobs(a.input)
+    if a.parallel < 1:
+        raise SystemExit(f"localspec: error: --parallel must be >= 1, got {a.parallel}")
     out_path = Path(a.out)
+    if out_path.exists() and Path(a.input).exists() and out_path.samefile(a.input):
+        raise SystemExit(f"localspec: error: --out {a.out} is the input file; give another file for the results")
+    items = read_jobs(a.input)
     seen = done_ids(out_path)
     todo = [x for x in items if x["id"] not in seen]
     dup = len(items) - len({x["id"] for x in items})
@@ -134,13 +165,21 @@ def run(a) -> int:
             write({"id": x["id"], "error": x["_error"]})
         else:
             uniq.setdefault(x["id"], x)
-    good = [x for x in uniq.values() if x["id"] not in written]
-    prompts, max_tokens, samplings = [], [], []
-    for x in good:
+    good, prompts, max_tokens, samplings = [], [], [], []
+    n_err = sum(1 for x in todo if "_error" in x)
+    for x in uniq.values():
+        if x["id"] in written:
+            continue
+        try:
+            mt, sp = line_settings(x, a.max_tokens, base)
+        except ValueError as e:
+            write({"id": x["id"], "error": str(e)})
+            n_err += 1
+            continue
+        good.append(x)
         prompts.append(x["prompt"])
-        max_tokens.append(int(x.get("max_tokens", a.max_tokens)))
-        kw = {k: x[k] for k in ("temperature", "seed") if k in x}
-        samplings.append(dataclasses.replace(base, **kw) if kw else base)
+        max_tokens.append(mt)
+        samplings.append(sp)
     try:
         engine.generate_batch(
             prompts,
@@ -156,6 +195,5 @@ def run(a) -> int:
         bar.close()
         f.close()
         engine.close()
-    n_err = sum(1 for x in todo if "_error" in x)
     print(f"localspec: wrote {len(written)} results to {out_path} ({n_err} input errors)", file=sys.stderr)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from .common import add_drafter_args, add_memory_args, add_model_args, add_sampling_args, count, make_engine, sampling_from_args
 
@@ -32,6 +33,9 @@ def register(sub) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):  # a full-screen app: keys in, screen out
+        raise SystemExit("localspec: error: localspec chat needs a terminal (its standard input and output); "
+                         "for scripts use localspec generate, batch or serve")  # fmt: skip
     try:
         from localspec.tui import ChatApp
         from localspec.tui.stderr import NativeStderr

@@ -142,7 +142,9 @@ def _save_memories() -> None:
     for path, mem in _SAVE_AT_EXIT.items():
         try:
             mem.save(path)
-        except (OSError, ValueError) as e:
+        except OSError as e:  # its message names the temporary file written first
+            print(f"localspec: the drafting memory was not saved to {path}: {e.strerror or e}", file=sys.stderr)
+        except ValueError as e:
             print(f"localspec: the drafting memory was not saved to {path}: {e}", file=sys.stderr)
 
 
@@ -167,8 +169,9 @@ def memory_from_args(a: argparse.Namespace):
 
 
 def attach_memory_file(mem, path: str, model) -> None:
-    """Tie ``mem`` to ``model``'s vocabulary, fill it from ``path`` when the file exists (a
-    bad file is one line on stderr and the memory stays empty) and save it there at exit."""
+    """Tie ``mem`` to ``model``'s vocabulary, fill it from ``path`` when the file exists and
+    save it there at exit. A file that cannot be loaded (not a memory, damaged, another model's
+    or version's) is one line on stderr: the memory starts empty and is not saved over it."""
     import atexit
 
     from ..drafters.memory import DraftMemory, MemoryFileError, vocab_fingerprint
@@ -178,7 +181,9 @@ def attach_memory_file(mem, path: str, model) -> None:
         try:
             mem.absorb(DraftMemory.load(path, vocab=mem.vocab, budget_mib=mem.budget_mib))
         except MemoryFileError as e:
-            print(f"localspec: {e}; starting with an empty drafting memory", file=sys.stderr)
+            print(f"localspec: {e}; starting with an empty drafting memory, which is not saved over it "
+                  "(give another path, or delete the file)", file=sys.stderr)  # fmt: skip
+            return
     if not _SAVE_AT_EXIT:
         atexit.register(_save_memories)
     _SAVE_AT_EXIT[path] = mem

@@ -90,10 +90,12 @@ def run_build(a: argparse.Namespace) -> int:
     from ..drafters.memory import DEFAULT_BUDGET_MIB, DraftMemory, vocab_fingerprint
     from ..models import resolve_model
 
+    if a.mib is not None and not a.mib > 0:
+        raise SystemExit(f"localspec: error: --mib must be > 0, got {a.mib}")
     files = iter_files(a.inputs)
     model = Model(resolve_model(a.model), vocab_only=True)
     try:
-        mem = DraftMemory(a.mib or DEFAULT_BUDGET_MIB, vocab=vocab_fingerprint(model))
+        mem = DraftMemory(DEFAULT_BUDGET_MIB if a.mib is None else a.mib, vocab=vocab_fingerprint(model))
         docs, n_files, n_tokens, n_skipped = corpus_documents(model, files)
         for doc in docs:
             mem.write(doc)

@@ -107,7 +107,12 @@ def run(a: argparse.Namespace) -> int:
         if not oai.chat_format().uses_template:
             print(f"localspec: {name} has no chat template: /v1/chat/completions uses the plain "
                   "'User:/Assistant:' transcript (docs/serve.md)", file=sys.stderr)  # fmt: skip
-        return app, (editor.stop_accepting if editor is not None else None)
+        def on_shutdown() -> None:  # before uvicorn waits for open connections: end the streams
+            oai.stop_accepting()
+            if editor is not None:
+                editor.stop_accepting()
+
+        return app, on_shutdown
 
     def on_ready(addr: str) -> None:
         print(f"localspec serve: listening on {addr} (OpenAI base URL {addr}/v1, --parallel {a.parallel})", flush=True)

@@ -5,7 +5,7 @@ batched decode).
 Requests follow the OpenAI API reference (fields: ``model``, ``prompt`` / ``messages``,
 ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
 ``stream`` (+ ``stream_options.include_usage``), ``logprobs`` / ``top_logprobs``,
-``presence_penalty``, ``frequency_penalty``, ``response_format`` with ``json_object`` or
+``presence_penalty``, ``frequency_penalty``, ``logit_bias`` (llama.cpp's forms: ``{"token id": bias}`` or text keys), ``response_format`` with ``json_object`` or
 ``json_schema``, ``n`` = 1), and localspec's **LOSSY** opt-in ``accept_threshold_single`` /
 ``accept_threshold_acc`` (numbers in (0, 1]; below 1 the reply's ``timings`` say ``"lossy": true``,
 see ``localspec.verify.verify_thresholds``), and ``draft_memory`` (a boolean; false keeps the
@@ -33,6 +33,7 @@ import asyncio
 import json
 import logging
 import math
+import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -49,6 +50,7 @@ from ..text import ReleaseTracker, token_offsets
 from ..draft_limits import DraftLimits
 from .fields import RequestError, get_speculation, lone_surrogate_at
 from .prompt import PromptTooLongError, tokenize_bounded
+from .sampling_fields import parse_logit_bias, resolve_logit_bias
 from .response import HEALTH_STALL_S, dumps, request_log_line, stall_error
 
 log = logging.getLogger("localspec.server")
@@ -107,6 +109,7 @@ class OAIRequest:
     speculative: bool | None = None  # False: no drafter for this request
     draft_limits: DraftLimits | None = None  # llama.cpp's speculative.n_max / p_min
     notes: tuple[str, ...] = ()  # request fields that change nothing here
+    logit_bias: list[tuple[int | str, float]] | None = None  # sampling_fields.parse_logit_bias; None: the defaults
 
 
 def _grammar(body: dict) -> str | None:
@@ -269,12 +272,16 @@ def parse_oai(kind: str, body: Any, defaults: SamplingParams) -> OAIRequest:
         spec = get_speculation(body)
     except RequestError as e:
         raise OAIError(e.message, param="speculative") from None
+    try:  # llama.cpp's /v1 endpoints take its /completion forms: {"token id": bias}, text keys too
+        logit_bias = parse_logit_bias(body["logit_bias"]) if body.get("logit_bias") is not None else None
+    except RequestError as e:
+        raise OAIError(e.message, param="logit_bias") from None
     try:
         sampling = replace(defaults, **kw)
     except (ValueError, TypeError) as e:
         raise OAIError(str(e)) from None
     return OAIRequest(kind, prompt, max_tokens, stream, bool(so.get("include_usage")), stops, sampling, logprobs, echo,
-                      cache_prompt, spec.enabled, spec.limits, spec.notes)  # fmt: skip
+                      cache_prompt, spec.enabled, spec.limits, spec.notes, logit_bias)  # fmt: skip
 
 
 # -- the service -----------------------------------------------------------------------------
@@ -302,6 +309,9 @@ class OpenAIService:
         self.stall_s = stall_s
         self.created = int(time.time())
         self._chat_format = None
+        self._lock = threading.Lock()
+        self._live: set = set()  # jobs submitted and not yet done
+        self._closing = False
 
     def health(self) -> tuple[int, dict]:
         """``/health``: HTTP status and body. ``slots_idle`` / ``slots_processing`` (requests
@@ -323,6 +333,16 @@ class OpenAIService:
             body.update(status="error", error=error)
             return 503, body
         return 200, body
+
+    def stop_accepting(self) -> None:
+        """Refuse new requests (503 ``the server is shutting down``) and cancel every queued or
+        running one: each still gets its answer (a stream its last chunk and ``[DONE]``), so a
+        shutdown need not wait for long generations. Thread-safe; idempotent."""
+        with self._lock:
+            self._closing = True
+            jobs = list(self._live)
+        for j in jobs:
+            j.cancel()
 
     def chat_format(self):
         if self._chat_format is None:
@@ -369,24 +389,44 @@ class OpenAIService:
         """Tokenize ``req`` and queue it (call it off the event loop: tokenizing takes time).
 
         Raises:
-            OAIError: 503 when more than ``max_queue`` requests would wait for a free slot; 400
+            OAIError: 503 when more than ``max_queue`` requests would wait for a free slot or after
+                ``stop_accepting``; 400
                 for a prompt that does not fit.
         """
+        if self._closing:
+            raise OAIError("the server is shutting down", 503)
         sched = self.scheduler
         waiting = sched.n_waiting - (sched.parallel - sched.n_active)  # those that will not get a slot now
         if waiting >= self.max_queue:
             raise OAIError(f"too many requests waiting ({waiting}); try again later", 503)
         tokens, extra_stops, strip = self.prompt_tokens(req)
+        sampling = req.sampling
+        if req.logit_bias is not None:
+            try:
+                sampling = replace(sampling, logit_bias=resolve_logit_bias(req.logit_bias, self.model))
+            except RequestError as e:
+                raise OAIError(e.message, param="logit_bias") from None
         n_ctx = self.scheduler.n_ctx_slot
         max_tokens = req.max_tokens if req.max_tokens is not None else max(0, n_ctx - len(tokens))
+
+        def done(j) -> None:
+            with self._lock:
+                self._live.discard(j)
+            on_done(j)
+
         try:
-            job = self.scheduler.submit(tokens, max_tokens=max_tokens, sampling=req.sampling, stop=req.stop + extra_stops,
+            job = self.scheduler.submit(tokens, max_tokens=max_tokens, sampling=sampling, stop=req.stop + extra_stops,
                                         speculative=self.speculative and req.speculative is not False,
-                                        on_chunk=on_chunk, on_done=on_done, cache_prompt=req.cache_prompt,
+                                        on_chunk=on_chunk, on_done=done, cache_prompt=req.cache_prompt,
                                         draft_limits=req.draft_limits)  # fmt: skip
         except LocalSpecError as e:
             code = "context_length_exceeded" if "context" in str(e) else None
             raise OAIError(str(e), param="messages" if req.kind == "chat" else "prompt", code=code) from None
+        with self._lock:
+            if self._closing:  # stop_accepting ran while this was being submitted
+                job.cancel()
+            elif not job.done.is_set():  # (once done, ``done`` has run or will find nothing to drop)
+                self._live.add(job)
         job.strip_space = strip  # type: ignore[attr-defined]
         return job
 

@@ -21,6 +21,7 @@ turning it off would only make the request slower.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,7 +141,7 @@ def parse_sampler_fields(body: Mapping[str, Any]) -> SamplerFields:
     f.presence_penalty = opt_float("presence_penalty")
     seed = opt_int("seed", -1, 2**64 - 1)
     f.seed = None if seed is None or seed < 0 else seed
-    f.logit_bias = _parse_logit_bias(body.get("logit_bias"))
+    f.logit_bias = parse_logit_bias(body.get("logit_bias"))
     f.ignore_eos = get_bool(body, "ignore_eos", False)
     f.grammar = get_str(body, "grammar", None) or None
     f.json_schema = body.get("json_schema")
@@ -157,13 +158,20 @@ def parse_sampler_fields(body: Mapping[str, Any]) -> SamplerFields:
     return f
 
 
-def _parse_logit_bias(raw: Any) -> list[tuple[int | str, float]]:
-    """llama.cpp's two forms: ``[[token, bias], ...]`` or ``{"token": bias}``; a token is an id
-    or a string (all its tokens get the bias); ``false`` bans it."""
+def parse_logit_bias(raw: Any) -> list[tuple[int | str, float]]:
+    """A request's ``logit_bias`` as (token id or text, bias) pairs, from llama.cpp's two forms:
+    ``[[token, bias], ...]`` or ``{"token": bias}`` (the OpenAI form); a token is an id or a string
+    (all its tokens get the bias); ``false`` bans it.
+
+    Raises:
+        RequestError: 400 for another shape, a token that is neither id nor text, a bias that is
+            not a number or ``false``.
+    """
     if raw is None:
         return []
     if isinstance(raw, Mapping):
-        items = [(int(k) if k.lstrip("-").isdigit() else k, v) for k, v in raw.items()]
+        # a key of ASCII digits is a token id (llama.cpp's strtol); any other key is text
+        items = [(int(k) if re.fullmatch(r"-?[0-9]+", k) else k, v) for k, v in raw.items()]
     elif isinstance(raw, list):
         items = []
         for el in raw:
@@ -292,14 +300,24 @@ def resolve_sampling(f: SamplerFields, defaults: SamplingParams, model) -> Sampl
     return SamplingPlan(params, applied, not_applied, notes)
 
 
-def _logit_bias(f: SamplerFields, model) -> dict[int, float]:
+def resolve_logit_bias(pairs: list[tuple[int | str, float]], model) -> dict[int, float]:
+    """``{token id: bias}`` of ``parse_logit_bias``'s pairs; a text's every token gets its bias.
+
+    Raises:
+        RequestError: 400 for a token id outside ``model``'s vocabulary.
+    """
     bias: dict[int, float] = {}
-    for tok, val in f.logit_bias:
+    for tok, val in pairs:
         ids = model.tokenize(tok, add_special=False) if isinstance(tok, str) else [tok]
         for t in ids:
             if not 0 <= t < model.n_vocab:
                 raise RequestError(f'"logit_bias" token id {t} is outside the vocabulary (0..{model.n_vocab - 1})')
             bias[int(t)] = val
+    return bias
+
+
+def _logit_bias(f: SamplerFields, model) -> dict[int, float]:
+    bias = resolve_logit_bias(f.logit_bias, model)
     if f.ignore_eos:
         for t in model.eog_ids:
             bias[int(t)] = -math.inf
