@@ -21,7 +21,7 @@ from .backend.kv import common_prefix
 from .costmodel import CostModel, calibrate
 from .backend.features import FeatureTap, FinalNormTap
 from .drafters import Drafter, DraftMemory, TargetHandle, resolve_drafter
-from .errors import ContextOverflowError, DecodeError, InvalidRequestError
+from .errors import ContextOverflowError, DecodeError, InvalidRequestError, LocalSpecError
 from .generation import Generation, now_us
 from .policy import SpeculationPolicy, TreeShape
 from .request_state import RequestState
@@ -323,6 +323,9 @@ class Engine:
         return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def close(self) -> None:
+        """Free the drafter, the context and (when the engine loaded it) the model. Later
+        requests raise ``LocalSpecError`` ("the engine is closed")."""
+        self._closed = True
         if self.drafter is not None:
             self.drafter.close()
             self.drafter = None
@@ -344,8 +347,12 @@ class Engine:
         A no-op when the workers are fine or the model is local.
 
         Raises:
+            LocalSpecError: the engine is closed.
             RPCError: a worker is still unreachable (the next request tries again).
         """
+        if getattr(self, "_closed", False):
+            raise LocalSpecError("the engine is closed: make a new Engine")
+
         def needed() -> bool:  # the worker lost, or the model reloaded by another user of it
             return self._ctx_generation != self.model.generation or (
                 bool(self.model._rpc_guards) and self.model.lost_worker() is not None

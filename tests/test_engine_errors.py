@@ -40,5 +40,8 @@ def test_a_closed_engine_is_an_error_not_a_crash(model):
     e = Engine(model, drafter="ngram", n_ctx=256, cost_model=fixed_cost_model())
     assert e.generate([2, 9259], max_tokens=2, sampling=SamplingParams.greedy()).finish_reason == "length"
     e.close()
-    with pytest.raises(LocalSpecError, match="closed"):
-        e.generate([2, 9259], max_tokens=2, sampling=SamplingParams.greedy())
+    for call in (lambda: e.generate([2, 9259], max_tokens=2, sampling=SamplingParams.greedy()),
+                 lambda: e.generate("Hi", max_tokens=2), lambda: e.tokenize("Hi"),
+                 lambda: e.generate_batch(["Hi"], max_tokens=2)):  # fmt: skip
+        with pytest.raises(LocalSpecError, match="^the engine is closed: make a new Engine$"):
+            call()
