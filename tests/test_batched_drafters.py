@@ -126,14 +126,29 @@ def _step_counts(sched, count) -> list[tuple[int, int, int]]:
     """Run ``sched`` to the end one step at a time: for each step in which a model drafted,
     ``(requests that drafted, levels of the longest tree, model calls counted by count())``."""
     out = []
+    stats = {id(d.stats): d.stats for d in sched._drafters}.values()  # shared by the slots
+    group = getattr(sched._drafters[0], "hub", None) or getattr(sched._drafters[0], "heads", None)
     while sched.n_active or sched._queue:
-        before = {id(d): d.stats.n_steps for d in sched._drafters}
+        before = sum(s.n_steps for s in stats)
         c0 = count()
         sched.step()
-        drafted = [d for d in sched._drafters if d.stats.n_steps > before[id(d)]]
-        if drafted:
-            out.append((len(drafted), max(len(d.stats.last_level_us) for d in drafted), count() - c0))
+        n_drafted = sum(s.n_steps for s in stats) - before  # one drafted step per request
+        if n_drafted:
+            out.append((n_drafted, len(getattr(group, "last_level_us", ())), count() - c0))
     return out
+
+
+def test_the_slots_share_what_the_policy_learns_of_the_model(shared_model):
+    """A server's slots share the model drafter's ``ModelDraftStats`` (its cost, gain and
+    probe gap), as one engine keeps them over its requests, so that a slot's first request
+    does not probe again a head that the other slots have found not to pay."""
+    for name in ("eagle3", "medusa", "auto"):
+        sched = _scheduler(shared_model, name)
+        try:
+            parts = [d.model if name == "auto" else d for d in sched._drafters]  # auto: its head
+            assert all(p.stats is parts[0].stats for p in parts) and len(parts) == 4, name
+        finally:
+            sched.close()
 
 
 def _scheduler(model, name, **options):

@@ -274,10 +274,13 @@ class ModelDrafter(abc.ABC):
 
     def spawn(self) -> "ModelDrafter":
         """A drafter for another request with the same options, sharing the loaded model
-        (closed with the last of them) and, once attached with the same ``TargetHandle``,
-        the draft context (each tree level of both is one decode)."""
+        (closed with the last of them), what the policy learns of it (``stats``: its cost,
+        its gain, the gap to its next probe, so that a server's slots learn once whether the
+        model pays, as one engine does over its requests) and, once attached with the same
+        ``TargetHandle``, the draft context (each tree level of both is one decode)."""
         new = copy.copy(self)
         new._init_request_state()
+        new.stats = self.stats
         self._family.n_users += 1
         return new
 

@@ -392,11 +392,13 @@ class MedusaDrafter:
 
     def spawn(self) -> "MedusaDrafter":
         """A drafter for another request with the same options, sharing these heads (their
-        weights are loaded once), attached to the same target."""
+        weights are loaded once) and what the policy learns of them (``stats``), attached to
+        the same target."""
         new = object.__new__(MedusaDrafter)
         new.path = self.path
         new.heads = self.heads
         new._init_request_state(self.width, self.fixed_shape)
+        new.stats = self.stats
         new.n_vocab, new.suppress_ids = self.n_vocab, self.suppress_ids
         return new
 
