@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from localspec.bench.specbench import divergence, top2_gap
+from localspec.drafters.level_drafter import ModelDrafter
 from localspec.drafters.tree_expand import DraftCalibration, DraftChildSelector, expand_tree
-from localspec.policy import ModelDraftStats, TreeShape, accepted_length
+from localspec.policy import ModelDraftStats, TreeShape
 from localspec.request_state import RequestState
 from localspec.sampling import SamplingParams
 from localspec.tree import TokenSource, TokenTree, TreeBuilder
@@ -116,6 +117,7 @@ class ScriptedModelDrafter:
         self.extends = 0
         self._limits = (0, 0)
         self._ran = False
+        self.calib = DraftCalibration()
 
     @property
     def model_stats(self):
@@ -144,14 +146,7 @@ class ScriptedModelDrafter:
         self.stats.observe_draft(self.level_us * max(1, depth), len(b), [self.level_us] * max(1, depth))
         return b.build()
 
-    def observe(self, tree, emitted, *, baseline=None):
-        if not self._ran:
-            self.stats.skipped()
-            return
-        self._ran = False
-        if tree.n_nodes > 1:
-            n = accepted_length(tree, emitted)
-            self.stats.observe_accept(n, None if baseline is None else max(0, n - baseline))
+    observe = ModelDrafter.observe  # the real drafters' learning from a step
 
     def close(self):
         pass
