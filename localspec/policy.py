@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -554,6 +554,51 @@ class SpeculationPolicy:
             cost_floor=self._cost_floor,
         )
         return Choice(a.sizes[0], a.expected_tokens, a.expected_rate)
+
+    def keep_base_plan(
+        self,
+        tree: TokenTree,
+        *,
+        max_nodes: int | None = None,
+        t_draft_us: float = 0.0,
+        calibration: "ScoreCalibration | None" = None,
+    ) -> TokenTree:
+        """``tree`` with scores such that its added nodes (``TokenTree.base_score``: the
+        drafting memory's, merged into the n-gram tree) never displace what the first tree
+        alone would have had verified: the nodes ``S`` that ``choose`` picks from the first
+        tree (its scores before the merge) rank above every other node, so the best ``k``
+        nodes contain ``S`` for every ``k >= |S|`` and are ``choose``'s own for ``k <= |S|``.
+
+        ``S`` keeps its first-tree scores; every other node's score is multiplied by one
+        factor ``f <= 1`` (the smallest that puts it below ``S``'s lowest), which keeps their
+        order and scores that never increase down a path. When the first tree alone would
+        verify nothing, the added nodes compete on their own scores (``f = 1``).
+
+        Returns ``tree`` itself when it has no ``base_score``; otherwise a copy without it.
+        """
+        base = tree.base_score
+        if base is None:
+            return tree
+        out = replace(tree, score=np.array(tree.score, dtype=np.float64), base_score=None)
+        m = int(base.size)
+        if m <= 1:
+            return out
+        first = replace(tree.subtree(np.arange(tree.n_nodes) < m), score=base, base_score=None)
+        n = self.choose(first, max_nodes=max_nodes, t_draft_us=t_draft_us, calibration=calibration).n_nodes
+        if n <= 1:
+            return out
+        idx = np.arange(m)
+        keep = np.lexsort((idx, -base))[:n]  # best_subtree's order: score, then lower index
+        chosen = np.zeros(tree.n_nodes, dtype=bool)
+        chosen[keep] = True
+        score = out.score
+        score[:m][chosen[:m]] = base[chosen[:m]]
+        lo = float(score[chosen].min())
+        others = ~chosen
+        hi = float(score[others].max(initial=0.0))
+        if hi >= lo:
+            score[others] *= lo / hi * (1.0 - 1e-9)
+        return out
 
     # -- model drafters -----------------------------------------------------------------------
 

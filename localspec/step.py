@@ -362,7 +362,13 @@ def propose_many(policy: SpeculationPolicy, reqs: Sequence[DraftRequest], *, ada
             out[i] = Proposal(t, t)
             continue
         t0 = now_us()
-        cand = _clip(d, d.propose(r.max_depth, r.max_nodes), r.root, r.max_depth, r.limits)
+        cand = d.propose(r.max_depth, r.max_nodes)
+        if cand.base_score is not None and adaptive:  # the memory's nodes join after the n-grams' plan
+            cand = policy.keep_base_plan(cand, max_nodes=r.max_nodes, t_draft_us=now_us() - t0, calibration=r.calibration)
+            rescored = getattr(d, "use_cheap_tree", None)
+            if rescored is not None:
+                rescored(cand)
+        cand = _clip(d, cand, r.root, r.max_depth, r.limits)
         stats[i] = getattr(d, "model_stats", None)
         plan = policy.plan(
             cand,

@@ -120,6 +120,12 @@ class TokenTree:
         draw_index: [n] int32 for a stochastic node, which i.i.d. draw of its parent's draft
             distribution it is (0 = the first); -1 for deterministic nodes. None: the
             stochastic children of each node were drawn in index order.
+        base_score: [m] float64 (m <= n) or None. Set when a second source merged nodes into
+            a drafter's tree (the drafting memory into the n-gram tree): nodes ``0..m-1`` are
+            the first tree's, with these scores before the merge, and nodes ``m..`` were added.
+            The policy lets the added nodes in only after what the first tree alone would
+            have had verified (``SpeculationPolicy.keep_base_plan``). Not carried by
+            ``subtree`` and the other copies.
     """
 
     token_ids: np.ndarray
@@ -131,6 +137,7 @@ class TokenTree:
     draft_dists: dict[int, np.ndarray] = field(default_factory=dict)
     feature: np.ndarray | None = None
     draw_index: np.ndarray | None = None
+    base_score: np.ndarray | None = None
 
     # -- construction -------------------------------------------------------------------------
 

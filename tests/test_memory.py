@@ -75,6 +75,52 @@ def test_memory_nodes_merge_with_the_requests_own_ngram_tree():
     assert sorted(int(tree.token_ids[c]) for c in tree.children(0)) == [5, 9]
 
 
+def _displacing_memory_case():
+    """A request whose own history says 4 -> 5 6 7 8 twice, and a memory that says, many
+    times over, 4 -> 30 31 32 33 34 35: memory nodes scored above the n-grams' weaker ones."""
+    mem = DraftMemory(1)
+    for _ in range(12):
+        mem.write([2, 3, 4, 30, 31, 32, 33, 34, 35, 36, 37])
+    d = NgramDrafter(memory=mem)
+    d.begin([9, 4, 5, 6, 7, 8, 11, 4, 5, 6, 7, 8, 12, 2, 3, 4])
+    return d
+
+
+def test_memory_nodes_never_displace_what_the_ngram_tree_alone_would_verify():
+    """The memory adds, never displaces (``SpeculationPolicy.keep_base_plan``): the nodes the
+    policy verifies from the n-gram tree alone are among the verified nodes of the merged
+    tree, and the memory's come after them in the order the budget takes nodes."""
+    from localspec.policy import SpeculationPolicy
+    from localspec.step import propose_one
+
+    d = _displacing_memory_case()
+    merged = d.propose(16, 32)
+    assert merged.base_score is not None and merged.n_nodes > merged.base_score.size
+    m = merged.base_score.size
+    first = dataclasses.replace(merged.subtree(np.arange(merged.n_nodes) < m), score=merged.base_score, base_score=None)
+    from localspec.costmodel import CostModel
+
+    # batches priced like this project's 2-core CPU (t(2)/t(1) 1.17): the n-grams alone pay
+    pol = SpeculationPolicy(CostModel({1: 22000.0, 2: 25700.0, 4: 33400.0, 8: 51000.0, 16: 80000.0, 32: 140000.0, 64: 260000.0}))
+    n = pol.choose(first).n_nodes
+    assert 1 < n < m  # the n-gram tree alone verifies some of its nodes, not all
+    want = {tuple(path_tokens(t, i)) for t in [first.best_subtree(n)] for i in range(1, t.n_nodes)}
+    # without the rule the memory's nodes (scored higher) push n-gram ones out of the best n
+    raw_best = merged.best_subtree(n)
+    assert {tuple(path_tokens(raw_best, i)) for i in range(1, raw_best.n_nodes)} != want
+    kept = pol.keep_base_plan(merged)
+    assert kept.base_score is None
+    for k in range(n, kept.n_nodes + 1):
+        best = kept.best_subtree(k)
+        assert want <= {tuple(path_tokens(best, i)) for i in range(1, best.n_nodes)}
+    assert np.all(kept.score[1:] <= kept.score[kept.parents[1:]])  # still path probabilities
+    # and a step verifies those nodes, also when its budget is only as large as they are
+    for budget in (n, 32):
+        prop = propose_one(pol, _displacing_memory_case(), 4, 16, budget)
+        got = {tuple(path_tokens(prop.tree, i)) for i in range(1, prop.tree.n_nodes)}
+        assert want <= got, budget
+
+
 def test_the_request_is_written_when_it_ends_and_an_opted_out_one_leaves_no_trace():
     mem = DraftMemory(1)
     d = make_drafter("ngram", memory=mem)

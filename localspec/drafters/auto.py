@@ -81,6 +81,7 @@ class AutoDrafter:
         self.target_feature_layers = getattr(model, "target_feature_layers", None)
         self.target_final_norm = bool(getattr(model, "target_final_norm", False))  # Medusa heads
         self._ngram_tree: TokenTree | None = None
+        self._cheap_tree: TokenTree | None = None
         self._model_tree: TokenTree | None = None
 
     @property
@@ -127,7 +128,7 @@ class AutoDrafter:
 
     def propose(self, max_depth: int, max_nodes: int) -> TokenTree:
         """The cheap phase: the n-gram tree (no model call)."""
-        self._ngram_tree = self.ngram.propose(max_depth, max_nodes)
+        self._ngram_tree = self._cheap_tree = self.ngram.propose(max_depth, max_nodes)
         self._model_tree = None
         if self.model is not None:
             self.model.propose(max_depth, max_nodes)  # the model's (empty) cheap phase
@@ -138,6 +139,11 @@ class AutoDrafter:
         """The model drafter (``extend_together`` drafts it with other requests' models)."""
         return self.model
 
+    def use_cheap_tree(self, tree: TokenTree) -> None:
+        """This step's n-gram tree as the policy rescored it (``keep_base_plan``): what the
+        model's tree is merged with (the n-grams still learn from the tree they proposed)."""
+        self._cheap_tree = tree
+
     def extend(self, shape) -> TokenTree:
         """The model's tree of ``shape`` merged with this step's n-gram tree."""
         return self.extended(self.model.extend(shape))
@@ -145,7 +151,7 @@ class AutoDrafter:
     def extended(self, model_tree: TokenTree) -> TokenTree:
         """This step's tree from the model's (``model_part``'s ``extend``): merged with the n-gram tree."""
         self._model_tree = model_tree
-        return merge_trees(model_tree, self._ngram_tree)
+        return merge_trees(model_tree, self._cheap_tree)
 
     def spawn(self) -> "AutoDrafter":
         """An auto drafter for another request: its own n-gram drafter (on the same memory),
