@@ -1,25 +1,63 @@
 """Replay the greedy outputs recorded by `localspec bench memory --out REPORT.json` through
-the n-gram drafter with and without a drafting memory, at fixed verification budgets, and
-print the tokens per target call of each (no model, no clock: independent of the machine's
-load). See localspec.bench.memory.replay.
+the n-gram drafter with and without a drafting memory, and print the tokens per target call
+of each (no model, no clock: independent of the machine's load). See
+localspec.bench.memory.replay and replay_policy.
 
     python scripts/memory_replay.py REPORT.json [--budgets 8,16,32] [--json]
+    python scripts/memory_replay.py REPORT.json --costs ~/.cache/localspec/costs.json
+
+With --costs (the cost cache, or a JSON object batch size -> µs), each step verifies what the
+engine's policy chooses on that cost table, and the time column is the policy's own
+estimate of decode time (table + host prior): an estimate, not a measurement.
 """
 
 import argparse
 import json
 
-from localspec.bench.memory import replay
+from localspec.bench.memory import replay, replay_policy
+
+
+def _table(spec: str) -> dict:
+    """PATH (one table) or PATH:KEY (the cost cache's entry KEY)."""
+    path, _, key = spec.partition(":")
+    with open(path) as f:
+        data = json.load(f)
+    if all(k.isdigit() for k in data):
+        return data
+    entries = {k: v["table_us"] for k, v in data.items() if isinstance(v, dict) and "table_us" in v}
+    if key:
+        return entries[key]
+    if len(entries) != 1:
+        raise SystemExit(f"{path}: {len(entries)} cost tables; name one as {path}:KEY ({', '.join(entries)})")
+    return next(iter(entries.values()))
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("report")
     p.add_argument("--budgets", default="8,16,32")
+    p.add_argument("--costs", default=None, metavar="JSON", help="replay the policy on this cost table (PATH or PATH:KEY of the cost cache) instead of fixed budgets")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     with open(a.report) as f:
         workloads = json.load(f)["workloads"]
+    if a.costs:
+        rs = replay_policy(workloads, _table(a.costs))
+        if a.json:
+            print(json.dumps(rs, indent=2))
+            return
+        print("| workload | tokens | calls off | on | tokens/call off | on | est. tok/s off | on | on/off |\n|---|---|---|---|---|---|---|---|---|")
+        tot = {"tokens": 0, "calls_off": 0, "calls_on": 0, "est_us_off": 0.0, "est_us_on": 0.0}
+        for r in rs + [None]:
+            if r is None:
+                r = dict(tot, name="**all**")
+            else:
+                for k in tot:
+                    tot[k] += r[k]
+            off, on = r["tokens"] / r["est_us_off"] * 1e6, r["tokens"] / r["est_us_on"] * 1e6
+            print(f"| {r['name']} | {r['tokens']} | {r['calls_off']} | {r['calls_on']} | {r['tokens'] / r['calls_off']:.2f} "
+                  f"| {r['tokens'] / r['calls_on']:.2f} | {off:.1f} | {on:.1f} | {on / off:.3f} |")
+        return
     rows = {int(b): replay(workloads, budget=int(b)) for b in a.budgets.split(",")}
     if a.json:
         print(json.dumps(rows, indent=2))

@@ -519,6 +519,48 @@ def test_replay_counts_target_calls_with_and_without_memory():
     assert row["calls_on"] < 60 + 60 // 4
 
 
+def test_policy_replay_prices_each_side_with_the_policy_on_a_cost_table():
+    from localspec.bench.memory import replay_policy
+
+    rng = np.random.default_rng(3)
+    out = rng.integers(100, 5000, 60).tolist()
+    reqs = [{"prompt": [1, 2, 3], "output": out}, {"prompt": [1, 2, 4], "output": out}]
+    table = {1: 22000.0, 2: 25700.0, 4: 33400.0, 8: 51000.0, 16: 80000.0, 32: 140000.0, 64: 260000.0}
+    (row,) = replay_policy([{"name": "w", "requests": reqs}], table)
+    assert row["tokens"] == 120 and row["calls_off"] == 120  # nothing to draft without the memory
+    assert row["calls_on"] < 60 + 60 // 2  # the repeat is drafted from the memory
+    # a plain step costs t(1) plus the host prior; the memory's steps cost more each, fewer in all
+    assert row["est_us_off"] > row["est_us_on"] > row["calls_on"] * table[1]
+
+
+def test_humaneval_workload_is_each_problems_prompt_once_without_the_evaluated_ones(tmp_path):
+    import gzip
+
+    from localspec.bench.complete import spread
+    from localspec.bench.memory import humaneval_workload
+
+    rows = []
+    for pid in range(50):
+        for line in range(3):
+            rows.append({"task_id": f"SingleLineInfilling/HumanEval/{pid}/L{line}",
+                         "prompt": f"def f{pid}():\n" + "    x = 1\n" * line, "suffix": "", "canonical_solution": ""})  # fmt: skip
+    path = tmp_path / "he.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(json.dumps(r) for r in rows) + "\n")
+    evaluated = {r["task_id"].split("/")[2] for r in spread(rows, 10)}
+    got = humaneval_workload(path, leave_out_tasks=10)
+    assert got == [f"def f{p}():\n" for p in range(50) if str(p) not in evaluated]
+    assert 0 < len(evaluated) and len(got) == 50 - len(evaluated)
+    assert humaneval_workload(path, 3, leave_out_tasks=10) == got[:3]
+    plain = tmp_path / "HumanEval.jsonl"  # HumanEval's own file: one prompt per problem
+    plain.write_text("".join(json.dumps({"task_id": f"HumanEval/{p}", "prompt": f"def g{p}(): pass\n"}) + "\n" for p in range(4)))
+    assert humaneval_workload(plain) == [f"def g{p}(): pass\n" for p in range(4)]
+    empty = tmp_path / "none.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="no HumanEval problems"):
+        humaneval_workload(empty)
+
+
 def test_the_store_stays_within_its_budget_over_many_requests():
     budget = 0.5
     mem = DraftMemory(budget)
@@ -669,6 +711,13 @@ def test_bench_memory_prompts_cut_every_workload_but_those_given_their_own_count
     assert [(w.name, len(w.items)) for w in ws] == [("code", 3), ("batch", 7), ("editor:prompt.py", 3), ("project:proj", 3)]
     a = build_parser().parse_args(["bench", "memory", "--workloads", "specbench"])
     with pytest.raises(SystemExit, match="needs --dataset"):
+        memory_workloads(a, engine)
+    he = tmp_path / "HumanEval.jsonl"
+    he.write_text("".join(json.dumps({"task_id": f"HumanEval/{p}", "prompt": f"def g{p}():\n"}) + "\n" for p in range(9)))
+    a = build_parser().parse_args(["bench", "memory", "--workloads", "code", "--code-file", str(he), "--prompts", "4"])
+    assert [(w.name, len(w.items)) for w in memory_workloads(a, engine)] == [("code:humaneval", 4)]
+    a = build_parser().parse_args(["bench", "memory", "--workloads", "code", "--code-file", str(tmp_path / "missing.jsonl")])
+    with pytest.raises(SystemExit, match="missing.jsonl"):
         memory_workloads(a, engine)
 
 

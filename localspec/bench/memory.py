@@ -19,6 +19,8 @@ from pathlib import Path
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..drafters.memory import DraftMemory
 from ..drafters.ngram import NgramDrafter
 from ..sampling import SamplingParams
@@ -153,6 +155,41 @@ def code_workload(n: int | None = None) -> list[str]:
 
     qs = [q["turns"][0] for q in load_questions("code")]
     return qs[:n] if n else qs
+
+
+def humaneval_workload(path: str | os.PathLike, n: int | None = None, *, leave_out_tasks: int = 40) -> list[str]:
+    """Code completions of a sequence of Python problems (issue 29's code workload, (a)): the
+    problem prompts (signature and docstring) of a HumanEval file, in problem order.
+
+    ``path`` is HumanEval's ``HumanEval.jsonl(.gz)`` (``prompt`` per problem) or its
+    single-line infilling file (the first task of each problem, ``.../L0``, whose prefix is the
+    problem's prompt). The problems of the tasks that ``localspec bench complete --humaneval``
+    evaluates by default (``leave_out_tasks`` spread over the file) are left out.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it holds no HumanEval problems.
+    """
+    from .complete import load_humaneval_infilling, spread
+
+    rows = load_humaneval_infilling(path)
+
+    def problem(task_id: str) -> str:
+        parts = str(task_id).split("/")
+        return parts[2] if parts[0] == "SingleLineInfilling" and len(parts) > 2 else parts[-1]
+
+    infilling = any(str(r.get("task_id", "")).startswith("SingleLineInfilling/") for r in rows)
+    skip = {problem(r["task_id"]) for r in spread(rows, leave_out_tasks)} if infilling and leave_out_tasks else set()
+    out, seen = [], set()
+    for r in rows:
+        pid = problem(r.get("task_id", ""))
+        if pid in seen or pid in skip or not r.get("prompt"):
+            continue
+        seen.add(pid)
+        out.append(r["prompt"])
+    if not out:
+        raise ValueError(f"{os.fspath(path)}: no HumanEval problems in it")
+    return out[:n] if n else out
 
 
 _FIRST = ("Alice", "Bilal", "Chen", "Dana", "Emeka", "Fatima", "Goran", "Hana", "Ivan", "Julia", "Kofi", "Lea", "Mateo",
@@ -482,6 +519,66 @@ def replay(workloads: Sequence[dict], *, budget: int = 16, max_depth: int = 48, 
                     row[f"calls_{side}"] += measured
         for side in sides:
             row[f"tokens_per_call_{side}"] = row["tokens"] / row[f"calls_{side}"] if row[f"calls_{side}"] else 0.0
+        out.append(row)
+    for d in sides.values():
+        d.close()
+    return out
+
+
+def replay_policy(workloads: Sequence[dict], cost_table_us: dict, *, max_nodes: int = 64, max_depth: int = 48,
+                  budget_mib: float = 64.0) -> list[dict]:  # fmt: skip
+    """``replay`` with the engine's policy instead of fixed budgets: each side has its own
+    ``SpeculationPolicy`` on a ``CostModel`` of ``cost_table_us`` (batch size -> µs of one
+    decode, e.g. a quiet table from the cost cache), and each step verifies what
+    ``propose_one`` chooses (the memory's nodes after the n-grams' plan, the request's score
+    calibration), accepted along the recorded greedy output. The step's time is the policy's
+    own estimate (``step_us``: the table's decode plus its host-time prior), so the result is
+    an estimate of decode time that does not depend on the machine's load, not a measurement.
+
+    Returns:
+        per workload: ``{"name", "tokens", "calls_off", "calls_on", "est_us_off", "est_us_on"}``.
+    """
+    from ..costmodel import CostModel
+    from ..policy import SpeculationPolicy
+    from ..step import propose_one
+
+    mem = DraftMemory(budget_mib)
+    sides = {"off": NgramDrafter(), "on": NgramDrafter(memory=mem)}
+    pols = {k: SpeculationPolicy(CostModel({int(b): float(t) for b, t in cost_table_us.items()}), max_nodes=max_nodes)
+            for k in sides}  # fmt: skip
+    out = []
+    for w in workloads:
+        row = {"name": w["name"], "tokens": 0, "calls_off": 0, "calls_on": 0, "est_us_off": 0.0, "est_us_on": 0.0}
+        for doc in w.get("corpus", ()):
+            mem.write(doc)
+        for req in w["requests"]:
+            output = list(req["output"])
+            measured = req.get("measured", True)
+            row["tokens"] += len(output) * measured
+            for side, d in sides.items():
+                pol = pols[side]
+                pol.begin_request()
+                cal = pol.calibration.for_request()
+                d.begin(req["prompt"], req.get("context", ()))
+                pos = 0
+                while pos < len(output):
+                    root = int(d.index.last()) if hasattr(d.index, "last") else int(d.index.tokens[-1])
+                    prop = propose_one(pol, d, root, max_depth, max_nodes, calibration=cal)
+                    tree = prop.tree
+                    node, emitted, path = 0, [], 0
+                    for tok in output[pos:]:
+                        nxt = next((c for c in tree.children(node) if int(tree.token_ids[c]) == tok), None)
+                        emitted.append(tok)
+                        if nxt is None:
+                            break
+                        node, path = nxt, path + 1
+                    d.observe(prop.candidate, emitted)
+                    d.accept(emitted)
+                    cal.observe(np.asarray(tree.score[1:], dtype=np.float64), path)
+                    pos += len(emitted)
+                    row[f"calls_{side}"] += measured
+                    row[f"est_us_{side}"] += pol.step_us(tree.n_nodes) * measured
+                pol.calibration.end_request(cal)
         out.append(row)
     for d in sides.values():
         d.close()

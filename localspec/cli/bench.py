@@ -89,7 +89,10 @@ def register(sub) -> None:
                          "specbench and turn2 need --dataset and are left out of 'all' without it)")  # fmt: skip
     me.add_argument("--prompts", type=int, default=None, metavar="N",
                     help="at most N measured requests per workload whose own count is not given (a cut-down run)")
-    me.add_argument("--code", type=int, default=None, metavar="N", help="first N code prompts (default all 39)")
+    me.add_argument("--code", type=int, default=None, metavar="N", help="first N code prompts (default all)")
+    me.add_argument("--code-file", default=None, metavar="PATH",
+                    help="code workload from HumanEval problems (HumanEval.jsonl or HumanEval-SingleLineInfilling.jsonl, "
+                         ".gz too), leaving out those `bench complete --humaneval` evaluates; default: the shipped code prompts")  # fmt: skip
     me.add_argument("--batch", type=int, default=None, metavar="N",
                     help="prompts of the batch workload (one instruction, different inputs; default 200)")
     me.add_argument("--dataset", default=None, metavar="FILE",
@@ -259,7 +262,9 @@ def memory_workloads(a: argparse.Namespace, engine, names: list[str] | None = No
     model, out = engine.model, []
     try:
         for w in names:
-            if w == "code":
+            if w == "code" and a.code_file:
+                out.append(bm.Workload("code:humaneval", bm.humaneval_workload(a.code_file, first(a.code, None))))
+            elif w == "code":
                 out.append(bm.Workload("code", bm.code_workload(first(a.code, None))))
             elif w == "batch":
                 out.append(bm.Workload("batch", bm.batch_workload(first(a.batch, 200))))
