@@ -478,6 +478,103 @@ def format_report(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def _accept_along(tree, output: Sequence[int], pos: int) -> tuple[list[int], int]:
+    """Greedy verification of ``tree`` against the recorded ``output[pos:]``: the emitted
+    tokens (the accepted drafts, then the target's own token) and the accepted path's length."""
+    node, emitted = 0, []
+    for tok in output[pos:]:
+        nxt = next((c for c in tree.children(node) if int(tree.token_ids[c]) == tok), None)
+        emitted.append(tok)
+        if nxt is None:
+            break
+        node = nxt
+    return emitted, int(tree.depth[node])
+
+
+class _FixedBudget:
+    """``replay``'s side: the drafter's tree cut to its ``budget`` best nodes, no clock."""
+
+    def __init__(self, budget: int, max_depth: int) -> None:
+        self.budget, self.max_depth = budget, max_depth
+
+    def begin(self) -> None:
+        pass
+
+    def step(self, d: NgramDrafter):
+        full = d.propose(self.max_depth, self.budget)
+        return full, full.best_subtree(self.budget) if full.n_nodes > self.budget else full
+
+    def verified(self, tree, path: int) -> float:
+        return 0.0
+
+    def end(self) -> None:
+        pass
+
+
+class _PolicySide:
+    """``replay_policy``'s side: the engine's policy on a cost table, with the request's
+    score calibration; ``verified`` returns the policy's estimate of the step's time (µs)."""
+
+    def __init__(self, cost_table_us: dict, max_nodes: int, max_depth: int) -> None:
+        from ..costmodel import CostModel
+        from ..policy import SpeculationPolicy
+
+        self.pol = SpeculationPolicy(CostModel({int(b): float(t) for b, t in cost_table_us.items()}), max_nodes=max_nodes)
+        self.max_nodes, self.max_depth, self.cal = max_nodes, max_depth, None
+
+    def begin(self) -> None:
+        self.pol.begin_request()
+        self.cal = self.pol.calibration.for_request()
+
+    def step(self, d: NgramDrafter):
+        from ..step import propose_one
+
+        root = int(d.index.last()) if hasattr(d.index, "last") else int(d.index.tokens[-1])
+        prop = propose_one(self.pol, d, root, self.max_depth, self.max_nodes, calibration=self.cal)
+        return prop.candidate, prop.tree
+
+    def verified(self, tree, path: int) -> float:
+        self.cal.observe(np.asarray(tree.score[1:], dtype=np.float64), path)
+        return self.pol.step_us(tree.n_nodes)
+
+    def end(self) -> None:
+        self.pol.calibration.end_request(self.cal)
+
+
+def _replay(workloads: Sequence[dict], make_side: Callable[[], object], budget_mib: float) -> list[dict]:
+    """Each recorded request through an n-gram drafter without (``off``) and with (``on``) a
+    memory of ``budget_mib`` (the workloads' corpora written to it first), each side choosing
+    its trees as ``make_side()`` says; per workload the target calls and estimated µs."""
+    mem = DraftMemory(budget_mib)
+    sides = {"off": (NgramDrafter(), make_side()), "on": (NgramDrafter(memory=mem), make_side())}
+    out = []
+    for w in workloads:
+        row = {"name": w["name"], "tokens": 0, "calls_off": 0, "calls_on": 0, "est_us_off": 0.0, "est_us_on": 0.0}
+        for doc in w.get("corpus", ()):
+            mem.write(doc)
+        for req in w["requests"]:
+            output = list(req["output"])
+            measured = req.get("measured", True)
+            row["tokens"] += len(output) * measured
+            for side, (d, chooser) in sides.items():
+                chooser.begin()
+                d.begin(req["prompt"], req.get("context", ()))
+                pos = 0
+                while pos < len(output):
+                    cand, tree = chooser.step(d)
+                    emitted, path = _accept_along(tree, output, pos)
+                    d.observe(cand, emitted)  # as the engine does: the tree as proposed
+                    d.accept(emitted)
+                    row[f"est_us_{side}"] += chooser.verified(tree, path) * measured
+                    pos += len(emitted)
+                    row[f"calls_{side}"] += measured
+                chooser.end()
+        out.append(row)
+    for d, _ in sides.values():
+        d.close()
+    return out
+
+
 def replay(workloads: Sequence[dict], *, budget: int = 16, max_depth: int = 48, budget_mib: float = 64.0) -> list[dict]:
     """Tokens per target call of the n-gram drafter with and without a memory, replayed on
     recorded greedy outputs (the ``requests`` of a ``run_memory_bench`` report): at each step
@@ -489,40 +586,12 @@ def replay(workloads: Sequence[dict], *, budget: int = 16, max_depth: int = 48, 
     Returns:
         per workload: ``{"name", "tokens", "calls_off", "calls_on", "tokens_per_call_off", "..._on"}``.
     """
-    mem = DraftMemory(budget_mib)
-    sides = {"off": NgramDrafter(), "on": NgramDrafter(memory=mem)}
-    out = []
-    for w in workloads:
-        row = {"name": w["name"], "tokens": 0, "calls_off": 0, "calls_on": 0}
-        for doc in w.get("corpus", ()):
-            mem.write(doc)
-        for req in w["requests"]:
-            output = list(req["output"])
-            measured = req.get("measured", True)
-            row["tokens"] += len(output) * measured
-            for side, d in sides.items():
-                d.begin(req["prompt"], req.get("context", ()))
-                pos = 0
-                while pos < len(output):
-                    full = d.propose(max_depth, budget)
-                    tree = full.best_subtree(budget) if full.n_nodes > budget else full
-                    node, emitted = 0, []
-                    for tok in output[pos:]:
-                        nxt = next((c for c in tree.children(node) if int(tree.token_ids[c]) == tok), None)
-                        emitted.append(tok)  # the accepted draft, or the target's own token
-                        if nxt is None:
-                            break
-                        node = nxt
-                    d.observe(full, emitted)  # as the engine does: the tree as proposed
-                    d.accept(emitted)
-                    pos += len(emitted)
-                    row[f"calls_{side}"] += measured
-        for side in sides:
+    rows = _replay(workloads, lambda: _FixedBudget(budget, max_depth), budget_mib)
+    for row in rows:
+        del row["est_us_off"], row["est_us_on"]
+        for side in ("off", "on"):
             row[f"tokens_per_call_{side}"] = row["tokens"] / row[f"calls_{side}"] if row[f"calls_{side}"] else 0.0
-        out.append(row)
-    for d in sides.values():
-        d.close()
-    return out
+    return rows
 
 
 def replay_policy(workloads: Sequence[dict], cost_table_us: dict, *, max_nodes: int = 64, max_depth: int = 48,
@@ -538,51 +607,7 @@ def replay_policy(workloads: Sequence[dict], cost_table_us: dict, *, max_nodes: 
     Returns:
         per workload: ``{"name", "tokens", "calls_off", "calls_on", "est_us_off", "est_us_on"}``.
     """
-    from ..costmodel import CostModel
-    from ..policy import SpeculationPolicy
-    from ..step import propose_one
-
-    mem = DraftMemory(budget_mib)
-    sides = {"off": NgramDrafter(), "on": NgramDrafter(memory=mem)}
-    pols = {k: SpeculationPolicy(CostModel({int(b): float(t) for b, t in cost_table_us.items()}), max_nodes=max_nodes)
-            for k in sides}  # fmt: skip
-    out = []
-    for w in workloads:
-        row = {"name": w["name"], "tokens": 0, "calls_off": 0, "calls_on": 0, "est_us_off": 0.0, "est_us_on": 0.0}
-        for doc in w.get("corpus", ()):
-            mem.write(doc)
-        for req in w["requests"]:
-            output = list(req["output"])
-            measured = req.get("measured", True)
-            row["tokens"] += len(output) * measured
-            for side, d in sides.items():
-                pol = pols[side]
-                pol.begin_request()
-                cal = pol.calibration.for_request()
-                d.begin(req["prompt"], req.get("context", ()))
-                pos = 0
-                while pos < len(output):
-                    root = int(d.index.last()) if hasattr(d.index, "last") else int(d.index.tokens[-1])
-                    prop = propose_one(pol, d, root, max_depth, max_nodes, calibration=cal)
-                    tree = prop.tree
-                    node, emitted, path = 0, [], 0
-                    for tok in output[pos:]:
-                        nxt = next((c for c in tree.children(node) if int(tree.token_ids[c]) == tok), None)
-                        emitted.append(tok)
-                        if nxt is None:
-                            break
-                        node, path = nxt, path + 1
-                    d.observe(prop.candidate, emitted)
-                    d.accept(emitted)
-                    cal.observe(np.asarray(tree.score[1:], dtype=np.float64), path)
-                    pos += len(emitted)
-                    row[f"calls_{side}"] += measured
-                    row[f"est_us_{side}"] += pol.step_us(tree.n_nodes) * measured
-                pol.calibration.end_request(cal)
-        out.append(row)
-    for d in sides.values():
-        d.close()
-    return out
+    return _replay(workloads, lambda: _PolicySide(cost_table_us, max_nodes, max_depth), budget_mib)
 
 
 def _rss_kib() -> tuple[int, int]:
