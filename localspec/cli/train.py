@@ -18,8 +18,12 @@ def register(sub) -> None:
         "writes it to --out. Data shards and checkpoints go to --data-dir; rerunning resumes.",
     )
     p.add_argument("--target", default="default", help="target GGUF ('default' = the embedded model)")
-    p.add_argument("--data", nargs="+", required=True, metavar="PATH",
+    p.add_argument("--data", nargs="+", default=[], metavar="PATH",
                    help="text/code files or folders; 'stdlib' = the Python standard library's sources")  # fmt: skip
+    p.add_argument("--self-prompts", type=int, default=0, metavar="N",
+                   help="N chat- and code-like prompts the target writes itself (continuing numbered lists "
+                   "of questions and tasks, seeded by --seed), answered by the target in the chat format")  # fmt: skip
+    p.add_argument("--self-prompt-tokens", type=int, default=160, help="tokens per list continuation of --self-prompts")
     p.add_argument("--out", required=True, help="head GGUF to write")
     p.add_argument("--data-dir", default=None, help="shards, checkpoint and log (default: OUT.work/); reruns resume")
     p.add_argument("--text-tokens", type=int, default=100_000, help="corpus tokens recorded as they are")
@@ -71,6 +75,8 @@ def run_train(a: argparse.Namespace) -> int:
     from ..models.eagle3_gguf import default_target_layers
     from ..models.training.eagle3_train import TrainConfig, train_eagle3
 
+    if not a.data and a.self_prompts <= 0:
+        raise SystemExit("localspec: error: train-eagle3 needs --data PATH... or --self-prompts N")
     target = check_gguf_file(resolve_model(a.target))
     work = Path(a.data_dir or f"{a.out}.work")
     if a.layers:
@@ -85,7 +91,7 @@ def run_train(a: argparse.Namespace) -> int:
             target, work / "data", _sources(a.data), layers,
             max_tokens=a.text_tokens, self_distill=a.self_distill, prompt_tokens=a.prompt_tokens,
             gen_tokens=a.gen_tokens, seq_len=a.seq_len, shard_tokens=a.shard_tokens, seed=a.seed, topk=a.topk, n_seq=a.n_seq,
-            max_shards=a.max_shards,
+            max_shards=a.max_shards, self_prompts=a.self_prompts, self_prompt_tokens=a.self_prompt_tokens,
         )  # fmt: skip
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"localspec: error: {e}") from None

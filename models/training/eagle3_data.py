@@ -540,6 +540,7 @@ def make_plan(
     gen_tokens: int = 256,
     shard_tokens: int = 32768,
     seed: int = 0,
+    chat_prompts: Sequence[Sequence[int]] = (),
 ) -> DataPlan:
     """Cut the corpus into jobs and group them into shards.
 
@@ -553,6 +554,8 @@ def make_plan(
             ``prompt_tokens`` tokens from a random place in a document not used as text).
         gen_tokens: tokens the target generates per prompt.
         shard_tokens: approximate tokens per shard.
+        chat_prompts: further self-distillation prompts as token ids, used as they are (the
+            target's own chat- and code-like requests, ``self_prompts``).
     """
     rng = np.random.default_rng(seed)
     docs = list(texts)
@@ -584,7 +587,7 @@ def make_plan(
                     break
         else:
             break
-    jobs = [("text", c) for c in chunks] + [("gen", p) for p in prompts]
+    jobs = [("text", c) for c in chunks] + [("gen", p) for p in prompts] + [("gen", list(p)) for p in chat_prompts]
     rng.shuffle(jobs)
     shards: list[list[tuple[str, list[int]]]] = [[]]
     size = 0
@@ -597,7 +600,7 @@ def make_plan(
         size += n
     meta = dict(version=PLAN_VERSION, max_tokens=max_tokens, seq_len=seq_len, self_distill=self_distill,
                 prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, seed=seed, n_docs=len(docs),
-                n_text_tokens=n_text, n_prompts=len(prompts))  # fmt: skip
+                n_text_tokens=n_text, n_prompts=len(prompts), n_chat_prompts=len(chat_prompts))  # fmt: skip
     return DataPlan([s for s in shards if s], gen_tokens, meta)
 
 
@@ -668,17 +671,27 @@ def prepare_data(
 
     ``plan_args`` go to ``make_plan`` (and ``topk``, ``n_seq``, ``n_threads``, ``progress``,
     ``max_shards``, ``deadline`` to ``extract``). A plan already in ``data_dir`` is reused, whatever the arguments.
+
+    ``self_prompts`` (a ``plan_args`` key, default 0): that many chat- and code-like prompts
+    the target writes itself (``self_prompts.harvest_prompts``, seeded by ``seed``), answered
+    by the target like the other self-distillation prompts; the harvest is saved as
+    ``self_prompts.json`` beside the plan. ``self_prompt_tokens``: tokens per list continuation.
     """
     from localspec.backend import Model
 
     ex_args = {k: plan_args.pop(k) for k in ("topk", "n_seq", "n_threads", "progress", "max_shards", "deadline")
                if k in plan_args}  # fmt: skip
+    n_self = int(plan_args.pop("self_prompts", 0) or 0)
+    self_tokens = int(plan_args.pop("self_prompt_tokens", 160))
     d = Path(data_dir)
     d.mkdir(parents=True, exist_ok=True)
     plan_path = d / "plan.npz"
     if plan_path.exists():
         plan = DataPlan.load(plan_path)
     else:
+        if n_self > 0:
+            plan_args["chat_prompts"] = harvest_chat_prompts(target, d / "self_prompts.json", n_self,
+                                                             seed=plan_args.get("seed", 0), max_tokens=self_tokens)  # fmt: skip
         m = Model(target, vocab_only=True)
         try:
             plan = make_plan(m, iter_text_files(sources), **plan_args)
@@ -689,3 +702,28 @@ def prepare_data(
     if plan.meta.get("layers") != [int(k) for k in layers]:
         raise ValueError(f"{d} holds features of layers {plan.meta.get('layers')}, not {list(layers)}: use another --data-dir")
     return extract(target, d, plan, layers, **ex_args)
+
+
+def harvest_chat_prompts(target, out: Path, n: int, *, seed: int = 0, max_tokens: int = 160) -> list[list[int]]:
+    """``n`` prompts the target writes itself (``self_prompts.harvest_prompts``), saved to
+    ``out`` (JSON: prompts, kinds, rounds) and returned as chat-formatted token ids
+    (``self_prompts.chat_prompt_tokens``). An existing ``out`` is reused."""
+    from localspec import Engine
+    from localspec.costmodel import CostModel
+
+    from .self_prompts import chat_prompt_tokens, harvest_prompts
+
+    eng = Engine(target, drafter=None, cost_model=CostModel({1: 1000.0}), n_ctx=1024)
+    try:
+        if out.exists():
+            prompts = json.loads(out.read_text())["prompts"]
+        else:
+            h = harvest_prompts(eng, n, seed=seed, max_tokens=max_tokens)
+            tmp = out.with_suffix(".tmp")
+            tmp.write_text(json.dumps(dict(seed=seed, rounds=h.rounds, generated_tokens=h.generated_tokens,
+                                           prompts=h.prompts, kinds=h.kinds), indent=1))  # fmt: skip
+            os.replace(tmp, out)
+            prompts = h.prompts
+        return [chat_prompt_tokens(eng.model, p) for p in prompts]
+    finally:
+        eng.close()
