@@ -51,6 +51,12 @@ def register(sub) -> None:
     p.add_argument("--n-seq", type=int, default=32, help="self-distillation sequences generated together")
     p.add_argument("--more-data", nargs="*", default=[], metavar="DIR",
                    help="also train on the shards of these folders (other --data-dir runs' data/ folders)")  # fmt: skip
+    p.add_argument("--from-usage", default=None, metavar="DIR",
+                   help="continue training a head (--head, default: the shipped one) on what chat/serve "
+                   "--record-usage DIR recorded: the target's features and draft-vocabulary targets are "
+                   "recorded over those tokens first (teacher-forced); --data and --self-prompts are not used")  # fmt: skip
+    p.add_argument("--head", default=None, metavar="GGUF",
+                   help="with --from-usage: the head to continue (default: the head shipped for the target)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run_train)
 
@@ -73,11 +79,15 @@ def run_train(a: argparse.Namespace) -> int:
     from ..models import resolve_model
     from ..models.training.eagle3_data import prepare_data, shard_paths
     from ..models.eagle3_gguf import default_target_layers
-    from ..models.training.eagle3_train import TrainConfig, train_eagle3
+    from ..models.training.eagle3_train import train_eagle3
 
-    if not a.data and a.self_prompts <= 0:
-        raise SystemExit("localspec: error: train-eagle3 needs --data PATH... or --self-prompts N")
+    if not a.data and a.self_prompts <= 0 and not a.from_usage:
+        raise SystemExit("localspec: error: train-eagle3 needs --data PATH..., --self-prompts N or --from-usage DIR")
+    if a.head and not a.from_usage:
+        raise SystemExit("localspec: error: --head continues a head on --from-usage DIR; give both")
     target = check_gguf_file(resolve_model(a.target))
+    if a.from_usage:
+        return _train_from_usage(a, target)
     work = Path(a.data_dir or f"{a.out}.work")
     if a.layers:
         layers = tuple(int(x) for x in a.layers.split(","))
@@ -98,26 +108,81 @@ def run_train(a: argparse.Namespace) -> int:
     if a.data_only:
         print(f"{len(shards)} shards in {work / 'data'}")
         return 0
-    cfg = TrainConfig(
-        steps=a.steps, batch=a.batch, seq_len=a.window, unroll=a.unroll, lr=a.lr, vocab_size=a.vocab_size,
-        device=a.device, bf16=not a.no_bf16, seed=a.seed, loss_frac=a.loss_frac,
-        head=dict(n_head=4, n_head_kv=1, head_dim=128, n_ff=a.n_ff),
-    )  # fmt: skip
+    cfg = _config(a)
     for d in a.more_data:
         more = shard_paths(d)
         if not more:
             raise SystemExit(f"localspec: error: no shards in {d}")
         shards = shards + more
     res = train_eagle3(target, shards, work, a.out, cfg, target_layers=layers, matrix_dtype=a.matrix_type)
+    return _report(a, res)
+
+
+def _config(a: argparse.Namespace):
+    from ..models.training.eagle3_train import TrainConfig
+
+    return TrainConfig(
+        steps=a.steps, batch=a.batch, seq_len=a.window, unroll=a.unroll, lr=a.lr, vocab_size=a.vocab_size,
+        device=a.device, bf16=not a.no_bf16, seed=a.seed, loss_frac=a.loss_frac,
+        head=dict(n_head=4, n_head_kv=1, head_dim=128, n_ff=a.n_ff),
+    )  # fmt: skip
+
+
+def _train_from_usage(a: argparse.Namespace, target) -> int:
+    """``--from-usage DIR``: teacher-forced recording over the usage tokens, then training
+    continued from the head (its layers and draft vocabulary)."""
+    from ..models.eagle3_gguf import read_eagle3_gguf
+    from ..models.eagle3_heads import shipped_head
+    from ..models.training.eagle3_data import record_usage
+    from ..models.training.eagle3_train import train_eagle3
+
+    head = a.head or shipped_head(target)
+    if head is None:
+        raise SystemExit(f"localspec: error: no head ships for {target}; give the head to continue with --head GGUF")
+    work = Path(a.data_dir or f"{a.out}.work")
+    try:
+        head_cfg, w = read_eagle3_gguf(head)
+        shards = record_usage(target, a.from_usage, work / "usage-data", head_cfg.target_layers, w.d2t,
+                              seq_len=a.seq_len, topk=a.topk)  # fmt: skip
+        if a.data_only:
+            print(f"{len(shards)} shards in {work / 'usage-data'}")
+            return 0
+        res = train_eagle3(target, shards, work, a.out, _config(a), target_layers=head_cfg.target_layers,
+                           matrix_dtype=a.matrix_type, init_head=head)  # fmt: skip
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"localspec: error: {e}") from None
+    return _report(a, res)
+
+
+def _report(a: argparse.Namespace, res) -> int:
+    """Print the result: sizes and times, then accuracy per unroll step, training (the last
+    logged steps) beside held-out (sequences never trained on)."""
     info = dict(
         out=str(res.gguf), size_mib=round(res.gguf.stat().st_size / 2**20, 2), steps=res.steps,
         train_tokens=res.n_train_tokens, vocab_coverage=round(res.vocab_coverage, 4),
         val_accuracy=[round(x, 4) for x in res.val_accuracy], train_accuracy=[round(x, 4) for x in res.train_accuracy],
         wall_s=round(res.wall_s, 1),
     )  # fmt: skip
+    if res.val_by_source:
+        info["val_by_source"] = res.val_by_source
     if a.json:
         print(json.dumps(info))
-    else:
-        for k, v in info.items():
+        return 0
+    for k, v in info.items():
+        if k not in ("val_accuracy", "train_accuracy", "val_by_source"):
             print(f"{k:16s} {v}")
+    print(per_step_table(res.train_accuracy, res.val_accuracy, res.val_by_source))
     return 0
+
+
+def per_step_table(train: list[float], val: list[float], by_source: dict | None = None) -> str:
+    """Accuracy per unroll step (0 .. n-1) as text: one row for training, one for held-out
+    data, one per held-out source; ``-`` where a row has no value for a step (no held-out
+    sequences: fewer than 21 recorded)."""
+    rows = [("train", train), ("held-out", val)] + [(f"held-out {k}", d["acc"]) for k, d in (by_source or {}).items()]
+    n = max((len(r) for _, r in rows), default=0)
+    head = f"{'unroll step':16s}" + "".join(f"{k:>8d}" for k in range(n))
+    lines = [head]
+    for name, r in rows:
+        lines.append(f"{name:16s}" + "".join(f"{r[k]:8.4f}" if k < len(r) else f"{'-':>8s}" for k in range(n)))
+    return "\n".join(lines)

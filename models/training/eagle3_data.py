@@ -727,3 +727,95 @@ def harvest_chat_prompts(target, out: Path, n: int, *, seed: int = 0, max_tokens
         return [chat_prompt_tokens(eng.model, p) for p in prompts]
     finally:
         eng.close()
+
+
+# -- learning from use ---------------------------------------------------------------------
+
+
+def usage_plan(usage_dir: str | os.PathLike, n_vocab: int, *, seq_len: int = 512, min_tokens: int = 16) -> DataPlan:
+    """The token sequences ``localspec.usage.UsageLog`` recorded in ``usage_dir`` as a plan of
+    text chunks (each sequence cut into pieces of at most ``seq_len`` tokens; pieces shorter
+    than ``min_tokens`` dropped), one shard per usage shard. ``meta["digest"]`` identifies
+    the data (SHA-256 of the chunks).
+
+    Raises:
+        FileNotFoundError: no usage shards in ``usage_dir``.
+        ValueError: no chunk fits the target (``n_vocab``) and ``min_tokens``.
+    """
+    import hashlib
+
+    from localspec.usage import usage_shards
+
+    files = usage_shards(usage_dir)
+    if not files:
+        raise FileNotFoundError(f"no recorded usage in {usage_dir} (chat/serve --record-usage DIR writes it)")
+    h = hashlib.sha256()
+    shards: list[list[tuple[str, list[int]]]] = []
+    n_seq = n_skipped = 0
+    for f in files:
+        with np.load(f) as z:
+            lengths, tokens = z["lengths"], z["tokens"]
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        jobs = []
+        for i in range(lengths.size):
+            seq = tokens[starts[i] : starts[i + 1]]
+            if seq.size and (seq.min() < 0 or seq.max() >= n_vocab):
+                n_skipped += 1  # recorded with another vocabulary
+                continue
+            n_seq += 1
+            for i0 in range(0, seq.size, seq_len):
+                piece = seq[i0 : i0 + seq_len]
+                if piece.size >= min_tokens:
+                    jobs.append(("text", piece.tolist()))
+                    h.update(piece.astype(np.int32).tobytes())
+        if jobs:
+            shards.append(jobs)
+    if not shards:
+        raise ValueError(f"no usable sequences in {usage_dir} ({n_skipped} recorded with another vocabulary)")
+    meta = dict(version=PLAN_VERSION, usage=str(usage_dir), seq_len=seq_len, n_sequences=n_seq,
+                n_skipped=n_skipped, digest=h.hexdigest())  # fmt: skip
+    return DataPlan(shards, 0, meta)
+
+
+def record_usage(
+    target,
+    usage_dir: str | os.PathLike,
+    data_dir: str | os.PathLike,
+    layers: Sequence[int],
+    d2t: np.ndarray,
+    *,
+    seq_len: int = 512,
+    topk: int = 8,
+    n_threads: int | None = None,
+    progress: bool = True,
+    deadline: float | None = None,
+) -> list[Path]:
+    """Teacher-forced features and draft-vocabulary targets (``TeacherForcedRecorder``) of
+    the recorded usage in ``usage_dir``, as training shards in ``data_dir`` (resumable like
+    ``record_text_plan``). ``data_dir`` is emptied first when it holds another recording
+    (other usage data, layers or draft vocabulary).
+    """
+    from localspec.backend import Model
+
+    m = Model(target, vocab_only=True)
+    try:
+        plan = usage_plan(usage_dir, m.n_vocab, seq_len=seq_len)
+    finally:
+        m.close()
+    plan.meta["layers"] = [int(k) for k in layers]
+    d = Path(data_dir)
+    plan_path = d / "plan.npz"
+    d2t = np.asarray(d2t, dtype=np.int64)
+    if plan_path.exists():
+        old = DataPlan.load(plan_path)
+        same_d2t = (d / "d2t.npy").exists() and np.array_equal(np.load(d / "d2t.npy"), d2t)
+        if old.meta.get("digest") != plan.meta["digest"] or old.meta.get("layers") != plan.meta["layers"] or not same_d2t:
+            for p in shard_paths(d):
+                p.unlink()
+            (d / "d2t.npy").unlink(missing_ok=True)
+            plan_path.unlink()
+    d.mkdir(parents=True, exist_ok=True)
+    if not plan_path.exists():
+        plan.save(plan_path)
+    return record_text_plan(target, d, plan, layers, d2t, topk=topk, n_threads=n_threads, progress=progress,
+                            deadline=deadline)  # fmt: skip
