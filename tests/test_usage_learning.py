@@ -145,3 +145,14 @@ def test_a_head_round_trips_through_load_weights(model_path):
     for name in ("fc", "wq", "w_down", "output", "output_norm"):
         np.testing.assert_allclose(getattr(back, name), getattr(w, name), rtol=1e-6, atol=1e-6)
     assert tt.n_embd == cfg.n_embd and isinstance(head.fc.weight, torch.nn.Parameter)
+
+
+def test_per_step_table_puts_training_beside_held_out():
+    from localspec.cli.train import per_step_table
+
+    t = per_step_table([0.8, 0.7], [0.5, 0.4], {"generated": {"n_seq": 3, "acc": [0.6, 0.5]}}).splitlines()
+    assert t[0].split() == ["unroll", "step", "0", "1"]
+    assert t[1].split() == ["train", "0.8000", "0.7000"]
+    assert t[2].split() == ["held-out", "0.5000", "0.4000"]
+    assert t[3].split() == ["held-out", "generated", "0.6000", "0.5000"]
+    assert per_step_table([0.8], []).splitlines()[2].split() == ["held-out", "-"]
