@@ -156,3 +156,24 @@ def test_per_step_table_puts_training_beside_held_out():
     assert t[2].split() == ["held-out", "0.5000", "0.4000"]
     assert t[3].split() == ["held-out", "generated", "0.6000", "0.5000"]
     assert per_step_table([0.8], []).splitlines()[2].split() == ["held-out", "-"]
+
+
+def test_bad_usage_arguments_are_one_line_errors(tmp_path, model_path):
+    import argparse
+
+    from localspec.cli.common import usage_log_from_args
+    from localspec.cli.main import main
+
+    with pytest.raises(SystemExit, match="needs --data PATH..., --self-prompts N or --from-usage DIR"):
+        main(["train-eagle3", "--out", str(tmp_path / "h.gguf")])
+    with pytest.raises(SystemExit, match="--head continues a head on --from-usage DIR"):
+        main(["train-eagle3", "--data", "stdlib", "--head", "x.gguf", "--out", str(tmp_path / "h.gguf")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no recorded usage in"):
+        main(["train-eagle3", "--from-usage", str(tmp_path / "empty"), "--out", str(tmp_path / "h.gguf")])
+    a = argparse.Namespace(record_usage=str(tmp_path / "u"), record_usage_mib=8.0, no_draft_memory=True)
+    with pytest.raises(SystemExit, match="choose one"):
+        usage_log_from_args(a)
+    a.no_draft_memory, a.record_usage_mib = False, -1.0
+    with pytest.raises(SystemExit, match="bound must be > 0 MiB"):
+        usage_log_from_args(a)

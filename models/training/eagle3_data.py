@@ -690,8 +690,9 @@ def prepare_data(
         plan = DataPlan.load(plan_path)
     else:
         if n_self > 0:
-            plan_args["chat_prompts"] = harvest_chat_prompts(target, d / "self_prompts.json", n_self,
-                                                             seed=plan_args.get("seed", 0), max_tokens=self_tokens)  # fmt: skip
+            plan_args["chat_prompts"] = harvest_chat_prompts(
+                target, d / "self_prompts.json", n_self, seed=plan_args.get("seed", 0), max_tokens=self_tokens,
+                deadline=ex_args.get("deadline"))  # fmt: skip
         m = Model(target, vocab_only=True)
         try:
             plan = make_plan(m, iter_text_files(sources), **plan_args)
@@ -704,10 +705,11 @@ def prepare_data(
     return extract(target, d, plan, layers, **ex_args)
 
 
-def harvest_chat_prompts(target, out: Path, n: int, *, seed: int = 0, max_tokens: int = 160) -> list[list[int]]:
-    """``n`` prompts the target writes itself (``self_prompts.harvest_prompts``), saved to
-    ``out`` (JSON: prompts, kinds, rounds) and returned as chat-formatted token ids
-    (``self_prompts.chat_prompt_tokens``). An existing ``out`` is reused."""
+def harvest_chat_prompts(target, out: Path, n: int, *, seed: int = 0, max_tokens: int = 160,
+                         deadline: float | None = None) -> list[list[int]]:  # fmt: skip
+    """``n`` prompts the target writes itself (``self_prompts.harvest_prompts``; fewer when
+    ``deadline`` passes first), saved to ``out`` (JSON: prompts, kinds, rounds) and returned as
+    chat-formatted token ids (``self_prompts.chat_prompt_tokens``). An existing ``out`` is reused."""
     from localspec import Engine
     from localspec.costmodel import CostModel
 
@@ -718,7 +720,7 @@ def harvest_chat_prompts(target, out: Path, n: int, *, seed: int = 0, max_tokens
         if out.exists():
             prompts = json.loads(out.read_text())["prompts"]
         else:
-            h = harvest_prompts(eng, n, seed=seed, max_tokens=max_tokens)
+            h = harvest_prompts(eng, n, seed=seed, max_tokens=max_tokens, deadline=deadline)
             tmp = out.with_suffix(".tmp")
             tmp.write_text(json.dumps(dict(seed=seed, rounds=h.rounds, generated_tokens=h.generated_tokens,
                                            prompts=h.prompts, kinds=h.kinds), indent=1))  # fmt: skip

@@ -20,6 +20,7 @@ code-like requests.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -104,6 +105,7 @@ def harvest_prompts(
     temperature: float = 0.9,
     seeds: Sequence[Seed] = SEEDS,
     max_rounds: int | None = None,
+    deadline: float | None = None,
 ) -> Harvest:
     """Have the target write ``n`` distinct prompts by continuing numbered lists.
 
@@ -117,6 +119,7 @@ def harvest_prompts(
             continuation stops at this length.
         temperature: sampling temperature (0 = greedy; then only the examples vary a round).
         max_rounds: stop after this many rounds over ``seeds`` (default: ``4 * n`` continuations).
+        deadline: ``time.time()`` after which no further continuation starts (fewer prompts).
     Raises:
         ValueError: ``n`` < 1 or no seeds.
     """
@@ -134,6 +137,8 @@ def harvest_prompts(
     limit = max_rounds if max_rounds is not None else max(1, -(-4 * n // len(seeds)))
     while len(prompts) < n and rounds < limit:
         for j, s in enumerate(seeds):
+            if deadline is not None and time.time() >= deadline:
+                return Harvest(prompts, kinds, rounds, n_tok)
             pool = by_seed[j]
             k = min(EXAMPLES, len(pool))
             examples = [pool[int(i)] for i in rng.choice(len(pool), size=k, replace=False)] if k else []
