@@ -5,8 +5,9 @@ local folder for ``localspec train-eagle3 --from-usage DIR`` (docs/eagle3-traini
 batch scheduler) a ``UsageLog``; each finished request's tokens (prompt and output) are added
 to it, unless the request opted out of the drafting memory (``SamplingParams.draft_memory``
 False: the OpenAI field ``draft_memory: false``, or ``--no-draft-memory``), which keeps it out
-of this log too. A chat turn's prompt holds the earlier turns, so a request whose tokens
-extend the previous one's replaces it.
+of this log too. A chat turn's prompt holds the earlier turns (an editor's next completion
+the text before), so a request whose prompt starts with the previous request's prompt
+replaces it while it is pending (not yet written).
 
 Storage: ``shard-NNNNN.npz`` files in the shard format of ``models.training.eagle3_data``
 (``lengths``, ``n_prompt``, ``tokens``) with no features (``feats`` of width 0) and a
@@ -81,9 +82,9 @@ class UsageLog:
             return
         with self._lock:
             if self._pending:
-                last = self._pending[-1][0]
-                if last.size <= toks.size and np.array_equal(toks[: last.size], last):
-                    self._pending.pop()  # the next turn of the same conversation
+                last, last_prompt, _ = self._pending[-1]
+                if last_prompt <= n_prompt and np.array_equal(toks[:last_prompt], last[:last_prompt]):
+                    self._pending.pop()  # the next turn of the same conversation (or keystroke of an edit)
             self._pending.append((toks, int(n_prompt), bool(greedy)))
             self.n_recorded += 1
             if sum(t.size for t, _, _ in self._pending) >= self.flush_tokens:

@@ -33,10 +33,12 @@ def test_a_later_turn_replaces_the_pending_earlier_one_and_bad_bounds_are_refuse
     log.add([1, 2, 3, 4], 2, greedy=True)
     log.add([1, 2, 3, 4, 5, 6], 5, greedy=True)  # the same conversation, one turn on
     log.add([7, 8, 9], 1, greedy=False)
+    log.add([7, 8, 1], 2, greedy=False)  # an edit: the previous prompt, one token on, a new completion
     log.add([10, 11, 12], 1, greedy=True, allowed=False)
+    log.add([7, 2, 2], 1, greedy=True)  # the same first token, another prompt
     assert usage_shards(tmp_path) == []  # nothing written before the flush
     log.close()
-    assert _sequences(tmp_path) == [([1, 2, 3, 4, 5, 6], 5, True), ([7, 8, 9], 1, False)]
+    assert _sequences(tmp_path) == [([1, 2, 3, 4, 5, 6], 5, True), ([7, 8, 1], 2, False), ([7, 2, 2], 1, True)]
     assert log.n_skipped == 1
     with pytest.raises(ValueError, match="> 0 MiB"):
         UsageLog(tmp_path, max_mib=0)
@@ -177,3 +179,49 @@ def test_bad_usage_arguments_are_one_line_errors(tmp_path, model_path):
     a.no_draft_memory, a.record_usage_mib = False, -1.0
     with pytest.raises(SystemExit, match="bound must be > 0 MiB"):
         usage_log_from_args(a)
+
+
+def test_localspec_serve_record_usage_keeps_requests_but_not_opted_out_ones(model_path, model, tmp_path):
+    """The command itself: `localspec serve --record-usage DIR` as a process; the OpenAI
+    client's requests are in DIR after the server stops, a `draft_memory: false` one is not."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    openai = pytest.importorskip("openai")
+    folder = tmp_path / "usage"
+    cmd = [sys.executable, "-m", "localspec", "serve", "--port", "0", "--drafter", "ngram", "--parallel", "2",
+           "--ctx-per-request", "256", "-m", str(model_path), "-t", "1", "--record-usage", str(folder),
+           "--record-usage-mib", "1"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
+    reader.start()
+    watchdog = threading.Timer(900, proc.kill)  # a hung process fails the test instead of the run
+    watchdog.start()
+    try:
+        line = proc.stdout.readline()
+        assert "listening on " in line, (line, "".join(err))
+        url = line.split("listening on ", 1)[1].split(" ")[0].strip()
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        kept = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=6, temperature=0)
+        client.completions.create(model="m", prompt=PROMPTS[1], max_tokens=6, temperature=0,
+                                  extra_body={"draft_memory": False})  # fmt: skip
+    finally:
+        watchdog.cancel()
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        reader.join(30)
+    seqs = _sequences(folder)
+    prompt = model.tokenize(PROMPTS[0])
+    assert len(seqs) == 1, "".join(err)
+    seq, n_prompt, greedy = seqs[0]
+    assert seq[: len(prompt)] == prompt and n_prompt == len(prompt) and greedy
+    assert len(seq) == len(prompt) + kept.usage.completion_tokens
+    assert model.detokenize(seq[len(prompt) :]) == kept.choices[0].text
