@@ -422,7 +422,8 @@ def train_eagle3(
             ``target_layers`` and ``d2t`` (a checkpoint in ``work_dir`` still wins).
     Validation accuracies are reported over all held-out sequences and per source
     (``val_by_source``: ``generated`` = shards with full-vocabulary targets, ``text`` =
-    teacher-forced text whose top-1 is the draft vocabulary's best).
+    teacher-forced text whose top-1 is the draft vocabulary's best; and, when the shards come
+    from several folders, ``"NAME/"`` per folder, e.g. the recipe's ``gen/``, ``chat/``, ``text/``).
     Raises:
         ValueError: no data, or a checkpoint made for other data/settings.
     """
@@ -540,8 +541,11 @@ def train_eagle3(
     save()
     val_acc = evaluate(model, sampler, val, cfg, device)
     by_source = {}
-    for name, flag in (("generated", False), ("text", True)):
-        part = [(s, i) for s, i in val if shards[s].restricted == flag]
+    folders = [Path(p).parent.name for p in shard_files]
+    parts = [(name, [(s, i) for s, i in val if shards[s].restricted == flag]) for name, flag in (("generated", False), ("text", True))]
+    if len(set(folders)) > 1:
+        parts += [(f"{f}/", [(s, i) for s, i in val if folders[s] == f]) for f in dict.fromkeys(folders)]
+    for name, part in parts:
         if part and len(part) < len(val):
             by_source[name] = dict(n_seq=len(part), acc=np.round(evaluate(model, sampler, part, cfg, device), 4).tolist())
     log_f.write(json.dumps(dict(step=step, val_acc=np.round(val_acc, 4).tolist(), coverage=vocab.coverage,
