@@ -17,7 +17,9 @@ from localspec.models.training.self_prompts import (  # noqa: E402
     chat_prompt_tokens,
     harvest_prompts,
     item_key,
+    near_duplicate,
     split_items,
+    word_set,
 )
 
 LAYERS = (2, 9, 15)
@@ -29,6 +31,10 @@ def test_split_items_and_keys():
     assert split_items("no numbers here") == []
     assert item_key("  What IS a   list? ") == item_key("what is a list")
     assert item_key("what is a list") != item_key("what is a set")
+    runs = [word_set("How to run a shell script?")]
+    assert near_duplicate(word_set("How do I run a shell script?"), runs)
+    assert not near_duplicate(word_set("How do I undo a git commit?"), runs)
+    assert not near_duplicate(word_set("How do I run a shell script?"), [])
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +54,8 @@ def test_harvest_is_new_deduplicated_and_seeded(engine):
     assert set(a.kinds) <= {"question", "code"}
     keys = [item_key(p) for p in a.prompts]
     assert len(set(keys)) == len(keys)
+    for i, (p, kind) in enumerate(zip(a.prompts, a.kinds)):  # no near repeat of an earlier prompt of its kind
+        assert not near_duplicate(word_set(p), [word_set(q) for q, k in zip(a.prompts[:i], a.kinds) if k == kind])
     seed_text = " ".join(item_key(s.header) for s in SEEDS)
     assert all(k not in seed_text for k in keys)  # written by the model, not copied from the headers
     assert _harvest(engine, seed=3).prompts == a.prompts  # the same seed: the same prompts

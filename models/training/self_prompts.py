@@ -3,11 +3,12 @@
 A head trained only on documents drafts poorly where users ask questions. The base model can
 write such questions itself: given the beginning of a numbered list ("Questions people ask an
 assistant:\\n1."), it continues the list. ``harvest_prompts`` does so for a few hand-written
-list headers (``SEEDS``: questions, Python / shell tasks, writing, maths, translation,
-summarising) in rounds: each round continues every header with seeded sampling, splits the
-continuation into its numbered items, keeps the new ones (deduplicated case- and
-whitespace-insensitively) and shows up to ``EXAMPLES`` items harvested for that header so far
-as the list's first entries in the next round, so that later rounds vary. No evaluation set
+list headers (``SEEDS``: general, advice and school questions, Python / shell / debugging
+tasks, writing and editing, brainstorming, maths, translation, summarising) in rounds: each round continues every header with seeded sampling, splits the
+continuation into its numbered items, keeps the new ones (dropping exact repeats, ignoring
+case and whitespace, and near repeats of a prompt of the same kind: ``near_duplicate``,
+word-set Jaccard similarity >= 0.6) and shows up to ``EXAMPLES`` items harvested for that
+header so far as the list's first entries in the next round, so that later rounds vary. No evaluation set
 (Spec-Bench, HumanEval) is read; the only fixed text is ``SEEDS``.
 
 The prompts are then answered by the target (the self-distillation path of
@@ -42,8 +43,12 @@ SEEDS: tuple[Seed, ...] = (
     Seed("Writing requests (emails, stories, poems, cover letters):\n", "writing"),
     Seed("Maths word problems for students:\n", "maths"),
     Seed("Sentences people ask to have translated:\n", "translation"),
-    Seed("Requests to summarise or explain a topic:\n", "summary"),
+    Seed("Requests people send to an assistant to summarise or explain something:\n", "summary"),
     Seed("Everyday advice questions (health, cooking, travel, money):\n", "question"),
+    Seed("Questions students ask about science, history and geography:\n", "question"),
+    Seed("Questions programmers ask about bugs, error messages and libraries:\n", "code"),
+    Seed("Things people ask an assistant to do with their text (rewrite, shorten, fix the grammar):\n", "writing"),
+    Seed("Ideas people ask an assistant to brainstorm (names, gifts, plans, recipes):\n", "writing"),
 )
 EXAMPLES = 3  # harvested items shown as a header's first entries in later rounds
 _ITEM = re.compile(r"(?:^|\n)\s*(\d{1,3})[.)]\s+")
@@ -66,10 +71,31 @@ def item_key(item: str) -> str:
     return " ".join(item.casefold().split()).rstrip(" .?!:;")
 
 
+_WORD = re.compile(r"\w+")
+NEAR_DUPLICATE = 0.6  # word-set Jaccard similarity at which a prompt repeats an earlier one
+
+
+def word_set(item: str) -> frozenset[str]:
+    """The case-folded words of a prompt (what ``near_duplicate`` compares)."""
+    return frozenset(_WORD.findall(item.casefold()))
+
+
+def near_duplicate(words: frozenset[str], earlier: Sequence[frozenset[str]], threshold: float = NEAR_DUPLICATE) -> bool:
+    """Whether a prompt's ``words`` share at least ``threshold`` of their union with those of
+    an earlier prompt (Jaccard): "How do I run a shell script?" repeats "How to run a shell
+    script?" (5 of 8 words), "What is your favorite type of music?" repeats "... kind of
+    music?" (6 of 8)."""
+    for w in earlier:
+        inter = len(words & w)
+        if inter and inter >= threshold * (len(words) + len(w) - inter):
+            return True
+    return False
+
+
 def usable(item: str, min_chars: int = 12, max_chars: int = 300) -> bool:
-    """A prompt worth answering: ``min_chars .. max_chars`` characters, at least three words
+    """A prompt worth answering: ``min_chars .. max_chars`` characters, at least four words
     and mostly letters (not a stray number, URL or code fragment of the list)."""
-    if not min_chars <= len(item) <= max_chars or len(item.split()) < 3:
+    if not min_chars <= len(item) <= max_chars or len(item.split()) < 4:
         return False
     letters = sum(c.isalpha() for c in item)
     return letters >= 0.5 * len(item) and "http" not in item
@@ -130,6 +156,7 @@ def harvest_prompts(
     rng = np.random.default_rng(seed)
     seen = {item_key(s.header) for s in seeds}
     by_seed: list[list[str]] = [[] for _ in seeds]
+    words_by_kind: dict[str, list[frozenset[str]]] = {}
     prompts: list[str] = []
     kinds: list[str] = []
     n_tok = 0
@@ -148,11 +175,13 @@ def harvest_prompts(
             items = split_items(f"{len(examples) + 1}. " + res.text)
             if res.finish_reason == "length" and items:
                 items = items[:-1]
+            near = words_by_kind.setdefault(s.kind, [])
             for item in items:
                 key = item_key(item)
-                if key in seen or not usable(item):
+                if key in seen or not usable(item) or near_duplicate(words := word_set(item), near):
                     continue
                 seen.add(key)
+                near.append(words)
                 pool.append(item)
                 prompts.append(item)
                 kinds.append(s.kind)
