@@ -168,6 +168,8 @@ def test_bad_usage_arguments_are_one_line_errors(tmp_path, model_path):
 
     with pytest.raises(SystemExit, match="needs --data PATH..., --self-prompts N or --from-usage DIR"):
         main(["train-eagle3", "--out", str(tmp_path / "h.gguf")])
+    with pytest.raises(SystemExit, match="--self-prompts must be >= 0, got -1"):
+        main(["train-eagle3", "--self-prompts", "-1", "--out", str(tmp_path / "h.gguf")])
     with pytest.raises(SystemExit, match="--head continues a head on --from-usage DIR"):
         main(["train-eagle3", "--data", "stdlib", "--head", "x.gguf", "--out", str(tmp_path / "h.gguf")])
     (tmp_path / "empty").mkdir()

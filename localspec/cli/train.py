@@ -81,6 +81,8 @@ def run_train(a: argparse.Namespace) -> int:
     from ..models.eagle3_gguf import default_target_layers
     from ..models.training.eagle3_train import train_eagle3
 
+    if a.self_prompts < 0:
+        raise SystemExit(f"localspec: error: --self-prompts must be >= 0, got {a.self_prompts}")
     if not a.data and a.self_prompts <= 0 and not a.from_usage:
         raise SystemExit("localspec: error: train-eagle3 needs --data PATH..., --self-prompts N or --from-usage DIR")
     if a.head and not a.from_usage:
