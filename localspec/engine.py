@@ -215,6 +215,7 @@ class Engine:
         self._active_stream: GenerationStream | None = None
         self.adaptive = adaptive
         self.draft_memory = draft_memory  # shared by this engine's drafters (and its batches)
+        self.usage_log = None  # a usage.UsageLog that finished requests are added to (--record-usage)
         new = self._new_drafter(
             drafter, draft_model=draft_model, draft_n_ctx=draft_n_ctx, eagle=eagle, medusa=medusa, draft_shape=draft_shape
         )
@@ -576,6 +577,8 @@ class Engine:
                 if gen.calibration is not None:
                     self.policy.calibration.end_request(gen.calibration)
                 stream.result = gen.result
+                if self.usage_log is not None:
+                    self.usage_log.add_generation(gen)
             if tail is not None:
                 yield tail
 

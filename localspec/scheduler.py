@@ -260,6 +260,7 @@ class BatchScheduler:
         self.max_tree_nodes = int(min(max_tree_nodes, n_ctx // 2 - 1, 255))
         self.drafter_name = drafter
         self.draft_memory = draft_memory  # a DraftMemory the requests' drafters share, or None
+        self.usage_log = None  # a usage.UsageLog that finished requests are added to (--record-usage)
         self.adaptive = adaptive
         first_entry = self.parallel * self.seqs_per_slot
         self._free_entry_seqs = list(range(first_entry + n_entries - 1, first_entry - 1, -1))
@@ -783,6 +784,8 @@ class BatchScheduler:
         if g.calibration is not None:
             self.policy.calibration.end_request(g.calibration)
         job.result = g.result
+        if self.usage_log is not None:
+            self.usage_log.add_generation(g)
         if tail is not None and job.on_chunk is not None:
             self._call_sink(s, tail)
         job._set_done()

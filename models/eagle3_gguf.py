@@ -316,3 +316,33 @@ def random_eagle3(
         output_norm=ones, output=mat(d2t.size, n_embd), d2t=d2t,
     )  # fmt: skip
     return write_eagle3_gguf(out, r, cfg, w, name=f"random EAGLE-3 head (seed {seed})")
+
+
+def read_eagle3_gguf(path: str | os.PathLike) -> tuple[Eagle3Config, Eagle3Weights]:
+    """A head GGUF written by ``write_eagle3_gguf`` (architecture ``eagle3`` with ``d2t``, no
+    token embeddings of its own) as float32 weights and its hyper-parameters: what training
+    continues from (``train-eagle3 --from-usage``).
+
+    Raises:
+        ValueError: not such a head (another architecture, no ``d2t``, its own token
+            embeddings, ``norm_before_fc``), or shapes that do not match its keys.
+    """
+    r = GGUFIndex(path)
+    v = r.values
+    if v.get("general.architecture") != ARCH:
+        raise ValueError(f"{path} is not an EAGLE-3 head (architecture {v.get('general.architecture')!r})")
+    if "d2t" not in r.tensors or "token_embd.weight" in r.tensors or v.get(f"{ARCH}.norm_before_fc"):
+        raise ValueError(f"{path}: only heads written by localspec (d2t, the target's embeddings) can be trained further")
+    cfg = Eagle3Config(
+        target_layers=tuple(int(k) for k in v[f"{ARCH}.target_layers"]),
+        n_embd_target=int(v[f"{ARCH}.target_hidden_size"]), n_embd=int(v[f"{ARCH}.embedding_length"]),
+        n_head=int(v[f"{ARCH}.attention.head_count"]), n_head_kv=int(v[f"{ARCH}.attention.head_count_kv"]),
+        head_dim=int(v[f"{ARCH}.attention.key_length"]), n_ff=int(v[f"{ARCH}.feed_forward_length"]),
+        n_ctx_train=int(v[f"{ARCH}.context_length"]), rope_freq_base=float(v[f"{ARCH}.rope.freq_base"]),
+        rms_eps=float(v[f"{ARCH}.attention.layer_norm_rms_epsilon"]),
+        norm_before_residual=bool(v.get(f"{ARCH}.norm_before_residual", False)),
+    )  # fmt: skip
+    w = Eagle3Weights(d2t=np.array(r.data("d2t"), dtype=np.int64),
+                      **{attr: r.rows(name) for attr, name in _TENSOR_NAMES.items()})  # fmt: skip
+    w.check(cfg)
+    return cfg, w

@@ -13,6 +13,10 @@ stage uses what exists):
 2. **generated** (``WORK/gen``): self-distillation, greedy continuations the target writes from
    64-token prompts cut at random places of many documents, 64 sequences per batched decode,
    full-vocabulary top-8 targets (``eagle3_data.extract``).
+   With ``--chat-prompts N`` (default 0) the stage first records **chat** data (``WORK/chat``):
+   ``N`` chat- and code-like prompts the target writes itself (``--self-prompts`` of
+   ``train-eagle3``; the harvest stops at half of the stage's share) answered greedily in the
+   chat format, 128 tokens each; the document prompts get the rest of the share.
 3. **draft vocabulary** (``WORK/d2t.npy``, once): the ``--vocab-size`` tokens seen most often
    as the target's top-1 in the generated data plus as next tokens of the text plan, and the
    end-of-generation tokens.
@@ -112,6 +116,8 @@ def main() -> None:
     ap.add_argument("--out", help="head GGUF to write (default: WORK/head.gguf)")
     ap.add_argument("--budget-min", type=float, default=120.0, help="wall-clock budget of the whole run")
     ap.add_argument("--prompts", type=int, default=8192, help="self-distillation prompts planned")
+    ap.add_argument("--chat-prompts", type=int, default=0,
+                    help="chat/code prompts the target writes itself and answers (WORK/chat, half the gen share)")
     ap.add_argument("--text-tokens", type=int, default=4_000_000, help="text tokens planned")
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=4000)
@@ -136,6 +142,11 @@ def main() -> None:
     # 2. self-distillation
     t1 = time.time()
     gen_budget = SHARES["gen"] * budget if run("gen") else 0.0
+    chat = shard_paths(work / "chat")
+    if run("gen") and a.chat_prompts > 0:
+        chat = prepare_data(target, work / "chat", [], LAYERS, max_tokens=0, self_distill=0,
+                            self_prompts=a.chat_prompts, gen_tokens=128, shard_tokens=12288, seed=13, topk=8,
+                            n_seq=64, deadline=t0 + t_corpus + gen_budget / 2)  # fmt: skip
     if run("gen"):
         gen = prepare_data(target, work / "gen", sources, LAYERS, max_tokens=0, self_distill=a.prompts,
                            prompt_tokens=64, gen_tokens=128, shard_tokens=12288, seed=11, topk=8, n_seq=64,
@@ -144,7 +155,8 @@ def main() -> None:
         gen = shard_paths(work / "gen")
     t_gen = time.time() - t1
     if a.only == "gen":
-        print(json.dumps(dict(gen_tokens=_count(gen), gen_shards=len(gen), t_gen_s=round(t_gen))))
+        print(json.dumps(dict(gen_tokens=_count(gen), gen_shards=len(gen), chat_tokens=_count(chat),
+                              chat_shards=len(chat), t_gen_s=round(t_gen))))  # fmt: skip
         return
 
     # 3. the text plan (other documents: a different seed) and the draft vocabulary
@@ -167,7 +179,7 @@ def main() -> None:
     if d2t_path.exists():
         d2t = np.load(d2t_path)
     else:
-        d2t = draft_vocab(gen, text_token_counts(plan, n_vocab), a.vocab_size, read_target(target).eog)
+        d2t = draft_vocab([*gen, *chat], text_token_counts(plan, n_vocab), a.vocab_size, read_target(target).eog)
         np.save(d2t_path, d2t)
 
     # 4. teacher-forced text
@@ -186,10 +198,11 @@ def main() -> None:
         log_every=50, ckpt_every=200, loss_frac=0.25,
     )  # fmt: skip
     out = Path(a.out) if a.out else work / "head.gguf"
-    r = train_eagle3(target, [*gen, *text], work / "train", out, cfg, target_layers=LAYERS, d2t=d2t,
+    r = train_eagle3(target, [*gen, *chat, *text], work / "train", out, cfg, target_layers=LAYERS, d2t=d2t,
                      deadline=t0 + budget - 120)  # fmt: skip
     stats = dict(
         gen_tokens=_count(gen), text_tokens=_count(text), gen_shards=len(gen), text_shards=len(text),
+        chat_tokens=_count(chat), chat_shards=len(chat),
         train_tokens=r.n_train_tokens, steps=r.steps, val_accuracy=np.round(r.val_accuracy, 4).tolist(),
         val_by_source=r.val_by_source, train_accuracy=np.round(r.train_accuracy, 4).tolist(),
         vocab_coverage=round(r.vocab_coverage, 4),

@@ -231,7 +231,9 @@ def test_text_recording_smoke_resume_and_restricted_training(model, model_path, 
                       val_frac=0.3, head=dict(n_head=2, n_head_kv=1, head_dim=64, n_ff=64))  # fmt: skip
     r = train_eagle3(model_path, [*gen, *text], tmp_path / "work", tmp_path / "h.gguf", cfg, target_layers=LAYERS,
                      d2t=d2t, progress=False)  # fmt: skip
-    assert set(r.val_by_source) == {"generated", "text"} and all(len(v["acc"]) == 2 for v in r.val_by_source.values())
+    assert set(r.val_by_source) == {"generated", "text", "gen/", "text/"}  # by kind of target, by folder
+    assert all(len(v["acc"]) == 2 for v in r.val_by_source.values())
+    assert r.val_by_source["gen/"] == r.val_by_source["generated"] and r.val_by_source["text/"] == r.val_by_source["text"]
     head = Model(tmp_path / "h.gguf")
     try:
         assert head.architecture == "eagle3"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import add_drafter_args, add_memory_args, add_model_args, add_sampling_args, count, make_engine, sampling_from_args
+from .common import (add_drafter_args, add_memory_args, add_model_args, add_sampling_args, add_usage_args, count,
+                     make_engine, sampling_from_args, usage_log_from_args)
 
 
 def register(sub) -> None:
@@ -29,6 +30,7 @@ def register(sub) -> None:
     add_sampling_args(p)
     add_model_args(p)
     add_memory_args(p)
+    add_usage_args(p)
     p.set_defaults(func=run)
 
 
@@ -42,6 +44,7 @@ def run(a: argparse.Namespace) -> int:
     except ImportError as e:  # textual missing
         raise SystemExit(f"localspec: error: localspec chat needs the [tui] extra: pip install 'localspec[tui]' ({e})") from None
     sampling = sampling_from_args(a)
+    usage = usage_log_from_args(a)  # a bad --record-usage before the app starts
 
     def factory(path: str | None, drafter: str, **options):
         a.model = path
@@ -73,4 +76,6 @@ def run(a: argparse.Namespace) -> int:
             app.run()
         finally:
             app.shutdown_engine()
+            if usage is not None:
+                usage.close()
     return 0

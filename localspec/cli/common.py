@@ -134,6 +134,39 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
                    help="no drafting memory: requests neither draft from one nor are written to one")
 
 
+def add_usage_args(p: argparse.ArgumentParser) -> None:
+    """``--record-usage DIR``, ``--record-usage-mib`` (learning from use, ``localspec.usage``)."""
+    g = p.add_argument_group("learning from use (opt-in; docs/eagle3-training.md)")
+    g.add_argument("--record-usage", default=None, metavar="DIR",
+                   help="append each finished request's tokens to a bounded local dataset in DIR for "
+                   "`localspec train-eagle3 --from-usage DIR`; requests that opt out of the drafting memory "
+                   "(draft_memory: false, --no-draft-memory) are not recorded")  # fmt: skip
+    g.add_argument("--record-usage-mib", type=float, default=64.0, metavar="MIB",
+                   help="most MiB the recorded shards may take; the oldest go first (default 64)")
+
+
+_USAGE_LOGS: dict[str, object] = {}  # one log per folder in a process (chat makes an engine per model switch)
+
+
+def usage_log_from_args(a: argparse.Namespace):
+    """The ``UsageLog`` ``--record-usage`` asks for (one per folder and process), or None."""
+    folder = getattr(a, "record_usage", None)
+    if not folder:
+        return None
+    from ..usage import UsageLog
+
+    if getattr(a, "no_draft_memory", False):
+        raise SystemExit("localspec: error: --record-usage records requests, --no-draft-memory keeps them out of "
+                         "every memory: choose one")  # fmt: skip
+    key = str(Path(folder).expanduser().resolve())
+    if key not in _USAGE_LOGS:
+        try:
+            _USAGE_LOGS[key] = UsageLog(folder, a.record_usage_mib)
+        except (ValueError, OSError) as e:
+            raise SystemExit(f"localspec: error: --record-usage: {e}") from None
+    return _USAGE_LOGS[key]
+
+
 # the memories to save at exit, by path (the last engine made for a path wins)
 _SAVE_AT_EXIT: dict[str, object] = {}
 
@@ -380,4 +413,5 @@ def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = 
         print(f"localspec: note: {note}", file=sys.stderr)
     if mem is not None and getattr(a, "draft_memory", None):
         attach_memory_file(mem, a.draft_memory, engine.model)
+    engine.usage_log = usage_log_from_args(a)
     return engine

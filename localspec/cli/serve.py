@@ -9,7 +9,8 @@ import logging
 import signal
 import sys
 
-from .common import _draft_shape, add_drafter_args, add_memory_args, add_model_args, add_sampling_args, make_engine, sampling_from_args
+from .common import (_draft_shape, add_drafter_args, add_memory_args, add_model_args, add_sampling_args, add_usage_args,
+                     make_engine, sampling_from_args)
 
 
 def register(sub) -> None:
@@ -39,6 +40,7 @@ def register(sub) -> None:
     add_sampling_args(p)
     add_model_args(p)
     add_memory_args(p)
+    add_usage_args(p)
     p.set_defaults(func=run)
 
 
@@ -98,6 +100,7 @@ def run(a: argparse.Namespace) -> int:
             max_tree_nodes=min(a.max_tree_nodes, 32), cost_model=engine.cost_model, n_threads=a.threads,
             adaptive=not a.no_adaptive, prompt_cache=a.prompt_cache,
             prefill_chunk=a.prefill_chunk or PREFILL_CHUNK, draft_memory=engine.draft_memory).start()  # fmt: skip
+        sched.usage_log = engine.usage_log  # --record-usage: the API's requests too
         name = a.model_name or engine.model.path.name
         oai = OpenAIService(sched, model_name=name, sampling=defaults, max_queue=a.max_queue)
         editor = None
@@ -127,4 +130,6 @@ def run(a: argparse.Namespace) -> int:
         for key in ("editor", "sched", "engine"):
             if key in made:
                 made[key].close()
+        if made.get("engine") is not None and made["engine"].usage_log is not None:
+            made["engine"].usage_log.close()
         sock.close()

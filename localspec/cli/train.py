@@ -18,8 +18,12 @@ def register(sub) -> None:
         "writes it to --out. Data shards and checkpoints go to --data-dir; rerunning resumes.",
     )
     p.add_argument("--target", default="default", help="target GGUF ('default' = the embedded model)")
-    p.add_argument("--data", nargs="+", required=True, metavar="PATH",
+    p.add_argument("--data", nargs="+", default=[], metavar="PATH",
                    help="text/code files or folders; 'stdlib' = the Python standard library's sources")  # fmt: skip
+    p.add_argument("--self-prompts", type=int, default=0, metavar="N",
+                   help="N chat- and code-like prompts the target writes itself (continuing numbered lists "
+                   "of questions and tasks, seeded by --seed), answered by the target in the chat format")  # fmt: skip
+    p.add_argument("--self-prompt-tokens", type=int, default=160, help="tokens per list continuation of --self-prompts")
     p.add_argument("--out", required=True, help="head GGUF to write")
     p.add_argument("--data-dir", default=None, help="shards, checkpoint and log (default: OUT.work/); reruns resume")
     p.add_argument("--text-tokens", type=int, default=100_000, help="corpus tokens recorded as they are")
@@ -47,6 +51,12 @@ def register(sub) -> None:
     p.add_argument("--n-seq", type=int, default=32, help="self-distillation sequences generated together")
     p.add_argument("--more-data", nargs="*", default=[], metavar="DIR",
                    help="also train on the shards of these folders (other --data-dir runs' data/ folders)")  # fmt: skip
+    p.add_argument("--from-usage", default=None, metavar="DIR",
+                   help="continue training a head (--head, default: the shipped one) on what chat/serve "
+                   "--record-usage DIR recorded: the target's features and draft-vocabulary targets are "
+                   "recorded over those tokens first (teacher-forced); --data and --self-prompts are not used")  # fmt: skip
+    p.add_argument("--head", default=None, metavar="GGUF",
+                   help="with --from-usage: the head to continue (default: the head shipped for the target)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run_train)
 
@@ -69,9 +79,17 @@ def run_train(a: argparse.Namespace) -> int:
     from ..models import resolve_model
     from ..models.training.eagle3_data import prepare_data, shard_paths
     from ..models.eagle3_gguf import default_target_layers
-    from ..models.training.eagle3_train import TrainConfig, train_eagle3
+    from ..models.training.eagle3_train import train_eagle3
 
+    if a.self_prompts < 0:
+        raise SystemExit(f"localspec: error: --self-prompts must be >= 0, got {a.self_prompts}")
+    if not a.data and a.self_prompts <= 0 and not a.from_usage:
+        raise SystemExit("localspec: error: train-eagle3 needs --data PATH..., --self-prompts N or --from-usage DIR")
+    if a.head and not a.from_usage:
+        raise SystemExit("localspec: error: --head continues a head on --from-usage DIR; give both")
     target = check_gguf_file(resolve_model(a.target))
+    if a.from_usage:
+        return _train_from_usage(a, target)
     work = Path(a.data_dir or f"{a.out}.work")
     if a.layers:
         layers = tuple(int(x) for x in a.layers.split(","))
@@ -85,33 +103,88 @@ def run_train(a: argparse.Namespace) -> int:
             target, work / "data", _sources(a.data), layers,
             max_tokens=a.text_tokens, self_distill=a.self_distill, prompt_tokens=a.prompt_tokens,
             gen_tokens=a.gen_tokens, seq_len=a.seq_len, shard_tokens=a.shard_tokens, seed=a.seed, topk=a.topk, n_seq=a.n_seq,
-            max_shards=a.max_shards,
+            max_shards=a.max_shards, self_prompts=a.self_prompts, self_prompt_tokens=a.self_prompt_tokens,
         )  # fmt: skip
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"localspec: error: {e}") from None
     if a.data_only:
         print(f"{len(shards)} shards in {work / 'data'}")
         return 0
-    cfg = TrainConfig(
-        steps=a.steps, batch=a.batch, seq_len=a.window, unroll=a.unroll, lr=a.lr, vocab_size=a.vocab_size,
-        device=a.device, bf16=not a.no_bf16, seed=a.seed, loss_frac=a.loss_frac,
-        head=dict(n_head=4, n_head_kv=1, head_dim=128, n_ff=a.n_ff),
-    )  # fmt: skip
+    cfg = _config(a)
     for d in a.more_data:
         more = shard_paths(d)
         if not more:
             raise SystemExit(f"localspec: error: no shards in {d}")
         shards = shards + more
     res = train_eagle3(target, shards, work, a.out, cfg, target_layers=layers, matrix_dtype=a.matrix_type)
+    return _report(a, res)
+
+
+def _config(a: argparse.Namespace):
+    from ..models.training.eagle3_train import TrainConfig
+
+    return TrainConfig(
+        steps=a.steps, batch=a.batch, seq_len=a.window, unroll=a.unroll, lr=a.lr, vocab_size=a.vocab_size,
+        device=a.device, bf16=not a.no_bf16, seed=a.seed, loss_frac=a.loss_frac,
+        head=dict(n_head=4, n_head_kv=1, head_dim=128, n_ff=a.n_ff),
+    )  # fmt: skip
+
+
+def _train_from_usage(a: argparse.Namespace, target) -> int:
+    """``--from-usage DIR``: teacher-forced recording over the usage tokens, then training
+    continued from the head (its layers and draft vocabulary)."""
+    from ..models.eagle3_gguf import read_eagle3_gguf
+    from ..models.eagle3_heads import shipped_head
+    from ..models.training.eagle3_data import record_usage
+    from ..models.training.eagle3_train import train_eagle3
+
+    head = a.head or shipped_head(target)
+    if head is None:
+        raise SystemExit(f"localspec: error: no head ships for {target}; give the head to continue with --head GGUF")
+    work = Path(a.data_dir or f"{a.out}.work")
+    try:
+        head_cfg, w = read_eagle3_gguf(head)
+        shards = record_usage(target, a.from_usage, work / "usage-data", head_cfg.target_layers, w.d2t,
+                              seq_len=a.seq_len, topk=a.topk)  # fmt: skip
+        if a.data_only:
+            print(f"{len(shards)} shards in {work / 'usage-data'}")
+            return 0
+        res = train_eagle3(target, shards, work, a.out, _config(a), target_layers=head_cfg.target_layers,
+                           matrix_dtype=a.matrix_type, init_head=head)  # fmt: skip
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"localspec: error: {e}") from None
+    return _report(a, res)
+
+
+def _report(a: argparse.Namespace, res) -> int:
+    """Print the result: sizes and times, then accuracy per unroll step, training (the last
+    logged steps) beside held-out (sequences never trained on)."""
     info = dict(
         out=str(res.gguf), size_mib=round(res.gguf.stat().st_size / 2**20, 2), steps=res.steps,
         train_tokens=res.n_train_tokens, vocab_coverage=round(res.vocab_coverage, 4),
         val_accuracy=[round(x, 4) for x in res.val_accuracy], train_accuracy=[round(x, 4) for x in res.train_accuracy],
         wall_s=round(res.wall_s, 1),
     )  # fmt: skip
+    if res.val_by_source:
+        info["val_by_source"] = res.val_by_source
     if a.json:
         print(json.dumps(info))
-    else:
-        for k, v in info.items():
+        return 0
+    for k, v in info.items():
+        if k not in ("val_accuracy", "train_accuracy", "val_by_source"):
             print(f"{k:16s} {v}")
+    print(per_step_table(res.train_accuracy, res.val_accuracy, res.val_by_source))
     return 0
+
+
+def per_step_table(train: list[float], val: list[float], by_source: dict | None = None) -> str:
+    """Accuracy per unroll step (0 .. n-1) as text: one row for training, one for held-out
+    data, one per held-out source; ``-`` where a row has no value for a step (no held-out
+    sequences: fewer than 21 recorded)."""
+    rows = [("train", train), ("held-out", val)] + [(f"held-out {k}", d["acc"]) for k, d in (by_source or {}).items()]
+    n = max((len(r) for _, r in rows), default=0)
+    head = f"{'unroll step':16s}" + "".join(f"{k:>8d}" for k in range(n))
+    lines = [head]
+    for name, r in rows:
+        lines.append(f"{name:16s}" + "".join(f"{r[k]:8.4f}" if k < len(r) else f"{'-':>8s}" for k in range(n)))
+    return "\n".join(lines)

@@ -540,6 +540,7 @@ def make_plan(
     gen_tokens: int = 256,
     shard_tokens: int = 32768,
     seed: int = 0,
+    chat_prompts: Sequence[Sequence[int]] = (),
 ) -> DataPlan:
     """Cut the corpus into jobs and group them into shards.
 
@@ -553,6 +554,8 @@ def make_plan(
             ``prompt_tokens`` tokens from a random place in a document not used as text).
         gen_tokens: tokens the target generates per prompt.
         shard_tokens: approximate tokens per shard.
+        chat_prompts: further self-distillation prompts as token ids, used as they are (the
+            target's own chat- and code-like requests, ``self_prompts``).
     """
     rng = np.random.default_rng(seed)
     docs = list(texts)
@@ -584,7 +587,7 @@ def make_plan(
                     break
         else:
             break
-    jobs = [("text", c) for c in chunks] + [("gen", p) for p in prompts]
+    jobs = [("text", c) for c in chunks] + [("gen", p) for p in prompts] + [("gen", list(p)) for p in chat_prompts]
     rng.shuffle(jobs)
     shards: list[list[tuple[str, list[int]]]] = [[]]
     size = 0
@@ -597,7 +600,7 @@ def make_plan(
         size += n
     meta = dict(version=PLAN_VERSION, max_tokens=max_tokens, seq_len=seq_len, self_distill=self_distill,
                 prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, seed=seed, n_docs=len(docs),
-                n_text_tokens=n_text, n_prompts=len(prompts))  # fmt: skip
+                n_text_tokens=n_text, n_prompts=len(prompts), n_chat_prompts=len(chat_prompts))  # fmt: skip
     return DataPlan([s for s in shards if s], gen_tokens, meta)
 
 
@@ -668,17 +671,28 @@ def prepare_data(
 
     ``plan_args`` go to ``make_plan`` (and ``topk``, ``n_seq``, ``n_threads``, ``progress``,
     ``max_shards``, ``deadline`` to ``extract``). A plan already in ``data_dir`` is reused, whatever the arguments.
+
+    ``self_prompts`` (a ``plan_args`` key, default 0): that many chat- and code-like prompts
+    the target writes itself (``self_prompts.harvest_prompts``, seeded by ``seed``), answered
+    by the target like the other self-distillation prompts; the harvest is saved as
+    ``self_prompts.json`` beside the plan. ``self_prompt_tokens``: tokens per list continuation.
     """
     from localspec.backend import Model
 
     ex_args = {k: plan_args.pop(k) for k in ("topk", "n_seq", "n_threads", "progress", "max_shards", "deadline")
                if k in plan_args}  # fmt: skip
+    n_self = int(plan_args.pop("self_prompts", 0) or 0)
+    self_tokens = int(plan_args.pop("self_prompt_tokens", 160))
     d = Path(data_dir)
     d.mkdir(parents=True, exist_ok=True)
     plan_path = d / "plan.npz"
     if plan_path.exists():
         plan = DataPlan.load(plan_path)
     else:
+        if n_self > 0:
+            plan_args["chat_prompts"] = harvest_chat_prompts(
+                target, d / "self_prompts.json", n_self, seed=plan_args.get("seed", 0), max_tokens=self_tokens,
+                deadline=ex_args.get("deadline"))  # fmt: skip
         m = Model(target, vocab_only=True)
         try:
             plan = make_plan(m, iter_text_files(sources), **plan_args)
@@ -689,3 +703,121 @@ def prepare_data(
     if plan.meta.get("layers") != [int(k) for k in layers]:
         raise ValueError(f"{d} holds features of layers {plan.meta.get('layers')}, not {list(layers)}: use another --data-dir")
     return extract(target, d, plan, layers, **ex_args)
+
+
+def harvest_chat_prompts(target, out: Path, n: int, *, seed: int = 0, max_tokens: int = 160,
+                         deadline: float | None = None) -> list[list[int]]:  # fmt: skip
+    """``n`` prompts the target writes itself (``self_prompts.harvest_prompts``; fewer when
+    ``deadline`` passes first), saved to ``out`` (JSON: prompts, kinds, rounds) and returned as
+    chat-formatted token ids (``self_prompts.chat_prompt_tokens``). An existing ``out`` is reused."""
+    from localspec import Engine
+    from localspec.costmodel import CostModel
+
+    from .self_prompts import chat_prompt_tokens, harvest_prompts
+
+    eng = Engine(target, drafter=None, cost_model=CostModel({1: 1000.0}), n_ctx=1024)
+    try:
+        if out.exists():
+            prompts = json.loads(out.read_text())["prompts"]
+        else:
+            h = harvest_prompts(eng, n, seed=seed, max_tokens=max_tokens, deadline=deadline)
+            tmp = out.with_suffix(".tmp")
+            tmp.write_text(json.dumps(dict(seed=seed, rounds=h.rounds, generated_tokens=h.generated_tokens,
+                                           prompts=h.prompts, kinds=h.kinds), indent=1))  # fmt: skip
+            os.replace(tmp, out)
+            prompts = h.prompts
+        return [chat_prompt_tokens(eng.model, p) for p in prompts]
+    finally:
+        eng.close()
+
+
+# -- learning from use ---------------------------------------------------------------------
+
+
+def usage_plan(usage_dir: str | os.PathLike, n_vocab: int, *, seq_len: int = 512, min_tokens: int = 16) -> DataPlan:
+    """The token sequences ``localspec.usage.UsageLog`` recorded in ``usage_dir`` as a plan of
+    text chunks (each sequence cut into pieces of at most ``seq_len`` tokens; pieces shorter
+    than ``min_tokens`` dropped), one shard per usage shard. ``meta["digest"]`` identifies
+    the data (SHA-256 of the chunks).
+
+    Raises:
+        FileNotFoundError: no usage shards in ``usage_dir``.
+        ValueError: no chunk fits the target (``n_vocab``) and ``min_tokens``.
+    """
+    import hashlib
+
+    from localspec.usage import usage_shards
+
+    files = usage_shards(usage_dir)
+    if not files:
+        raise FileNotFoundError(f"no recorded usage in {usage_dir} (chat/serve --record-usage DIR writes it)")
+    h = hashlib.sha256()
+    shards: list[list[tuple[str, list[int]]]] = []
+    n_seq = n_skipped = 0
+    for f in files:
+        with np.load(f) as z:
+            lengths, tokens = z["lengths"], z["tokens"]
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        jobs = []
+        for i in range(lengths.size):
+            seq = tokens[starts[i] : starts[i + 1]]
+            if seq.size and (seq.min() < 0 or seq.max() >= n_vocab):
+                n_skipped += 1  # recorded with another vocabulary
+                continue
+            n_seq += 1
+            for i0 in range(0, seq.size, seq_len):
+                piece = seq[i0 : i0 + seq_len]
+                if piece.size >= min_tokens:
+                    jobs.append(("text", piece.tolist()))
+                    h.update(piece.astype(np.int32).tobytes())
+        if jobs:
+            shards.append(jobs)
+    if not shards:
+        raise ValueError(f"no usable sequences in {usage_dir} ({n_skipped} recorded with another vocabulary)")
+    meta = dict(version=PLAN_VERSION, usage=str(usage_dir), seq_len=seq_len, n_sequences=n_seq,
+                n_skipped=n_skipped, digest=h.hexdigest())  # fmt: skip
+    return DataPlan(shards, 0, meta)
+
+
+def record_usage(
+    target,
+    usage_dir: str | os.PathLike,
+    data_dir: str | os.PathLike,
+    layers: Sequence[int],
+    d2t: np.ndarray,
+    *,
+    seq_len: int = 512,
+    topk: int = 8,
+    n_threads: int | None = None,
+    progress: bool = True,
+    deadline: float | None = None,
+) -> list[Path]:
+    """Teacher-forced features and draft-vocabulary targets (``TeacherForcedRecorder``) of
+    the recorded usage in ``usage_dir``, as training shards in ``data_dir`` (resumable like
+    ``record_text_plan``). ``data_dir`` is emptied first when it holds another recording
+    (other usage data, layers or draft vocabulary).
+    """
+    from localspec.backend import Model
+
+    m = Model(target, vocab_only=True)
+    try:
+        plan = usage_plan(usage_dir, m.n_vocab, seq_len=seq_len)
+    finally:
+        m.close()
+    plan.meta["layers"] = [int(k) for k in layers]
+    d = Path(data_dir)
+    plan_path = d / "plan.npz"
+    d2t = np.asarray(d2t, dtype=np.int64)
+    if plan_path.exists():
+        old = DataPlan.load(plan_path)
+        same_d2t = (d / "d2t.npy").exists() and np.array_equal(np.load(d / "d2t.npy"), d2t)
+        if old.meta.get("digest") != plan.meta["digest"] or old.meta.get("layers") != plan.meta["layers"] or not same_d2t:
+            for p in shard_paths(d):
+                p.unlink()
+            (d / "d2t.npy").unlink(missing_ok=True)
+            plan_path.unlink()
+    d.mkdir(parents=True, exist_ok=True)
+    if not plan_path.exists():
+        plan.save(plan_path)
+    return record_text_plan(target, d, plan, layers, d2t, topk=topk, n_threads=n_threads, progress=progress,
+                            deadline=deadline)  # fmt: skip

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .eagle3_data import Shard, load_shard
-from ..eagle3_gguf import Eagle3Config, default_target_layers, write_eagle3_gguf
+from ..eagle3_gguf import Eagle3Config, Eagle3Weights, default_target_layers, read_eagle3_gguf, write_eagle3_gguf
 from .eagle3_torch import Eagle3Head
 from ..gguf_index import GGUFIndex
 from .schedule import warmup_cosine
@@ -333,6 +333,24 @@ def init_from_target(model: Eagle3Head, tt: TargetTensors) -> None:
         model.w_down.weight.zero_()
 
 
+def load_weights(model: Eagle3Head, w: Eagle3Weights) -> None:
+    """Set ``model``'s tensors from exported weights (``read_eagle3_gguf``): the inverse of
+    ``Eagle3Head.to_weights`` (``fc`` times the model's ``feat_scale``, which export divides
+    by), so the model computes what the GGUF computes. ``w.d2t`` must be ``model.d2t``."""
+    if not np.array_equal(w.d2t, model.d2t.cpu().numpy()):
+        raise ValueError("the weights' draft vocabulary is not the model's")
+    pairs = {"fc": model.fc.weight, "attn_norm": model.attn_norm, "hidden_norm": model.hidden_norm,
+             "wq": model.wq.weight, "wk": model.wk.weight, "wv": model.wv.weight, "wo": model.wo.weight,
+             "ffn_norm": model.ffn_norm, "w_gate": model.w_gate.weight, "w_up": model.w_up.weight,
+             "w_down": model.w_down.weight, "output_norm": model.output_norm, "output": model.output.weight}  # fmt: skip
+    with torch.no_grad():
+        for name, param in pairs.items():
+            a = torch.from_numpy(np.asarray(getattr(w, name), dtype=np.float32))
+            if name == "fc":
+                a = a * model.feat_scale.cpu()[None, :]
+            param.copy_(a)
+
+
 # -- the loop --------------------------------------------------------------------------------
 
 
@@ -385,6 +403,7 @@ def train_eagle3(
     progress: bool = True,
     d2t: np.ndarray | None = None,
     deadline: float | None = None,
+    init_head: str | os.PathLike | None = None,
 ) -> TrainResult:
     """Train (or resume) a head on ``shard_files`` and write it to ``out``.
 
@@ -398,9 +417,13 @@ def train_eagle3(
         d2t: the draft vocabulary (sorted target ids) instead of ``choose_draft_vocab``'s; data
             recorded over a draft vocabulary (``restricted`` shards) must be trained with it.
         deadline: ``time.time()`` after which training stops early (checkpointed, exported).
+        init_head: a head GGUF (``write_eagle3_gguf``'s) to continue training: its
+            hyper-parameters, target layers and draft vocabulary replace ``cfg.head``,
+            ``target_layers`` and ``d2t`` (a checkpoint in ``work_dir`` still wins).
     Validation accuracies are reported over all held-out sequences and per source
     (``val_by_source``: ``generated`` = shards with full-vocabulary targets, ``text`` =
-    teacher-forced text whose top-1 is the draft vocabulary's best).
+    teacher-forced text whose top-1 is the draft vocabulary's best; and, when the shards come
+    from several folders, ``"NAME/"`` per folder, e.g. the recipe's ``gen/``, ``chat/``, ``text/``).
     Raises:
         ValueError: no data, or a checkpoint made for other data/settings.
     """
@@ -419,6 +442,15 @@ def train_eagle3(
     layers = tuple(target_layers or default_target_layers(tt.n_layer))
     head_cfg = Eagle3Config(target_layers=layers, n_embd_target=tt.n_embd, n_embd=tt.n_embd,
                             rms_eps=tt.rms_eps, n_ctx_train=tt.n_ctx_train, **cfg.head)  # fmt: skip
+    init_w = None
+    if init_head is not None:
+        head_cfg, init_w = read_eagle3_gguf(init_head)
+        if head_cfg.n_embd_target != tt.n_embd or max(head_cfg.target_layers) >= tt.n_layer:
+            raise ValueError(f"{init_head} was made for another target (hidden size {head_cfg.n_embd_target}, "
+                             f"layers {head_cfg.target_layers})")  # fmt: skip
+        if target_layers is not None and tuple(target_layers) != head_cfg.target_layers:
+            raise ValueError(f"the data holds layers {tuple(target_layers)}, {init_head} reads {head_cfg.target_layers}")
+        d2t = init_w.d2t
     ckpt_path = work / "checkpoint.pt"
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False) if ckpt_path.exists() else None
     if ckpt is not None:
@@ -436,7 +468,9 @@ def train_eagle3(
         scale = feature_scale(shards, seed=cfg.seed)
     used = np.concatenate([np.unique(s.tokens) for s in shards])
     model = Eagle3Head(head_cfg, tt.embedding_table(used), vocab.d2t, scale)
-    if ckpt is None:
+    if ckpt is None and init_w is not None:
+        load_weights(model, init_w)
+    elif ckpt is None:
         init_from_target(model, tt)
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -507,8 +541,11 @@ def train_eagle3(
     save()
     val_acc = evaluate(model, sampler, val, cfg, device)
     by_source = {}
-    for name, flag in (("generated", False), ("text", True)):
-        part = [(s, i) for s, i in val if shards[s].restricted == flag]
+    folders = [Path(p).parent.name for p in shard_files]
+    parts = [(name, [(s, i) for s, i in val if shards[s].restricted == flag]) for name, flag in (("generated", False), ("text", True))]
+    if len(set(folders)) > 1:
+        parts += [(f"{f}/", [(s, i) for s, i in val if folders[s] == f]) for f in dict.fromkeys(folders)]
+    for name, part in parts:
         if part and len(part) < len(val):
             by_source[name] = dict(n_seq=len(part), acc=np.round(evaluate(model, sampler, part, cfg, device), 4).tolist())
     log_f.write(json.dumps(dict(step=step, val_acc=np.round(val_acc, 4).tolist(), coverage=vocab.coverage,

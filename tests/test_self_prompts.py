@@ -1,0 +1,95 @@
+"""Self-generated chat- and code-like prompts (``train-eagle3 --self-prompts``): the target
+writes them by continuing numbered lists; they are new text, deduplicated, reproducible for a
+seed, and end up answered by the target in recorded shards."""
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from conftest import fixed_cost_model  # noqa: E402
+from localspec import Engine  # noqa: E402
+from localspec.models.training.eagle3_data import load_shard, prepare_data  # noqa: E402
+from localspec.models.training.self_prompts import (  # noqa: E402
+    SEEDS,
+    chat_prompt_tokens,
+    harvest_prompts,
+    item_key,
+    near_duplicate,
+    split_items,
+    word_set,
+)
+
+LAYERS = (2, 9, 15)
+
+
+def test_split_items_and_keys():
+    text = "1. What is a list?\n2. How do I\n   sort it?\n3) Why?\nthen prose"
+    assert split_items(text) == ["What is a list?", "How do I sort it?", "Why? then prose"]
+    assert split_items("no numbers here") == []
+    assert item_key("  What IS a   list? ") == item_key("what is a list")
+    assert item_key("what is a list") != item_key("what is a set")
+    runs = [word_set("How to run a shell script?")]
+    assert near_duplicate(word_set("How do I run a shell script?"), runs)
+    assert not near_duplicate(word_set("How do I undo a git commit?"), runs)
+    assert not near_duplicate(word_set("How do I run a shell script?"), [])
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    e = Engine(model_path, drafter=None, cost_model=fixed_cost_model(), n_ctx=1024)
+    yield e
+    e.close()
+
+
+def _harvest(engine, seed, temperature=0.9):
+    return harvest_prompts(engine, 6, seed=seed, max_tokens=48, temperature=temperature, seeds=SEEDS[:2], max_rounds=2)
+
+
+def test_harvest_is_new_deduplicated_and_seeded(engine):
+    a = _harvest(engine, seed=3)
+    assert 1 <= len(a.prompts) <= 6 and len(a.kinds) == len(a.prompts)
+    assert set(a.kinds) <= {"question", "code"}
+    keys = [item_key(p) for p in a.prompts]
+    assert len(set(keys)) == len(keys)
+    for i, (p, kind) in enumerate(zip(a.prompts, a.kinds)):  # no near repeat of an earlier prompt of its kind
+        assert not near_duplicate(word_set(p), [word_set(q) for q, k in zip(a.prompts[:i], a.kinds) if k == kind])
+    seed_text = " ".join(item_key(s.header) for s in SEEDS)
+    assert all(k not in seed_text for k in keys)  # written by the model, not copied from the headers
+    assert _harvest(engine, seed=3).prompts == a.prompts  # the same seed: the same prompts
+    assert _harvest(engine, seed=4).prompts != a.prompts
+
+
+def test_greedy_rounds_repeat_items_and_dedup_drops_them(engine):
+    # at temperature 0 a round that shows harvested items as the list's first entries tends to
+    # write some of them again; none of them may come back twice
+    h = harvest_prompts(engine, 40, seed=0, max_tokens=64, temperature=0.0, seeds=SEEDS[:1], max_rounds=3)
+    keys = [item_key(p) for p in h.prompts]
+    assert len(set(keys)) == len(keys) and len(keys) >= 2
+
+
+def test_prepare_data_records_the_targets_answers_to_its_own_prompts(model_path, tmp_path):
+    shards = prepare_data(model_path, tmp_path, [], LAYERS, max_tokens=0, self_distill=0, self_prompts=2,
+                          self_prompt_tokens=48, gen_tokens=8, seed=5, topk=4, n_seq=2, progress=False)  # fmt: skip
+    saved = json.loads((tmp_path / "self_prompts.json").read_text())
+    assert len(saved["prompts"]) == 2
+    from localspec.backend import Model
+
+    m = Model(model_path, vocab_only=True)
+    try:
+        want = sorted(chat_prompt_tokens(m, p) for p in saved["prompts"])
+        got = []
+        for s in (load_shard(p) for p in shards):
+            for i in range(s.starts.size - 1):
+                seq = s.tokens[s.starts[i] : s.starts[i + 1]].tolist()
+                pre = next(w for w in want if seq[: len(w)] == w)  # the chat prompt, then the answer
+                assert len(seq) > len(pre)
+                got.append(pre)
+                assert np.isfinite(s.features(int(s.starts[i]), int(s.starts[i + 1]))).all()
+        assert sorted(got) == want
+        texts = [m.detokenize(w) for w in want]
+        assert all(any(f"User: {p}" in t for t in texts) for p in saved["prompts"])
+    finally:
+        m.close()
