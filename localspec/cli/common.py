@@ -114,9 +114,9 @@ def drafter_options(a: argparse.Namespace, names: list[str]) -> dict[str, dict]:
     return {n: {k: v for k, v in given.items() if k in takes[n]} for n in names}
 
 
-# Whether commands keep an in-process drafting memory without --draft-memory: off until it
-# measures faster (docs/drafters.md#drafting-memory).
-DRAFT_MEMORY_BY_DEFAULT = False
+# Whether commands keep an in-process drafting memory without --draft-memory (measured:
+# docs/results.md#drafting-memory; --no-draft-memory turns it off).
+DRAFT_MEMORY_BY_DEFAULT = True
 
 
 def add_memory_args(p: argparse.ArgumentParser) -> None:
