@@ -76,6 +76,19 @@ def test_compare_gives_the_pairs_spread_around_the_ratio():
     assert c["pair_ratios"] == pytest.approx(want, rel=1e-12)
 
 
+def test_compare_repeats_do_not_draft_from_the_first_runs_output(capsys):
+    """The drafting memory is on by default and holds the first run's output after it; the
+    repeats keep out of it, so the second speculative run drafts what the first did (whole
+    trees verified: the steps do not depend on the machine's load) instead of copying itself."""
+    args = ["generate", "def quicksort(xs):", "-n", "40", "--temperature", "0", "--compare", "--no-adaptive", "--json"]
+    assert main(args) == 0
+    d = json.loads(capsys.readouterr().out)
+    first, again = d["compare"]["speculative_steps"]
+    assert first == again > 20
+    assert main([*args, "--no-draft-memory"]) == 0
+    assert json.loads(capsys.readouterr().out)["compare"]["speculative_steps"] == [first, again]
+
+
 def test_compare_without_accepted_drafts_gives_no_ratio(capsys):
     """Nothing drafted (drafter none): the runs differ by the machine's noise only, so no
     "speed ratio" is printed; the reason and the pairs' spread are."""

@@ -96,7 +96,8 @@ def _compare(engine, prompt: str, kw: dict, sampling, first) -> dict:
     speculative run is ``first``, the one shown), the KV cache dropped before each run, and
     compare the medians of the decode speeds. The ABBA order puts a steady drift of the
     machine's load equally on both sides; a single plain run after the speculative one (what
-    this did before) charged all of it to plain decoding.
+    this did before) charged all of it to plain decoding. The repeats keep out of the drafting
+    memory (``SamplingParams.draft_memory`` False), which holds the first run's output.
 
     Returns ``spec`` / ``plain`` (the results), ``ratio`` (median speculative / median plain
     decode tokens/s, None when plain measured 0), ``pair_ratios`` (speculative / plain decode
@@ -108,7 +109,11 @@ def _compare(engine, prompt: str, kw: dict, sampling, first) -> dict:
     """
     import statistics
 
-    same_seed = {**kw, "sampling": sampling.with_seed(first.stats.seed)}
+    # the repeats neither draft from nor write to the drafting memory: the first run's output
+    # is in it, and drafting a repeat from it would measure the memory, not the prompt
+    from dataclasses import replace
+
+    same_seed = {**kw, "sampling": replace(sampling.with_seed(first.stats.seed), draft_memory=False)}
     runs = {"speculative": [first], "plain": []}
     for what in COMPARE_ORDER[1:]:
         engine.reset()
@@ -179,6 +184,7 @@ def run(a: argparse.Namespace) -> int:
                     "order": cmp["order"],
                     "speculative_tokens_per_s": [r.stats.tokens_per_s for r in cmp["spec"]],
                     "plain_tokens_per_s": [r.stats.tokens_per_s for r in cmp["plain"]],
+                    "speculative_steps": [r.stats.n_steps for r in cmp["spec"]],
                     "pair_ratios": cmp["pair_ratios"],
                     "no_speedup": cmp["no_speedup"],
                 }
