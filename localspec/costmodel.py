@@ -126,9 +126,9 @@ class CostModel:
     # since it last ran) and each deeper level, one model call each. Reset when the drafter
     # changes (``reset_draft``).
 
-    def observe_draft_levels(self, level_us) -> None:
-        """Feed back the time of each level of one drafted step (µs, level 0 first)."""
-        for level, t in enumerate(level_us):
+    def observe_draft_levels(self, level_us, first: int = 0) -> None:
+        """Feed back the time of each level of one drafted step (µs), from level ``first`` on."""
+        for level, t in enumerate(level_us, start=first):
             n = self.draft_level_n.get(level, 0)
             old = self.draft_level_us.get(level, t)
             self.draft_level_us[level] = t if n == 0 else old + self.alpha * (t - old)

@@ -28,8 +28,11 @@ weighed like the target's ``t(b)``. A plan without the model makes no model call
 that does not pay is probed (a model step) after gaps that double from ``explore_every``
 steps, each long enough that the probe costs at most ``explore_budget`` of the time since
 the last (drafting time and rows: ``paid_explore_gap``), up to where probes take at most
-``explore_budget`` of the steps and of their time (``max_explore_gap``), and runs again as
-soon as a probe pays.
+``explore_budget`` of the steps and of their time (``max_explore_gap``), and only while the
+measured cost of all its probes since it last paid (their drafting time, the catch-up they
+forced included, and the rows they added) stays within ``explore_budget`` of the measured
+step time since then, over the drafter's life across requests (``probe_due``: a request
+whose probe is not due never touches the model). It runs again as soon as a probe pays.
 """
 
 from __future__ import annotations
@@ -386,6 +389,15 @@ class ModelDraftStats:
             and resets it when the model pays).
         probe: the step the model drafts now is a probe (``plan``): its outcome replaces the
             averages of ``accept_length`` and ``gain_length``, which are stale after the gap.
+        n_probes: probes planned over the drafter's life (the first is free: a new model is
+            tried once).
+        explore_from_us: the policy's step clock (``SpeculationPolicy.t_steps_us``, µs) when
+            the model last paid or was first planned with: the start of the exploration window.
+        explore_spent_us: what the probes in that window cost (µs): each probe's measured
+            drafting time (level 0 with the catch-up it forced, and the deeper levels) plus the
+            rows it added to the verified tree (``probe_rows_us``, cost table); reserved at
+            ``plan`` as ``probe_us`` (``probe_reserved_us``) and settled by ``observe_draft``.
+        last_probe_us: the measured cost of the last probe (µs, as charged), 0 before one.
     """
 
     t_draft_us: float = 0.0
@@ -401,6 +413,12 @@ class ModelDraftStats:
     t_host_us: float = 0.0
     explore_gap: int = 0
     probe: bool = False
+    n_probes: int = 0
+    explore_from_us: float | None = None
+    explore_spent_us: float = 0.0
+    probe_reserved_us: float = 0.0
+    probe_rows_us: float = 0.0
+    last_probe_us: float = 0.0
 
     def _ema(self, old: float, new: float) -> float:
         return new if self.n_steps <= 1 else old + self.alpha * (new - old)
@@ -414,6 +432,10 @@ class ModelDraftStats:
         self.n_nodes = self._ema(self.n_nodes, float(n_nodes))
         self.last_level_us = [float(t) for t in level_us]
         self.t_host_us = self._ema(self.t_host_us, max(0.0, t_draft_us - sum(self.last_level_us)))
+        if self.probe:  # the probe's measured cost replaces what its plan reserved
+            self.last_probe_us = t_draft_us + self.probe_rows_us
+            self.explore_spent_us += self.last_probe_us - self.probe_reserved_us
+            self.probe_reserved_us = 0.0
 
     def observe_accept(self, n_accepted: int, gain: int | None = None) -> None:
         """A drafted step: ``n_accepted`` tokens along the model's tree, ``gain`` of them beyond
@@ -491,6 +513,7 @@ class SpeculationPolicy:
         self.verify_cost_factor = 2.5  # tree_shape: verification budget, in plain decodes
         self.explore_every = 32  # plan: first gap (steps) between probes of a model drafter that does not pay
         self.explore_budget = 0.01  # plan: probes take at most this fraction of the steps and of their time
+        self.t_steps_us = 0.0  # measured time of every step so far (decode + host, µs): probe_due's clock
         self.calibration = ScoreCalibration()
 
     def host_us(self, b: int) -> float:
@@ -677,13 +700,20 @@ class SpeculationPolicy:
         return min(max(gap, self.paid_explore_gap(stats, shape)), self.max_explore_gap(stats, shape))
 
     def probe_due(self, stats: ModelDraftStats, shape: TreeShape) -> bool:
-        """Whether a model drafter that does not pay is due a probe: never run yet, or
-        ``stats.explore_gap`` steps (``explore_every`` before the first probe) without it, and
-        at least ``paid_explore_gap`` with the cost as measured now (the last probe's own
-        time was not known when its gap was set)."""
-        if stats.n_steps == 0:
+        """Whether a model drafter that does not pay is due a probe: never probed nor run (a
+        new model is tried once), or ``stats.explore_gap`` steps (``explore_every`` before the
+        first probe) without it, at least ``paid_explore_gap`` with the cost as measured now,
+        and within the budget of the drafter's life across requests: the measured cost of the
+        probes since the model last paid (``stats.explore_spent_us``) plus this one's
+        (``probe_us``) at most ``explore_budget`` of the measured step time since then
+        (``t_steps_us - stats.explore_from_us``)."""
+        if stats.n_steps == 0 and stats.n_probes == 0:
             return True
-        return stats.steps_since_run >= max(stats.explore_gap or self.explore_every, self.paid_explore_gap(stats, shape))
+        if stats.steps_since_run < max(stats.explore_gap or self.explore_every, self.paid_explore_gap(stats, shape)):
+            return False
+        start = self.t_steps_us if stats.explore_from_us is None else stats.explore_from_us
+        cost = max(self.probe_us(stats, shape), stats.last_probe_us)  # the last one measured its catch-up
+        return stats.explore_spent_us + cost <= self.explore_budget * (self.t_steps_us - start)
 
     def plan(
         self,
@@ -722,22 +752,43 @@ class SpeculationPolicy:
             shape = self.tree_shape(model, max_depth=min(max_depth, model.max_depth), max_nodes=max_nodes, max_width=model.max_width)
         if not adaptive:
             return StepPlan(c.n_nodes, shape)
+        # the merged tree's best nodes: the model's budget, and never fewer than the cheap drafts
+        # would have had alone (a model step must not cut a long n-gram run down to the
+        # model's few nodes)
+        n_nodes = max(c.n_nodes, min(shape.max_nodes, max_nodes))
+        if model.explore_from_us is None:
+            model.explore_from_us = self.t_steps_us
         if fixed_shape is None and not self.prefer_model(c, model, shape):
             if not self.probe_due(model, shape):
                 return StepPlan(c.n_nodes, None)
             # a probe: a model step like any other (the target can only accept what it
-            # verifies), whose cost is bounded by the gap: each probe that does not pay
-            # doubles the gap to the next (``next_explore_gap``); its outcome replaces
-            # the model's averages (``ModelDraftStats.probe``), so one probe that pays
-            # brings the model back
+            # verifies), whose cost is bounded: each probe that does not pay doubles the gap
+            # to the next (``next_explore_gap``), and its cost is charged to the drafter's
+            # exploration budget (reserved now, so that other requests of this step see it;
+            # replaced by the measured cost in ``observe_draft``); its outcome replaces the
+            # model's averages (``ModelDraftStats.probe``), so one probe that pays brings the
+            # model back
             model.explore_gap = self.next_explore_gap(model, shape)
             model.probe = True
+            model.n_probes += 1
+            model.probe_rows_us = self.step_us(n_nodes) - self.step_us(c.n_nodes)
+            model.probe_reserved_us = self.probe_us(model, shape)
+            model.explore_spent_us += model.probe_reserved_us
         else:
-            model.explore_gap, model.probe = 0, False  # it pays: once it stops, probes start again at explore_every
-        # the merged tree's best nodes: the model's budget, and never fewer than the cheap drafts
-        # would have had alone (a model step must not cut a long n-gram run down to the
-        # model's few nodes)
-        return StepPlan(max(c.n_nodes, min(shape.max_nodes, max_nodes)), shape, probe=model.probe)
+            # it pays: a new exploration window; once it stops, probes start again at explore_every
+            model.explore_gap, model.probe = 0, False
+            model.explore_from_us, model.explore_spent_us, model.probe_reserved_us = self.t_steps_us, 0.0, 0.0
+        return StepPlan(n_nodes, shape, probe=model.probe)
+
+    def observe_draft_levels(self, level_us: Sequence[float], *, probe: bool = False) -> None:
+        """Feed back the time of each level of a model-drafted step (µs, level 0 first) to the
+        cost model (``CostModel.t_draft_us``: what ``prefer_model`` prices a model step at).
+        A probe's level 0 carries the catch-up of every position since the model last ran
+        (an EAGLE-3 head writes up to 16 entries in that call), a one-off cost that the
+        probe's budget pays (``ModelDraftStats.explore_spent_us``), not the price of level 0
+        of a model step that follows one: from a probe only the deeper levels are learned
+        (else a head whose probe pays is priced at its catch-up and not used again)."""
+        self.cost.observe_draft_levels(list(level_us)[1:] if probe else level_us, first=1 if probe else 0)
 
     def begin_request(self) -> None:
         """A new request: its score calibration starts from the long-run exponent."""
@@ -756,6 +807,7 @@ class SpeculationPolicy:
         the cost model's ratios do (``CostModel.load_fell_since``): else a per-node time
         inflated by a burst keeps every tree dear and the policy plain after the load went."""
         load_then = self.cost.load()  # the load the step ran in, as the steps before it saw it
+        self.t_steps_us += t_decode_us + t_host_us
         self.cost.observe(b, t_decode_us)
         a = self._alpha
         if self.cost.load_fell_since(self._host_node_load):

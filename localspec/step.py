@@ -398,7 +398,8 @@ def propose_many(policy: SpeculationPolicy, reqs: Sequence[DraftRequest], *, ada
             if key not in seen:
                 seen.add(key)
                 levels = getattr(group, "last_level_us", None)
-                policy.cost.observe_draft_levels(stats[i].last_level_us if levels is None else levels)
+                probe = any(plan.probe for j, _, plan, _ in planned if j == i)
+                policy.observe_draft_levels(stats[i].last_level_us if levels is None else levels, probe=probe)
     for i, cand, plan, t_cheap in planned:
         r = reqs[i]
         cand = trees.get(i, cand)

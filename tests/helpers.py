@@ -104,14 +104,24 @@ class ScriptedModelDrafter:
         level_us: the time of one draft level, µs.
         right: whether its drafts are the script's.
         score: per-node acceptance estimate (a path of d nodes scores ``score ** d``).
+        catch_up_us: the time its first level takes per position it has not seen yet (the
+            catch-up of an EAGLE-3 head: every position since its last drafted step, at most
+            ``catch_up_window``, all of them after ``begin``), on top of ``level_us``.
+        catch_up_window: most positions a catch-up writes (``eagle3.CONTEXT_WINDOW``).
+    Attributes:
+        draft_us: the measured drafting time of each step it drafted (what it reported).
     """
 
     name = "scripted-model"
     source = TokenSource.DRAFT_MODEL
 
-    def __init__(self, script, *, level_us: float = 1000.0, right: bool = False, score: float = 0.6) -> None:
+    def __init__(self, script, *, level_us: float = 1000.0, right: bool = False, score: float = 0.6,
+                 catch_up_us: float = 0.0, catch_up_window: int = 16) -> None:  # fmt: skip
         self.script = [int(t) for t in script]
         self.level_us, self.right, self.score = level_us, right, score
+        self.catch_up_us, self.catch_up_window = catch_up_us, catch_up_window
+        self.draft_us: list[float] = []
+        self._seen = 0  # positions of the history its last drafted step had seen
         self.stats = ModelDraftStats(max_depth=8, max_width=1)
         self.history: list[int] = []
         self.extends = 0
@@ -125,6 +135,7 @@ class ScriptedModelDrafter:
 
     def begin(self, history, context=()):
         self.history = [int(t) for t in history]
+        self._seen = 0
 
     def accept(self, tokens):
         self.history.extend(int(t) for t in tokens)
@@ -143,7 +154,11 @@ class ScriptedModelDrafter:
             tok = self.script[n + d] if self.right else self.script[n + d] + 1
             node = b.add(node, tok, source=self.source, score=self.score ** (d + 1))
         self.extends += 1
-        self.stats.observe_draft(self.level_us * max(1, depth), len(b), [self.level_us] * max(1, depth))
+        levels = [self.level_us] * max(1, depth)
+        levels[0] += self.catch_up_us * min(self.catch_up_window, n - self._seen)
+        self._seen = n
+        self.draft_us.append(sum(levels))
+        self.stats.observe_draft(sum(levels), len(b), levels)
         return b.build()
 
     observe = ModelDrafter.observe  # the real drafters' learning from a step

@@ -46,3 +46,51 @@ def test_auto_probes_a_model_that_does_not_pay_rarely_and_takes_it_back_when_rig
         assert res.stats.n_steps <= 32 and m.extends >= res.stats.n_steps // 2
     finally:
         e.close()
+
+
+QUESTIONS = [
+    "Name three rivers in Europe.",
+    "What is the boiling point of water at sea level?",
+    "Give a synonym for happy.",
+    "Translate 'good morning' into French.",
+    "What is seven times eight?",
+    "Who wrote Hamlet?",
+    "List two primary colours.",
+    "What does a thermometer measure?",
+]
+
+
+def test_a_head_that_never_pays_is_probed_within_the_budget_over_requests_not_once_each(model, random_head_path):
+    """``auto`` with an untrained EAGLE-3 head over 8 requests on one engine (as ``localspec
+    bench`` and a server keep their drafter): the head is tried on the fresh engine's first
+    request, and then only when the measured cost of its probes (drafting with the catch-up
+    of its level 0, and the rows they add) stays within ``explore_budget`` of the engine's
+    measured step time since: a request whose probe is not due makes no call at all on the
+    head's context (no catch-up, no level 0). Fewer probes than requests (a per-request
+    reset of the exploration state probes each one), every output plain decoding's."""
+    from localspec.drafters.eagle3 import Eagle3Drafter
+
+    e = Engine(model, drafter="none", n_ctx=2048, cost_model=fixed_cost_model())
+    try:
+        prompts = [e.tokenize(q) for q in QUESTIONS]
+        refs = [e.generate(p, max_tokens=24, sampling=GREEDY, speculative=False).token_ids for p in prompts]
+        head = Eagle3Drafter(random_head_path)
+        e.set_drafter(AutoDrafter(head, NgramDrafter(max_occurrences=0)))
+        touched = []  # per request: (calls on the head's context, probes)
+        first_us = 0.0
+        for p, ref in zip(prompts, refs):
+            e.reset()
+            calls0, probes0 = head.ctx.n_calls, head.stats.n_probes
+            res = e.generate(p, max_tokens=24, sampling=GREEDY)
+            assert_same_as_plain(e, p, ref, res.token_ids)
+            touched.append((head.ctx.n_calls - calls0, head.stats.n_probes - probes0))
+            first_us = first_us or head.stats.explore_spent_us  # the first request's probe, as measured
+        st = head.stats
+        assert touched[0][0] > 0 and touched[0][1] == 1, touched  # a new head is tried
+        assert all((calls > 0) == (probes > 0) for calls, probes in touched), touched  # no probe: no head call
+        assert st.n_steps == st.n_probes < len(prompts), touched  # it never paid; fewer probes than requests
+        # the probes after the first (measured: drafting with the catch-up, and rows) within 1%
+        # of the steps' measured time since the head was first planned with
+        assert st.explore_spent_us - first_us <= e.policy.explore_budget * (e.policy.t_steps_us - st.explore_from_us)
+    finally:
+        e.close()

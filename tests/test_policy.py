@@ -420,7 +420,8 @@ def test_a_model_step_verifies_at_least_what_the_cheap_drafts_alone_would():
     assert alone > 5
     plan = pol.plan(long_run, stats, max_nodes=64, max_depth=40, fixed_shape=None)
     assert plan.shape is not None and plan.n_nodes == alone
-    weak = pol.plan(chain_with(0.3, 10), stats, max_nodes=64, max_depth=40)
+    fresh = ModelDraftStats(t_draft_us=2000.0, n_steps=0, t_host_us=200.0)  # a new drafter: its first probe
+    weak = pol.plan(chain_with(0.3, 10), fresh, max_nodes=64, max_depth=40)
     assert weak.shape is not None and weak.n_nodes == weak.shape.max_nodes
 
 
@@ -564,6 +565,8 @@ def _auto_steps(pol, auto, model, script, pos, n_steps):
         auto.observe(p.candidate, emitted)
         auto.accept(emitted)
         cal.observe(np.asarray(p.tree.score[1:], dtype=np.float64), n)
+        b = p.tree.n_nodes  # the step's time as the engine measures it: the cost table's
+        pol.observe_step(b, pol.cost.t_decode_us(b), pol.host_us(b))
         pos += len(emitted)
         if model.extends > before:
             drafted.append(i)
@@ -599,6 +602,75 @@ def test_a_model_drafter_that_does_not_pay_is_probed_at_bounded_cost_and_comes_b
     first = drafted[0]
     assert first <= pol.max_explore_gap(model.stats, TreeShape(2, 1, 4))
     assert len(drafted) >= 0.9 * (300 - first) and len(verified) >= 0.9 * (300 - first - 1)
+
+
+def _requests(pol, auto, model, script, pos, n_requests, n_steps):
+    """``n_requests`` requests of ``n_steps`` steps each (``_auto_steps`` after ``begin`` on
+    the script so far); returns (the number of the request of each step the model drafted,
+    the new position)."""
+    drafted_in = []
+    for r in range(n_requests):
+        auto.begin(script[:pos])
+        drafted, _, pos = _auto_steps(pol, auto, model, script, pos, n_steps)
+        drafted_in += [r] * len(drafted)
+    return drafted_in, pos
+
+
+def test_probes_of_a_head_that_never_pays_are_bounded_over_the_drafters_life_not_per_request():
+    """``auto`` over 40 requests of 30 steps with a head whose drafts are never accepted and
+    whose probe costs about 4 steps, most of it the catch-up of its first level (16 positions
+    at 2 ms): the first request of the fresh drafter probes it once, and from then on the
+    measured cost of all probes (drafting with the catch-up, and the rows they add) stays
+    within ``explore_budget`` of the measured step time since, across requests: 4 probes in
+    all, not one per request (a per-request reset of the exploration state probes every
+    request). Its reported drafting times, catch-up included, are what was charged."""
+    from localspec.costmodel import CostModel
+    from localspec.drafters.auto import AutoDrafter
+    from localspec.drafters.ngram import NgramDrafter
+    from helpers import ScriptedModelDrafter
+
+    script = list(range(1000, 9000))  # no token repeats: the n-grams never draft
+    pol = SpeculationPolicy(CostModel(dict(FLAT_COSTS_US)), max_nodes=16)
+    model = ScriptedModelDrafter(script, level_us=1000.0, catch_up_us=2000.0, right=False)
+    auto = AutoDrafter(model, NgramDrafter())
+    drafted_in, pos = _requests(pol, auto, model, script, 20, 40, 30)
+    st = model.stats
+    assert drafted_in[0] == 0  # a new head is tried on the first request
+    assert len(drafted_in) == st.n_probes and len(set(drafted_in)) == len(drafted_in)  # one probe per request at most
+    first = model.draft_us[0]
+    assert first >= 16 * 2000.0  # its first level wrote 16 positions
+    assert sum(model.draft_us) <= st.explore_spent_us  # every probe's measured drafting time is charged
+    assert st.explore_spent_us - first <= pol.explore_budget * (pol.t_steps_us - st.explore_from_us)
+    assert 2 <= len(drafted_in) <= 1 + pol.explore_budget * pol.t_steps_us / min(model.draft_us), drafted_in
+    assert len(drafted_in) <= 40 // 8, drafted_in
+
+
+def test_a_head_that_pays_again_is_used_within_the_gap_of_its_probes():
+    """After 3,000 steps whose probes of the head failed, its drafts become right: the next
+    probe, at most as far as the longest gap between the failed probes (steps), pays, and the
+    head drafts on nearly every step from then on, in the same request and the next."""
+    from localspec.costmodel import CostModel
+    from localspec.drafters.auto import AutoDrafter
+    from localspec.drafters.ngram import NgramDrafter
+    from helpers import ScriptedModelDrafter
+
+    script = list(range(1000, 20000))
+    pol = SpeculationPolicy(CostModel(dict(FLAT_COSTS_US)), max_nodes=16)
+    model = ScriptedModelDrafter(script, level_us=1000.0, catch_up_us=1000.0, right=False)
+    auto = AutoDrafter(model, NgramDrafter())
+    auto.begin(script[:20])
+    drafted, _, pos = _auto_steps(pol, auto, model, script, 20, 3000)
+    gaps = np.diff(drafted)
+    assert len(drafted) >= 3 and gaps.min() >= pol.explore_every
+    model.right = True
+    drafted, verified, pos = _auto_steps(pol, auto, model, script, pos, int(gaps.max()) + 100)
+    first = drafted[0]
+    assert first <= gaps.max(), (first, gaps)
+    n = len(range(first, int(gaps.max()) + 100))
+    assert len(drafted) >= 0.9 * n and len(verified) >= 0.9 * (n - 1)
+    auto.begin(script[:pos])
+    drafted, _, _ = _auto_steps(pol, auto, model, script, pos, 50)
+    assert drafted[:3] == [0, 1, 2] and len(drafted) >= 45
 
 
 def test_probes_cost_at_most_the_exploration_budget_of_the_time():

@@ -15,31 +15,42 @@ import numpy as np
 class TargetFeatureBuffer:
     """Feature rows of the consecutive history positions ``first .. end - 1``.
 
+    The rows live in a preallocated array that grows by doubling, so ``add`` copies only the
+    new rows (amortised O(new rows)): the engine adds a step's few rows every step, also while
+    the drafter does not draft (an ``auto`` head that does not pay), and a buffer that was
+    concatenated anew each step cost O(held rows) per step (1-5 ms a step after a 748-token
+    prompt, 1-3% of the step's time, measured 2026-12-03).
+
     Args:
         width: the row width (EAGLE-3: ``3 * n_embd`` of the target; MTP: ``n_embd``).
         owner: what the rows belong to, for error messages ("the EAGLE-3 head").
 
     Attributes:
         first: the position of ``rows[0]``.
-        rows: [end - first, width] float32.
     """
 
     def __init__(self, width: int, owner: str) -> None:
         self.owner = owner
         self.first = 0
-        self.rows = np.zeros((0, width), dtype=np.float32)
+        self._buf = np.zeros((0, int(width)), dtype=np.float32)
+        self._lo = self._hi = 0  # rows[i] is _buf[_lo + i]
+
+    @property
+    def rows(self) -> np.ndarray:
+        """[end - first, width] float32, a view valid until the next ``add``."""
+        return self._buf[self._lo : self._hi]
 
     @property
     def end(self) -> int:
         """Positions ``0 .. end - 1`` of the history whose features the drafter has (or has
         consumed): the drafter's ``n_target_features``."""
-        return self.first + self.rows.shape[0]
+        return self.first + self._hi - self._lo
 
     def row(self, pos: int) -> np.ndarray:
         """The row of position ``pos`` (``first <= pos < end``): [width] float32, a view."""
         if not self.first <= pos < self.end:
             raise IndexError(f"{self.owner} has target features of positions {self.first} .. {self.end - 1}, not {pos}")
-        return self.rows[pos - self.first]
+        return self._buf[self._lo + pos - self.first]
 
     def add(self, first_pos: int, rows: np.ndarray) -> None:
         """Rows of positions ``first_pos, first_pos + 1, ...`` ([n, width], converted to
@@ -52,16 +63,27 @@ class TargetFeatureBuffer:
         if first_pos > have:
             raise ValueError(f"target features from position {first_pos}, but {self.owner} has only {have}")
         new = rows[have - first_pos :]
-        if new.shape[0]:
-            self.rows = np.concatenate([self.rows, new.astype(np.float32, copy=False)])
+        n = new.shape[0]
+        if not n:
+            return
+        if self._hi + n > self._buf.shape[0]:  # no room at the back: move the rows to the front, growing by doubling
+            held = self._hi - self._lo
+            cap = self._buf.shape[0]
+            if held + n > cap // 2:
+                cap = max(2 * (held + n), 64)
+            buf = np.empty((cap, self._buf.shape[1]), dtype=np.float32) if cap != self._buf.shape[0] else self._buf
+            buf[:held] = self._buf[self._lo : self._hi]
+            self._buf, self._lo, self._hi = buf, 0, held
+        self._buf[self._hi : self._hi + n] = new
+        self._hi += n
 
     def truncate(self, n: int) -> None:
         """Keep the rows of positions ``< n`` (no-op when ``n >= end``). With ``n <= first``
         the buffer is empty and starts at ``n``: the features from ``n`` on are needed again."""
         if n <= self.first:
-            self.first, self.rows = n, self.rows[:0]
-        else:
-            self.rows = self.rows[: n - self.first]
+            self.first, self._hi = n, self._lo
+        elif n < self.end:
+            self._hi = self._lo + n - self.first
 
     def drop_before(self, pos: int) -> None:
         """Forget the rows of positions ``< pos`` (consumed); ``pos <= end``. No-op when
@@ -69,5 +91,5 @@ class TargetFeatureBuffer:
         if pos > self.end:
             raise ValueError(f"cannot consume target features up to {pos}: {self.owner} has only {self.end}")
         if pos > self.first:
-            self.rows = self.rows[pos - self.first :]
+            self._lo += pos - self.first
             self.first = pos
