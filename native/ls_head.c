@@ -8,7 +8,7 @@
  * Reference: numpy over the dequantised matrices (tests/test_eagle3_host.py). */
 #include "ls_internal.h"
 
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) && !defined(LS_NO_VEC)
 #include <immintrin.h>
 #define LS_HEAD_X86 1
 #endif
@@ -177,6 +177,8 @@ int32_t ls_gemm_q8(const int8_t *w, const float *wd, int64_t m, int64_t k, const
             for (int j = 0; j < 8; j++) xs[i * 8 + j] = xd[i];
     }
 #endif
+    (void)use_avx2;
+    (void)use_vnni;
     int nt = n_threads < 1 ? 1 : n_threads;
     if (nt > m) nt = (int)m;
 #if defined(_OPENMP)
@@ -185,6 +187,7 @@ int32_t ls_gemm_q8(const int8_t *w, const float *wd, int64_t m, int64_t k, const
     for (int t = 0; t < nt; t++) {
         int64_t lo = m * t / nt, hi = m * (t + 1) / nt;
         float o4[4];
+        (void)o4;
         for (int64_t i = lo; i < hi; i++) { /* the matrix row once, against every activation row */
             const int8_t *wi = w + i * k;
             const float *wdi = wd + i * nb;
