@@ -324,6 +324,20 @@ LS_API int32_t ls_head_attn(const float *q, int64_t n, int32_t n_head, int32_t n
                             const float *kpool, const float *vpool, const int64_t *key_off, const int64_t *key_idx,
                             float scale, float *out);
 
+/* out = x / sqrt(mean(x^2) + eps) * w per row (ggml_rms_norm times w; the sum in double).
+ * x, out [nr, k] (may alias). returns: 0, or LS_ERR_ARG. */
+LS_API int32_t ls_rms_norm_rows(const float *x, int64_t nr, int64_t k, const float *w, float eps, float *out);
+
+/* RoPE NORM in place (llama.cpp mode 0: adjacent pairs (2i, 2i + 1) of the first n_rot dims of
+ * every head rotated by pos[r] * inv_freq[i]): x [nr, n_heads * head_dim], pos [nr],
+ * inv_freq [n_rot / 2] float64. returns: 0, or LS_ERR_ARG. */
+LS_API int32_t ls_rope_norm(float *x, int64_t nr, int32_t n_heads, int32_t head_dim, int32_t n_rot, const int64_t *pos,
+                            const double *inv_freq);
+
+/* out[r] = silu(gu[r, :n_ff]) * gu[r, n_ff:] (a stacked gate / up product): gu [nr, 2 n_ff],
+ * out [nr, n_ff]. returns: 0, or LS_ERR_ARG. */
+LS_API int32_t ls_swiglu_rows(const float *gu, int64_t nr, int64_t n_ff, float *out);
+
 /* ---- graph taps (ls_tap.c) ------------------------------------------------------------ */
 
 /* A ggml_backend_sched_eval_callback (llama.cpp's cb_eval) that copies the rows of named

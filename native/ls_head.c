@@ -261,3 +261,44 @@ int32_t ls_head_attn(const float *q, int64_t n, int32_t n_head, int32_t n_head_k
     free(s);
     return 0;
 }
+
+int32_t ls_rms_norm_rows(const float *x, int64_t nr, int64_t k, const float *w, float eps, float *out) {
+    if (!x || !w || !out || nr < 0 || k < 1) return LS_ERR_ARG;
+    for (int64_t r = 0; r < nr; r++) {
+        const float *xr = x + r * k;
+        double ss = 0.0; /* ggml_compute_forward_rms_norm_f32 sums in double */
+        for (int64_t i = 0; i < k; i++) ss += (double)xr[i] * (double)xr[i];
+        const float scale = 1.0f / sqrtf((float)(ss / (double)k) + eps);
+        float *o = out + r * k;
+        for (int64_t i = 0; i < k; i++) o[i] = xr[i] * scale * w[i];
+    }
+    return 0;
+}
+
+int32_t ls_rope_norm(float *x, int64_t nr, int32_t n_heads, int32_t head_dim, int32_t n_rot, const int64_t *pos,
+                     const double *inv_freq) {
+    if (!x || !pos || !inv_freq || nr < 0 || n_heads < 1 || head_dim < 1 || n_rot < 0 || n_rot > head_dim || n_rot % 2)
+        return LS_ERR_ARG;
+    for (int64_t r = 0; r < nr; r++)
+        for (int32_t i = 0; i < n_rot / 2; i++) {
+            const double a = (double)pos[r] * inv_freq[i];
+            const float c = (float)cos(a), s = (float)sin(a);
+            for (int32_t h = 0; h < n_heads; h++) {
+                float *v = x + (r * n_heads + h) * (int64_t)head_dim + 2 * i;
+                const float x0 = v[0], x1 = v[1];
+                v[0] = x0 * c - x1 * s;
+                v[1] = x0 * s + x1 * c;
+            }
+        }
+    return 0;
+}
+
+int32_t ls_swiglu_rows(const float *gu, int64_t nr, int64_t n_ff, float *out) {
+    if (!gu || !out || nr < 0 || n_ff < 1) return LS_ERR_ARG;
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t i = 0; i < n_ff; i++) {
+            const float g = gu[r * 2 * n_ff + i], u = gu[r * 2 * n_ff + n_ff + i];
+            out[r * n_ff + i] = g / (1.0f + expf(-g)) * u;
+        }
+    return 0;
+}

@@ -229,3 +229,24 @@ def test_runtime_option_is_checked(random_head_path):
 
     with pytest.raises(ValueError, match="runtime must be one of auto, host, llama"):
         Eagle3Drafter(random_head_path, runtime="gpu")
+
+
+def test_elementwise_kernels_match_numpy(rng):
+    """``ls_rms_norm_rows``, ``ls_rope_norm`` (partial rotary dims too) and ``ls_swiglu_rows``
+    against the numpy definitions (``eagle3_host.rms_norm``, ``HeadWeights.rope``)."""
+    from types import SimpleNamespace
+
+    from localspec.drafters.eagle3_host import HeadWeights, rms_norm
+    from localspec.native import head as nh
+
+    x = (rng.standard_normal((5, 96)) * 3).astype(np.float32)
+    w = rng.standard_normal(96).astype(np.float32)
+    np.testing.assert_allclose(nh.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6), rtol=2e-6, atol=1e-6)
+    pos = np.array([0, 3, 17, 400, 9999])
+    for n_rot in (32, 16):
+        fake = SimpleNamespace(head_dim=32, n_rot=n_rot, rope_inv=10000.0 ** (-np.arange(0, n_rot, 2) / n_rot) / 2.0)
+        ref = HeadWeights.rope(fake, x, pos, 3)
+        np.testing.assert_allclose(nh.rope_norm(x, pos, 3, 32, n_rot, fake.rope_inv), ref, rtol=1e-5, atol=1e-5)
+    gu = rng.standard_normal((4, 2 * 24)).astype(np.float32)
+    g, u = gu[:, :24], gu[:, 24:]
+    np.testing.assert_allclose(nh.swiglu(gu, 24), g / (1 + np.exp(-g)) * u, rtol=1e-6, atol=1e-7)

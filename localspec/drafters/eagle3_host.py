@@ -6,10 +6,12 @@ Same computation as the graph (``src/models/eagle3.cpp`` of the vendored llama.c
 drafting request at once::
 
     x       = [ rmsnorm(E[t]) * attn_norm ; rmsnorm(g) * hidden_norm ]        [n, 2 e]
-    q, k, v = x Wqkv^T (one product: the three matrices stacked), RoPE NORM at each entry's
-              position on q and k; k rounded to bfloat16 and v to float16 (the head
-              context's KV types: ``backend.context``)
+    k, v    = x Wkv^T (one product: the two matrices stacked), RoPE NORM at each entry's
+              position on k; k rounded to bfloat16 and v to float16 (the head context's KV
+              types: ``backend.context``)
     only entries with an output row go on (a catch-up's earlier entries only add k, v):
+    q       = x Wq^T, RoPE NORM, rounded to bfloat16 (llama.cpp's flash attention converts it
+              to K's type)
     a       = attention of each entry over its own keys (the request's committed entries,
               its tree ancestors' entries, itself)                            [n_out, H hd]
     r       = a Wo^T + g  (or + rmsnorm(g) * hidden_norm with norm_before_residual)
@@ -42,7 +44,8 @@ class HeadUnsupported(ModelLoadError):
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """``ggml_rms_norm(x) * w`` over the last axis, float32."""
+    """``ggml_rms_norm(x) * w`` over the last axis, float32 (numpy; the runtime calls
+    ``native.head.rms_norm``, the tests compare the two)."""
     ms = np.einsum("ij,ij->i", x, x, optimize=False) / np.float32(x.shape[1])
     return x * (1.0 / np.sqrt(ms + np.float32(eps))).astype(np.float32)[:, None] * w
 
@@ -122,7 +125,7 @@ class HeadWeights:
         inv = base ** (-np.arange(0, self.n_rot, 2, dtype=np.float64) / self.n_rot) / factor  # theta per pair
         if "blk.0.rope_freqs.weight" in ix.tensors:  # llama3 rope: theta / freq_factors
             inv = inv / ix.rows("blk.0.rope_freqs.weight").astype(np.float64)
-        self.rope_inv = inv
+        self.rope_inv = np.ascontiguousarray(inv, dtype=np.float64)
         vec = lambda name: np.ascontiguousarray(ix.rows(name), dtype=np.float32)  # noqa: E731
         self.attn_norm = vec("blk.0.attn_norm.weight")
         self.hidden_norm = vec("blk.0.attn_norm_2.weight")
@@ -130,7 +133,8 @@ class HeadWeights:
         self.output_norm = vec("output_norm.weight")
         self.enc_norm = vec("enc.output_norm.weight") if self.norm_before_fc else None
         self.fc = self._matrix("fc.weight")
-        self.qkv = self._stacked(["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"])
+        self.wq = self._matrix("blk.0.attn_q.weight")
+        self.kv = self._stacked(["blk.0.attn_k.weight", "blk.0.attn_v.weight"])
         self.wo = self._matrix("blk.0.attn_output.weight")
         self.gate_up = self._stacked(["blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"])
         self.down = self._matrix("blk.0.ffn_down.weight")
@@ -174,13 +178,16 @@ class HeadWeights:
 
     def encode(self, feats: np.ndarray, n_threads: int = 1) -> np.ndarray:
         """The encoder: target features [n, 3 * n_embd_target] -> g [n, n_embd] float32."""
+        from ..native.head import rms_norm as c_rms_norm
+
         x = np.ascontiguousarray(feats, dtype=np.float32)
         if self.enc_norm is not None:
-            x = rms_norm(x, self.enc_norm, self.eps)
+            x = c_rms_norm(x, self.enc_norm, self.eps)
         return self.fc.apply(x, n_threads)
 
     def rope(self, x: np.ndarray, pos: np.ndarray, n_heads: int) -> np.ndarray:
-        """RoPE NORM (adjacent pairs) of the first ``n_rot`` dims of every head: x [n, n_heads * head_dim]."""
+        """RoPE NORM (adjacent pairs) of the first ``n_rot`` dims of every head: x [n, n_heads * head_dim]
+        (numpy; the runtime calls ``native.head.rope_norm``, the tests compare the two)."""
         n = x.shape[0]
         ang = pos.astype(np.float64)[:, None] * self.rope_inv[None, :]  # [n, n_rot / 2]
         cos = np.cos(ang).astype(np.float32)[:, None, :]
@@ -221,17 +228,17 @@ class HostPart:
 
 def run_level(w: HeadWeights, parts: Sequence[HostPart], n_threads: int = 1) -> list[np.ndarray]:
     """Every part's entries through the decoder layer at once; each part's ``finish`` result."""
-    from ..native.head import attention
+    from ..native.head import attention, rope_norm, swiglu
+    from ..native.head import rms_norm as c_rms_norm
 
     tokens = [t for p in parts for t in p.tokens]
-    pos = np.concatenate([p.pos for p in parts])
-    g = np.concatenate([p.g for p in parts])
+    pos = np.concatenate([p.pos for p in parts]) if len(parts) > 1 else parts[0].pos
+    g = np.concatenate([p.g for p in parts]) if len(parts) > 1 else parts[0].g
     e = w.embeddings(tokens)
-    x = np.concatenate([rms_norm(e, w.attn_norm, w.eps), rms_norm(g, w.hidden_norm, w.eps)], axis=1)
-    qkv = w.qkv.apply(x, n_threads)
-    q = w.rope(qkv[:, : w.n_q], pos, w.n_head)
-    k = round_bf16(w.rope(qkv[:, w.n_q : w.n_q + w.n_kv], pos, w.n_head_kv))
-    v = qkv[:, w.n_q + w.n_kv :].astype(np.float16).astype(np.float32)
+    x = np.concatenate([c_rms_norm(e, w.attn_norm, w.eps), c_rms_norm(g, w.hidden_norm, w.eps)], axis=1)
+    kv = w.kv.apply(x, n_threads)  # every entry's keys and values; queries only for the output entries (below)
+    k = round_bf16(rope_norm(kv[:, : w.n_kv], pos, w.n_head_kv, w.head_dim, w.n_rot, w.rope_inv))
+    v = kv[:, w.n_kv :].astype(np.float16).astype(np.float32)
     # the key pool: every part's context rows, then the new rows
     n_new = len(tokens)
     ctx_sizes = [p.ctx_k.shape[0] for p in parts]
@@ -250,15 +257,14 @@ def run_level(w: HeadWeights, parts: Sequence[HostPart], n_threads: int = 1) -> 
         e0 += len(p.tokens)
     assert e0 == n_new
     sel = np.asarray(out_rows, dtype=np.int64)
-    a = attention(round_bf16(q[sel]), w.n_head, w.n_head_kv, w.head_dim, kpool, vpool,
+    q = rope_norm(w.wq.apply(x[sel], n_threads), pos[sel], w.n_head, w.head_dim, w.n_rot, w.rope_inv)
+    a = attention(round_bf16(q), w.n_head, w.n_head_kv, w.head_dim, kpool, vpool,
                   np.asarray(key_off, dtype=np.int64), np.asarray(key_idx, dtype=np.int64), w.head_dim**-0.5)  # fmt: skip
     res = x[sel, w.n_embd :] if w.norm_before_residual else g[sel]
     r = w.wo.apply(a, n_threads) + res
-    gu = w.gate_up.apply(rms_norm(r, w.ffn_norm, w.eps), n_threads)
-    gate, up = gu[:, : w.n_ff], gu[:, w.n_ff :]
-    act = gate / (np.float32(1.0) + np.exp(-gate)) * up
-    h = r + w.down.apply(act, n_threads)
-    rows = w.output.apply(rms_norm(h, w.output_norm, w.eps), n_threads)
+    gu = w.gate_up.apply(c_rms_norm(r, w.ffn_norm, w.eps), n_threads)
+    h = r + w.down.apply(swiglu(gu, w.n_ff), n_threads)
+    rows = w.output.apply(c_rms_norm(h, w.output_norm, w.eps), n_threads)
     out, o0, e0 = [], 0, 0
     for p in parts:
         n = len(p.tokens)

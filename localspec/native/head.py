@@ -95,3 +95,34 @@ def attention(q: np.ndarray, n_head: int, n_head_kv: int, head_dim: int, kpool: 
     if rc < 0:
         raise_for(rc)
     return out
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """``ls_rms_norm_rows``: x [r, k] float32 normalised per row times w [k] (float32 out)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(x)
+    rc = lib.ls_rms_norm_rows(x.ctypes.data, x.shape[0], x.shape[1], w.ctypes.data, float(eps), out.ctypes.data)
+    if rc < 0:
+        raise_for(rc)
+    return out
+
+
+def rope_norm(x: np.ndarray, pos: np.ndarray, n_heads: int, head_dim: int, n_rot: int, inv_freq: np.ndarray) -> np.ndarray:
+    """``ls_rope_norm`` on a copy of x [r, n_heads * head_dim] float32 at positions pos [r]
+    (inv_freq [n_rot / 2] float64: the angle per position of each pair)."""
+    y = np.array(x, dtype=np.float32, order="C")
+    pos = np.ascontiguousarray(pos, dtype=np.int64)
+    rc = lib.ls_rope_norm(y.ctypes.data, y.shape[0], n_heads, head_dim, n_rot, pos.ctypes.data, inv_freq.ctypes.data)
+    if rc < 0:
+        raise_for(rc)
+    return y
+
+
+def swiglu(gu: np.ndarray, n_ff: int) -> np.ndarray:
+    """``ls_swiglu_rows``: silu(gate) * up of a stacked [r, 2 n_ff] gate / up product -> [r, n_ff]."""
+    gu = np.ascontiguousarray(gu, dtype=np.float32)
+    out = np.empty((gu.shape[0], n_ff), dtype=np.float32)
+    rc = lib.ls_swiglu_rows(gu.ctypes.data, gu.shape[0], n_ff, out.ctypes.data)
+    if rc < 0:
+        raise_for(rc)
+    return out
