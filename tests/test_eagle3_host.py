@@ -250,3 +250,20 @@ def test_elementwise_kernels_match_numpy(rng):
     gu = rng.standard_normal((4, 2 * 24)).astype(np.float32)
     g, u = gu[:, :24], gu[:, 24:]
     np.testing.assert_allclose(nh.swiglu(gu, 24), g / (1 + np.exp(-g)) * u, rtol=1e-6, atol=1e-7)
+
+
+def test_bench_drafters_reports_both_runtimes_in_one_run(model):
+    """``localspec bench drafters``: per shape one result per head runtime, each with the
+    drafted steps it saw (through ``DraftHub.extend_many``, what the engine calls), a time
+    and a fraction of the plain decode per level, and one host call per level."""
+    from localspec.bench.drafters import bench_drafters
+    from localspec.models.eagle3_heads import shipped_head
+
+    out = bench_drafters(model, shipped_head(model.path), shapes=[TreeShape(2, 1, 3, 0.0)], prompts=[TEXT],
+                         max_tokens=8, rounds=1, n_threads=1)  # fmt: skip
+    assert [r.runtime for r in out] == ["host", "llama"]
+    for r in out:
+        assert r.drafted_steps > 0 and [lv.level for lv in r.levels] == [0, 1]
+        assert all(lv.t_median_us > 0 and lv.fraction_of_decode > 0 for lv in r.levels)
+        assert r.head_calls_outside_drafting == 0
+    assert [lv.calls_per_step for lv in out[0].levels] == [1.0, 1.0]

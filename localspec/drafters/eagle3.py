@@ -14,7 +14,12 @@ through ``ctx_other``; a reduced draft vocabulary is mapped back to target ids b
 wide, ``-inf`` outside the draft vocabulary). ``check_target`` refuses a head made for another
 target (``target_mismatches``) before anything changes.
 
-How the engine and the head work together::
+Two runtimes run the head's layer (``Eagle3Drafter(runtime=...)``): the project's C kernels
+(``eagle3_host``: no llama.cpp context, the default where the native library is built) and
+llama.cpp's ``eagle3`` graph (``"llama"``, the reference; below). Both keep the same entries
+(``CONTEXT_WINDOW``) and give the same draft-vocabulary rows up to rounding.
+
+How the engine and the head work together (the llama.cpp runtime)::
 
     target decode (prefill chunk or verified tree)
        └─ FeatureTap (cb_eval) captures l_out-(k-1) rows for the 3 layers
