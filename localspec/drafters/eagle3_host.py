@@ -280,7 +280,7 @@ class HostHub(DraftHub):
     matrix for every request's entries). No llama.cpp context: each request keeps its own
     keys and values (``Eagle3Drafter``)."""
 
-    def __init__(self, weights: HeadWeights, *, n_requests: int, seqs_each: int, key, n_threads: int) -> None:
+    def __init__(self, weights: HeadWeights, *, n_requests: int, seqs_each: int, key) -> None:
         self.weights = weights
         self.n_requests = int(n_requests)
         self.n_ctx_each = 0
@@ -288,9 +288,16 @@ class HostHub(DraftHub):
         self.key = key
         self.ctx = None
         self.batch = None
-        self.n_threads = int(n_threads)
         self._free = list(range(self.n_requests - 1, -1, -1))
         self.last_level_us: list[float] = []
+
+    @property
+    def n_threads(self) -> int:
+        """Threads of the products: ``native.threads()`` (``LOCALSPEC_NATIVE_THREADS``, default
+        1: OpenMP threads that spin after a product compete with llama.cpp's next decode)."""
+        from .. import native
+
+        return native.threads()
 
     def leave(self, seq0: int) -> None:
         self._free.append(seq0 // self.seqs_each)
