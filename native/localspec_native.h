@@ -38,7 +38,7 @@
 extern "C" {
 #endif
 
-#define LS_ABI_VERSION 7
+#define LS_ABI_VERSION 8
 
 /* error codes (negative returns) */
 #define LS_ERR_BANNED (-1)         /* every token is banned (-inf) by logit bias */
@@ -300,6 +300,43 @@ LS_API int32_t ls_memory_draft(ls_memory *m, const int32_t *query, int64_t n_que
  * returns: 0, or LS_ERR_ARG. */
 LS_API int32_t ls_gemm_t(const float *wt, int64_t n, int64_t m, const float *x, int64_t nr, float *y,
                          int32_t n_threads);
+
+/* ---- the EAGLE-3 head on the host (ls_head.c) ------------------------------------------ */
+
+/* Quantise float32 rows the way ggml's CPU backend does for a Q8_0 product: per block of 32
+ * values d = amax / 127 rounded to float16, q = round-to-nearest-even(x * 127 / amax).
+ * x [nr, k]; q [nr, k] int8; d [nr, k / 32] float32. returns: 0, or LS_ERR_ARG (k % 32). */
+LS_API int32_t ls_q8_quantize_rows(const float *x, int64_t nr, int64_t k, int8_t *q, float *d);
+
+/* Y = X W^T with W in Q8_0: w [m, k] int8 (row i = output i), wd [m, k / 32] float32 block
+ * scales, x [nr, k] float32 (quantised inside, ls_q8_quantize_rows), y [nr, m] float32. Each
+ * matrix row is read once for all nr rows; threads split the output columns and never change
+ * a result. returns: 0, LS_ERR_ARG or LS_ERR_NOMEM. */
+LS_API int32_t ls_gemm_q8(const int8_t *w, const float *wd, int64_t m, int64_t k, const float *x, int64_t nr,
+                          float *y, int32_t n_threads);
+
+/* Softmax attention of n entries, each over its own keys: q [n, n_head * head_dim] (roped),
+ * kpool / vpool [*, n_head_kv * head_dim] float32, the keys of entry e are rows
+ * key_idx[key_off[e] .. key_off[e + 1]) (at least one); query head h reads kv head
+ * h / (n_head / n_head_kv). out [n, n_head * head_dim] = softmax(scale q k^T) v.
+ * returns: 0, LS_ERR_ARG or LS_ERR_NOMEM. */
+LS_API int32_t ls_head_attn(const float *q, int64_t n, int32_t n_head, int32_t n_head_kv, int32_t head_dim,
+                            const float *kpool, const float *vpool, const int64_t *key_off, const int64_t *key_idx,
+                            float scale, float *out);
+
+/* out = x / sqrt(mean(x^2) + eps) * w per row (ggml_rms_norm times w; the sum in double).
+ * x, out [nr, k] (may alias). returns: 0, or LS_ERR_ARG. */
+LS_API int32_t ls_rms_norm_rows(const float *x, int64_t nr, int64_t k, const float *w, float eps, float *out);
+
+/* RoPE NORM in place (llama.cpp mode 0: adjacent pairs (2i, 2i + 1) of the first n_rot dims of
+ * every head rotated by pos[r] * inv_freq[i]): x [nr, n_heads * head_dim], pos [nr],
+ * inv_freq [n_rot / 2] float64. returns: 0, or LS_ERR_ARG. */
+LS_API int32_t ls_rope_norm(float *x, int64_t nr, int32_t n_heads, int32_t head_dim, int32_t n_rot, const int64_t *pos,
+                            const double *inv_freq);
+
+/* out[r] = silu(gu[r, :n_ff]) * gu[r, n_ff:] (a stacked gate / up product): gu [nr, 2 n_ff],
+ * out [nr, n_ff]. returns: 0, or LS_ERR_ARG. */
+LS_API int32_t ls_swiglu_rows(const float *gu, int64_t nr, int64_t n_ff, float *out);
 
 /* ---- graph taps (ls_tap.c) ------------------------------------------------------------ */
 

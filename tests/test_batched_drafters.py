@@ -166,16 +166,22 @@ def _count_calls(obj, method: str, monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("name", ["eagle3", "draft", "mtp"])
+@pytest.mark.parametrize("name", ["eagle3", "eagle3-host", "draft", "mtp"])
 def test_model_drafters_of_four_requests_share_one_context_and_decode_each_level_once(
     shared_model, derived_draft_path, name, monkeypatch, tmp_path
 ):
     """``--parallel 4``: the four slots' drafters share the loaded head / draft model / MTP
     block (loaded once) and one draft context, and in a step where several requests draft, each
     tree level of all of them is ONE llama.cpp call (the number of calls with outputs is the
-    longest tree's levels, not the sum over requests, as it was with a context per slot)."""
+    longest tree's levels, not the sum over requests, as it was with a context per slot).
+    ``eagle3-host``: the head on the host runtime, one ``run_level`` per level for all the
+    requests, whose readout product takes every drafting request's rows in one C call."""
     from localspec.backend import Model
+    from localspec.native.head import Q8Matrix
 
+    host = name == "eagle3-host"
+    monkeypatch.setenv("LOCALSPEC_EAGLE3_RUNTIME", "host" if host else "llama")
+    name = "eagle3" if host else name
     target = shared_model
     if name == "mtp":
         from mtp_gguf import write_tiny_glm4moe
@@ -190,7 +196,12 @@ def test_model_drafters_of_four_requests_share_one_context_and_decode_each_level
         assert all(d.model is first.model and d.hub is first.hub and d.ctx is first.ctx for d in sched._drafters)
         assert sorted(d.seq0 for d in sched._drafters) == [first.hub.seqs_each * i for i in range(4)]
         ctx = first.hub.ctx
-        if name == "draft":
+        if host:
+            assert ctx is None and first.runtime == "host"
+            calls = _count_calls(first.hub, "decode_levels", monkeypatch)
+            products = _count_calls(Q8Matrix, "apply", monkeypatch)
+            readout = first.hub.weights.output
+        elif name == "draft":
             calls = _count_calls(ctx, "decode", monkeypatch)
         else:  # a long catch-up's head is decoded first, without outputs, in a call of its own
             calls = _count_calls(ctx, "process", monkeypatch)
@@ -202,6 +213,8 @@ def test_model_drafters_of_four_requests_share_one_context_and_decode_each_level
     together = [(n, levels, c) for n, levels, c in steps if n > 1]
     assert together and max(n for n, _, _ in together) == 4
     assert all(c == levels for _, levels, c in together), together
+    if host:  # the readout ([n, 8192]) over the rows of the four requests' roots in one call
+        assert max(a[1].shape[0] for a in products if a[0] is readout) >= 4
 
 
 def test_medusa_heads_of_four_requests_load_once_and_run_one_call_per_matrix(shared_model, monkeypatch):

@@ -169,15 +169,19 @@ def run(eng, prompt, n, sampling=GREEDY, drafter=None):
     res = eng.generate(prompt, max_tokens=n, sampling=sampling, speculative=drafter is not None)
     if drafter is not None:
         drafter.check_cache()
-        assert all(drafter.ctx.pos_max(s) == -1 for s in range(1, drafter.ctx.n_seq_max))
+        if drafter.ctx is not None:  # no scratch sequence left behind
+            assert all(drafter.ctx.pos_max(s) == -1 for s in range(1, drafter.ctx.n_seq_max))
+        else:  # the host runtime (eagle3_host): no tree node's keys left behind
+            assert drafter.runtime == "host" and not drafter._node_kv
     return res
 
 
+@pytest.mark.parametrize("runtime", ["host", "llama"])
 @pytest.mark.parametrize("shape", [TreeShape(4, 1, 5, 0.0), TreeShape(3, 3, 10, 0.0)], ids=["chain", "tree"])
-def test_random_head_greedy_output_is_the_target_argmax(eng, model, random_head_path, shape):
+def test_random_head_greedy_output_is_the_target_argmax(eng, model, random_head_path, shape, runtime):
     prompt = model.tokenize(PROMPT)
     plain = plain_run(eng, prompt, 48)
-    d = Eagle3Drafter(random_head_path, shape=shape)
+    d = Eagle3Drafter(random_head_path, shape=shape, runtime=runtime)
     spec = run(eng, prompt, 48, drafter=d)
     assert_same_as_plain(eng, prompt, plain.token_ids, spec.token_ids)
     assert spec.stats.num_draft_tokens >= 40  # it drafted at every step
@@ -233,7 +237,7 @@ def test_random_head_rejection_sampling_is_exact(eng, model, random_head_path, s
         kids = [b.add(0, int(t), source=TokenSource.EAGLE3) for t in support]
         after = d.target_rows(d.decode_level(b, kids))
         draft_after = {int(t): after[i].copy() for i, t in enumerate(support)}
-        d.slots.release()
+        d.release_tree()
         assert set(support) <= set(np.flatnonzero(np.isfinite(root_row)))  # inside the draft vocabulary
 
         def target_rows(p, toks):

@@ -17,6 +17,7 @@ from hf_eagle3 import (
 from helpers import REJECTION_SAMPLING, REJECTION_SHAPES, assert_rejection_sampling_exact, assert_same_as_plain
 from localspec import Engine, SamplingParams
 from localspec.backend import Model
+from localspec.drafters.base import TargetHandle
 from localspec.drafters.eagle3 import Eagle3Drafter
 from localspec.errors import ModelLoadError, VocabMismatchError
 from localspec.policy import TreeShape
@@ -71,13 +72,14 @@ def engine(target, head, shape=None, **kw):
 
 
 @pytest.mark.parametrize("layout", HEADS)
-def test_a_converted_head_loads_with_its_layers_and_vocabulary_map(conv, target, layout):
+def test_a_converted_head_loads_with_its_layers_and_vocabulary_map(conv, target, layout, monkeypatch):
     """The feature layers and ``d2t`` come from the converted GGUF: the config's
     ``eagle_aux_hidden_state_layer_ids`` (SpecForge) or the converter's default
     ``(2, n // 2, n - 3)`` (EAGLE repo), and the checkpoint's ``d2t`` offsets as absolute ids,
     which llama.cpp's rows agree with (finite exactly there)."""
     d, heads = conv
     info = heads[layout]
+    monkeypatch.setenv("LOCALSPEC_EAGLE3_RUNTIME", "llama")  # it reads llama.cpp's target-wide row
     e = engine(target, d / f"head-{layout}.gguf")
     try:
         h = e.drafter
@@ -109,7 +111,7 @@ def test_a_converted_head_computes_the_upstream_head(conv, target, layout):
     3% of the largest logit; measured 0.05-0.09% and 0.3%). Feeding each entry the token at
     its own position instead of the next one is off by 9-18% of it."""
     d, heads = conv
-    h = Eagle3Drafter(d / f"head-{layout}.gguf", context_window=None)  # every entry, as the reference
+    h = Eagle3Drafter(d / f"head-{layout}.gguf", context_window=None, runtime="llama")  # every entry, as the reference
     e = Engine(target, drafter=h, n_ctx=512, cost_model=fixed_cost_model())
     try:
         prompt = target.tokenize(PROMPT)
@@ -130,14 +132,49 @@ def test_a_converted_head_computes_the_upstream_head(conv, target, layout):
 
 
 @pytest.mark.parametrize("layout", HEADS)
+def test_a_converted_head_on_the_host_runtime_computes_the_upstream_head(conv, target, layout):
+    """The host runtime (``eagle3_host``: F16 / BF16 matrices as float32, the encoder's norm,
+    ``norm_before_residual``, the SpecForge head's own embeddings) gives the root's row of the
+    float64 reference to the same tolerance as the graph, and the graph's row to 1% of its
+    largest logit."""
+    d, heads = conv
+    h = Eagle3Drafter(d / f"head-{layout}.gguf", context_window=None, runtime="host")
+    g = Eagle3Drafter(d / f"head-{layout}.gguf", context_window=None, runtime="llama")
+    e = Engine(target, drafter=g, n_ctx=512, cost_model=fixed_cost_model())
+    try:
+        h.attach(TargetHandle(target, n_ctx=e.ctx.n_ctx, n_threads=e.ctx.n_threads, tensor_source=e.ctx, features=e._tap))
+        assert h.runtime == "host" and h.ctx is None
+        prompt = target.tokenize(PROMPT)
+        for x in (h, g):
+            x.begin(prompt)
+        e.cache.prefill(prompt[:-1])
+        feats = e._tap.take()
+        for x in (h, g):
+            x.add_target_features(0, feats)
+        root = h.decode_level(TreeBuilder(prompt[-1]), [0])[0]
+        root_graph = g.decode_level(TreeBuilder(prompt[-1]), [0])[0]
+        ref = reference_head_logits(heads[layout].path, d / "target", feats, prompt[1:])[-1]
+        tol = {"f16": 0.01, "bf16": 0.03}[HEADS[layout][2]] * np.abs(ref).max()
+        assert np.abs(root - ref).max() < tol
+        assert np.argmax(root) == np.argmax(ref)
+        assert np.abs(root - root_graph).max() < 0.01 * np.abs(root_graph).max()
+    finally:
+        h.close()
+        e.close()
+
+
+@pytest.mark.parametrize("layout", HEADS)
 @pytest.mark.parametrize("shape", [TreeShape(4, 1, 5, 0.0), TreeShape(3, 3, 10, 0.0)], ids=["chain", "tree"])
-def test_a_converted_head_drafts_losslessly_greedy(conv, target, layout, shape):
+@pytest.mark.parametrize("runtime", ["host", "llama"])
+def test_a_converted_head_drafts_losslessly_greedy(conv, target, layout, shape, runtime, monkeypatch):
     d, _ = conv
+    monkeypatch.setenv("LOCALSPEC_EAGLE3_RUNTIME", runtime)
     e = engine(target, d / f"head-{layout}.gguf", shape)
     try:
         prompt = target.tokenize(PROMPT)
         spec = e.generate(prompt, max_tokens=40, sampling=GREEDY)
         e.drafter.check_cache()
+        assert e.drafter.runtime == runtime
         e.reset()
         plain = e.generate(prompt, max_tokens=40, sampling=GREEDY, speculative=False)
         assert len(plain.token_ids) == 40
@@ -185,7 +222,7 @@ def test_a_converted_head_rejection_sampling_is_exact(conv, target, layout):
         kids = [b.add(0, int(t), source=TokenSource.EAGLE3) for t in support]
         after = h.target_rows(h.decode_level(b, kids))
         draft_after = {int(t): after[i].copy() for i, t in enumerate(support)}
-        h.slots.release()
+        h.release_tree()
         assert set(support) <= set(h.d2t.tolist())
 
         def target_rows(p, toks):

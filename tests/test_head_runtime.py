@@ -150,22 +150,40 @@ TEXT = (
 
 def count_head_calls(d):
     """Wrap the extend of ``d``'s draft context (``DraftHub.extend_many``, which the step
-    calls): per drafted step, (head calls made, levels grown)."""
-    log = []
+    calls): per drafted step, (head calls made, levels grown). Head calls: llama.cpp calls on
+    the head's context, or (host runtime) ``run_level`` calls; ``log.calls()`` counts all."""
+    log = HeadCalls()
     hub = d.hub
     inner = hub.extend_many
+    if d.host:
+        counter = [0]
+        levels = hub.decode_levels
+
+        def decode_levels(parts):
+            counter[0] += 1
+            return levels(parts)
+
+        hub.decode_levels = decode_levels
+        log.calls = lambda: counter[0]
+    else:
+        log.calls = lambda: d.ctx.n_calls
 
     def extend_many(drafters, shapes):
-        c0 = d.ctx.n_calls
+        c0 = log.calls()
         trees = inner(drafters, shapes)
-        log.append((d.ctx.n_calls - c0, len(d.stats.last_level_us)))
+        log.append((log.calls() - c0, len(d.stats.last_level_us)))
         return trees
 
     hub.extend_many = extend_many
     return log
 
 
-def test_steps_that_draft_nothing_make_no_head_call(model, random_head_path):
+class HeadCalls(list):
+    calls = None
+
+
+@pytest.mark.parametrize("runtime", ["llama", "host"])
+def test_steps_that_draft_nothing_make_no_head_call(model, random_head_path, runtime):
     """With a cost table on which verifying drafts never pays, the plan skips the head on
     most steps: those steps make no llama.cpp call on the head's context at all (its entries
     are caught up in the next drafted step's level-0 call), every drafted step makes exactly
@@ -178,17 +196,18 @@ def test_steps_that_draft_nothing_make_no_head_call(model, random_head_path):
     try:
         prompt = e.tokenize(TEXT * 2)
         ref = e.generate(prompt, max_tokens=40, sampling=GREEDY, speculative=False)
-        d = Eagle3Drafter(random_head_path)
+        d = Eagle3Drafter(random_head_path, runtime=runtime)
         e.set_drafter(d)
+        assert d.runtime == runtime
         e.policy.explore_every, e.policy.explore_budget = 4, 0.25  # retry the head after short gaps
         log = count_head_calls(d)
         e.reset()
-        calls0 = d.ctx.n_calls
+        calls0 = log.calls()
         res = e.generate(prompt, max_tokens=40, sampling=GREEDY)
         assert_same_as_plain(e, prompt, ref.token_ids, res.token_ids)
         n_steps = res.stats.n_steps
         assert 2 <= len(log) < n_steps // 2  # the head ran on a few steps only
-        assert d.ctx.n_calls - calls0 == sum(c for c, _ in log)  # no head call outside a drafted step
+        assert log.calls() - calls0 == sum(c for c, _ in log)  # no head call outside a drafted step
         # one call per level, the catch-up in level 0 -- after the prompt too: the head keeps
         # only the last CONTEXT_WINDOW (16) entries, which fit in the level-0 call
         assert all(c == levels for c, levels in log)
@@ -199,8 +218,9 @@ def test_steps_that_draft_nothing_make_no_head_call(model, random_head_path):
         e.close()
 
 
+@pytest.mark.parametrize("runtime", ["llama", "host"])
 @pytest.mark.parametrize("window", [16, 40, None], ids=["default", "40", "whole"])
-def test_the_heads_catch_up_keeps_its_context_window(model, random_head_path, window):
+def test_the_heads_catch_up_keeps_its_context_window(model, random_head_path, window, runtime):
     """After a long prompt the head writes entries for the last ``context_window`` positions
     only (each entry costs a full logits row in llama.cpp's eagle3 graph); ``None`` keeps
     every position (a long catch-up then needs a call without outputs first). The output is
@@ -216,7 +236,7 @@ def test_the_heads_catch_up_keeps_its_context_window(model, random_head_path, wi
         assert len(prompt) > 41  # longer than every window below
         ref = e.generate(prompt, max_tokens=12, sampling=GREEDY, speculative=False)
         options = {} if window == 16 else {"context_window": window}  # 16: the default, not passed
-        d = Eagle3Drafter(random_head_path, shape=TreeShape(3, 1, 4, 0.0), **options)
+        d = Eagle3Drafter(random_head_path, shape=TreeShape(3, 1, 4, 0.0), runtime=runtime, **options)
         e.set_drafter(d)
         e.adaptive = False
         log = count_head_calls(d)
@@ -224,7 +244,9 @@ def test_the_heads_catch_up_keeps_its_context_window(model, random_head_path, wi
         res = e.generate(prompt, max_tokens=12, sampling=GREEDY)
         assert_same_as_plain(e, prompt, ref.token_ids, res.token_ids)
         first_calls, first_levels = log[0]
-        if window is None:
+        if runtime == "host":  # one call per level: the catch-up's entries only add keys and values
+            assert d.kv_first == (0 if window is None else len(prompt) - 1 - window) and first_calls == first_levels
+        elif window is None:
             assert d.kv_first == 0 and first_calls == first_levels + 1
         else:
             assert d.kv_first == len(prompt) - 1 - window and first_calls == first_levels + (window > CATCH_UP_OUTPUTS)

@@ -1,12 +1,14 @@
 """Micro-benchmark: what a model drafter (an EAGLE-3 head) costs per tree level, against the
 target's own single-token decode, measured in one run.
 
-Two engines share one loaded target: one drafts with the head in a fixed tree shape every
-step (so every level runs), one decodes plainly without the feature tap (the target decode a
-head must be cheap next to). Prompts alternate between them. For every drafted step the head
-drafter records the time of each level's llama.cpp call (level 0 includes the catch-up of
-the tokens emitted since the head last ran); the report gives per level the median time, the
-median's ratio to the plain single-token decode, the head's llama.cpp calls per level, and
+Engines share one loaded target: one per head runtime (the host's C kernels and llama.cpp's
+``eagle3`` graph, ``Eagle3Drafter(runtime=...)``) drafts with the head in a fixed tree shape
+every step (so every level runs), one decodes plainly without the feature tap (the target
+decode a head must be cheap next to). Prompts alternate between them. For every drafted step
+the head drafter records the time of each level (level 0 includes the catch-up of the tokens
+emitted since the head last ran); the report gives per runtime and level the median time, the
+median's ratio to the plain single-token decode, the head's calls per level (llama.cpp
+calls, or host ``run_level`` calls), and
 the host time per drafted node (drafting time outside the head's calls: ranking rows,
 building the tree).
 """
@@ -62,13 +64,109 @@ class DrafterBench:
     nodes_per_step: float
     mean_acceptance_length: float
     head_calls_outside_drafting: int
+    runtime: str = "llama"
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def bench_drafters(model, head_path, *, shapes=(TreeShape(6, 1, 7, 0.0), TreeShape(4, 3, 16, 0.0)), prompts=None, max_tokens: int = 48, rounds: int = 2, n_threads=None) -> list[DrafterBench]:
-    """Measure the head (see the module docstring) for each tree shape.
+class _HeadRun:
+    """One head runtime's engine and what its drafted steps recorded."""
+
+    def __init__(self, model, head_path, shape, runtime, plain, n_threads) -> None:
+        from ..drafters.eagle3 import Eagle3Drafter
+        from ..engine import Engine
+
+        self.runtime = runtime
+        self.d = d = Eagle3Drafter(head_path, shape=shape, runtime=runtime)
+        self.eng = Engine(model, drafter=d, n_ctx=4096, n_threads=n_threads, cost_model=plain.cost_model, adaptive=False)
+        if d.runtime != runtime:
+            self.eng.close()
+            raise SystemExit(f"localspec: error: the head does not run on the {runtime} runtime: {d.runtime_reason}")
+        self.level_t: dict[int, list[float]] = {}
+        self.catch_up: list[int] = []
+        self.host_per_node: list[float] = []
+        self.n_nodes: list[int] = []
+        self.accept: list[float] = []
+        self.outside = 0
+        self.calls_in_steps = 0
+        self.n_calls = 0
+        if d.host:  # one run_level per level: count them as the head's calls
+            levels = d.hub.decode_levels
+
+            def decode_levels(parts, _levels=levels):
+                self.n_calls += 1
+                return _levels(parts)
+
+            d.hub.decode_levels = decode_levels
+        inner = d.hub.extend_many  # what the engine's step calls (the head's shared context)
+
+        def extend_many(drafters, shapes):
+            c0, k0 = self.calls(), d.kv_len
+            t0 = time.perf_counter()
+            trees = inner(drafters, shapes)
+            t_us = (time.perf_counter() - t0) * 1e6
+            self.calls_in_steps += self.calls() - c0
+            levels = d.stats.last_level_us
+            tree = trees[list(drafters).index(d)] if d in drafters else None
+            if levels and tree is not None and tree.n_nodes > 1:
+                self.catch_up.append(d.kv_len - k0 - 1)
+                for lv, t in enumerate(levels):
+                    self.level_t.setdefault(lv, []).append(t)
+                self.host_per_node.append(max(0.0, t_us - sum(levels)) / max(1, tree.n_nodes - 1))
+                self.n_nodes.append(tree.n_nodes)
+            return trees
+
+        d.hub.extend_many = extend_many
+
+    def calls(self) -> int:
+        return self.n_calls if self.d.host else self.d.ctx.n_calls
+
+    def generate(self, prompt, max_tokens, sampling) -> None:
+        self.eng.reset()
+        calls0, steps0 = self.calls(), self.calls_in_steps
+        r = self.eng.generate(prompt, max_tokens=max_tokens, sampling=sampling)
+        self.outside += (self.calls() - calls0) - (self.calls_in_steps - steps0)
+        self.accept.append(r.stats.mean_acceptance_length)
+
+    def result(self, shape, t_dec: float) -> DrafterBench:
+        # calls per level: every call of a step is one level, plus extra catch-up calls at level 0
+        total_levels = sum(len(v) for v in self.level_t.values())
+        levels = []
+        for lv in sorted(self.level_t):
+            ts = np.asarray(self.level_t[lv])
+            calls = 1.0 + ((self.calls_in_steps - total_levels) / max(1, len(ts)) if lv == 0 else 0.0)
+            levels.append(
+                LevelCost(
+                    level=lv,
+                    steps=int(ts.size),
+                    t_median_us=float(np.median(ts)),
+                    t_p90_us=float(np.percentile(ts, 90)),
+                    fraction_of_decode=float(np.median(ts)) / t_dec,
+                    calls_per_step=calls,
+                    mean_catch_up=float(np.mean(self.catch_up)) if lv == 0 and self.catch_up else 0.0,
+                )
+            )
+        return DrafterBench(
+            shape=f"depth {shape.depth}, width {shape.width}, {shape.max_nodes} nodes",
+            t_decode_1_us=t_dec,
+            levels=levels,
+            host_us_per_node=float(np.median(self.host_per_node)) if self.host_per_node else 0.0,
+            drafted_steps=len(self.n_nodes),
+            nodes_per_step=float(np.mean(self.n_nodes)) if self.n_nodes else 0.0,
+            mean_acceptance_length=float(np.mean(self.accept)) if self.accept else 0.0,
+            head_calls_outside_drafting=int(self.outside),
+            runtime=self.runtime,
+        )
+
+
+def bench_drafters(model, head_path, *, shapes=(TreeShape(6, 1, 7, 0.0), TreeShape(4, 3, 16, 0.0)), prompts=None,
+                   max_tokens: int = 48, rounds: int = 2, n_threads=None,
+                   runtimes=("host", "llama")) -> list[DrafterBench]:  # fmt: skip
+    """Measure the head (see the module docstring) for each tree shape and head runtime
+    (``Eagle3Drafter(runtime=...)``: ``host``, the C kernels; ``llama``, llama.cpp's graph).
+    For each prompt the plain engine and every runtime's engine run one after the other, so
+    load bursts spread over all of them.
 
     Args:
         model: the loaded target ``Model``.
@@ -77,8 +175,12 @@ def bench_drafters(model, head_path, *, shapes=(TreeShape(6, 1, 7, 0.0), TreeSha
         prompts: prompts (text); default: four short built-in ones (prose, code, Q&A, summary).
         max_tokens: tokens generated per prompt.
         rounds: passes over the prompts.
+        runtimes: head runtimes to measure.
+    Returns:
+        one ``DrafterBench`` per shape and runtime (in that order).
+    Raises:
+        SystemExit: the head does not run on one of ``runtimes``.
     """
-    from ..drafters.eagle3 import Eagle3Drafter
     from ..engine import Engine
 
     prompts = prompts or DEFAULT_PROMPTS
@@ -87,80 +189,23 @@ def bench_drafters(model, head_path, *, shapes=(TreeShape(6, 1, 7, 0.0), TreeSha
     out = []
     try:
         for shape in shapes:
-            d = Eagle3Drafter(head_path, shape=shape)
-            eng = Engine(model, drafter=d, n_ctx=4096, n_threads=n_threads, cost_model=plain.cost_model, adaptive=False)
-            level_t: dict[int, list[float]] = {}
-            catch_up: list[int] = []
-            host_per_node: list[float] = []
-            n_nodes: list[int] = []
+            runs: list[_HeadRun] = []
             t1: list[float] = []
-            outside = 0
-            inner = d.extend
-            record = {"calls": 0}
-
-            def extend(s, _inner=inner, _d=d):
-                c0, k0 = _d.ctx.n_calls, _d.kv_len
-                t0 = time.perf_counter()
-                tree = _inner(s)
-                t_us = (time.perf_counter() - t0) * 1e6
-                record["calls"] += _d.ctx.n_calls - c0
-                levels = _d.stats.last_level_us
-                if levels:
-                    catch_up.append(_d.kv_len - k0 - 1)
-                    for lv, t in enumerate(levels):
-                        level_t.setdefault(lv, []).append(t)
-                    host = max(0.0, t_us - sum(levels))
-                    host_per_node.append(host / max(1, tree.n_nodes - 1))
-                    n_nodes.append(tree.n_nodes)
-                return tree
-
-            d.extend = extend
-            accept = []
             try:
+                for rt in runtimes:
+                    runs.append(_HeadRun(model, head_path, shape, rt, plain, n_threads))
                 for _ in range(rounds):
                     for p in prompts:
                         plain.reset()
                         r0 = plain.generate(p, max_tokens=max_tokens, sampling=greedy)
                         t1.append(r0.stats.t_decode_us / max(1, r0.stats.n_steps))
-                        eng.reset()
-                        calls0, steps_calls0 = d.ctx.n_calls, record["calls"]
-                        r = eng.generate(p, max_tokens=max_tokens, sampling=greedy)
-                        outside += (d.ctx.n_calls - calls0) - (record["calls"] - steps_calls0)
-                        accept.append(r.stats.mean_acceptance_length)
+                        for run in runs:
+                            run.generate(p, max_tokens, greedy)
             finally:
-                eng.close()
+                for run in runs:
+                    run.eng.close()
             t_dec = float(np.median(t1))
-            n_steps = len(n_nodes)
-            # calls per level: every call of a step is one level, plus extra catch-up calls at level 0
-            total_calls = record["calls"]
-            total_levels = sum(len(v) for v in level_t.values())
-            levels = []
-            for lv in sorted(level_t):
-                ts = np.asarray(level_t[lv])
-                calls = 1.0 + ((total_calls - total_levels) / max(1, len(ts)) if lv == 0 else 0.0)
-                levels.append(
-                    LevelCost(
-                        level=lv,
-                        steps=int(ts.size),
-                        t_median_us=float(np.median(ts)),
-                        t_p90_us=float(np.percentile(ts, 90)),
-                        fraction_of_decode=float(np.median(ts)) / t_dec,
-                        calls_per_step=calls,
-                        mean_catch_up=float(np.mean(catch_up)) if lv == 0 and catch_up else 0.0,
-                    )
-                )
-            out.append(
-                DrafterBench(
-                    shape=f"depth {shape.depth}, width {shape.width}, {shape.max_nodes} nodes",
-                    t_decode_1_us=t_dec,
-                    levels=levels,
-                    host_us_per_node=float(np.median(host_per_node)) if host_per_node else 0.0,
-                    drafted_steps=n_steps,
-                    nodes_per_step=float(np.mean(n_nodes)) if n_nodes else 0.0,
-                    mean_acceptance_length=float(np.mean(accept)) if accept else 0.0,
-                    head_calls_outside_drafting=int(outside),
-                )
-            )
+            out.extend(run.result(shape, t_dec) for run in runs)
     finally:
         plain.close()
     return out

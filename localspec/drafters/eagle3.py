@@ -14,7 +14,12 @@ through ``ctx_other``; a reduced draft vocabulary is mapped back to target ids b
 wide, ``-inf`` outside the draft vocabulary). ``check_target`` refuses a head made for another
 target (``target_mismatches``) before anything changes.
 
-How the engine and the head work together::
+Two runtimes run the head's layer (``Eagle3Drafter(runtime=...)``): the project's C kernels
+(``eagle3_host``: no llama.cpp context, the default where the native library is built) and
+llama.cpp's ``eagle3`` graph (``"llama"``, the reference; below). Both keep the same entries
+(``CONTEXT_WINDOW``) and give the same draft-vocabulary rows up to rounding.
+
+How the engine and the head work together (the llama.cpp runtime)::
 
     target decode (prefill chunk or verified tree)
        └─ FeatureTap (cb_eval) captures l_out-(k-1) rows for the 3 layers
@@ -97,6 +102,10 @@ CPU): catching up a 634-token prompt took 990 ms of a 2.4 s, 128-token request (
 attended the whole context; only the head's own attention is windowed."""
 
 
+RUNTIMES = ("auto", "host", "llama")
+"""Where the head's decoder layer runs (``Eagle3Drafter(runtime=...)``)."""
+
+
 class Eagle3Drafter(StateFedLevels, ModelDrafter):
     """Drafts dynamic token trees with an EAGLE-3 head (see the module docstring).
 
@@ -109,8 +118,16 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
             (the first step after a prompt, a step after a long run without the head) writes
             only the last ``context_window`` entries and drops the older ones. Drafts only:
             the target verifies every token either way.
+        runtime: where the head's layer runs: ``"host"`` (the project's C kernels,
+            ``eagle3_host``: no llama.cpp context), ``"llama"`` (llama.cpp's ``eagle3`` graph,
+            the reference) or ``"auto"`` (default; ``LOCALSPEC_EAGLE3_RUNTIME`` overrides):
+            host when the native library is loaded and the head is one it runs
+            (``eagle3_host.HeadUnsupported``), else llama. Chosen at ``attach``
+            (``runtime``; ``runtime_reason``: why auto took llama).
     Raises:
-        ValueError: ``context_window`` < 1.
+        ValueError: ``context_window`` < 1, or an unknown ``runtime``.
+        HeadUnsupported: (at ``attach``) ``runtime="host"`` for a head it cannot run, or
+            without the native library.
         ModelLoadError: not an EAGLE-3 head, or (at ``check_target`` / ``attach``) made for
             another target: hidden size, feature layers, vocabulary size.
         VocabMismatchError: (at ``check_target`` / ``attach``) its tokenizer is not the target's.
@@ -129,7 +146,14 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
         shape: TreeShape | None = None,
         n_threads: int | None = None,
         context_window: int | None = CONTEXT_WINDOW,
+        runtime: str | None = None,
     ) -> None:
+        runtime = (runtime or os.environ.get("LOCALSPEC_EAGLE3_RUNTIME") or "auto").strip().lower()
+        if runtime not in RUNTIMES:
+            raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+        self.runtime_asked = runtime
+        self.runtime = "llama"  # what attach chose (``runtime_reason`` says why when it is not the one asked)
+        self.runtime_reason: str | None = None
         if context_window is not None and context_window < 1:
             raise ValueError(f"context_window must be at least 1 (or None: the whole context), got {context_window}")
         self.context_window = context_window
@@ -177,6 +201,11 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
         self.feat = TargetFeatureBuffer(3 * self.n_embd_target, "the EAGLE-3 head")  # from kv_len on
         self.g_last: np.ndarray | None = None  # g of entry kv_len - 1 (to redo it)
         self._state: dict[int, np.ndarray] = {}  # node -> its pre-norm output row
+        # host runtime: keys / values of the committed entries kv_first .. kv_len - 1 and of tree nodes
+        n_kv = getattr(self, "_n_kv", 0)
+        self.kv_k = np.zeros((0, n_kv), dtype=np.float32)
+        self.kv_v = np.zeros((0, n_kv), dtype=np.float32)
+        self._node_kv: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     @property
     def n_target_features(self) -> int:
@@ -237,12 +266,82 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
         self.check_target(target.model)
         if target.features is None or tuple(target.features.layers) != self.target_feature_layers:
             raise RuntimeError("the engine must capture the head's target layers (target_feature_layers)")
+        if self._host_weights(target) is not None:
+            self._bind_host(target)
+            return
         self.bind(target, n_ctx=target.n_ctx, ctx_other=target.tensor_source)
         ext.llama_set_embeddings_nextn(self.ctx.handle, True, True)  # pre-norm rows of the outputs
         if getattr(self, "batch", None) is not None:
             self.batch.close()
         self.batch = ExtBatch(self.ctx.handle)  # this request's own calls (a long catch-up, the encoder)
         self._reset_state()
+
+    def _host_weights(self, target: TargetHandle):
+        """The head's ``HeadWeights`` for this target when the host runtime runs it (shared
+        by the family), else None (``runtime``, ``runtime_reason`` say which and why).
+
+        Raises:
+            HeadUnsupported: ``runtime="host"`` and the host cannot run this head.
+        """
+        from .eagle3_host import HeadUnsupported, HeadWeights
+
+        self.runtime, self.runtime_reason = "llama", None
+        if self.runtime_asked == "llama":
+            return None
+        embd_path = str(self.model.path if self.own_token_embd else target.model.path)
+        fam = self._family
+        cached = getattr(fam, "host_weights", None)
+        if cached is not None and cached[0] == embd_path:
+            weights = cached[1]
+        else:
+            try:
+                if not native.enabled():
+                    raise HeadUnsupported(f"the native library is not in use ({native.LOAD_ERROR or 'switched off'})")
+                weights = HeadWeights(str(self.model.path), embd_path, self.d2t)
+            except HeadUnsupported as e:
+                weights = e
+            fam.host_weights = (embd_path, weights)
+        if isinstance(weights, HeadUnsupported):
+            if self.runtime_asked == "host":
+                raise HeadUnsupported(f"the host runtime cannot run the EAGLE-3 head {self.model.path}: {weights}")
+            self.runtime_reason = str(weights)
+            return None
+        self.runtime = "host"
+        return weights
+
+    def _bind_host(self, target: TargetHandle) -> None:
+        """Join (or make) the family's ``HostHub``: no llama.cpp context."""
+        from .eagle3_host import HostHub
+
+        weights = self._family.host_weights[1]
+        self._leave_hub()
+        if getattr(self, "batch", None) is not None:
+            self.batch.close()
+            self.batch = None
+        self.n_vocab = target.model.n_vocab
+        self.suppress_ids = target.model.suppress_tokens
+        n_req = max(1, int(getattr(target, "n_requests", 1)))
+        key = ("host", id(target.model), n_req)
+        fam = self._family
+        hub = fam.hub
+        if hub is None or hub.key != key or hub.full:
+            hub = fam.hub = HostHub(weights, n_requests=n_req, seqs_each=self.n_slots + 1, key=key)
+        self.hub = hub
+        self.seq0 = hub.join()
+        self.ctx = None
+        self.slots = None
+        self.sampler = None
+        self._n_kv = weights.n_kv
+        self._reset_state()
+
+    def release_tree(self) -> None:
+        super().release_tree()
+        self._node_kv = {}
+
+    @property
+    def host(self) -> bool:
+        """True while the head runs on the host runtime (``eagle3_host``)."""
+        return self.runtime == "host" and self.hub is not None
 
     def spawn(self) -> "Eagle3Drafter":
         """A drafter for another request sharing the head (``ModelDrafter.spawn``) and its
@@ -276,10 +375,16 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
 
     def ready(self) -> bool:
         root_pos = len(self.history) - 1
-        return self.ctx is not None and root_pos >= 1 and self.n_target_features >= root_pos
+        attached = self.host or self.ctx is not None
+        return attached and root_pos >= 1 and self.n_target_features >= root_pos
 
     def check_cache(self) -> None:
         n = max(0, self.kv_len - self.kv_first)
+        if self.host:
+            if self.kv_k.shape[0] != n or self.kv_v.shape[0] != n:
+                raise RuntimeError(f"the EAGLE-3 head's keys hold {self.kv_k.shape[0]} entries, expected {n}")
+            self._node_kv = {}  # a tree's entries live until its drafting ends
+            return
         self.ctx.expect_positions(self.seq0, n, "the EAGLE-3 head's KV", lo=self.kv_first if n else 0)
 
     def close(self) -> None:
@@ -296,7 +401,9 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
         """Level 0: the catch-up (``_catch_up_part``); level d: each frontier node's entry
         (its token, its parent's pre-norm state h) at position ``root_pos + depth - 1``.
         Rows are draft-vocabulary rows, ``[n, len(d2t)]`` (``DraftChildSelector`` maps them
-        back), or ``n_vocab`` wide without a ``d2t``."""
+        back), or ``n_vocab`` wide without a ``d2t``. On the host runtime: a ``HostPart``."""
+        if self.host:
+            return self._host_root_part(tree.tokens[0]) if nodes == [0] else self._host_frontier_part(tree, nodes)
         if nodes == [0]:
             return self._catch_up_part(tree.tokens[0])
         return self._frontier_part(tree, nodes)
@@ -368,6 +475,8 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
         ``gemm_t``, or numpy without the native library. (numpy's BLAS would start a thread
         pool whose spinning threads then compete with llama.cpp's for the cores: measured on 2
         cores, it doubled the time of the head's next llama.cpp call.)"""
+        if self.host:
+            return self.hub.weights.encode(feats, self.hub.n_threads)
         if self.fc is not None:
             if native.enabled():
                 from ..native import rows as native_rows
@@ -388,7 +497,88 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
         return out
 
     def _truncate_kv(self, n: int) -> None:
-        self.ctx.seq_rm(self.seq0, n, -1)
+        if self.host:
+            keep = max(0, n - self.kv_first)
+            self.kv_k, self.kv_v = self.kv_k[:keep], self.kv_v[:keep]
+        else:
+            self.ctx.seq_rm(self.seq0, n, -1)
         self.kv_len = n
         self.kv_first = min(self.kv_first, n)  # nothing left below kv_first: empty from n
         self.check_cache()
+
+    # -- the host runtime's levels (``eagle3_host.run_level``) ---------------------------------
+
+    def _host_root_part(self, root: int):
+        """Level 0 on the host: the entries of every position up to the root's predecessor
+        (window ``context_window``) add their keys and values; only the last one (token = the
+        root) goes through the whole layer and gives the root's row and pre-norm state."""
+        from .eagle3_host import HostPart
+
+        root_pos = len(self.history) - 1
+        if self.kv_len >= root_pos:  # asked twice for the same root: redo its entry
+            assert self.kv_len == root_pos and self.g_last is not None
+            self._truncate_kv(root_pos - 1)
+            self.feat.truncate(root_pos)
+            g_new = self.g_last[None, :]
+        else:
+            n_new = root_pos - self.kv_len
+            w = self.context_window
+            if w is not None and n_new > w:  # keep only the last w entries (CONTEXT_WINDOW)
+                self.kv_k, self.kv_v = self.kv_k[:0], self.kv_v[:0]
+                self.kv_first = self.kv_len = root_pos - w
+                self.feat.drop_before(root_pos - w)
+                n_new = w
+            g_new = self._encode(self.feat.rows[:n_new])
+            self.feat.drop_before(root_pos)
+        first = self.kv_len
+        n = g_new.shape[0]
+        tokens = [self.history[first + i + 1] if first + i + 1 < root_pos else root for i in range(n)]
+        self._node_kv = {}
+        c = self.kv_k.shape[0]
+
+        def finish(rows, h, k, v):
+            self.kv_k = np.concatenate([self.kv_k, k])
+            self.kv_v = np.concatenate([self.kv_v, v])
+            self.kv_len = root_pos
+            self.g_last = g_new[-1].copy()
+            self._state = {0: h[0].copy()}
+            return rows
+
+        return HostPart(tokens, np.arange(first, first + n), g_new, self.kv_k, self.kv_v, [n - 1],
+                        [(range(c), range(n))], finish)  # fmt: skip
+
+    def _host_frontier_part(self, tree: TreeBuilder, nodes: list[int]):
+        """Level d on the host: each frontier node's entry attends to the committed entries,
+        its ancestors' entries (below the root) and itself."""
+        from .eagle3_host import HostPart
+
+        root_pos = len(self.history) - 1
+        anc = sorted({a for n in nodes for a in _ancestors(tree, n)})
+        row_of = {a: i for i, a in enumerate(anc)}
+        c = self.kv_k.shape[0]
+        if anc:
+            ctx_k = np.concatenate([self.kv_k, np.stack([self._node_kv[a][0] for a in anc])])
+            ctx_v = np.concatenate([self.kv_v, np.stack([self._node_kv[a][1] for a in anc])])
+        else:
+            ctx_k, ctx_v = self.kv_k, self.kv_v
+        keys = [(list(range(c)) + [c + row_of[a] for a in reversed(_ancestors(tree, n))], [i]) for i, n in enumerate(nodes)]
+        g = np.stack([self._state[tree.parents[n]] for n in nodes])
+
+        def finish(rows, h, k, v):
+            for i, n in enumerate(nodes):
+                self._state[n] = h[i].copy()
+                self._node_kv[n] = (k[i].copy(), v[i].copy())
+            return rows
+
+        return HostPart([tree.tokens[n] for n in nodes], [root_pos - 1 + tree.depth[n] for n in nodes], g, ctx_k,
+                        ctx_v, list(range(len(nodes))), keys, finish)  # fmt: skip
+
+
+def _ancestors(tree: TreeBuilder, node: int) -> list[int]:
+    """The node's ancestors below the root, nearest first."""
+    out = []
+    p = tree.parents[node]
+    while p > 0:
+        out.append(p)
+        p = tree.parents[p]
+    return out

@@ -367,6 +367,13 @@ class ModelDrafter(abc.ABC):
         request's level alone (``DraftHub.decode_levels``)."""
         return self.hub.decode_levels([(self, self.level_part(tree, nodes))])[0]
 
+    def release_tree(self) -> None:
+        """Drop what the tree being drafted holds (scratch sequences; tests that decode levels
+        by hand call it where ``extend`` would)."""
+        if self.slots is not None:
+            self.slots.release()
+        self._slot_of = {}
+
     def _step_shape(self, shape: TreeShape, depth_limit: int, width_limit: int) -> TreeShape | None:
         """This step's ``shape`` clipped to the limits given to ``propose`` and to the
         drafter's own (``depth_limit``, ``width_limit``), or None when it drafts nothing now

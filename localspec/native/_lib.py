@@ -9,7 +9,7 @@ import os
 from ctypes import POINTER, c_double, c_float, c_int8, c_int32, c_int64, c_uint64, c_void_p
 from pathlib import Path
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 # error codes (LS_ERR_*)
 ERR_BANNED = -1
@@ -132,6 +132,12 @@ _SIGNATURES = {
         [c_void_p, _P, c_int64, POINTER(DraftParams), c_double, c_int32, c_int32, c_int32, _P, _P, _P, _P, _P, _P],
     ),
     "ls_gemm_t": (c_int32, [_P, c_int64, c_int64, _P, c_int64, _P, c_int32]),
+    "ls_q8_quantize_rows": (c_int32, [_P, c_int64, c_int64, _P, _P]),
+    "ls_gemm_q8": (c_int32, [_P, _P, c_int64, c_int64, _P, c_int64, _P, c_int32]),
+    "ls_head_attn": (c_int32, [_P, c_int64, c_int32, c_int32, c_int32, _P, _P, _P, _P, c_float, _P]),
+    "ls_rms_norm_rows": (c_int32, [_P, c_int64, c_int64, _P, c_float, _P]),
+    "ls_rope_norm": (c_int32, [_P, c_int64, c_int32, c_int32, c_int32, _P, _P]),
+    "ls_swiglu_rows": (c_int32, [_P, c_int64, c_int64, _P]),
     "ls_tap_new": (c_void_p, [c_int32, c_void_p, c_int64, c_int64, c_int64, c_int64, c_void_p]),
     "ls_tap_free": (None, [c_void_p]),
     "ls_tap_rows": (c_int64, [c_void_p, c_int32]),

@@ -1,0 +1,128 @@
+"""ctypes wrappers of the EAGLE-3 head kernels (``native/ls_head.c``): Q8_0 matrix products
+over every row of a level at once, and small per-entry attention."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import lib
+from .rows import raise_for
+
+
+class Q8Matrix:
+    """A weight matrix ``W`` [m, k] in Q8_0: ``q`` [m, k] int8 and ``d`` [m, k / 32] float32
+    block scales (``W[i, 32 b + j] = d[i, b] * q[i, 32 b + j]``), as llama.cpp stores it.
+
+    Raises:
+        ValueError: k not a multiple of 32, or shapes that do not match.
+    """
+
+    def __init__(self, q: np.ndarray, d: np.ndarray) -> None:
+        self.q = np.ascontiguousarray(q, dtype=np.int8)
+        self.d = np.ascontiguousarray(d, dtype=np.float32)
+        m, k = self.q.shape
+        if k % 32 or self.d.shape != (m, k // 32):
+            raise ValueError(f"a Q8_0 matrix needs [m, k] int8 with k % 32 == 0 and [m, k / 32] scales, got {self.q.shape}, {self.d.shape}")
+        self.shape = (m, k)
+
+    @classmethod
+    def from_gguf_bytes(cls, raw: np.ndarray, k: int) -> "Q8Matrix":
+        """From a GGUF's Q8_0 tensor data: [m, k / 32 * 34] uint8 (per block a float16 scale,
+        then 32 int8)."""
+        m = raw.shape[0]
+        blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(m, k // 32, 34)
+        d = blocks[:, :, :2].copy().view(np.float16).reshape(m, k // 32).astype(np.float32)
+        q = blocks[:, :, 2:].copy().view(np.int8).reshape(m, k)
+        return cls(q, d)
+
+    @classmethod
+    def stack(cls, mats: "list[Q8Matrix]") -> "Q8Matrix":
+        """The matrices' rows one after the other (one product for several projections)."""
+        return cls(np.concatenate([m.q for m in mats]), np.concatenate([m.d for m in mats]))
+
+    def dense(self) -> np.ndarray:
+        """W as float32 [m, k] (tests)."""
+        m, k = self.shape
+        return (self.q.reshape(m, k // 32, 32).astype(np.float32) * self.d[:, :, None]).reshape(m, k)
+
+    def apply(self, x: np.ndarray, n_threads: int = 1) -> np.ndarray:
+        """``x W^T``: [r, k] float32 -> [r, m] float32 (``ls_gemm_q8``: x quantised per block
+        of 32 as ggml's CPU backend does, the matrix read once for all rows)."""
+        m, k = self.shape
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != k:
+            raise ValueError(f"x has shape {x.shape}, the matrix {self.shape}")
+        y = np.empty((x.shape[0], m), dtype=np.float32)
+        rc = lib.ls_gemm_q8(self.q.ctypes.data, self.d.ctypes.data, m, k, x.ctypes.data, x.shape[0], y.ctypes.data,
+                            int(n_threads))  # fmt: skip
+        if rc < 0:
+            raise_for(rc)
+        return y
+
+
+def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``ls_q8_quantize_rows``: [r, k] float32 -> (q [r, k] int8, d [r, k / 32] float32)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    r, k = x.shape
+    q = np.empty((r, k), dtype=np.int8)
+    d = np.empty((r, k // 32), dtype=np.float32)
+    rc = lib.ls_q8_quantize_rows(x.ctypes.data, r, k, q.ctypes.data, d.ctypes.data)
+    if rc < 0:
+        raise_for(rc)
+    return q, d
+
+
+def attention(q: np.ndarray, n_head: int, n_head_kv: int, head_dim: int, kpool: np.ndarray, vpool: np.ndarray,
+              key_off: np.ndarray, key_idx: np.ndarray, scale: float) -> np.ndarray:  # fmt: skip
+    """``ls_head_attn``: softmax(scale q k^T) v of each entry over its own keys.
+
+    Args:
+        q: [n, n_head * head_dim] float32; kpool, vpool: [c, n_head_kv * head_dim] float32;
+        key_off: [n + 1] int64; key_idx: int64 rows of kpool (entry e: key_idx[key_off[e]:key_off[e + 1]]).
+    Returns:
+        [n, n_head * head_dim] float32.
+    """
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    kpool = np.ascontiguousarray(kpool, dtype=np.float32)
+    vpool = np.ascontiguousarray(vpool, dtype=np.float32)
+    key_off = np.ascontiguousarray(key_off, dtype=np.int64)
+    key_idx = np.ascontiguousarray(key_idx, dtype=np.int64)
+    if key_idx.size and (key_idx.min() < 0 or key_idx.max() >= kpool.shape[0]):
+        raise ValueError("key index outside the key pool")
+    out = np.empty_like(q)
+    rc = lib.ls_head_attn(q.ctypes.data, q.shape[0], n_head, n_head_kv, head_dim, kpool.ctypes.data,
+                          vpool.ctypes.data, key_off.ctypes.data, key_idx.ctypes.data, float(scale), out.ctypes.data)  # fmt: skip
+    if rc < 0:
+        raise_for(rc)
+    return out
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """``ls_rms_norm_rows``: x [r, k] float32 normalised per row times w [k] (float32 out)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(x)
+    rc = lib.ls_rms_norm_rows(x.ctypes.data, x.shape[0], x.shape[1], w.ctypes.data, float(eps), out.ctypes.data)
+    if rc < 0:
+        raise_for(rc)
+    return out
+
+
+def rope_norm(x: np.ndarray, pos: np.ndarray, n_heads: int, head_dim: int, n_rot: int, inv_freq: np.ndarray) -> np.ndarray:
+    """``ls_rope_norm`` on a copy of x [r, n_heads * head_dim] float32 at positions pos [r]
+    (inv_freq [n_rot / 2] float64: the angle per position of each pair)."""
+    y = np.array(x, dtype=np.float32, order="C")
+    pos = np.ascontiguousarray(pos, dtype=np.int64)
+    rc = lib.ls_rope_norm(y.ctypes.data, y.shape[0], n_heads, head_dim, n_rot, pos.ctypes.data, inv_freq.ctypes.data)
+    if rc < 0:
+        raise_for(rc)
+    return y
+
+
+def swiglu(gu: np.ndarray, n_ff: int) -> np.ndarray:
+    """``ls_swiglu_rows``: silu(gate) * up of a stacked [r, 2 n_ff] gate / up product -> [r, n_ff]."""
+    gu = np.ascontiguousarray(gu, dtype=np.float32)
+    out = np.empty((gu.shape[0], n_ff), dtype=np.float32)
+    rc = lib.ls_swiglu_rows(gu.ctypes.data, gu.shape[0], n_ff, out.ctypes.data)
+    if rc < 0:
+        raise_for(rc)
+    return out
