@@ -3,6 +3,8 @@ the model back once its drafts are right (issue 30, part 4), on the real default
 
 from __future__ import annotations
 
+import pytest
+
 from conftest import fixed_cost_model
 from helpers import ScriptedModelDrafter, assert_same_as_plain
 from localspec import Engine, SamplingParams
@@ -60,7 +62,23 @@ QUESTIONS = [
 ]
 
 
-def test_a_head_that_never_pays_is_probed_within_the_budget_over_requests_not_once_each(model, random_head_path):
+def _count_head_work(head) -> list[int]:
+    """A counter of the head's computations: llama.cpp calls on its context (``runtime="llama"``)
+    or the host runtime's level parts (``runtime="host"``)."""
+    count = [0]
+    for name in ("_host_root_part", "_host_frontier_part"):
+        fn = getattr(head, name)
+
+        def counted(*args, _fn=fn, **kw):
+            count[0] += 1
+            return _fn(*args, **kw)
+
+        setattr(head, name, counted)
+    return count
+
+
+@pytest.mark.parametrize("runtime", ["host", "llama"])
+def test_a_head_that_never_pays_is_probed_within_the_budget_over_requests_not_once_each(model, random_head_path, runtime):
     """``auto`` with an untrained EAGLE-3 head over 8 requests on one engine (as ``localspec
     bench`` and a server keep their drafter): the head is tried on the fresh engine's first
     request, and then only when the measured cost of its probes (drafting with the catch-up
@@ -74,16 +92,22 @@ def test_a_head_that_never_pays_is_probed_within_the_budget_over_requests_not_on
     try:
         prompts = [e.tokenize(q) for q in QUESTIONS]
         refs = [e.generate(p, max_tokens=24, sampling=GREEDY, speculative=False).token_ids for p in prompts]
-        head = Eagle3Drafter(random_head_path)
+        head = Eagle3Drafter(random_head_path, runtime=runtime)
         e.set_drafter(AutoDrafter(head, NgramDrafter(max_occurrences=0)))
+        assert head.runtime == runtime, head.runtime_reason
+        host_work = _count_head_work(head)
+
+        def head_calls() -> int:
+            return host_work[0] if runtime == "host" else head.ctx.n_calls
+
         touched = []  # per request: (calls on the head's context, probes)
         first_us = 0.0
         for p, ref in zip(prompts, refs):
             e.reset()
-            calls0, probes0 = head.ctx.n_calls, head.stats.n_probes
+            calls0, probes0 = head_calls(), head.stats.n_probes
             res = e.generate(p, max_tokens=24, sampling=GREEDY)
             assert_same_as_plain(e, p, ref, res.token_ids)
-            touched.append((head.ctx.n_calls - calls0, head.stats.n_probes - probes0))
+            touched.append((head_calls() - calls0, head.stats.n_probes - probes0))
             first_us = first_us or head.stats.explore_spent_us  # the first request's probe, as measured
         st = head.stats
         assert touched[0][0] > 0 and touched[0][1] == 1, touched  # a new head is tried
