@@ -325,7 +325,8 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
         fam = self._family
         hub = fam.hub
         if hub is None or hub.key != key or hub.full:
-            hub = fam.hub = HostHub(weights, n_requests=n_req, seqs_each=self.n_slots + 1, key=key)
+            hub = fam.hub = HostHub(weights, n_requests=n_req, seqs_each=self.n_slots + 1, key=key,
+                                    n_threads=self.n_threads or target.n_threads)  # fmt: skip
         self.hub = hub
         self.seq0 = hub.join()
         self.ctx = None

@@ -280,8 +280,9 @@ class HostHub(DraftHub):
     matrix for every request's entries). No llama.cpp context: each request keeps its own
     keys and values (``Eagle3Drafter``)."""
 
-    def __init__(self, weights: HeadWeights, *, n_requests: int, seqs_each: int, key) -> None:
+    def __init__(self, weights: HeadWeights, *, n_requests: int, seqs_each: int, key, n_threads: int = 1) -> None:
         self.weights = weights
+        self._n_threads = max(1, int(n_threads))
         self.n_requests = int(n_requests)
         self.n_ctx_each = 0
         self.seqs_each = int(seqs_each)
@@ -293,11 +294,11 @@ class HostHub(DraftHub):
 
     @property
     def n_threads(self) -> int:
-        """Threads of the products: ``native.threads()`` (``LOCALSPEC_NATIVE_THREADS``, default
-        1: OpenMP threads that spin after a product compete with llama.cpp's next decode)."""
-        from .. import native
-
-        return native.threads()
+        """Threads of the products: the drafter's ``n_threads`` (default the target's), as
+        llama.cpp's runtime gives the head's context (``--threads-draft``). On the 2-core
+        development CPU, quiet, 2 threads made the levels of chains of 6 2.4-3.5% of a target
+        decode against 3.3-5.3% on one (docs/results.md)."""
+        return self._n_threads
 
     def leave(self, seq0: int) -> None:
         self._free.append(seq0 // self.seqs_each)
