@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+
 import numpy as np
 
 from localspec.bench.specbench import divergence, top2_gap
@@ -352,3 +358,32 @@ def serve_app_thread(model, engine, *, max_body_bytes: int, parallel: int = 2):
             engine.reset()
 
     return run()
+
+
+@contextlib.contextmanager
+def localspec_process(*args: str):
+    """``python -m localspec ARGS`` (a server command with ``--port 0``) as a process; yields
+    ``(process, url, err)`` once it prints ``listening on URL`` (``err``: its stderr lines, read
+    in a thread). A watchdog kills it after 900 s (a hung process fails the test instead of the
+    run); on exit it is terminated (killed after 60 s)."""
+    proc = subprocess.Popen([sys.executable, "-m", "localspec", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
+    reader.start()
+    watchdog = threading.Timer(900, proc.kill)
+    watchdog.start()
+    try:
+        line = proc.stdout.readline()
+        assert "listening on " in line, (line, "".join(err))
+        yield proc, line.split("listening on ", 1)[1].split()[0].strip(), err
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        proc.wait()
+        reader.join(30)

@@ -2,40 +2,23 @@
 drafter it was started with, and a SIGTERM while a request streams."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
 import pytest
+
+from helpers import localspec_process
 
 
 @pytest.fixture
 def serve_process(model_path):
     """A `localspec complete --serve --drafter none` process on a free port; yields
     ``(process, base_url)`` once it listens (its stderr is collected in ``process.err``)."""
-    cmd = [sys.executable, "-m", "localspec", "complete", "--serve", "--port", "0", "--drafter", "none",
-           "-m", str(model_path), "--n-ctx", "1024", "-t", "1"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
-    proc.err = []
-    reader = threading.Thread(target=lambda: proc.err.extend(proc.stderr), daemon=True)
-    reader.start()
-    watchdog = threading.Timer(900, proc.kill)  # a hung process fails the test instead of the run
-    watchdog.start()
-    try:
-        line = proc.stdout.readline()
-        assert "listening on " in line, (line, "".join(proc.err))
-        yield proc, line.split("listening on ", 1)[1].strip()
-    finally:
-        watchdog.cancel()
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        reader.join(30)
+    args = ["complete", "--serve", "--port", "0", "--drafter", "none", "-m", str(model_path), "--n-ctx", "1024", "-t", "1"]
+    with localspec_process(*args) as (proc, url, err):
+        proc.err = err
+        yield proc, url
 
 
 def test_props_says_speculation_is_off_without_a_drafter(serve_process):

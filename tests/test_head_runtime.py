@@ -199,7 +199,9 @@ def test_steps_that_draft_nothing_make_no_head_call(model, random_head_path, run
         d = Eagle3Drafter(random_head_path, runtime=runtime)
         e.set_drafter(d)
         assert d.runtime == runtime
-        e.policy.explore_every, e.policy.explore_budget = 4, 0.25  # retry the head after short gaps
+        # retry the head after short gaps: probes may take the whole measured step time (the
+        # budget rule is tests/test_policy.py's; here a loaded machine must not starve the probes)
+        e.policy.explore_every, e.policy.explore_budget = 4, 1.0
         log = count_head_calls(d)
         e.reset()
         calls0 = log.calls()

@@ -9,16 +9,13 @@ own text), and the responses report the drafter that served them.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import threading
 
 import pytest
 
 openai = pytest.importorskip("openai")
 
 from conftest import fixed_cost_model  # noqa: E402
+from helpers import localspec_process  # noqa: E402
 from localspec import SamplingParams  # noqa: E402
 from localspec.engine import Engine  # noqa: E402
 from localspec.scheduler import BatchScheduler  # noqa: E402
@@ -86,28 +83,8 @@ def test_in_process_serve_with_a_model_drafter(model, plain_engine, derived_draf
 def test_localspec_serve_drafter_auto_parallel_4(model_path, plain_engine):
     """The command itself: `localspec serve --drafter auto --parallel 4` (n-grams + the shipped
     EAGLE-3 head), as a process on a free port."""
-    cmd = [sys.executable, "-m", "localspec", "serve", "--port", "0", "--drafter", "auto", "--parallel", "4",
-           "--ctx-per-request", "512", "-m", str(model_path), "-t", "1", "--no-adaptive",
-           "--max-tree-nodes", "8"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
-    err: list[str] = []
-    reader = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
-    reader.start()
-    watchdog = threading.Timer(900, proc.kill)  # a hung process fails the test instead of the run
-    watchdog.start()
-    try:
-        line = proc.stdout.readline()
-        assert "listening on " in line, (line, "".join(err))
-        url = line.split("listening on ", 1)[1].split(" ")[0].strip()
+    args = ["serve", "--port", "0", "--drafter", "auto", "--parallel", "4", "--ctx-per-request", "512",
+            "-m", str(model_path), "-t", "1", "--no-adaptive", "--max-tree-nodes", "8"]  # fmt: skip
+    with localspec_process(*args) as (_proc, url, _err):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
         check_client(client, plain_engine, "auto")
-    finally:
-        watchdog.cancel()
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        reader.join(30)

@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("torch")
 
 from conftest import fixed_cost_model  # noqa: E402
+from helpers import localspec_process  # noqa: E402
 from localspec import Engine, SamplingParams  # noqa: E402
 from localspec.scheduler import BatchScheduler  # noqa: E402
 from localspec.usage import UsageLog, usage_shards  # noqa: E402
@@ -186,40 +187,15 @@ def test_bad_usage_arguments_are_one_line_errors(tmp_path, model_path):
 def test_localspec_serve_record_usage_keeps_requests_but_not_opted_out_ones(model_path, model, tmp_path):
     """The command itself: `localspec serve --record-usage DIR` as a process; the OpenAI
     client's requests are in DIR after the server stops, a `draft_memory: false` one is not."""
-    import os
-    import subprocess
-    import sys
-    import threading
-
     openai = pytest.importorskip("openai")
     folder = tmp_path / "usage"
-    cmd = [sys.executable, "-m", "localspec", "serve", "--port", "0", "--drafter", "ngram", "--parallel", "2",
-           "--ctx-per-request", "256", "-m", str(model_path), "-t", "1", "--record-usage", str(folder),
-           "--record-usage-mib", "1"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
-    err: list[str] = []
-    reader = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
-    reader.start()
-    watchdog = threading.Timer(900, proc.kill)  # a hung process fails the test instead of the run
-    watchdog.start()
-    try:
-        line = proc.stdout.readline()
-        assert "listening on " in line, (line, "".join(err))
-        url = line.split("listening on ", 1)[1].split(" ")[0].strip()
+    args = ["serve", "--port", "0", "--drafter", "ngram", "--parallel", "2", "--ctx-per-request", "256",
+            "-m", str(model_path), "-t", "1", "--record-usage", str(folder), "--record-usage-mib", "1"]  # fmt: skip
+    with localspec_process(*args) as (_proc, url, err):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
         kept = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=6, temperature=0)
         client.completions.create(model="m", prompt=PROMPTS[1], max_tokens=6, temperature=0,
                                   extra_body={"draft_memory": False})  # fmt: skip
-    finally:
-        watchdog.cancel()
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        reader.join(30)
     seqs = _sequences(folder)
     prompt = model.tokenize(PROMPTS[0])
     assert len(seqs) == 1, "".join(err)

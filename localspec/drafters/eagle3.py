@@ -424,27 +424,37 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
         out[:, self.d2t] = rows
         return out
 
+    def _catch_up_rows(self, root_pos: int) -> np.ndarray:
+        """[n, n_embd] encoded rows ``g`` of the positions whose entries level 0 adds, from
+        ``kv_len`` (after this call) to ``root_pos - 1``: the last ``context_window`` of them at
+        most (older keys and values dropped), or the root's predecessor again when it is asked
+        twice for the same root (its entry redone)."""
+        if self.kv_len >= root_pos:  # asked twice for the same root: redo its entry
+            assert self.kv_len == root_pos and self.g_last is not None
+            self._truncate_kv(root_pos - 1)
+            self.feat.truncate(root_pos)  # drop what follows the root; kv_len is root_pos again below
+            return self.g_last[None, :]
+        n_new = root_pos - self.kv_len
+        w = self.context_window
+        if w is not None and n_new > w:  # keep only the last w entries (CONTEXT_WINDOW)
+            if self.host:
+                self.kv_k, self.kv_v = self.kv_k[:0], self.kv_v[:0]
+            else:
+                self.ctx.seq_rm(self.seq0, 0, -1)
+            self.kv_first = self.kv_len = root_pos - w
+            self.feat.drop_before(root_pos - w)
+            n_new = w
+        g_new = self._encode(self.feat.rows[:n_new])
+        self.feat.drop_before(root_pos)
+        return g_new
+
     def _catch_up_part(self, root: int) -> LevelPart:
         """The entries of every position up to the root's predecessor, the last one (token =
         the root) with output: the last ``CATCH_UP_OUTPUTS`` of them (every row out, the last
         one used) go into the level decode, a longer catch-up's head into calls of its own
         before it. The part's rows: the root's ([1, width]); it keeps the root's pre-norm state."""
         root_pos = len(self.history) - 1
-        if self.kv_len >= root_pos:  # asked twice for the same root: redo its entry
-            assert self.kv_len == root_pos and self.g_last is not None
-            self._truncate_kv(root_pos - 1)
-            self.feat.truncate(root_pos)  # drop what follows the root; kv_len is root_pos again below
-            g_new = self.g_last[None, :]
-        else:
-            n_new = root_pos - self.kv_len
-            w = self.context_window
-            if w is not None and n_new > w:  # keep only the last w entries (CONTEXT_WINDOW)
-                self.ctx.seq_rm(self.seq0, 0, -1)
-                self.kv_first = self.kv_len = root_pos - w
-                self.feat.drop_before(root_pos - w)
-                n_new = w
-            g_new = self._encode(self.feat.rows[:n_new])
-            self.feat.drop_before(root_pos)
+        g_new = self._catch_up_rows(root_pos)
         first = self.kv_len
         n = g_new.shape[0]
         b = self.batch
@@ -516,21 +526,7 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
         from .eagle3_host import HostPart
 
         root_pos = len(self.history) - 1
-        if self.kv_len >= root_pos:  # asked twice for the same root: redo its entry
-            assert self.kv_len == root_pos and self.g_last is not None
-            self._truncate_kv(root_pos - 1)
-            self.feat.truncate(root_pos)
-            g_new = self.g_last[None, :]
-        else:
-            n_new = root_pos - self.kv_len
-            w = self.context_window
-            if w is not None and n_new > w:  # keep only the last w entries (CONTEXT_WINDOW)
-                self.kv_k, self.kv_v = self.kv_k[:0], self.kv_v[:0]
-                self.kv_first = self.kv_len = root_pos - w
-                self.feat.drop_before(root_pos - w)
-                n_new = w
-            g_new = self._encode(self.feat.rows[:n_new])
-            self.feat.drop_before(root_pos)
+        g_new = self._catch_up_rows(root_pos)
         first = self.kv_len
         n = g_new.shape[0]
         tokens = [self.history[first + i + 1] if first + i + 1 < root_pos else root for i in range(n)]
