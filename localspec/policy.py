@@ -610,12 +610,11 @@ class SpeculationPolicy:
         n = self.choose(first, max_nodes=max_nodes, t_draft_us=t_draft_us, calibration=calibration).n_nodes
         if n <= 1:
             return out
-        idx = np.arange(m)
-        keep = np.lexsort((idx, -base))[:n]  # best_subtree's order: score, then lower index
+        keep = np.lexsort((np.arange(m), -base))[:n]  # best_subtree's order: score, then lower index
         chosen = np.zeros(tree.n_nodes, dtype=bool)
         chosen[keep] = True
         score = out.score
-        score[:m][chosen[:m]] = base[chosen[:m]]
+        score[keep] = base[keep]
         lo = float(score[chosen].min())
         others = ~chosen
         hi = float(score[others].max(initial=0.0))

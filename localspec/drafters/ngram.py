@@ -351,7 +351,7 @@ class NgramDrafter:
             score=buf.score[:n].copy(),
             draft_probs=np.full(n, np.nan, dtype=np.float32),
             feature=buf.bucket[:n].copy(),
-            base_score=np.array(tree.score, dtype=np.float64),  # the memory adds, never displaces
+            base_score=np.asarray(tree.score, dtype=np.float64),  # the memory adds, never displaces
         )
 
     def observe(self, tree: TokenTree, emitted: Sequence[int]) -> None:
