@@ -15,7 +15,7 @@ stage uses what exists):
    full-vocabulary top-8 targets (``eagle3_data.extract``).
    With ``--chat-prompts N`` (default 0) the stage first records **chat** data (``WORK/chat``):
    ``N`` chat- and code-like prompts the target writes itself (``--self-prompts`` of
-   ``train-eagle3``; the harvest stops at half of the stage's share) answered greedily in the
+   ``train-eagle3``) within half of the stage's share, 40% of it for the harvest and the rest for the answers answered greedily in the
    chat format, 128 tokens each; the document prompts get the rest of the share.
 3. **draft vocabulary** (``WORK/d2t.npy``, once): the ``--vocab-size`` tokens seen most often
    as the target's top-1 in the generated data plus as next tokens of the text plan, and the
@@ -24,8 +24,12 @@ stage uses what exists):
    (``eagle3_data.record_text_plan``): features and the target's top-8 over the draft
    vocabulary, without the 262k-row lm_head.
 5. **train** (``WORK/train``) on both, 3% of the sequences held out; writes ``--out``.
-6. **ship**: unless ``--no-ship``, copies the head over ``models/heads/`` and rewrites its
-   manifest entry (keyed on the target's size and SHA-256).
+6. **ship**: both heads, the new one and the shipped one, are scored on the held-out
+   sequences with full-vocabulary targets (``eagle3_train.held_out_accuracy``: accuracy per
+   unroll step, neither head trained on them); only when the new head's mean is higher, and
+   unless ``--no-ship``, it is copied over ``models/heads/`` and its manifest entry
+   (keyed on the target's size and SHA-256) rewritten. ``--only ship`` runs this stage on
+   an existing work folder.
 
 Prints one JSON line with rates, token counts, wall times and accuracies. Needs the [train]
 extra; nothing here reads the Spec-Bench questions or HumanEval.
@@ -107,7 +111,7 @@ def main() -> None:
     from localspec.models.training.eagle3_data import (
         DataPlan, iter_text_files, make_plan, prepare_data, record_text_plan, shard_paths, text_token_counts,
     )  # fmt: skip
-    from localspec.models.training.eagle3_train import TrainConfig, read_target, train_eagle3
+    from localspec.models.training.eagle3_train import TrainConfig, held_out_accuracy, read_target, train_eagle3
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", required=True, help="corpus, data shards and checkpoints (resumable)")
@@ -122,7 +126,7 @@ def main() -> None:
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=4000)
     ap.add_argument("--no-ship", action="store_true", help="do not replace models/heads/")
-    ap.add_argument("--only", choices=("gen", "text", "train"),
+    ap.add_argument("--only", choices=("gen", "text", "train", "ship"),
                     help="run one stage (e.g. gen and text in two processes); the draft vocabulary is "
                          "fixed by the first text or train stage from the generated shards present then")
     a = ap.parse_args()
@@ -198,20 +202,32 @@ def main() -> None:
         log_every=50, ckpt_every=200, loss_frac=0.25,
     )  # fmt: skip
     out = Path(a.out) if a.out else work / "head.gguf"
-    r = train_eagle3(target, [*gen, *chat, *text], work / "train", out, cfg, target_layers=LAYERS, d2t=d2t,
-                     deadline=t0 + budget - 120)  # fmt: skip
-    stats = dict(
-        gen_tokens=_count(gen), text_tokens=_count(text), gen_shards=len(gen), text_shards=len(text),
-        chat_tokens=_count(chat), chat_shards=len(chat),
-        train_tokens=r.n_train_tokens, steps=r.steps, val_accuracy=np.round(r.val_accuracy, 4).tolist(),
-        val_by_source=r.val_by_source, train_accuracy=np.round(r.train_accuracy, 4).tolist(),
-        vocab_coverage=round(r.vocab_coverage, 4),
-    )  # fmt: skip
-    if not a.no_ship:
+    files = [*gen, *chat, *text]
+    stats = dict(gen_tokens=_count(gen), text_tokens=_count(text), gen_shards=len(gen), text_shards=len(text),
+                 chat_tokens=_count(chat), chat_shards=len(chat))  # fmt: skip
+    t_train = 0.0
+    if run("train"):
+        r = train_eagle3(target, files, work / "train", out, cfg, target_layers=LAYERS, d2t=d2t,
+                         deadline=t0 + budget - 120)  # fmt: skip
+        t_train = r.wall_s
+        stats.update(
+            train_tokens=r.n_train_tokens, steps=r.steps, val_accuracy=np.round(r.val_accuracy, 4).tolist(),
+            val_by_source=r.val_by_source, train_accuracy=np.round(r.train_accuracy, 4).tolist(),
+            vocab_coverage=round(r.vocab_coverage, 4),
+        )  # fmt: skip
+    if a.only == "train":
+        print(json.dumps(dict(out=str(out), **stats, t_train_s=round(t_train))))
+        return
+
+    # 6. ship only a head that does better than the shipped one on data neither saw
+    old_acc, new_acc = held_out_accuracy(target, files, [HEAD, out], cfg)
+    better = float(np.mean(new_acc)) > float(np.mean(old_acc))
+    stats.update(held_out_new=np.round(new_acc, 4).tolist(), held_out_shipped=np.round(old_acc, 4).tolist())
+    if better and not a.no_ship:
         ship(out, target, stats)
     print(json.dumps(dict(
-        out=str(out), shipped=not a.no_ship, size_mib=round(out.stat().st_size / 2**20, 2), **stats,
-        t_corpus_s=round(t_corpus), t_gen_s=round(t_gen), t_text_s=round(t_text), t_train_s=round(r.wall_s),
+        out=str(out), better=better, shipped=better and not a.no_ship, size_mib=round(out.stat().st_size / 2**20, 2),
+        **stats, t_corpus_s=round(t_corpus), t_gen_s=round(t_gen), t_text_s=round(t_text), t_train_s=round(t_train),
         t_total_s=round(time.time() - t0),
     )))  # fmt: skip
 

@@ -239,3 +239,30 @@ def test_text_recording_smoke_resume_and_restricted_training(model, model_path, 
         assert head.architecture == "eagle3"
     finally:
         head.close()
+
+
+def test_held_out_accuracy_scores_any_head_on_the_sequences_training_held_out(model_path, tmp_path):
+    """The recipe ships a new head only when it beats the shipped one on held-out data
+    (``held_out_accuracy``): scored from its GGUF, the new head gets what training reported
+    for the same held-out sequences, and a head with another draft vocabulary is scored too."""
+    from localspec.models.eagle3_heads import shipped_head
+    from localspec.models.training.eagle3_data import load_shard, prepare_data
+    from localspec.models.training.eagle3_train import held_out_accuracy, split_sequences
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(42):
+        (corpus / f"d{i}.txt").write_text(f"Note {i}: " + TEXT * 2)
+    shards = prepare_data(model_path, tmp_path / "data", [corpus], LAYERS, max_tokens=0, self_distill=42,
+                          prompt_tokens=12, gen_tokens=20, shard_tokens=4096, topk=4, n_seq=21, seed=3,
+                          progress=False)  # fmt: skip
+    cfg = TrainConfig(steps=3, batch=2, seq_len=32, unroll=3, vocab_size=256, warmup=1, log_every=3, ckpt_every=3,
+                      val_frac=0.05, bf16=False, head=dict(n_head=2, n_head_kv=1, head_dim=64, n_ff=64))  # fmt: skip
+    val, train = split_sequences([load_shard(p) for p in shards], cfg)
+    assert len(val) == 2 and len(train) == 40
+    out = tmp_path / "head.gguf"
+    r = train_eagle3(model_path, shards, tmp_path / "work", out, cfg, target_layers=LAYERS, progress=False,
+                     matrix_dtype="f32")  # fmt: skip
+    new, shipped = held_out_accuracy(model_path, shards, [out, shipped_head(model_path)], cfg)
+    assert new == pytest.approx(r.val_accuracy, abs=1e-9)
+    assert len(shipped) == 3 and all(0.0 <= a <= 1.0 for a in shipped)

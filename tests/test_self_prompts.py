@@ -93,3 +93,30 @@ def test_prepare_data_records_the_targets_answers_to_its_own_prompts(model_path,
         assert all(any(f"User: {p}" in t for t in texts) for p in saved["prompts"])
     finally:
         m.close()
+
+
+def test_a_deadline_leaves_the_harvest_a_share_and_the_answers_the_rest(model_path, tmp_path, monkeypatch):
+    import time
+
+    from localspec.models.training import eagle3_data, self_prompts
+
+    seen = []
+    real = self_prompts.harvest_prompts
+
+    def spy(engine, n, **kw):
+        seen.append((time.time(), kw["deadline"]))
+        return real(engine, n, **kw)
+
+    monkeypatch.setattr(self_prompts, "harvest_prompts", spy)
+    t0 = time.time()
+    deadline = t0 + 600.0
+    shards = prepare_data(model_path, tmp_path, [], LAYERS, max_tokens=0, self_distill=0, self_prompts=2,
+                          self_prompt_tokens=48, gen_tokens=8, seed=5, topk=4, n_seq=2, progress=False,
+                          deadline=deadline)  # fmt: skip
+    (t_call, harvest_deadline), = seen
+    share = eagle3_data.HARVEST_SHARE
+    assert 0.0 < share < 1.0
+    cut = lambda now: now + share * (deadline - now)  # noqa: E731  (the rule, at the moment prepare_data read the clock)
+    assert cut(t0) <= harvest_deadline <= cut(t_call)
+    assert harvest_deadline < deadline - 300.0  # the answers keep the rest of the time
+    assert shards and sum(load_shard(p).starts.size - 1 for p in shards) == 2

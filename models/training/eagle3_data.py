@@ -37,6 +37,10 @@ import numpy as np
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".c", ".h", ".sh", ".json", ".toml", ".cfg", ".ini", ".html", "")
 PLAN_VERSION = 1
+HARVEST_SHARE = 0.4
+"""Share of the time left before ``prepare_data``'s ``deadline`` that harvesting self-written
+prompts may take; the rest is for answering them (a harvest that ran to the deadline left no
+time to record a single answer)."""
 
 
 # -- corpus --------------------------------------------------------------------------------
@@ -673,8 +677,10 @@ def prepare_data(
     ``max_shards``, ``deadline`` to ``extract``). A plan already in ``data_dir`` is reused, whatever the arguments.
 
     ``self_prompts`` (a ``plan_args`` key, default 0): that many chat- and code-like prompts
-    the target writes itself (``self_prompts.harvest_prompts``, seeded by ``seed``), answered
-    by the target like the other self-distillation prompts; the harvest is saved as
+    the target writes itself (``self_prompts.harvest_prompts``, seeded by ``seed``; with a
+    ``deadline``, the harvest stops at ``HARVEST_SHARE`` of the time left so that the rest
+    answers what it found), answered by the target like the other self-distillation prompts;
+    the harvest is saved as
     ``self_prompts.json`` beside the plan. ``self_prompt_tokens``: tokens per list continuation.
     """
     from localspec.backend import Model
@@ -690,9 +696,11 @@ def prepare_data(
         plan = DataPlan.load(plan_path)
     else:
         if n_self > 0:
+            dl = ex_args.get("deadline")
+            now = time.time()
             plan_args["chat_prompts"] = harvest_chat_prompts(
                 target, d / "self_prompts.json", n_self, seed=plan_args.get("seed", 0), max_tokens=self_tokens,
-                deadline=ex_args.get("deadline"))  # fmt: skip
+                deadline=None if dl is None else now + HARVEST_SHARE * max(0.0, dl - now))  # fmt: skip
         m = Model(target, vocab_only=True)
         try:
             plan = make_plan(m, iter_text_files(sources), **plan_args)

@@ -391,6 +391,53 @@ def evaluate(model: Eagle3Head, sampler: WindowSampler, seqs: list[tuple[int, in
     return (corr / np.maximum(cnt, 1)).tolist()
 
 
+def split_sequences(shards: list[Shard], cfg: TrainConfig) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The held-out and the training sequences of ``shards`` as (shard, sequence) pairs: a
+    shuffle seeded by ``cfg.seed``, the first ``cfg.val_frac`` of it held out (none with 20
+    sequences or fewer)."""
+    seqs = [(s, i) for s, sh in enumerate(shards) for i in range(sh.starts.size - 1)]
+    rng = np.random.default_rng(cfg.seed)
+    rng.shuffle(seqs)
+    n_val = int(round(len(seqs) * cfg.val_frac)) if len(seqs) > 20 else 0
+    return seqs[:n_val], seqs[n_val:]
+
+
+def held_out_accuracy(target: str | os.PathLike, shard_files: list[Path], heads: list[str | os.PathLike],
+                      cfg: TrainConfig) -> list[list[float]]:  # fmt: skip
+    """Each head GGUF's accuracy per unroll step on the sequences that ``train_eagle3`` with
+    ``cfg`` holds out of ``shard_files`` (``split_sequences``): what decides whether a new head
+    replaces the shipped one on data neither was trained on. Heads with different draft
+    vocabularies compare fairly: a position whose target top-1 is outside a head's
+    vocabulary is a miss for it (``ttt_loss``). Held-out sequences of ``restricted`` shards
+    (teacher-forced text whose top-1 is the best token of one draft vocabulary) are left out.
+
+    Returns:
+        one list of ``cfg.unroll`` fractions per head, in order.
+    Raises:
+        ValueError: no sequence with full-vocabulary targets is held out (20 sequences or
+            fewer, or only teacher-forced text).
+    """
+    shards = [load_shard(p) for p in shard_files]
+    val = [(s, i) for s, i in split_sequences(shards, cfg)[0] if not shards[s].restricted]
+    if not val:
+        raise ValueError("held_out_accuracy: no sequence with full-vocabulary targets is held out")
+    tt = read_target(target)
+    device = pick_device(cfg.device)
+    cfg = TrainConfig(**{**asdict(cfg), "bf16": cfg.bf16 and bf16_capable(device)})
+    used = np.concatenate([np.unique(s.tokens) for s in shards])
+    emb = tt.embedding_table(used)
+    out = []
+    for path in heads:
+        head_cfg, w = read_eagle3_gguf(path)
+        model = Eagle3Head(head_cfg, emb, w.d2t, np.ones(3 * head_cfg.n_embd_target, np.float32))
+        load_weights(model, w)
+        model.to(device)
+        t2d = np.full(tt.n_vocab, -1, np.int64)
+        t2d[w.d2t] = np.arange(w.d2t.size)
+        out.append(evaluate(model, WindowSampler(shards, val, t2d, cfg.seq_len, cfg.seed), val, cfg, device))
+    return out
+
+
 def train_eagle3(
     target: str | os.PathLike,
     shard_files: list[Path],
@@ -481,11 +528,7 @@ def train_eagle3(
         step = int(ckpt["step"])
     t2d = np.full(tt.n_vocab, -1, np.int64)
     t2d[vocab.d2t] = np.arange(vocab.d2t.size)
-    seqs = [(s, i) for s, sh in enumerate(shards) for i in range(sh.starts.size - 1)]
-    rng = np.random.default_rng(cfg.seed)
-    rng.shuffle(seqs)
-    n_val = int(round(len(seqs) * cfg.val_frac)) if len(seqs) > 20 else 0
-    val, train = seqs[:n_val], seqs[n_val:]
+    val, train = split_sequences(shards, cfg)
     sampler = WindowSampler(shards, train, t2d, cfg.seq_len, cfg.seed + step)
     n_train_tokens = int(sum(shards[s].starts[i + 1] - shards[s].starts[i] for s, i in train))
     log_f = open(work / "train_log.jsonl", "a")
