@@ -398,6 +398,7 @@ class ModelDraftStats:
             rows it added to the verified tree (``probe_rows_us``, cost table); reserved at
             ``plan`` as ``probe_us`` (``probe_reserved_us``) and settled by ``observe_draft``.
         last_probe_us: the measured cost of the last probe (µs, as charged), 0 before one.
+        last_shape: the shape the last plan with this model priced (``needs_features``).
     """
 
     t_draft_us: float = 0.0
@@ -419,6 +420,7 @@ class ModelDraftStats:
     probe_reserved_us: float = 0.0
     probe_rows_us: float = 0.0
     last_probe_us: float = 0.0
+    last_shape: "TreeShape | None" = None
 
     def _ema(self, old: float, new: float) -> float:
         return new if self.n_steps <= 1 else old + self.alpha * (new - old)
@@ -513,6 +515,7 @@ class SpeculationPolicy:
         self.verify_cost_factor = 2.5  # tree_shape: verification budget, in plain decodes
         self.explore_every = 32  # plan: first gap (steps) between probes of a model drafter that does not pay
         self.explore_budget = 0.01  # plan: probes take at most this fraction of the steps and of their time
+        self.feature_lead = 4  # needs_features: steps before a possible model step from which its head gets rows
         self.t_steps_us = 0.0  # measured time of every step so far (decode + host, µs): probe_due's clock
         self.calibration = ScoreCalibration()
 
@@ -698,21 +701,41 @@ class SpeculationPolicy:
         gap = 2 * stats.explore_gap if stats.explore_gap else self.explore_every
         return min(max(gap, self.paid_explore_gap(stats, shape)), self.max_explore_gap(stats, shape))
 
-    def probe_due(self, stats: ModelDraftStats, shape: TreeShape) -> bool:
+    def needs_features(self, stats: ModelDraftStats) -> bool:
+        """Whether a model drafter that reads the target's features (an EAGLE-3 head in
+        ``auto``) must receive this step's rows: it may draft within ``feature_lead`` steps.
+        It may when it was never planned with (no ``last_shape``) or never tried, when it
+        would pay against a plain step (``prefer_model``; no cheap tree is worse, so where it
+        does not, it pays on no step), or when a probe is due within ``feature_lead`` steps
+        (``probe_due``). Otherwise the step pauses the tap: on the development CPU capturing
+        and handing over the rows cost about 1% of every step of a head that does not pay
+        (``auto`` at 0.986x of ``ngram``, measured 2026-12-03); the head restarts its context
+        on the rows of the steps before its next draft."""
+        shape = stats.last_shape
+        if shape is None or (stats.n_steps == 0 and stats.n_probes == 0):
+            return True
+        t1 = self.step_us(1)
+        if self.prefer_model(Choice(1, 1.0, 1.0 / t1), stats, shape):
+            return True
+        return self.probe_due(stats, shape, ahead=self.feature_lead)
+
+    def probe_due(self, stats: ModelDraftStats, shape: TreeShape, *, ahead: int = 0) -> bool:
         """Whether a model drafter that does not pay is due a probe: never probed nor run (a
         new model is tried once), or ``stats.explore_gap`` steps (``explore_every`` before the
         first probe) without it, at least ``paid_explore_gap`` with the cost as measured now,
         and within the budget of the drafter's life across requests: the measured cost of the
         probes since the model last paid (``stats.explore_spent_us``) plus this one's
         (``probe_us``) at most ``explore_budget`` of the measured step time since then
-        (``t_steps_us - stats.explore_from_us``)."""
+        (``t_steps_us - stats.explore_from_us``). ``ahead``: whether it is due within that
+        many more steps (each priced a plain step)."""
         if stats.n_steps == 0 and stats.n_probes == 0:
             return True
-        if stats.steps_since_run < max(stats.explore_gap or self.explore_every, self.paid_explore_gap(stats, shape)):
+        if stats.steps_since_run + ahead < max(stats.explore_gap or self.explore_every, self.paid_explore_gap(stats, shape)):
             return False
         start = self.t_steps_us if stats.explore_from_us is None else stats.explore_from_us
         cost = max(self.probe_us(stats, shape), stats.last_probe_us)  # the last one measured its catch-up
-        return stats.explore_spent_us + cost <= self.explore_budget * (self.t_steps_us - start)
+        clock = self.t_steps_us + ahead * self.step_us(1)
+        return stats.explore_spent_us + cost <= self.explore_budget * (clock - start)
 
     def plan(
         self,
@@ -749,6 +772,7 @@ class SpeculationPolicy:
             shape = fixed_shape
         else:
             shape = self.tree_shape(model, max_depth=min(max_depth, model.max_depth), max_nodes=max_nodes, max_width=model.max_width)
+        model.last_shape = shape
         if not adaptive:
             return StepPlan(c.n_nodes, shape)
         # the merged tree's best nodes: the model's budget, and never fewer than the cheap drafts

@@ -196,13 +196,18 @@ class Step:
         times = StepTimes(t_start=now_us())
         n_fixed = sum(len(e.kv.pending) for e in entries)
         props = self.propose(entries, n_fixed=n_fixed)
+        pause = self._pause_tap(entries, pieces)
         rows: list[TreeRows] = []
         try:
             for e, p in zip(entries, props):
                 rows.append(e.kv.rows(p.tree))
             n_tokens = self._fill(pieces, rows)
             times.t_decode0 = now_us()
-            self.ctx.decode(self.batch)
+            self.tap_paused(pause)
+            try:
+                self.ctx.decode(self.batch)
+            finally:
+                self.tap_paused(False)
         except BaseException:
             for e, r in zip(entries, rows):
                 e.kv.drop(r.lay)
@@ -212,7 +217,7 @@ class Step:
         times.t_decode1 = now_us()
         if on_decoded is not None:
             on_decoded(times.t_decode1)
-        f_rows = self.tap.take() if self.tap is not None else None  # [n_tokens, F], batch order
+        f_rows = self.tap.take() if self.tap is not None and not pause else None  # [n_tokens, F], batch order
         h_rows = self.norm_tap.take() if self.norm_tap is not None else None  # [n_outputs, n_embd]
         tok_off = 0
         for pc in pieces:
@@ -256,6 +261,26 @@ class Step:
             self.batch.set_tree(np.concatenate(toks), np.concatenate(pos), np.concatenate(seqs), np.concatenate(nseq),
                                 np.concatenate(outp))  # fmt: skip
         return int(self.batch.n_tokens)
+
+    def _pause_tap(self, entries: Sequence[Entry], pieces: Sequence[Piece]) -> bool:
+        """Whether this step's decode may run with the feature tap paused: no prompt piece, and
+        no request whose drafter will read the rows (a drafter reading target features says
+        when it may go without them: ``feature_gate``, then ``SpeculationPolicy.needs_features``)."""
+        if self.tap is None or pieces or not self.adaptive or not hasattr(self.tap, "paused"):
+            return False
+        for e in entries:
+            d = e.gen.drafter
+            if d is None or not feature_layers(d):
+                continue
+            stats = getattr(d, "feature_gate", None)
+            if stats is None or self.policy.needs_features(stats):
+                return False
+        return True
+
+    def tap_paused(self, paused: bool) -> None:
+        """Pause (or resume) the feature tap, when there is one that can pause."""
+        if self.tap is not None and hasattr(self.tap, "paused"):
+            self.tap.paused = paused
 
     def clear_taps(self) -> None:
         """Drop rows the taps captured and nobody took (a failed decode, a prefill)."""

@@ -369,6 +369,9 @@ LS_API void ls_tap_clear(ls_tap *tap);
 /* graph nodes the callback was asked about, and tensors it copied, since ls_tap_new */
 LS_API int64_t ls_tap_n_asked(const ls_tap *tap);
 LS_API int64_t ls_tap_n_copied(const ls_tap *tap);
+/* paused != 0: the callback answers no to every node (nothing copied, and the scheduler runs
+ * the graph without the splits the observed nodes cost) until it is set to 0 again */
+LS_API void ls_tap_set_paused(ls_tap *tap, int32_t paused);
 
 #ifdef __cplusplus
 }

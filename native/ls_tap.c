@@ -24,6 +24,7 @@ struct ls_tap {
     int64_t cap[LS_TAP_MAX_NAMES]; /* rows */
     int64_t rows[LS_TAP_MAX_NAMES];
     int32_t err;
+    int32_t paused;
     int64_t n_asked, n_copied;
 };
 
@@ -69,7 +70,7 @@ bool ls_tap_eval(void *tensor, bool ask, void *user_data) {
     int32_t i = tap_index(tap, t + tap->off_name);
     if (ask) {
         tap->n_asked++;
-        return i >= 0;
+        return i >= 0 && !tap->paused;
     }
     if (i < 0) return true; /* never cancel the decode */
     int32_t type;
@@ -113,3 +114,5 @@ void ls_tap_clear(ls_tap *tap) {
 int64_t ls_tap_n_asked(const ls_tap *tap) { return tap->n_asked; }
 
 int64_t ls_tap_n_copied(const ls_tap *tap) { return tap->n_copied; }
+
+void ls_tap_set_paused(ls_tap *tap, int32_t paused) { tap->paused = paused != 0; }

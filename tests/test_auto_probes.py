@@ -118,3 +118,34 @@ def test_a_head_that_never_pays_is_probed_within_the_budget_over_requests_not_on
         assert st.explore_spent_us - first_us <= e.policy.explore_budget * (e.policy.t_steps_us - st.explore_from_us)
     finally:
         e.close()
+
+
+def test_the_tap_pauses_while_a_head_that_never_pays_waits_for_its_probes(model, random_head_path):
+    """``auto`` with an untrained EAGLE-3 head and n-grams that draft nothing: between probes the
+    step decodes with the feature tap paused (``SpeculationPolicy.needs_features``: the head
+    does not pay even against a plain step, and no probe is due within ``feature_lead``
+    steps), so most decodes capture no rows; the tap resumes ``feature_lead`` steps before
+    each probe and the head, its context restarted after the gap, drafts again. The output
+    is plain decoding's."""
+    from localspec.drafters.eagle3 import Eagle3Drafter
+
+    e = Engine(model, drafter="none", n_ctx=2048, cost_model=fixed_cost_model())
+    try:
+        prompt = e.tokenize(TEXT)
+        ref = e.generate(prompt, max_tokens=96, sampling=GREEDY, speculative=False)
+        head = Eagle3Drafter(random_head_path)
+        e.set_drafter(AutoDrafter(head, NgramDrafter(max_occurrences=0)))
+        e.policy.explore_every, e.policy.explore_budget = 4, 0.1
+        e.reset()
+        tap = e._tap
+        decodes0 = tap.n_decodes  # decodes whose rows were taken: the prompt's and the steps' with the tap on
+        res = e.generate(prompt, max_tokens=96, sampling=GREEDY)
+        assert_same_as_plain(e, prompt, ref.token_ids, res.token_ids)
+        n_steps, with_rows = res.stats.n_steps, tap.n_decodes - decodes0 - 1  # the prompt: one decode
+        st = head.stats
+        assert n_steps >= 80 and st.n_steps == st.n_probes >= 3, (n_steps, st.n_probes)  # probes after gaps
+        assert with_rows <= n_steps // 2, (with_rows, n_steps)  # paused on most steps
+        assert with_rows >= st.n_probes  # resumed before each probe
+        assert head.kv_first > 0  # the head's context restarted after a gap
+    finally:
+        e.close()

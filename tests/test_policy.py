@@ -698,3 +698,33 @@ def test_probes_cost_at_most_the_exploration_budget_of_the_time():
         fresh.explore_gap = flat.next_explore_gap(fresh, TreeShape(1, 1, 2))
         gaps.append(fresh.explore_gap)
     assert gaps == [32, 64, 100, 100, 100]
+
+
+def test_a_head_needs_features_only_where_it_may_draft_soon():
+    """``needs_features``: the step pauses the feature tap for a head that pays on no step (not
+    even against a plain one) while its next probe is more than ``feature_lead`` steps away;
+    a head never tried, one that would pay, and one whose probe is that close get the rows."""
+    from localspec.costmodel import CostModel
+
+    pol = SpeculationPolicy(CostModel(dict(FLAT_COSTS_US)), max_nodes=16)
+    shape = TreeShape(2, 1, 4)
+    new = ModelDraftStats(t_draft_us=500.0)
+    assert pol.needs_features(new)  # never planned with: no shape yet
+    new.last_shape = shape
+    assert pol.needs_features(new)  # never tried: the first plan probes it
+    idle = ModelDraftStats(t_draft_us=500.0, n_steps=3, n_probes=3, accept_length=0.0, gain_length=0.0,
+                           explore_gap=64, explore_from_us=0.0, last_shape=shape)  # fmt: skip
+    pol.t_steps_us = 1e9  # the budget is no limit here: the gap is
+    idle.steps_since_run = 10
+    assert not pol.needs_features(idle)
+    idle.steps_since_run = 64 - pol.feature_lead - 1
+    assert not pol.needs_features(idle)
+    idle.steps_since_run = 64 - pol.feature_lead
+    assert pol.needs_features(idle) and not pol.probe_due(idle, shape)  # rows from feature_lead steps ahead
+    idle.steps_since_run = 10
+    idle.explore_spent_us = 0.0
+    pol.t_steps_us = 0.0  # and a probe out of budget is not due however long the gap
+    idle.steps_since_run = 1000
+    assert not pol.needs_features(idle)
+    paying = ModelDraftStats(t_draft_us=500.0, n_steps=3, accept_length=3.0, gain_length=3.0, last_shape=shape)
+    assert pol.needs_features(paying)  # 4 tokens for about 1.5 plain steps

@@ -35,6 +35,19 @@ def test_a_gap_is_refused_and_nothing_is_lost():
     assert positions(buf) == [0, 1]
 
 
+def test_restart_after_a_gap_keeps_only_the_new_rows():
+    buf = TargetFeatureBuffer(3, "the head")
+    buf.add(0, rows(0, 5))
+    buf.drop_before(2)
+    buf.restart(9)  # positions 5 .. 8 were decoded with the tap paused
+    assert buf.first == buf.end == 9 and buf.rows.shape == (0, 3)
+    buf.add(9, rows(9, 3))
+    assert positions(buf) == [9, 10, 11] and buf.row(10)[0] == 10
+    with pytest.raises(ValueError, match="cannot restart .* up to 11"):
+        buf.restart(11)  # it has position 11: nothing would be a gap
+    assert positions(buf) == [9, 10, 11]
+
+
 def test_consume_from_the_front_then_truncate_from_the_back():
     buf = TargetFeatureBuffer(3, "the head")
     buf.add(0, rows(0, 6))

@@ -63,6 +63,7 @@ class _TapCallback:
 
     def __init__(self, names, width: int, native: bool | None) -> None:
         self._c = _native_tap(names, width, native)
+        self._paused = False
         if self._c is not None:
             self.callback, self.user_data = self._c.callback, self._c.user_data
         else:
@@ -72,6 +73,18 @@ class _TapCallback:
     def native(self) -> bool:
         """Whether the rows are captured in C."""
         return self._c is not None
+
+    @property
+    def paused(self) -> bool:
+        """While True the tap observes nothing: the decodes capture no rows and ggml runs
+        their graphs whole (``Step`` pauses it on steps whose rows no drafter will read)."""
+        return self._paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        self._paused = bool(value)
+        if self._c is not None:
+            self._c.set_paused(self._paused)
 
 
 def layer_tensor_name(layer_id: int) -> str:
@@ -121,7 +134,7 @@ class FeatureTap(_TapCallback):
             name = ctypes.string_at(t_ptr + _NAME_OFFSET)
             i = self._index.get(name)
             if ask:
-                return i is not None
+                return i is not None and not self._paused
             if i is not None:
                 t = GgmlTensor.from_address(t_ptr)
                 if t.type != GGML_TYPE_F32 or int(t.ne[0]) != self.n_embd:

@@ -94,6 +94,16 @@ class AutoDrafter:
         """The model drafter's ``ModelDraftStats`` when it can draft this step, else None."""
         return None if self.model is None else self.model.model_stats
 
+    @property
+    def feature_gate(self):
+        """The model drafter's ``ModelDraftStats`` when it drafts on after positions whose
+        target features it never received (``feature_gaps``: EAGLE-3 heads), so that the step
+        may pause the tap while the policy expects no model step
+        (``SpeculationPolicy.needs_features``); None: it needs every row."""
+        if self.model is None or not getattr(self.model, "feature_gaps", False):
+            return None
+        return self.model.stats
+
     def add_target_features(self, first_pos: int, rows) -> None:
         self.model.add_target_features(first_pos, rows)
 

@@ -207,11 +207,6 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
         self.kv_v = np.zeros((0, n_kv), dtype=np.float32)
         self._node_kv: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
-    @property
-    def n_target_features(self) -> int:
-        """Positions ``0 .. n - 1`` of the history whose target features the head has."""
-        return self.feat.end
-
     def target_mismatches(self, model: Model) -> list[str]:
         """What of the head does not fit the target ``model`` (empty when all fits): the
         hidden size of the features it reads (``eagle3.target_hidden_size``), its feature
@@ -365,19 +360,35 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
             self.feat.truncate(common)
         super().begin(history, context)
 
+    feature_gaps = True
+    """The head drafts on after positions whose features it never received (``Step`` pauses
+    the tap while an ``auto`` policy expects no model step, ``SpeculationPolicy.needs_features``):
+    its own context restarts after the gap (``_catch_up_rows``)."""
+
     def add_target_features(self, first_pos: int, rows: np.ndarray) -> None:
         """Target features of positions ``first_pos, first_pos + 1, ...`` ([n, 3 * n_embd]
-        float32); rows of positions the head already has are ignored.
-
-        Raises:
-            ValueError: a gap (positions between what the head has and ``first_pos``).
-        """
+        float32); rows of positions the head already has are ignored. After a gap (positions
+        between what the head has and ``first_pos`` without features) the rows restart at
+        ``first_pos``."""
+        if first_pos > self.feat.end:
+            self.feat.restart(first_pos)
         self.feat.add(first_pos, rows)
+
+    @property
+    def n_target_features(self) -> int:
+        """Positions ``0 .. n - 1`` whose target features the head needs no more: those it has
+        (or consumed), and, with a ``context_window``, every position older than the window
+        before the current root (never read again: a prefill need not re-decode them)."""
+        end = self.feat.end
+        if self.context_window is not None:
+            end = max(end, len(self.history) - 1 - self.context_window)
+        return end
 
     def ready(self) -> bool:
         root_pos = len(self.history) - 1
         attached = self.host or self.ctx is not None
-        return attached and root_pos >= 1 and self.n_target_features >= root_pos
+        # the rows up to the root's predecessor, at least its own (or its entry, asked again)
+        return attached and root_pos >= 1 and self.feat.end >= root_pos and (self.feat.first < root_pos or self.kv_len >= root_pos)
 
     def check_cache(self) -> None:
         n = max(0, self.kv_len - self.kv_first)
@@ -434,14 +445,12 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
             self._truncate_kv(root_pos - 1)
             self.feat.truncate(root_pos)  # drop what follows the root; kv_len is root_pos again below
             return self.g_last[None, :]
+        if self.feat.first > self.kv_len:  # positions without features (the tap paused): restart after them
+            self._restart_kv(self.feat.first)
         n_new = root_pos - self.kv_len
         w = self.context_window
         if w is not None and n_new > w:  # keep only the last w entries (CONTEXT_WINDOW)
-            if self.host:
-                self.kv_k, self.kv_v = self.kv_k[:0], self.kv_v[:0]
-            else:
-                self.ctx.seq_rm(self.seq0, 0, -1)
-            self.kv_first = self.kv_len = root_pos - w
+            self._restart_kv(root_pos - w)
             self.feat.drop_before(root_pos - w)
             n_new = w
         g_new = self._encode(self.feat.rows[:n_new])
@@ -506,6 +515,14 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
             ptr = ext.llama_get_embeddings_nextn(self.ctx.handle)
             out[i0 : i0 + rows.shape[0]] = np.ctypeslib.as_array(ptr, shape=(rows.shape[0], self.n_embd))
         return out
+
+    def _restart_kv(self, pos: int) -> None:
+        """Drop every entry of the head's KV; the next catch-up writes entries from ``pos``."""
+        if self.host:
+            self.kv_k, self.kv_v = self.kv_k[:0], self.kv_v[:0]
+        else:
+            self.ctx.seq_rm(self.seq0, 0, -1)
+        self.kv_first = self.kv_len = pos
 
     def _truncate_kv(self, n: int) -> None:
         if self.host:

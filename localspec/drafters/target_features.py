@@ -77,6 +77,13 @@ class TargetFeatureBuffer:
         self._buf[self._hi : self._hi + n] = new
         self._hi += n
 
+    def restart(self, pos: int) -> None:
+        """Forget every row; the next one added is position ``pos``'s (``pos >= end``: the
+        positions in between have no features, e.g. decoded while the tap was paused)."""
+        if pos < self.end:
+            raise ValueError(f"{self.owner} cannot restart its target features at {pos}: it has them up to {self.end - 1}")
+        self.first, self._lo, self._hi = int(pos), 0, 0
+
     def truncate(self, n: int) -> None:
         """Keep the rows of positions ``< n`` (no-op when ``n >= end``). With ``n <= first``
         the buffer is empty and starts at ``n``: the features from ``n`` on are needed again."""

@@ -146,6 +146,7 @@ _SIGNATURES = {
     "ls_tap_clear": (None, [c_void_p]),
     "ls_tap_n_asked": (c_int64, [c_void_p]),
     "ls_tap_n_copied": (c_int64, [c_void_p]),
+    "ls_tap_set_paused": (None, [c_void_p, c_int32]),
 }  # fmt: skip
 
 

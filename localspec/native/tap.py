@@ -69,6 +69,11 @@ class NativeTap:
     def clear(self) -> None:
         lib.ls_tap_clear(self._ptr)
 
+    def set_paused(self, paused: bool) -> None:
+        """While paused the callback observes no node: nothing is copied, and ggml's scheduler
+        computes the graph without splitting it at the named tensors."""
+        lib.ls_tap_set_paused(self._ptr, int(bool(paused)))
+
     @property
     def n_asked(self) -> int:
         """Graph nodes the callback was asked about since the tap was made (test hook, with
