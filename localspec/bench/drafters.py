@@ -15,6 +15,8 @@ building the tree).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import time
 from dataclasses import asdict, dataclass
 
@@ -211,6 +213,18 @@ def bench_drafters(model, head_path, *, shapes=(TreeShape(6, 1, 7, 0.0), TreeSha
     return out
 
 
+def versus_labels(names: Sequence[str]) -> list[str]:
+    """One label per drafter of a ``--versus`` run: the name, and ``name#k`` for its ``k``-th
+    repeat (``ngram,ngram,auto`` -> ``ngram, ngram#2, auto``: an A/A/B run, whose two ``ngram``
+    engines show the spread that the same drafter has against itself)."""
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if seen[n] == 1 else f"{n}#{seen[n]}")
+    return out
+
+
 def compare_drafters(model, prompts, drafters=("ngram", "auto"), *, max_tokens: int = 128, n_threads=None, progress=None) -> list[dict]:
     """Spec-Bench-style prompts decoded plainly and with each drafter, in one run: per prompt
     the runs alternate (the order rotates prompt by prompt) so load bursts spread over all of
@@ -218,7 +232,8 @@ def compare_drafters(model, prompts, drafters=("ngram", "auto"), *, max_tokens: 
 
     Args:
         prompts: ``bench.dataset.BenchPrompt`` list.
-        drafters: drafter names (engine options default: ``auto`` takes the shipped head).
+        drafters: drafter labels (``versus_labels``: a name, or ``name#k`` for another engine of
+            the same drafter; engine options default: ``auto`` takes the shipped head).
     Returns:
         one dict per prompt: ``category``, ``question_id``, and per drafter name (and
         ``"plain"``) ``t_decode_us``, ``n_generated_tokens``, ``mean_acceptance_length``,
@@ -233,7 +248,8 @@ def compare_drafters(model, prompts, drafters=("ngram", "auto"), *, max_tokens: 
         base = Engine(model, drafter="none", n_ctx=4096, n_threads=n_threads)
         engines["plain"] = base
         for name in drafters:
-            engines[name] = Engine(model, drafter=name, n_ctx=4096, n_threads=n_threads, cost_model=calibrate(base.ctx))
+            engines[name] = Engine(model, drafter=name.split("#")[0], n_ctx=4096, n_threads=n_threads,
+                                   cost_model=calibrate(base.ctx))  # fmt: skip
         names = list(engines)
         rows = []
         for i, bp in enumerate(prompts):

@@ -173,7 +173,9 @@ def register(sub) -> None:
     dr.add_argument("-m", "--model", default=None, help="target GGUF (default: the embedded model)")
     dr.add_argument("--versus", default=None, metavar="A,B",
                     help="instead: Spec-Bench prompts (--dataset) decoded plainly and with drafters A and B in one "
-                    "run (e.g. ngram,auto); per category speed over plain, MAL, identical outputs, and B over A")  # fmt: skip
+                    "run (e.g. ngram,auto); per category speed over plain, MAL, identical outputs, and B over A; "
+                    "a name given twice runs two engines of it (ngram,ngram,auto: the spread of a drafter against "
+                    "itself beside B)")  # fmt: skip
     dr.add_argument("--dataset", default=None, help="Spec-Bench question.jsonl (with --versus)")
     dr.add_argument("--per-category", type=int, default=3, help="prompts per category (with --versus; default 3)")
     dr.add_argument("--json", action="store_true")
@@ -517,7 +519,7 @@ def _run_versus(a: argparse.Namespace) -> int:
 
     from ..backend import Model
     from ..bench.dataset import load_questions, select_prompts
-    from ..bench.drafters import compare_drafters, summarize_versus
+    from ..bench.drafters import compare_drafters, summarize_versus, versus_labels
     from ..models import resolve_model
 
     if not a.dataset:
@@ -525,6 +527,7 @@ def _run_versus(a: argparse.Namespace) -> int:
     names = [n.strip() for n in a.versus.split(",") if n.strip()]
     if len(names) < 2 or "none" in names:
         raise SystemExit("localspec: error: --versus takes two or more drafter names, e.g. ngram,auto")
+    names = versus_labels(names)
     prompts = select_prompts(load_questions(a.dataset), None, a.per_category)
     model = Model(resolve_model(a.model))
     load0 = os.getloadavg()[0]

@@ -1,0 +1,21 @@
+"""``localspec bench drafters --versus``: a drafter named twice runs two engines of it (an
+A/A/B run shows the spread of a drafter against itself beside the drafter compared)."""
+
+from localspec.bench.dataset import BenchPrompt
+from localspec.bench.drafters import compare_drafters, summarize_versus, versus_labels
+
+
+def test_labels_number_the_repeats():
+    assert versus_labels(["ngram", "ngram", "auto", "ngram"]) == ["ngram", "ngram#2", "auto", "ngram#3"]
+    assert versus_labels(["ngram", "auto"]) == ["ngram", "auto"]
+
+
+def test_a_drafter_named_twice_runs_on_two_engines(model):
+    prompts = [BenchPrompt("qa", "qa", 1, "Question: Name three rivers in Europe.\nAnswer:")]
+    labels = versus_labels(["ngram", "ngram"])
+    rows = compare_drafters(model, prompts, labels, max_tokens=12)
+    (row,) = rows
+    assert row["ngram"]["identical"] and row["ngram#2"]["identical"]
+    assert row["ngram"]["n_generated_tokens"] == row["ngram#2"]["n_generated_tokens"] > 0
+    (cat, total) = summarize_versus(rows, labels)
+    assert cat["category"] == "qa" and set(labels) <= set(cat) and total["category"] == "all"
