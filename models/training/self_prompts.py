@@ -51,6 +51,7 @@ SEEDS: tuple[Seed, ...] = (
     Seed("Ideas people ask an assistant to brainstorm (names, gifts, plans, recipes):\n", "writing"),
 )
 EXAMPLES = 3  # harvested items shown as a header's first entries in later rounds
+ROUND_PROMPT_TOKENS = 1024  # room for a list's header and examples in a round's request context
 _ITEM = re.compile(r"(?:^|\n)\s*(\d{1,3})[.)]\s+")
 
 
@@ -136,7 +137,10 @@ def harvest_prompts(
     """Have the target write ``n`` distinct prompts by continuing numbered lists.
 
     Args:
-        engine: a ``localspec.Engine`` on the target (plain decoding is used).
+        engine: a ``localspec.Engine`` on the target: its model, tokenizer and cost model.
+            Each round decodes every header's continuation together (a ``BatchScheduler``
+            with a slot per header, plain decoding; one continuation at a time, the recipe's
+            chat stage of 2026-12-03 harvested only 142 prompts, on a shared machine).
         n: prompts wanted (fewer when ``max_rounds`` ends the harvest first).
         seed: the sampling seed of the first continuation; every continuation has its own
             seed derived from it, so the same ``seed`` gives the same prompts on the same
@@ -145,11 +149,12 @@ def harvest_prompts(
             continuation stops at this length.
         temperature: sampling temperature (0 = greedy; then only the examples vary a round).
         max_rounds: stop after this many rounds over ``seeds`` (default: ``4 * n`` continuations).
-        deadline: ``time.time()`` after which no further continuation starts (fewer prompts).
+        deadline: ``time.time()`` after which no further round starts (fewer prompts).
     Raises:
         ValueError: ``n`` < 1 or no seeds.
     """
     from localspec import SamplingParams
+    from localspec.scheduler import BatchScheduler
 
     if n < 1 or not seeds:
         raise ValueError("harvest_prompts needs n >= 1 and at least one seed")
@@ -162,35 +167,60 @@ def harvest_prompts(
     n_tok = 0
     rounds = 0
     limit = max_rounds if max_rounds is not None else max(1, -(-4 * n // len(seeds)))
-    while len(prompts) < n and rounds < limit:
-        for j, s in enumerate(seeds):
+    sched = None
+    try:
+        while len(prompts) < n and rounds < limit:
             if deadline is not None and time.time() >= deadline:
                 return Harvest(prompts, kinds, rounds, n_tok)
-            pool = by_seed[j]
-            k = min(EXAMPLES, len(pool))
-            examples = [pool[int(i)] for i in rng.choice(len(pool), size=k, replace=False)] if k else []
-            sp = SamplingParams(temperature=temperature, seed=int(rng.integers(0, 2**31 - 1)), draft_memory=False)
-            res = engine.generate(_list_text(s, examples), max_tokens=max_tokens, sampling=sp, speculative=False)
-            n_tok += len(res.token_ids)
-            items = split_items(f"{len(examples) + 1}. " + res.text)
-            if res.finish_reason == "length" and items:
-                items = items[:-1]
-            near = words_by_kind.setdefault(s.kind, [])
-            for item in items:
-                key = item_key(item)
-                if key in seen or not usable(item) or near_duplicate(words := word_set(item), near):
-                    continue
-                seen.add(key)
-                near.append(words)
-                pool.append(item)
-                prompts.append(item)
-                kinds.append(s.kind)
-                if len(prompts) >= n:
-                    break
+            # a round: every header's continuation decoded together (one batched decode per
+            # token for all of them), its examples and sampling seed drawn in header order
+            asks = []
+            for j, s in enumerate(seeds):
+                pool = by_seed[j]
+                k = min(EXAMPLES, len(pool))
+                examples = [pool[int(i)] for i in rng.choice(len(pool), size=k, replace=False)] if k else []
+                sp = SamplingParams(temperature=temperature, seed=int(rng.integers(0, 2**31 - 1)), draft_memory=False)
+                asks.append((examples, engine.tokenize(_list_text(s, examples)), sp))
+            if sched is None:
+                sched = BatchScheduler(engine.model, parallel=len(seeds), n_ctx=ROUND_PROMPT_TOKENS + max_tokens,
+                                       drafter="none", cost_model=engine.cost_model, prompt_cache=0)  # fmt: skip
+            jobs = [sched.submit(t, max_tokens=max_tokens, sampling=sp, speculative=False) for _, t, sp in asks]
+            sched.run_until_idle()
+            n_done = _take_round(seeds, asks, [job.wait() for job in jobs], n, prompts, kinds, by_seed, seen, words_by_kind)
+            n_tok += n_done
+            rounds += 1
+    finally:
+        if sched is not None:
+            sched.close()
+    return Harvest(prompts, kinds, rounds, n_tok)
+
+
+def _take_round(seeds, asks, results, n, prompts, kinds, by_seed, seen, words_by_kind) -> int:
+    """The items of one round's continuations (``results``, in header order) appended to
+    ``prompts``/``kinds`` and the headers' pools until there are ``n``: an item cut by the
+    token limit, an unusable one and a (near) repeat are dropped. Returns the tokens the round
+    generated."""
+    n_tok = 0
+    for j, (s, (examples, _, _), res) in enumerate(zip(seeds, asks, results)):
+        n_tok += len(res.token_ids)
+        if len(prompts) >= n:
+            continue
+        items = split_items(f"{len(examples) + 1}. " + res.text)
+        if res.finish_reason == "length" and items:
+            items = items[:-1]
+        near = words_by_kind.setdefault(s.kind, [])
+        for item in items:
+            key = item_key(item)
+            if key in seen or not usable(item) or near_duplicate(words := word_set(item), near):
+                continue
+            seen.add(key)
+            near.append(words)
+            by_seed[j].append(item)
+            prompts.append(item)
+            kinds.append(s.kind)
             if len(prompts) >= n:
                 break
-        rounds += 1
-    return Harvest(prompts, kinds, rounds, n_tok)
+    return n_tok
 
 
 def chat_prompt_tokens(model, prompt: str) -> list[int]:
