@@ -203,11 +203,13 @@ class Step:
                 rows.append(e.kv.rows(p.tree))
             n_tokens = self._fill(pieces, rows)
             times.t_decode0 = now_us()
-            self.tap_paused(pause)
+            if pause:
+                self.tap.paused = True
             try:
                 self.ctx.decode(self.batch)
             finally:
-                self.tap_paused(False)
+                if pause:
+                    self.tap.paused = False
         except BaseException:
             for e, r in zip(entries, rows):
                 e.kv.drop(r.lay)
@@ -276,11 +278,6 @@ class Step:
             if stats is None or self.policy.needs_features(stats):
                 return False
         return True
-
-    def tap_paused(self, paused: bool) -> None:
-        """Pause (or resume) the feature tap, when there is one that can pause."""
-        if self.tap is not None and hasattr(self.tap, "paused"):
-            self.tap.paused = paused
 
     def clear_taps(self) -> None:
         """Drop rows the taps captured and nobody took (a failed decode, a prefill)."""

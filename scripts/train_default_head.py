@@ -15,8 +15,9 @@ stage uses what exists):
    full-vocabulary top-8 targets (``eagle3_data.extract``).
    With ``--chat-prompts N`` (default 0) the stage first records **chat** data (``WORK/chat``):
    ``N`` chat- and code-like prompts the target writes itself (``--self-prompts`` of
-   ``train-eagle3``) within half of the stage's share, 40% of it for the harvest and the rest for the answers answered greedily in the
-   chat format, 128 tokens each; the document prompts get the rest of the share.
+   ``train-eagle3``), answered greedily in the chat format, 128 tokens each, within half of
+   the stage's share (40% of it for the harvest, the rest for the answers); the document
+   prompts get the rest of the share.
 3. **draft vocabulary** (``WORK/d2t.npy``, once): the ``--vocab-size`` tokens seen most often
    as the target's top-1 in the generated data plus as next tokens of the text plan, and the
    end-of-generation tokens.

@@ -721,8 +721,6 @@ def test_a_head_needs_features_only_where_it_may_draft_soon():
     assert not pol.needs_features(idle)
     idle.steps_since_run = 64 - pol.feature_lead
     assert pol.needs_features(idle) and not pol.probe_due(idle, shape)  # rows from feature_lead steps ahead
-    idle.steps_since_run = 10
-    idle.explore_spent_us = 0.0
     pol.t_steps_us = 0.0  # and a probe out of budget is not due however long the gap
     idle.steps_since_run = 1000
     assert not pol.needs_features(idle)

@@ -15,9 +15,8 @@ building the tree).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np

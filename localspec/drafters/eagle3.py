@@ -388,7 +388,8 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
         root_pos = len(self.history) - 1
         attached = self.host or self.ctx is not None
         # the rows up to the root's predecessor, at least its own (or its entry, asked again)
-        return attached and root_pos >= 1 and self.feat.end >= root_pos and (self.feat.first < root_pos or self.kv_len >= root_pos)
+        rows = self.feat.end >= root_pos and (self.feat.first < root_pos or self.kv_len >= root_pos)
+        return attached and root_pos >= 1 and rows
 
     def check_cache(self) -> None:
         n = max(0, self.kv_len - self.kv_first)
@@ -518,10 +519,7 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
 
     def _restart_kv(self, pos: int) -> None:
         """Drop every entry of the head's KV; the next catch-up writes entries from ``pos``."""
-        if self.host:
-            self.kv_k, self.kv_v = self.kv_k[:0], self.kv_v[:0]
-        else:
-            self.ctx.seq_rm(self.seq0, 0, -1)
+        self._truncate_kv(0)
         self.kv_first = self.kv_len = pos
 
     def _truncate_kv(self, n: int) -> None:

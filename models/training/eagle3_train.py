@@ -410,6 +410,8 @@ def held_out_accuracy(target: str | os.PathLike, shard_files: list[Path], heads:
     vocabularies compare fairly: a position whose target top-1 is outside a head's
     vocabulary is a miss for it (``ttt_loss``). Held-out sequences of ``restricted`` shards
     (teacher-forced text whose top-1 is the best token of one draft vocabulary) are left out.
+    The held-out sequences come from the new head's own data sources, so the comparison
+    favours the new head (docs/eagle3-training.md, the recipe's ship stage).
 
     Returns:
         one list of ``cfg.unroll`` fractions per head, in order.

@@ -169,9 +169,7 @@ def harvest_prompts(
     limit = max_rounds if max_rounds is not None else max(1, -(-4 * n // len(seeds)))
     sched = None
     try:
-        while len(prompts) < n and rounds < limit:
-            if deadline is not None and time.time() >= deadline:
-                return Harvest(prompts, kinds, rounds, n_tok)
+        while len(prompts) < n and rounds < limit and (deadline is None or time.time() < deadline):
             # a round: every header's continuation decoded together (one batched decode per
             # token for all of them), its examples and sampling seed drawn in header order
             asks = []
@@ -186,8 +184,7 @@ def harvest_prompts(
                                        drafter="none", cost_model=engine.cost_model, prompt_cache=0)  # fmt: skip
             jobs = [sched.submit(t, max_tokens=max_tokens, sampling=sp, speculative=False) for _, t, sp in asks]
             sched.run_until_idle()
-            n_done = _take_round(seeds, asks, [job.wait() for job in jobs], n, prompts, kinds, by_seed, seen, words_by_kind)
-            n_tok += n_done
+            n_tok += _take_round(seeds, asks, [job.wait() for job in jobs], n, prompts, kinds, by_seed, seen, words_by_kind)
             rounds += 1
     finally:
         if sched is not None:
