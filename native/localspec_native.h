@@ -38,7 +38,7 @@
 extern "C" {
 #endif
 
-#define LS_ABI_VERSION 8
+#define LS_ABI_VERSION 9
 
 /* error codes (negative returns) */
 #define LS_ERR_BANNED (-1)         /* every token is banned (-inf) by logit bias */
@@ -337,6 +337,56 @@ LS_API int32_t ls_rope_norm(float *x, int64_t nr, int32_t n_heads, int32_t head_
 /* out[r] = silu(gu[r, :n_ff]) * gu[r, n_ff:] (a stacked gate / up product): gu [nr, 2 n_ff],
  * out [nr, n_ff]. returns: 0, or LS_ERR_ARG. */
 LS_API int32_t ls_swiglu_rows(const float *gu, int64_t nr, int64_t n_ff, float *out);
+
+/* Y = X W^T with W [m, k] in 16-bit floats (bf16 = 0: IEEE float16, 1: bfloat16), x [nr, k]
+ * and y [nr, m] float32; products and sums in float32. Each matrix row is read once for all
+ * nr rows; threads split the output columns and never change a result.
+ * returns: 0, or LS_ERR_ARG. */
+LS_API int32_t ls_gemm_h16(const uint16_t *w, int32_t bf16, int64_t m, int64_t k, const float *x, int64_t nr, float *y,
+                           int32_t n_threads);
+
+/* A weight matrix of the head, y = x W^T for W [m, k]: kind LS_MAT_Q8 (w int8 [m, k], d [m, k / 32]
+ * float32 block scales: ls_gemm_q8), LS_MAT_F32T (w float32 [k, m], transposed: ls_gemm_t),
+ * LS_MAT_F16 / LS_MAT_BF16 (w uint16 [m, k]: ls_gemm_h16). */
+enum { LS_MAT_Q8 = 0, LS_MAT_F32T = 1, LS_MAT_F16 = 2, LS_MAT_BF16 = 3 };
+typedef struct {
+    int32_t kind;
+    int32_t pad;
+    int64_t m, k;
+    const void *w;
+    const void *d;
+} ls_mat_t;
+
+/* y [nr, m] = x [nr, k] W^T for any kind above. returns: 0, LS_ERR_ARG or LS_ERR_NOMEM. */
+LS_API int32_t ls_mat_apply(const ls_mat_t *a, const float *x, int64_t nr, float *y, int32_t n_threads);
+
+/* An EAGLE-3 head's decoder layer (llama.cpp's eagle3 graph, one layer): sizes, RoPE NORM
+ * (rope_inv [n_rot / 2] float64: the angle per position of each pair), the four norms' weights
+ * [n_embd] float32, and its matrices: wq [H hd, 2 e], kv [2 Hkv hd, 2 e] (K rows then V rows),
+ * wo [e, H hd], gate_up [2 n_ff, e] (gate rows then up rows), down [e, n_ff], output [n_draft, e]. */
+typedef struct {
+    int32_t n_embd, n_head, n_head_kv, head_dim, n_rot, n_ff, norm_before_residual, pad;
+    float eps, pad2;
+    const double *rope_inv;
+    const float *attn_norm, *hidden_norm, *ffn_norm, *output_norm;
+    ls_mat_t wq, kv, wo, gate_up, down, output;
+} ls_head_t;
+
+/* One level of the head for n entries (every drafting request's, concatenated):
+ *   x = [rmsnorm(e) attn_norm ; rmsnorm(g) hidden_norm]                       [n, 2 e]
+ *   k = bf16(RoPE(x Wk^T)), v = f16(x Wv^T) for every entry -> k_out, v_out     [n, Hkv hd]
+ *   for the n_out output entries out_rows[o]: q = bf16(RoPE(x Wq^T)), attention over
+ *   key_idx[key_off[o] .. key_off[o + 1]) (j < n_ctx: row j of ctx_k / ctx_v, else entry
+ *   j - n_ctx of this call), r = a Wo^T + g (or + rmsnorm(g) hidden_norm with
+ *   norm_before_residual), h = r + Wdown(silu(Wgate m) * Wup m), m = rmsnorm(r) ffn_norm -> h_out
+ *   [n_out, e]; rows_out [n_out, n_draft] = rmsnorm(h) output_norm Wout^T.
+ * e, g [n, e] float32; pos [n] int64; ctx_k, ctx_v [n_ctx, Hkv hd] float32 (NULL when n_ctx = 0).
+ * returns: 0, LS_ERR_ARG (sizes that do not match, indices out of range, an entry without
+ * keys) or LS_ERR_NOMEM. */
+LS_API int32_t ls_head_level(const ls_head_t *hd, int64_t n, const float *e, const float *g, const int64_t *pos,
+                             const float *ctx_k, const float *ctx_v, int64_t n_ctx, int64_t n_out,
+                             const int64_t *out_rows, const int64_t *key_off, const int64_t *key_idx, float *k_out,
+                             float *v_out, float *h_out, float *rows_out, int32_t n_threads);
 
 /* ---- graph taps (ls_tap.c) ------------------------------------------------------------ */
 

@@ -215,10 +215,13 @@ int32_t ls_gemm_q8(const int8_t *w, const float *wd, int64_t m, int64_t k, const
     return 0;
 }
 
-int32_t ls_head_attn(const float *q, int64_t n, int32_t n_head, int32_t n_head_kv, int32_t head_dim, const float *kpool,
-                     const float *vpool, const int64_t *key_off, const int64_t *key_idx, float scale, float *out) {
-    if (!q || !kpool || !vpool || !key_off || !key_idx || !out || n < 0 || n_head < 1 || n_head_kv < 1 ||
-        head_dim < 1 || n_head % n_head_kv)
+/* ls_head_attn over two key pools: key index j < n0 reads row j of (k0, v0), a larger one row
+ * j - n0 of (k1, v1) (a request's committed entries, then the level's new entries) */
+static int32_t head_attn2(const float *q, int64_t n, int32_t n_head, int32_t n_head_kv, int32_t head_dim,
+                          const float *k0, const float *v0, int64_t n0, const float *k1, const float *v1,
+                          int64_t n1, const int64_t *key_off, const int64_t *key_idx, float scale, float *out) {
+    if (!q || !key_off || !key_idx || !out || n < 0 || n_head < 1 || n_head_kv < 1 || head_dim < 1 ||
+        n_head % n_head_kv)
         return LS_ERR_ARG;
     const int64_t kv_w = (int64_t)n_head_kv * head_dim, q_w = (int64_t)n_head * head_dim;
     const int rep = n_head / n_head_kv;
@@ -227,6 +230,9 @@ int32_t ls_head_attn(const float *q, int64_t n, int32_t n_head, int32_t n_head_k
         int64_t c = key_off[e + 1] - key_off[e];
         if (c < 1) return LS_ERR_ARG;
         if (c > most) most = c;
+        for (int64_t j = key_off[e]; j < key_off[e + 1]; j++)
+            if (key_idx[j] < 0 || key_idx[j] >= n0 + n1 || (key_idx[j] < n0 && !k0) || (key_idx[j] >= n0 && !k1))
+                return LS_ERR_ARG;
     }
     float *s = (float *)malloc(sizeof(float) * (size_t)(most + 1));
     if (!s) return LS_ERR_NOMEM;
@@ -238,7 +244,7 @@ int32_t ls_head_attn(const float *q, int64_t n, int32_t n_head, int32_t n_head_k
             const int64_t kh = (int64_t)(h / rep) * head_dim;
             float mx = -INFINITY;
             for (int64_t j = 0; j < c; j++) {
-                const float *kr = kpool + ix[j] * kv_w + kh;
+                const float *kr = (ix[j] < n0 ? k0 + ix[j] * kv_w : k1 + (ix[j] - n0) * kv_w) + kh;
                 float a = 0.0f;
                 for (int i = 0; i < head_dim; i++) a += qh[i] * kr[i];
                 s[j] = a * scale;
@@ -252,7 +258,7 @@ int32_t ls_head_attn(const float *q, int64_t n, int32_t n_head, int32_t n_head_k
             float *o = out + e * q_w + (int64_t)h * head_dim;
             for (int i = 0; i < head_dim; i++) o[i] = 0.0f;
             for (int64_t j = 0; j < c; j++) {
-                const float *vr = vpool + ix[j] * kv_w + kh;
+                const float *vr = (ix[j] < n0 ? v0 + ix[j] * kv_w : v1 + (ix[j] - n0) * kv_w) + kh;
                 const float p = s[j] / z;
                 for (int i = 0; i < head_dim; i++) o[i] += p * vr[i];
             }
@@ -260,6 +266,13 @@ int32_t ls_head_attn(const float *q, int64_t n, int32_t n_head, int32_t n_head_k
     }
     free(s);
     return 0;
+}
+
+int32_t ls_head_attn(const float *q, int64_t n, int32_t n_head, int32_t n_head_kv, int32_t head_dim, const float *kpool,
+                     const float *vpool, const int64_t *key_off, const int64_t *key_idx, float scale, float *out) {
+    if (!kpool || !vpool) return LS_ERR_ARG;
+    return head_attn2(q, n, n_head, n_head_kv, head_dim, kpool, vpool, INT64_MAX, NULL, NULL, 0, key_off, key_idx, scale,
+                      out);
 }
 
 int32_t ls_rms_norm_rows(const float *x, int64_t nr, int64_t k, const float *w, float eps, float *out) {
@@ -301,4 +314,207 @@ int32_t ls_swiglu_rows(const float *gu, int64_t nr, int64_t n_ff, float *out) {
             out[r * n_ff + i] = g / (1.0f + expf(-g)) * u;
         }
     return 0;
+}
+
+/* ---- 16-bit float matrices ------------------------------------------------------------ */
+
+/* float16 bits -> float32 (normals, subnormals, inf, nan) */
+static float ls__f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t ex = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (ex == 0x1fu)
+        bits = sign | 0x7f800000u | (man << 13);
+    else if (ex != 0)
+        bits = sign | ((ex + 112u) << 23) | (man << 13);
+    else if (man == 0)
+        bits = sign;
+    else { /* subnormal: normalise */
+        ex = 113u;
+        while (!(man & 0x400u)) {
+            man <<= 1;
+            ex--;
+        }
+        bits = sign | (ex << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float ls__h16(uint16_t h, int bf16) {
+    if (!bf16) return ls__f16_to_f32(h);
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+#ifdef LS_HEAD_X86
+static inline __m512 ls__load16_h(const uint16_t *p, int bf16) __attribute__((target("avx512f")));
+static inline __m512 ls__load16_h(const uint16_t *p, int bf16) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    if (bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+    return _mm512_cvtph_ps(v);
+}
+
+/* one matrix row against up to 4 activation rows, two accumulators each (32 values per step) */
+__attribute__((target("avx512f"))) static void dot4_h16_avx512(const uint16_t *w, int bf16, const float *x, int64_t k,
+                                                             int nr, float *out) {
+    __m512 a0[4], a1[4];
+    for (int r = 0; r < 4; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 32 <= k; j += 32) {
+        __m512 w0 = ls__load16_h(w + j, bf16), w1 = ls__load16_h(w + j + 16, bf16);
+        for (int r = 0; r < nr; r++) {
+            a0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * k + j), a0[r]);
+            a1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * k + j + 16), a1[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        float t = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+        for (int64_t jj = j; jj < k; jj++) t += ls__h16(w[jj], bf16) * x[r * k + jj];
+        out[r] = t;
+    }
+}
+
+static int ls__has_avx512f(void) {
+    static int v = -1;
+    if (v < 0) {
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx512f") && getenv("LS_HEAD_NO_AVX512") == NULL;
+    }
+    return v;
+}
+#endif
+
+static void dot4_h16_plain(const uint16_t *w, int bf16, const float *x, int64_t k, int nr, float *out) {
+    for (int r = 0; r < nr; r++) {
+        float t = 0.0f;
+        for (int64_t j = 0; j < k; j++) t += ls__h16(w[j], bf16) * x[r * k + j];
+        out[r] = t;
+    }
+}
+
+int32_t ls_gemm_h16(const uint16_t *w, int32_t bf16, int64_t m, int64_t k, const float *x, int64_t nr, float *y,
+                    int32_t n_threads) {
+    if (!w || !x || !y || m < 0 || k < 0 || nr < 0) return LS_ERR_ARG;
+    if (nr == 0 || m == 0) return 0;
+    int use512 = 0;
+#ifdef LS_HEAD_X86
+    use512 = ls__has_avx512f();
+#endif
+    int nt = n_threads < 1 ? 1 : n_threads;
+    if (nt > m) nt = (int)m;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+#endif
+    for (int t = 0; t < nt; t++) {
+        int64_t lo = m * t / nt, hi = m * (t + 1) / nt;
+        float o4[4];
+        for (int64_t i = lo; i < hi; i++)
+            for (int64_t r0 = 0; r0 < nr; r0 += 4) {
+                int rr = nr - r0 < 4 ? (int)(nr - r0) : 4;
+#ifdef LS_HEAD_X86
+                if (use512)
+                    dot4_h16_avx512(w + i * k, bf16, x + r0 * k, k, rr, o4);
+                else
+#endif
+                    dot4_h16_plain(w + i * k, bf16, x + r0 * k, k, rr, o4);
+                for (int r = 0; r < rr; r++) y[(r0 + r) * m + i] = o4[r];
+            }
+    }
+    (void)use512;
+    return 0;
+}
+
+/* ---- one level of the head -------------------------------------------------------------- */
+
+int32_t ls_mat_apply(const ls_mat_t *a, const float *x, int64_t nr, float *y, int32_t n_threads) {
+    if (!a || !a->w) return LS_ERR_ARG;
+    switch (a->kind) {
+    case LS_MAT_Q8:
+        return ls_gemm_q8((const int8_t *)a->w, (const float *)a->d, a->m, a->k, x, nr, y, n_threads);
+    case LS_MAT_F32T:
+        return ls_gemm_t((const float *)a->w, a->k, a->m, x, nr, y, n_threads);
+    case LS_MAT_F16:
+    case LS_MAT_BF16:
+        return ls_gemm_h16((const uint16_t *)a->w, a->kind == LS_MAT_BF16, a->m, a->k, x, nr, y, n_threads);
+    default:
+        return LS_ERR_ARG;
+    }
+}
+
+static float ls__round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+int32_t ls_head_level(const ls_head_t *hd, int64_t n, const float *e, const float *g, const int64_t *pos,
+                      const float *ctx_k, const float *ctx_v, int64_t n_ctx, int64_t n_out, const int64_t *out_rows,
+                      const int64_t *key_off, const int64_t *key_idx, float *k_out, float *v_out, float *h_out,
+                      float *rows_out, int32_t n_threads) {
+    if (!hd || !e || !g || !pos || !out_rows || !key_off || !key_idx || !k_out || !v_out || !h_out || !rows_out || n < 1 ||
+        n_out < 1 || n_ctx < 0 || (n_ctx > 0 && (!ctx_k || !ctx_v)))
+        return LS_ERR_ARG;
+    const int64_t E = hd->n_embd, nq = (int64_t)hd->n_head * hd->head_dim, nkv = (int64_t)hd->n_head_kv * hd->head_dim;
+    const int64_t nff = hd->n_ff;
+    if (E < 1 || nq < 1 || nkv < 1 || nff < 1 || hd->kv.m != 2 * nkv || hd->kv.k != 2 * E || hd->wq.m != nq ||
+        hd->wq.k != 2 * E || hd->wo.m != E || hd->wo.k != nq || hd->gate_up.m != 2 * nff || hd->gate_up.k != E ||
+        hd->down.m != E || hd->down.k != nff || hd->output.k != E || hd->output.m < 1)
+        return LS_ERR_ARG;
+    for (int64_t o = 0; o < n_out; o++)
+        if (out_rows[o] < 0 || out_rows[o] >= n) return LS_ERR_ARG;
+    if (key_off[0] != 0) return LS_ERR_ARG;
+    const size_t sz = (size_t)(n * 2 * E + n * 2 * nkv + n_out * (2 * E + 2 * nq + 4 * E + 3 * nff) + n_out);
+    float *buf = (float *)malloc(sizeof(float) * sz + sizeof(int64_t) * (size_t)n_out);
+    if (!buf) return LS_ERR_NOMEM;
+    float *x = buf, *kvb = x + n * 2 * E, *xs = kvb + n * 2 * nkv, *q = xs + n_out * 2 * E, *att = q + n_out * nq;
+    float *r = att + n_out * nq, *nrm = r + n_out * E, *gu = nrm + n_out * E, *sw = gu + n_out * 2 * nff;
+    float *on = sw + n_out * nff;
+    int64_t *qpos = (int64_t *)(buf + sz);
+    int32_t rc = 0;
+    /* x = [rmsnorm(E[t]) attn_norm ; rmsnorm(g) hidden_norm] */
+    for (int64_t i = 0; i < n; i++) {
+        ls_rms_norm_rows(e + i * E, 1, E, hd->attn_norm, hd->eps, x + i * 2 * E);
+        ls_rms_norm_rows(g + i * E, 1, E, hd->hidden_norm, hd->eps, x + i * 2 * E + E);
+    }
+    /* every entry's keys (RoPE, bfloat16) and values (float16): the head context's KV types */
+    if ((rc = ls_mat_apply(&hd->kv, x, n, kvb, n_threads)) < 0) goto done;
+    for (int64_t i = 0; i < n; i++) {
+        memcpy(k_out + i * nkv, kvb + i * 2 * nkv, sizeof(float) * (size_t)nkv);
+        for (int64_t j = 0; j < nkv; j++) v_out[i * nkv + j] = ls__round_f16(kvb[i * 2 * nkv + nkv + j]);
+    }
+    if ((rc = ls_rope_norm(k_out, n, hd->n_head_kv, hd->head_dim, hd->n_rot, pos, hd->rope_inv)) < 0) goto done;
+    for (int64_t j = 0; j < n * nkv; j++) k_out[j] = ls__round_bf16(k_out[j]);
+    /* queries of the output entries only */
+    for (int64_t o = 0; o < n_out; o++) {
+        memcpy(xs + o * 2 * E, x + out_rows[o] * 2 * E, sizeof(float) * (size_t)(2 * E));
+        qpos[o] = pos[out_rows[o]];
+    }
+    if ((rc = ls_mat_apply(&hd->wq, xs, n_out, q, n_threads)) < 0) goto done;
+    if ((rc = ls_rope_norm(q, n_out, hd->n_head, hd->head_dim, hd->n_rot, qpos, hd->rope_inv)) < 0) goto done;
+    for (int64_t j = 0; j < n_out * nq; j++) q[j] = ls__round_bf16(q[j]);
+    if ((rc = head_attn2(q, n_out, hd->n_head, hd->n_head_kv, hd->head_dim, ctx_k, ctx_v, n_ctx, k_out, v_out, n,
+                         key_off, key_idx, (float)pow((double)hd->head_dim, -0.5), att)) < 0)
+        goto done;
+    /* r = a Wo^T + residual; h = r + Wdown(silu(Wgate n) * Wup n), n = rmsnorm(r) ffn_norm */
+    if ((rc = ls_mat_apply(&hd->wo, att, n_out, r, n_threads)) < 0) goto done;
+    for (int64_t o = 0; o < n_out; o++) {
+        const float *res = hd->norm_before_residual ? xs + o * 2 * E + E : g + out_rows[o] * E;
+        for (int64_t j = 0; j < E; j++) r[o * E + j] += res[j];
+    }
+    ls_rms_norm_rows(r, n_out, E, hd->ffn_norm, hd->eps, nrm);
+    if ((rc = ls_mat_apply(&hd->gate_up, nrm, n_out, gu, n_threads)) < 0) goto done;
+    ls_swiglu_rows(gu, n_out, nff, sw);
+    if ((rc = ls_mat_apply(&hd->down, sw, n_out, h_out, n_threads)) < 0) goto done;
+    for (int64_t j = 0; j < n_out * E; j++) h_out[j] += r[j];
+    /* the draft-vocabulary rows */
+    ls_rms_norm_rows(h_out, n_out, E, hd->output_norm, hd->eps, on);
+    rc = ls_mat_apply(&hd->output, on, n_out, rows_out, n_threads);
+done:
+    free(buf);
+    return rc < 0 ? rc : 0;
 }

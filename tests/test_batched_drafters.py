@@ -175,9 +175,9 @@ def test_model_drafters_of_four_requests_share_one_context_and_decode_each_level
     tree level of all of them is ONE llama.cpp call (the number of calls with outputs is the
     longest tree's levels, not the sum over requests, as it was with a context per slot).
     ``eagle3-host``: the head on the host runtime, one ``run_level`` per level for all the
-    requests, whose readout product takes every drafting request's rows in one C call."""
+    requests: one ``ls_head_level`` C call over every drafting request's entries."""
     from localspec.backend import Model
-    from localspec.native.head import Q8Matrix
+    from localspec.drafters import eagle3_host
 
     host = name == "eagle3-host"
     monkeypatch.setenv("LOCALSPEC_EAGLE3_RUNTIME", "host" if host else "llama")
@@ -199,8 +199,7 @@ def test_model_drafters_of_four_requests_share_one_context_and_decode_each_level
         if host:
             assert ctx is None and first.runtime == "host"
             calls = _count_calls(first.hub, "decode_levels", monkeypatch)
-            products = _count_calls(Q8Matrix, "apply", monkeypatch)
-            readout = first.hub.weights.output
+            levels_run = _count_calls(eagle3_host, "run_level", monkeypatch)
         elif name == "draft":
             calls = _count_calls(ctx, "decode", monkeypatch)
         else:  # a long catch-up's head is decoded first, without outputs, in a call of its own
@@ -213,8 +212,8 @@ def test_model_drafters_of_four_requests_share_one_context_and_decode_each_level
     together = [(n, levels, c) for n, levels, c in steps if n > 1]
     assert together and max(n for n, _, _ in together) == 4
     assert all(c == levels for _, levels, c in together), together
-    if host:  # the readout ([n, 8192]) over the rows of the four requests' roots in one call
-        assert max(a[1].shape[0] for a in products if a[0] is readout) >= 4
+    if host:  # one level call held the rows of the four requests' roots
+        assert max(sum(p.n_out for p in a[1]) for a in levels_run) >= 4
 
 
 def test_medusa_heads_of_four_requests_load_once_and_run_one_call_per_matrix(shared_model, monkeypatch):

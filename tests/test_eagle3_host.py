@@ -252,6 +252,64 @@ def test_elementwise_kernels_match_numpy(rng):
     np.testing.assert_allclose(nh.swiglu(gu, 24), g / (1 + np.exp(-g)) * u, rtol=1e-6, atol=1e-7)
 
 
+def test_half_kernel_matches_numpy(rng):
+    """``ls_gemm_h16``: float16 and bfloat16 matrices times float32 rows equal the float64
+    product of the same values to float32 rounding, for rows and lengths that are not
+    multiples of the kernel's widths (k = 47: a tail of 15) and any thread count. Reading
+    bfloat16 bits as float16 (or the reverse) is off by orders of magnitude."""
+    from localspec.native.head import HalfMatrix
+
+    for m, k, nr in [(9, 47, 1), (70, 640, 5), (33, 1920, 2)]:
+        x = (rng.standard_normal((nr, k)) * 1e3).astype(np.float32)  # large activations stay float32
+        w32 = (rng.standard_normal((m, k)) * 0.05).astype(np.float32)
+        for w in (HalfMatrix.from_float32(w32), HalfMatrix((w32.view(np.uint32) >> 16).astype(np.uint16), bf16=True)):
+            ref = x.astype(np.float64) @ w.dense().astype(np.float64).T
+            for threads in (1, 3):
+                np.testing.assert_allclose(w.apply(x, threads), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+        np.testing.assert_allclose(HalfMatrix.from_float32(w32).dense(), w32, rtol=1e-3, atol=1e-7)
+    with pytest.raises(ValueError, match="x has shape"):
+        HalfMatrix.from_float32(w32).apply(np.zeros((1, k + 1), np.float32))
+
+
+def test_float32_matrices_run_in_float16_only_where_they_fit():
+    """The host runtime keeps a float32 matrix (the shipped heads' ``fc``) in float16, half the
+    bytes, unless a value is beyond float16's range: then it stays float32."""
+    from localspec.drafters.eagle3_host import _Dense, _from_float32
+    from localspec.native.head import HalfMatrix
+
+    w = np.array([[0.5, -2.0], [1e-3, 300.0]], np.float32)
+    assert isinstance(_from_float32(w), HalfMatrix)
+    big = w.copy()
+    big[0, 0] = 7e4
+    kept = _from_float32(big)
+    assert isinstance(kept, _Dense)
+    np.testing.assert_array_equal(kept.apply(np.eye(2, dtype=np.float32)), big.T)
+
+
+def test_a_bad_level_raises_and_changes_nothing(model):
+    """A level whose keys point outside its context and entries is refused by ``ls_head_level``
+    (ValueError) before the request's keys and values change; the next good level works."""
+    from localspec.drafters.eagle3_host import HostPart, run_level
+    from localspec.models.eagle3_heads import shipped_head
+
+    e, ref, host = _pair(model, shipped_head(model.path))
+    try:
+        w = host.hub.weights
+        g = np.zeros((1, w.n_embd), np.float32)
+        ctx = np.zeros((2, w.n_kv), np.float32)
+        seen = []
+        good = HostPart([int(ref.d2t[5])], [2], g, ctx, ctx, [0], [(range(2), range(1))], lambda *a: seen.append(a) or a[0])
+        bad = HostPart([int(ref.d2t[5])], [2], g, ctx, ctx, [0], [(range(5), range(1))], lambda *a: seen.append(a))
+        with pytest.raises(ValueError):
+            run_level(w, [bad])
+        assert not seen
+        rows = run_level(w, [good])[0]
+        assert rows.shape == (1, ref.d2t.size) and np.isfinite(rows).all()
+    finally:
+        host.close()
+        e.close()
+
+
 def test_bench_drafters_reports_both_runtimes_in_one_run(model):
     """``localspec bench drafters``: per shape one result per head runtime, each with the
     drafted steps it saw (through ``DraftHub.extend_many``, what the engine calls), a time

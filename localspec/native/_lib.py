@@ -9,7 +9,7 @@ import os
 from ctypes import POINTER, c_double, c_float, c_int8, c_int32, c_int64, c_uint64, c_void_p
 from pathlib import Path
 
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 # error codes (LS_ERR_*)
 ERR_BANNED = -1
@@ -85,6 +85,27 @@ class DraftParams(ctypes.Structure):
     ]
 
 
+class MatT(ctypes.Structure):
+    """``ls_mat_t``: one weight matrix of a head (kind ``LS_MAT_*``, sizes, data addresses)."""
+
+    _fields_ = [("kind", c_int32), ("pad", c_int32), ("m", c_int64), ("k", c_int64), ("w", c_void_p), ("d", c_void_p)]
+
+
+LS_MAT_Q8, LS_MAT_F32T, LS_MAT_F16, LS_MAT_BF16 = 0, 1, 2, 3
+
+
+class HeadT(ctypes.Structure):
+    """``ls_head_t``: an EAGLE-3 head's decoder layer for ``ls_head_level``."""
+
+    _fields_ = [
+        *[(f, c_int32) for f in ("n_embd", "n_head", "n_head_kv", "head_dim", "n_rot", "n_ff", "norm_before_residual", "pad")],
+        ("eps", c_float),
+        ("pad2", c_float),
+        *[(f, c_void_p) for f in ("rope_inv", "attn_norm", "hidden_norm", "ffn_norm", "output_norm")],
+        *[(f, MatT) for f in ("wq", "kv", "wo", "gate_up", "down", "output")],
+    ]
+
+
 _P = c_void_p  # every array argument is passed as an address (ndarray.ctypes.data)
 
 _SIGNATURES = {
@@ -134,6 +155,12 @@ _SIGNATURES = {
     "ls_gemm_t": (c_int32, [_P, c_int64, c_int64, _P, c_int64, _P, c_int32]),
     "ls_q8_quantize_rows": (c_int32, [_P, c_int64, c_int64, _P, _P]),
     "ls_gemm_q8": (c_int32, [_P, _P, c_int64, c_int64, _P, c_int64, _P, c_int32]),
+    "ls_gemm_h16": (c_int32, [_P, c_int32, c_int64, c_int64, _P, c_int64, _P, c_int32]),
+    "ls_mat_apply": (c_int32, [POINTER(MatT), _P, c_int64, _P, c_int32]),
+    "ls_head_level": (
+        c_int32,
+        [POINTER(HeadT), c_int64, _P, _P, _P, _P, _P, c_int64, c_int64, _P, _P, _P, _P, _P, _P, _P, c_int32],
+    ),
     "ls_head_attn": (c_int32, [_P, c_int64, c_int32, c_int32, c_int32, _P, _P, _P, _P, c_float, _P]),
     "ls_rms_norm_rows": (c_int32, [_P, c_int64, c_int64, _P, c_float, _P]),
     "ls_rope_norm": (c_int32, [_P, c_int64, c_int32, c_int32, c_int32, _P, _P]),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import lib
+from ._lib import LS_MAT_BF16, LS_MAT_F16, LS_MAT_Q8, MatT
 from .rows import raise_for
 
 
@@ -45,6 +46,11 @@ class Q8Matrix:
         m, k = self.shape
         return (self.q.reshape(m, k // 32, 32).astype(np.float32) * self.d[:, :, None]).reshape(m, k)
 
+    def c_mat(self) -> MatT:
+        """The ``ls_mat_t`` of this matrix (valid while the matrix lives)."""
+        m, k = self.shape
+        return MatT(LS_MAT_Q8, 0, m, k, self.q.ctypes.data, self.d.ctypes.data)
+
     def apply(self, x: np.ndarray, n_threads: int = 1) -> np.ndarray:
         """``x W^T``: [r, k] float32 -> [r, m] float32 (``ls_gemm_q8``: x quantised per block
         of 32 as ggml's CPU backend does, the matrix read once for all rows)."""
@@ -55,6 +61,57 @@ class Q8Matrix:
         y = np.empty((x.shape[0], m), dtype=np.float32)
         rc = lib.ls_gemm_q8(self.q.ctypes.data, self.d.ctypes.data, m, k, x.ctypes.data, x.shape[0], y.ctypes.data,
                             int(n_threads))  # fmt: skip
+        if rc < 0:
+            raise_for(rc)
+        return y
+
+
+class HalfMatrix:
+    """A weight matrix ``W`` [m, k] in 16-bit floats: ``w`` [m, k] uint16 bits of IEEE float16
+    (``bf16=False``) or bfloat16 (``bf16=True``); products in float32 (``ls_gemm_h16``), half the
+    bytes of a float32 matrix.
+
+    Raises:
+        ValueError: ``w`` not 2-D.
+    """
+
+    def __init__(self, w: np.ndarray, bf16: bool = False) -> None:
+        self.w = np.ascontiguousarray(w).view(np.uint16)
+        if self.w.ndim != 2:
+            raise ValueError(f"a matrix needs [m, k] values, got {self.w.shape}")
+        self.bf16 = bool(bf16)
+        self.shape = self.w.shape
+
+    @classmethod
+    def from_float32(cls, w: np.ndarray) -> "HalfMatrix":
+        """float32 values rounded to float16 (nearest even; the caller checks that they fit)."""
+        return cls(np.asarray(w, dtype=np.float32).astype(np.float16))
+
+    @classmethod
+    def stack(cls, mats: "list[HalfMatrix]") -> "HalfMatrix":
+        if len({m.bf16 for m in mats}) != 1:
+            raise ValueError("cannot stack float16 and bfloat16 matrices")
+        return cls(np.concatenate([m.w for m in mats]), mats[0].bf16)
+
+    def dense(self) -> np.ndarray:
+        """W as float32 [m, k]."""
+        if self.bf16:
+            return (self.w.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        return self.w.view(np.float16).astype(np.float32)
+
+    def c_mat(self) -> MatT:
+        m, k = self.shape
+        return MatT(LS_MAT_BF16 if self.bf16 else LS_MAT_F16, 0, m, k, self.w.ctypes.data, None)
+
+    def apply(self, x: np.ndarray, n_threads: int = 1) -> np.ndarray:
+        """``x W^T``: [r, k] float32 -> [r, m] float32."""
+        m, k = self.shape
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != k:
+            raise ValueError(f"x has shape {x.shape}, the matrix {self.shape}")
+        y = np.empty((x.shape[0], m), dtype=np.float32)
+        rc = lib.ls_gemm_h16(self.w.ctypes.data, int(self.bf16), m, k, x.ctypes.data, x.shape[0], y.ctypes.data,
+                             int(n_threads))  # fmt: skip
         if rc < 0:
             raise_for(rc)
         return y
