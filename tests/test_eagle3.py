@@ -172,7 +172,7 @@ def run(eng, prompt, n, sampling=GREEDY, drafter=None):
         if drafter.ctx is not None:  # no scratch sequence left behind
             assert all(drafter.ctx.pos_max(s) == -1 for s in range(1, drafter.ctx.n_seq_max))
         else:  # the host runtime (eagle3_host): no tree node's keys left behind
-            assert drafter.runtime == "host" and not drafter._node_kv
+            assert drafter.runtime == "host" and not drafter._node_row and drafter._tree_k is None
     return res
 
 

@@ -205,7 +205,16 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
         n_kv = getattr(self, "_n_kv", 0)
         self.kv_k = np.zeros((0, n_kv), dtype=np.float32)
         self.kv_v = np.zeros((0, n_kv), dtype=np.float32)
-        self._node_kv: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._drop_tree_rows()
+
+    def _drop_tree_rows(self) -> None:
+        """Forget the growing tree's host entries: ``_tree_k`` / ``_tree_v`` [rows, n_kv] hold the
+        committed entries (rows ``0 .. c - 1``, a copy of ``kv_k`` / ``kv_v``) and then one row per
+        decoded node (``_node_row``: node -> row; ``_tree_used`` rows written), so that a level's
+        key pool is a view, not a concatenation per level."""
+        self._tree_k = self._tree_v = None
+        self._tree_used = 0
+        self._node_row: dict[int, int] = {}
 
     def target_mismatches(self, model: Model) -> list[str]:
         """What of the head does not fit the target ``model`` (empty when all fits): the
@@ -332,7 +341,7 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
 
     def release_tree(self) -> None:
         super().release_tree()
-        self._node_kv = {}
+        self._drop_tree_rows()
 
     @property
     def host(self) -> bool:
@@ -396,7 +405,7 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
         if self.host:
             if self.kv_k.shape[0] != n or self.kv_v.shape[0] != n:
                 raise RuntimeError(f"the EAGLE-3 head's keys hold {self.kv_k.shape[0]} entries, expected {n}")
-            self._node_kv = {}  # a tree's entries live until its drafting ends
+            self._drop_tree_rows()  # a tree's entries live until its drafting ends
             return
         self.ctx.expect_positions(self.seq0, n, "the EAGLE-3 head's KV", lo=self.kv_first if n else 0)
 
@@ -545,7 +554,7 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
         first = self.kv_len
         n = g_new.shape[0]
         tokens = [self.history[first + i + 1] if first + i + 1 < root_pos else root for i in range(n)]
-        self._node_kv = {}
+        self._drop_tree_rows()
         c = self.kv_k.shape[0]
 
         def finish(rows, h, k, v):
@@ -565,25 +574,33 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
         from .eagle3_host import HostPart
 
         root_pos = len(self.history) - 1
-        anc = sorted({a for n in nodes for a in _ancestors(tree, n)})
-        row_of = {a: i for i, a in enumerate(anc)}
         c = self.kv_k.shape[0]
-        if anc:
-            ctx_k = np.concatenate([self.kv_k, np.stack([self._node_kv[a][0] for a in anc])])
-            ctx_v = np.concatenate([self.kv_v, np.stack([self._node_kv[a][1] for a in anc])])
-        else:
-            ctx_k, ctx_v = self.kv_k, self.kv_v
-        keys = [(list(range(c)) + [c + row_of[a] for a in reversed(_ancestors(tree, n))], [i]) for i, n in enumerate(nodes)]
+        if self._tree_k is None:  # the first level after the root: committed rows, room for nodes
+            room = c + 8 * len(nodes) + 8
+            self._tree_k = np.empty((room, self.kv_k.shape[1]), dtype=np.float32)
+            self._tree_v = np.empty_like(self._tree_k)
+            self._tree_k[:c], self._tree_v[:c] = self.kv_k, self.kv_v
+            self._tree_used = c
+        used, rows_of = self._tree_used, self._node_row
+        keys = [(list(range(c)) + [rows_of[a] for a in reversed(_ancestors(tree, n))], [i]) for i, n in enumerate(nodes)]
         g = np.stack([self._state[tree.parents[n]] for n in nodes])
 
         def finish(rows, h, k, v):
+            m = len(nodes)
+            if used + m > self._tree_k.shape[0]:  # grow (keeps the rows written so far)
+                extra = np.empty((max(m, self._tree_k.shape[0]), self._tree_k.shape[1]), dtype=np.float32)
+                self._tree_k = np.concatenate([self._tree_k, extra])
+                self._tree_v = np.concatenate([self._tree_v, extra])
+            self._tree_k[used : used + m] = k
+            self._tree_v[used : used + m] = v
             for i, n in enumerate(nodes):
-                self._state[n] = h[i].copy()
-                self._node_kv[n] = (k[i].copy(), v[i].copy())
+                self._state[n] = h[i]
+                rows_of[n] = used + i
+            self._tree_used = used + m
             return rows
 
-        return HostPart([tree.tokens[n] for n in nodes], [root_pos - 1 + tree.depth[n] for n in nodes], g, ctx_k,
-                        ctx_v, list(range(len(nodes))), keys, finish)  # fmt: skip
+        return HostPart([tree.tokens[n] for n in nodes], [root_pos - 1 + tree.depth[n] for n in nodes], g,
+                        self._tree_k[:used], self._tree_v[:used], list(range(len(nodes))), keys, finish)  # fmt: skip
 
 
 def _ancestors(tree: TreeBuilder, node: int) -> list[int]:

@@ -386,9 +386,9 @@ class HostHub(DraftHub):
     @property
     def n_threads(self) -> int:
         """Threads of the products: the drafter's ``n_threads`` (default the target's), as
-        llama.cpp's runtime gives the head's context (``--threads-draft``). On the 2-core
-        development CPU, quiet, 2 threads made the levels of chains of 6 2.4-3.5% of a target
-        decode against 3.3-5.3% on one (docs/results.md)."""
+        llama.cpp's runtime gives the head's context (``--threads-draft``): on the 2-core
+        development CPU two threads made each level 0.6-0.7x the time of one
+        (docs/results.md)."""
         return self._n_threads
 
     def leave(self, seq0: int) -> None:
