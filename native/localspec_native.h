@@ -347,11 +347,13 @@ LS_API int32_t ls_gemm_h16(const uint16_t *w, int32_t bf16, int64_t m, int64_t k
 
 /* A weight matrix of the head, y = x W^T for W [m, k]: kind LS_MAT_Q8 (w int8 [m, k], d [m, k / 32]
  * float32 block scales: ls_gemm_q8), LS_MAT_F32T (w float32 [k, m], transposed: ls_gemm_t),
- * LS_MAT_F16 / LS_MAT_BF16 (w uint16 [m, k]: ls_gemm_h16). */
+ * LS_MAT_F16 / LS_MAT_BF16 (w uint16 [m, k]: ls_gemm_h16, then y times out_scale: a float16
+ * matrix may hold W times a power of two, so that small weights stay out of float16's
+ * subnormal range; out_scale is its inverse, 1 otherwise; ignored by the other kinds). */
 enum { LS_MAT_Q8 = 0, LS_MAT_F32T = 1, LS_MAT_F16 = 2, LS_MAT_BF16 = 3 };
 typedef struct {
     int32_t kind;
-    int32_t pad;
+    float out_scale;
     int64_t m, k;
     const void *w;
     const void *d;

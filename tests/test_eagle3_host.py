@@ -4,6 +4,8 @@ kernels against numpy, the same draft-vocabulary rows to a stated tolerance at l
 its catch-up) and deeper levels, the same greedy drafts, and output identical to plain
 decoding."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -269,6 +271,37 @@ def test_half_kernel_matches_numpy(rng):
         np.testing.assert_allclose(HalfMatrix.from_float32(w32).dense(), w32, rtol=1e-3, atol=1e-7)
     with pytest.raises(ValueError, match="x has shape"):
         HalfMatrix.from_float32(w32).apply(np.zeros((1, k + 1), np.float32))
+    # small weights (a trained fc divides by feature scales up to ~1e5) keep their precision:
+    # the matrix is scaled by a power of two before rounding, so they are not float16 subnormals
+    tiny = (rng.standard_normal((16, 64)) * 1e-6).astype(np.float32)
+    tiny[0, 0] = 0.3
+    np.testing.assert_allclose(HalfMatrix.from_float32(tiny).dense(), tiny, rtol=1e-3, atol=0)
+
+
+def test_products_without_avx512_match_numpy():
+    """The AVX2 paths (``LS_HEAD_NO_AVX512=1``: ``ls_gemm_q8`` without VNNI, ``ls_gemm_h16``
+    with F16C) give the same products, in a fresh process (the kernels pick their path once)."""
+    import subprocess
+    import sys
+
+    code = """
+import numpy as np
+from localspec.native.head import HalfMatrix, Q8Matrix
+rng = np.random.default_rng(3)
+for m, k, nr in [(9, 47, 1), (70, 640, 5)]:
+    x = (rng.standard_normal((nr, k)) * 1e3).astype(np.float32)
+    w32 = (rng.standard_normal((m, k)) * 0.05).astype(np.float32)
+    for w in (HalfMatrix.from_float32(w32), HalfMatrix((w32.view(np.uint32) >> 16).astype(np.uint16), bf16=True)):
+        ref = x.astype(np.float64) @ w.dense().astype(np.float64).T
+        np.testing.assert_allclose(w.apply(x, 2), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+    if k % 32 == 0:
+        q = Q8Matrix(rng.integers(-127, 128, (m, k)).astype(np.int8), rng.uniform(1e-4, 1e-2, (m, k // 32)).astype(np.float32))
+        np.testing.assert_allclose(q.apply(x, 2), x @ q.dense().T, atol=0.02 * np.abs(x @ q.dense().T).max())
+print("ok")
+"""
+    env = {**os.environ, "LS_HEAD_NO_AVX512": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 def test_float32_matrices_run_in_float16_only_where_they_fit():

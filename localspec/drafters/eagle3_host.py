@@ -83,7 +83,7 @@ class _Dense:
         from ..native._lib import LS_MAT_F32T, MatT
 
         k, m = self.wt.shape
-        return MatT(LS_MAT_F32T, 0, m, k, self.wt.ctypes.data, None)
+        return MatT(LS_MAT_F32T, 1.0, m, k, self.wt.ctypes.data, None)
 
     def apply(self, x: np.ndarray, n_threads: int = 1) -> np.ndarray:
         from ..native import lib
@@ -196,7 +196,7 @@ class HeadWeights:
 
     def _stacked(self, names: list[str]):
         mats = [self._matrix(n) for n in names]
-        same = len({(type(m), getattr(m, "bf16", None)) for m in mats}) == 1
+        same = len({(type(m), getattr(m, "bf16", None)) for m in mats}) == 1  # HalfMatrix.stack rescales
         return mats[0].stack(mats) if same else _from_float32(np.concatenate([m.dense() for m in mats]))
 
     def _pack(self) -> None:
@@ -330,6 +330,9 @@ def run_level(w: HeadWeights, parts: Sequence[HostPart], n_threads: int = 1) -> 
     ctx_k = np.ascontiguousarray(ctx_k, dtype=np.float32)
     ctx_v = np.ascontiguousarray(ctx_v, dtype=np.float32)
     n, n_ctx = len(tokens), ctx_k.shape[0]
+    if g.shape != (n, w.n_embd) or ctx_k.shape[1:] != (w.n_kv,) or ctx_v.shape != ctx_k.shape or pos.shape != (n,):
+        raise ValueError(f"a head level needs g [{n}, {w.n_embd}], keys and values [c, {w.n_kv}] and {n} positions, "
+                         f"got {g.shape}, {ctx_k.shape}, {ctx_v.shape}, {pos.shape}")  # fmt: skip
     # each output entry's keys: rows of the context pool (every part's context, in order), then
     # entries of this call (index n_ctx + entry)
     out_rows, key_off, key_idx = [], [0], []

@@ -88,7 +88,7 @@ class DraftParams(ctypes.Structure):
 class MatT(ctypes.Structure):
     """``ls_mat_t``: one weight matrix of a head (kind ``LS_MAT_*``, sizes, data addresses)."""
 
-    _fields_ = [("kind", c_int32), ("pad", c_int32), ("m", c_int64), ("k", c_int64), ("w", c_void_p), ("d", c_void_p)]
+    _fields_ = [("kind", c_int32), ("out_scale", c_float), ("m", c_int64), ("k", c_int64), ("w", c_void_p), ("d", c_void_p)]
 
 
 LS_MAT_Q8, LS_MAT_F32T, LS_MAT_F16, LS_MAT_BF16 = 0, 1, 2, 3

@@ -49,7 +49,7 @@ class Q8Matrix:
     def c_mat(self) -> MatT:
         """The ``ls_mat_t`` of this matrix (valid while the matrix lives)."""
         m, k = self.shape
-        return MatT(LS_MAT_Q8, 0, m, k, self.q.ctypes.data, self.d.ctypes.data)
+        return MatT(LS_MAT_Q8, 1.0, m, k, self.q.ctypes.data, self.d.ctypes.data)
 
     def apply(self, x: np.ndarray, n_threads: int = 1) -> np.ndarray:
         """``x W^T``: [r, k] float32 -> [r, m] float32 (``ls_gemm_q8``: x quantised per block
@@ -68,40 +68,60 @@ class Q8Matrix:
 
 class HalfMatrix:
     """A weight matrix ``W`` [m, k] in 16-bit floats: ``w`` [m, k] uint16 bits of IEEE float16
-    (``bf16=False``) or bfloat16 (``bf16=True``); products in float32 (``ls_gemm_h16``), half the
-    bytes of a float32 matrix.
+    (``bf16=False``) or bfloat16 (``bf16=True``) of ``W * 2^e``, and ``out_scale`` = ``2^-e``
+    (exact); products in float32 (``ls_gemm_h16`` through ``ls_mat_apply``), half the bytes of
+    a float32 matrix.
 
     Raises:
-        ValueError: ``w`` not 2-D.
+        ValueError: ``w`` not 2-D, or ``out_scale`` not a positive power of two.
     """
 
-    def __init__(self, w: np.ndarray, bf16: bool = False) -> None:
+    def __init__(self, w: np.ndarray, bf16: bool = False, out_scale: float = 1.0) -> None:
         self.w = np.ascontiguousarray(w).view(np.uint16)
         if self.w.ndim != 2:
             raise ValueError(f"a matrix needs [m, k] values, got {self.w.shape}")
+        if not (out_scale > 0 and np.frexp(out_scale)[0] == 0.5):
+            raise ValueError(f"out_scale must be a positive power of two, got {out_scale}")
         self.bf16 = bool(bf16)
+        self.out_scale = float(out_scale)
         self.shape = self.w.shape
 
     @classmethod
     def from_float32(cls, w: np.ndarray) -> "HalfMatrix":
-        """float32 values rounded to float16 (nearest even; the caller checks that they fit)."""
-        return cls(np.asarray(w, dtype=np.float32).astype(np.float16))
+        """float32 values in float16 (nearest even), scaled by the power of two that puts the
+        largest near 2^15: small weights (a trained ``fc`` divides by feature scales up to
+        ~1e5) stay out of float16's subnormal range, where their relative precision would be
+        lost. The caller checks that the values are finite."""
+        w = np.asarray(w, dtype=np.float32)
+        top = float(np.abs(w).max()) if w.size else 0.0
+        e = int(np.floor(np.log2(32768.0 / top))) if top > 0 else 0
+        return cls((w * np.float32(2.0**e)).astype(np.float16), out_scale=2.0**-e)
 
     @classmethod
     def stack(cls, mats: "list[HalfMatrix]") -> "HalfMatrix":
+        """The matrices' rows one after the other; float16 ones of different scales are scaled
+        again together (``from_float32``).
+
+        Raises:
+            ValueError: float16 and bfloat16 matrices together.
+        """
         if len({m.bf16 for m in mats}) != 1:
             raise ValueError("cannot stack float16 and bfloat16 matrices")
-        return cls(np.concatenate([m.w for m in mats]), mats[0].bf16)
+        if len({m.out_scale for m in mats}) != 1:
+            return cls.from_float32(np.concatenate([m.dense() for m in mats]))
+        return cls(np.concatenate([m.w for m in mats]), mats[0].bf16, mats[0].out_scale)
 
     def dense(self) -> np.ndarray:
         """W as float32 [m, k]."""
         if self.bf16:
-            return (self.w.astype(np.uint32) << np.uint32(16)).view(np.float32)
-        return self.w.view(np.float16).astype(np.float32)
+            v = (self.w.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        else:
+            v = self.w.view(np.float16).astype(np.float32)
+        return v * np.float32(self.out_scale)
 
     def c_mat(self) -> MatT:
         m, k = self.shape
-        return MatT(LS_MAT_BF16 if self.bf16 else LS_MAT_F16, 0, m, k, self.w.ctypes.data, None)
+        return MatT(LS_MAT_BF16 if self.bf16 else LS_MAT_F16, self.out_scale, m, k, self.w.ctypes.data, None)
 
     def apply(self, x: np.ndarray, n_threads: int = 1) -> np.ndarray:
         """``x W^T``: [r, k] float32 -> [r, m] float32."""
@@ -110,8 +130,7 @@ class HalfMatrix:
         if x.ndim != 2 or x.shape[1] != k:
             raise ValueError(f"x has shape {x.shape}, the matrix {self.shape}")
         y = np.empty((x.shape[0], m), dtype=np.float32)
-        rc = lib.ls_gemm_h16(self.w.ctypes.data, int(self.bf16), m, k, x.ctypes.data, x.shape[0], y.ctypes.data,
-                             int(n_threads))  # fmt: skip
+        rc = lib.ls_mat_apply(self.c_mat(), x.ctypes.data, x.shape[0], y.ctypes.data, int(n_threads))
         if rc < 0:
             raise_for(rc)
         return y
