@@ -266,3 +266,45 @@ def test_held_out_accuracy_scores_any_head_on_the_sequences_training_held_out(mo
     new, shipped = held_out_accuracy(model_path, shards, [out, shipped_head(model_path)], cfg)
     assert new == pytest.approx(r.val_accuracy, abs=1e-9)
     assert len(shipped) == 3 and all(0.0 <= a <= 1.0 for a in shipped)
+
+
+def test_answer_accuracy_scores_the_answers_only(model_path, tmp_path):
+    """The recipe's ship gate (``answer_accuracy``) scores a head on the answers of recorded
+    prompt + answer sequences: the target's labels inside the prompts do not count (corrupting
+    them leaves the score as it was), those of the answers do (corrupting them changes it);
+    shards without answers (teacher-forced text) are refused with a clear error."""
+    from localspec.models.eagle3_heads import shipped_head
+    from localspec.models.training.eagle3_data import prepare_data
+    from localspec.models.training.eagle3_train import answer_accuracy
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"d{i}.txt").write_text(f"Note {i}: " + TEXT * 2)
+    shards = prepare_data(model_path, tmp_path / "data", [corpus], LAYERS, max_tokens=0, self_distill=6,
+                          prompt_tokens=24, gen_tokens=24, shard_tokens=4096, topk=4, n_seq=6, seed=5,
+                          progress=False)  # fmt: skip
+    cfg = TrainConfig(batch=4, unroll=3, bf16=False)
+    head = shipped_head(model_path)
+    (base,) = answer_accuracy(model_path, shards, [head], cfg)
+    assert len(base) == 3 and all(0.0 <= a <= 1.0 for a in base) and base[0] > 0.0
+
+    def corrupted(where: str):
+        with np.load(shards[0]) as z:
+            arrays = {k: z[k].copy() for k in z.files}
+        starts = np.concatenate([[0], np.cumsum(arrays["lengths"])])
+        ids = arrays["topk_ids"]
+        for i, n_prompt in enumerate(arrays["n_prompt"]):
+            lo, hi = int(starts[i]), int(starts[i + 1])
+            span = slice(lo, lo + int(n_prompt)) if where == "prompt" else slice(lo + int(n_prompt), hi)
+            ids[span, 0] = (ids[span, 0] + 1) % 1000  # another token as the target's top-1
+        path = tmp_path / f"{where}.npz"
+        np.savez(path, **arrays)
+        return answer_accuracy(model_path, [path], [head], cfg)[0]
+
+    assert corrupted("prompt") == pytest.approx(base, abs=1e-12)
+    assert corrupted("answer") != pytest.approx(base, abs=1e-3)
+    with np.load(shards[0]) as z:
+        np.savez(tmp_path / "text.npz", **{k: z[k] for k in z.files if k != "n_prompt"})
+    with pytest.raises(ValueError, match="no recorded answers"):
+        answer_accuracy(model_path, [tmp_path / "text.npz"], [head], cfg)

@@ -14,13 +14,13 @@ from localspec import Engine  # noqa: E402
 from localspec.models.training.eagle3_data import load_shard, prepare_data  # noqa: E402
 from localspec.models.training.self_prompts import (  # noqa: E402
     SEEDS,
-    chat_prompt_tokens,
     harvest_prompts,
     item_key,
     near_duplicate,
     split_items,
     word_set,
 )
+from localspec.tui.chat_format import chat_prompt_tokens  # noqa: E402
 
 LAYERS = (2, 9, 15)
 

@@ -165,3 +165,15 @@ def chat_format_for(model) -> ChatFormat:
         bos, eos = special_text(model, model.bos), special_text(model, model.eos)
         return TemplateFormat(template, bos_token=bos, eos_token=eos)
     return TranscriptFormat()
+
+
+def chat_prompt_tokens(model, prompt: str) -> list[int]:
+    """``prompt`` as one user turn of a conversation, as ``chat``/``serve`` would give it to
+    ``model``: its chat template, or the plain transcript (``tui.chat_format``), tokenised
+    with BOS where the model adds one and special tokens parsed."""
+    fmt = chat_format_for(model)
+    text = fmt.render([Message("user", prompt)])
+    toks = model.tokenize(text, add_special=True, parse_special=True)
+    if model.add_bos and toks[:2] == [model.bos, model.bos]:
+        toks = toks[1:]
+    return toks

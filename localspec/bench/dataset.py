@@ -31,6 +31,19 @@ class BenchPrompt:
     label: str  # the dataset's own category
     question_id: int | str
     text: str
+    tokens: list[int] | None = None  # the prompt as given to the model (None: ``text`` tokenised as it is)
+
+
+def as_chat(prompts: list[BenchPrompt], model) -> list[BenchPrompt]:
+    """The prompts as one user turn of a conversation, as ``chat`` / ``serve`` give them to
+    ``model`` (its chat template, or the plain transcript: ``tui.chat_format.chat_prompt_tokens``),
+    the way Spec-Bench's own harness wraps each question in its model's conversation template.
+    Without it a base model is given the bare question, which it continues as text."""
+    from dataclasses import replace
+
+    from localspec.tui.chat_format import chat_prompt_tokens
+
+    return [replace(p, tokens=chat_prompt_tokens(model, p.text)) for p in prompts]
 
 
 def resolve_dataset(name: str | Path) -> Path:

@@ -257,7 +257,7 @@ def compare_drafters(model, prompts, drafters=("ngram", "auto"), *, max_tokens: 
             for name in order:
                 e = engines[name]
                 e.reset()
-                res[name] = e.generate(bp.text, max_tokens=max_tokens, sampling=greedy, speculative=name != "plain")
+                res[name] = e.generate(bp.text if bp.tokens is None else bp.tokens, max_tokens=max_tokens, sampling=greedy, speculative=name != "plain")
             row = {"category": bp.category, "question_id": bp.question_id}
             for name, r in res.items():
                 row[name] = {

@@ -138,7 +138,7 @@ def run_bench(
         sampling = replace(sampling, accept_threshold_single=1.0, accept_threshold_acc=1.0, logprobs=0)
         lossy = replace(lossy, logprobs=0)
     for i, bp in enumerate(ordered):
-        tokens = engine.tokenize(bp.text)
+        tokens = list(bp.tokens) if bp.tokens is not None else engine.tokenize(bp.text)
         seed = sampling.seed if sampling.seed is not None else 1234 + i
         sp = sampling.with_seed(seed)
         results: dict[str, object] = {}

@@ -33,6 +33,10 @@ def register(sub) -> None:
     )
     p.add_argument("--categories", default=None, help="comma-separated categories (default: all)")
     p.add_argument("--per-category", type=int, default=10, help="prompts per category (default 10)")
+    p.add_argument("--chat-format", action="store_true",
+                   help="give each question as one user turn of a conversation, as chat and serve do (the model's "
+                   "chat template, or the plain transcript for a base model), as Spec-Bench's own harness does; "
+                   "default: the bare question, which a base model continues as text")  # fmt: skip
     p.add_argument("-n", "--max-tokens", type=count, default=128, help="new tokens per prompt (default 128)")
     p.add_argument("--out", default="bench-out", help="output directory (default ./bench-out)")
     p.add_argument(
@@ -178,6 +182,8 @@ def register(sub) -> None:
                     "itself beside B)")  # fmt: skip
     dr.add_argument("--dataset", default=None, help="Spec-Bench question.jsonl (with --versus)")
     dr.add_argument("--per-category", type=int, default=3, help="prompts per category (with --versus; default 3)")
+    dr.add_argument("--chat-format", action="store_true",
+                    help="(with --versus) each question as one user turn of a conversation, as chat and serve give it")
     dr.add_argument("--json", action="store_true")
     dr.set_defaults(func=run_drafters)
 
@@ -518,7 +524,7 @@ def _run_versus(a: argparse.Namespace) -> int:
     import os
 
     from ..backend import Model
-    from ..bench.dataset import load_questions, select_prompts
+    from ..bench.dataset import as_chat, load_questions, select_prompts
     from ..bench.drafters import compare_drafters, summarize_versus, versus_labels
     from ..models import resolve_model
 
@@ -530,6 +536,8 @@ def _run_versus(a: argparse.Namespace) -> int:
     names = versus_labels(names)
     prompts = select_prompts(load_questions(a.dataset), None, a.per_category)
     model = Model(resolve_model(a.model))
+    if a.chat_format:
+        prompts = as_chat(prompts, model)
     load0 = os.getloadavg()[0]
     try:
         rows = compare_drafters(model, prompts, names, max_tokens=a.max_tokens, n_threads=a.threads,
@@ -585,6 +593,10 @@ def run(a: argparse.Namespace) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     engine = make_engine(a, a.drafter)
+    if a.chat_format:
+        from ..bench.dataset import as_chat
+
+        prompts = as_chat(prompts, engine.model)
     peers = {}
     if threading.current_thread() is threading.main_thread():  # SIGTERM closes the peers too
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -653,6 +665,7 @@ def run(a: argparse.Namespace) -> int:
             "max_tokens": a.max_tokens,
             "temperature": a.temperature,
             "per_category": a.per_category,
+            "chat_format": bool(a.chat_format),
             "repeats": a.repeats,
             "peer_repeats": a.peer_repeats,
             "lossy": bool(lossy is not None and lossy.lossy),

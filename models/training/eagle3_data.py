@@ -717,11 +717,13 @@ def harvest_chat_prompts(target, out: Path, n: int, *, seed: int = 0, max_tokens
                          deadline: float | None = None) -> list[list[int]]:  # fmt: skip
     """``n`` prompts the target writes itself (``self_prompts.harvest_prompts``; fewer when
     ``deadline`` passes first), saved to ``out`` (JSON: prompts, kinds, rounds) and returned as
-    chat-formatted token ids (``self_prompts.chat_prompt_tokens``). An existing ``out`` is reused."""
+    chat-formatted token ids (``tui.chat_format.chat_prompt_tokens``). An existing ``out`` is reused."""
     from localspec import Engine
     from localspec.costmodel import CostModel
 
-    from .self_prompts import chat_prompt_tokens, harvest_prompts
+    from localspec.tui.chat_format import chat_prompt_tokens
+
+    from .self_prompts import harvest_prompts
 
     eng = Engine(target, drafter=None, cost_model=CostModel({1: 1000.0}), n_ctx=1024)
     try:

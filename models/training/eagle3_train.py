@@ -402,16 +402,49 @@ def split_sequences(shards: list[Shard], cfg: TrainConfig) -> tuple[list[tuple[i
     return seqs[:n_val], seqs[n_val:]
 
 
+def _score_heads(target, shards: list[Shard], windows: list[tuple[int, int, int]], first_label: list[int],
+                 heads: list[str | os.PathLike], cfg: TrainConfig) -> list[list[float]]:  # fmt: skip
+    """Each head GGUF's accuracy per unroll step (``ttt_loss``) over ``windows`` (shard, lo, hi),
+    counting only labels at absolute token index ``>= first_label[i]`` of window ``i``."""
+    tt = read_target(target)
+    device = pick_device(cfg.device)
+    bf16 = cfg.bf16 and bf16_capable(device)
+    used = np.concatenate([np.unique(s.tokens) for s in shards])
+    emb = tt.embedding_table(used)
+    seq_len = max(hi - lo for _, lo, hi in windows)
+    out = []
+    for path in heads:
+        head_cfg, w = read_eagle3_gguf(path)
+        model = Eagle3Head(head_cfg, emb, w.d2t, np.ones(3 * head_cfg.n_embd_target, np.float32))
+        load_weights(model, w)
+        model.to(device)
+        model.eval()
+        t2d = np.full(tt.n_vocab, -1, np.int64)
+        t2d[w.d2t] = np.arange(w.d2t.size)
+        sampler = WindowSampler(shards, [], t2d, seq_len, cfg.seed)
+        corr, cnt = np.zeros(cfg.unroll), np.zeros(cfg.unroll)
+        with torch.no_grad():
+            for i0 in range(0, len(windows), cfg.batch):
+                wins = windows[i0 : i0 + cfg.batch]
+                b = sampler.make(wins, device)
+                idx = torch.arange(seq_len, device=device)[None, :] + torch.tensor([lo for _, lo, _ in wins], device=device)[:, None]
+                b.valid &= idx >= torch.tensor(first_label[i0 : i0 + cfg.batch], device=device)[:, None]
+                _, m = ttt_loss(model, b, cfg.unroll, bf16)
+                corr[: len(m.correct)] += m.correct
+                cnt[: len(m.count)] += m.count
+        out.append((corr / np.maximum(cnt, 1)).tolist())
+    return out
+
+
 def held_out_accuracy(target: str | os.PathLike, shard_files: list[Path], heads: list[str | os.PathLike],
                       cfg: TrainConfig) -> list[list[float]]:  # fmt: skip
     """Each head GGUF's accuracy per unroll step on the sequences that ``train_eagle3`` with
-    ``cfg`` holds out of ``shard_files`` (``split_sequences``): what decides whether a new head
-    replaces the shipped one on data neither was trained on. Heads with different draft
-    vocabularies compare fairly: a position whose target top-1 is outside a head's
-    vocabulary is a miss for it (``ttt_loss``). Held-out sequences of ``restricted`` shards
-    (teacher-forced text whose top-1 is the best token of one draft vocabulary) are left out.
-    The held-out sequences come from the new head's own data sources, so the comparison
-    favours the new head (docs/eagle3-training.md, the recipe's ship stage).
+    ``cfg`` holds out of ``shard_files`` (``split_sequences``; first window of each). Heads with
+    different draft vocabularies compare fairly: a position whose target top-1 is outside a
+    head's vocabulary is a miss for it (``ttt_loss``). Held-out sequences of ``restricted``
+    shards (teacher-forced text whose top-1 is the best token of one draft vocabulary) are
+    left out. The held-out sequences come from the new head's own data sources, so the
+    comparison favours the new head: the recipe ships on ``answer_accuracy`` instead.
 
     Returns:
         one list of ``cfg.unroll`` fractions per head, in order.
@@ -423,21 +456,48 @@ def held_out_accuracy(target: str | os.PathLike, shard_files: list[Path], heads:
     val = [(s, i) for s, i in split_sequences(shards, cfg)[0] if not shards[s].restricted]
     if not val:
         raise ValueError("held_out_accuracy: no sequence with full-vocabulary targets is held out")
-    tt = read_target(target)
-    device = pick_device(cfg.device)
-    cfg = TrainConfig(**{**asdict(cfg), "bf16": cfg.bf16 and bf16_capable(device)})
-    used = np.concatenate([np.unique(s.tokens) for s in shards])
-    emb = tt.embedding_table(used)
-    out = []
-    for path in heads:
-        head_cfg, w = read_eagle3_gguf(path)
-        model = Eagle3Head(head_cfg, emb, w.d2t, np.ones(3 * head_cfg.n_embd_target, np.float32))
-        load_weights(model, w)
-        model.to(device)
-        t2d = np.full(tt.n_vocab, -1, np.int64)
-        t2d[w.d2t] = np.arange(w.d2t.size)
-        out.append(evaluate(model, WindowSampler(shards, val, t2d, cfg.seq_len, cfg.seed), val, cfg, device))
-    return out
+    windows = []
+    for s, i in val:
+        lo, hi = int(shards[s].starts[i]), int(shards[s].starts[i + 1])
+        windows.append((s, lo, min(hi, lo + cfg.seq_len)))
+    return _score_heads(target, shards, windows, [lo for _, lo, _ in windows], heads, cfg)
+
+
+def answer_accuracy(target: str | os.PathLike, shard_files: list[Path], heads: list[str | os.PathLike],
+                    cfg: TrainConfig, context: int = 256) -> list[list[float]]:  # fmt: skip
+    """Each head GGUF's accuracy per unroll step on the **answers** of recorded prompt +
+    greedy-answer sequences (``FeatureRecorder.record_generated`` shards, which store each
+    sequence's ``n_prompt``): the positions a drafter drafts in use, each sequence's last
+    ``context`` tokens as the window (its prompt's end as context). With shards recorded apart
+    from both heads' training data (the recipe: self-written prompts of another seed) this is
+    the comparison that ranked heads as Spec-Bench's mean acceptance length did (the
+    2026-12-03 heads: docs/eagle3-training.md), unlike ``held_out_accuracy``.
+
+    Returns:
+        one list of ``cfg.unroll`` fractions per head, in order.
+    Raises:
+        ValueError: no shard with answers (full-vocabulary, generated tokens).
+    """
+    shards, windows, first = [], [], []
+    for p in shard_files:
+        sh = load_shard(p)
+        with np.load(p) as z:
+            n_prompt = z["n_prompt"] if "n_prompt" in z.files else None
+        if sh.restricted or n_prompt is None:
+            continue
+        k = len(shards)
+        shards.append(sh)
+        for i in range(sh.starts.size - 1):
+            lo, hi = int(sh.starts[i]), int(sh.starts[i + 1])
+            if hi - lo - int(n_prompt[i]) < 2:
+                continue
+            windows.append((k, max(lo, hi - context), hi))
+            # labels at index >= lo + n_prompt predict the answer's second token on: the first is
+            # the target's own (the prefill's), the head drafts from then on
+            first.append(lo + int(n_prompt[i]))
+    if not windows:
+        raise ValueError("answer_accuracy: no recorded answers in these shards")
+    return _score_heads(target, shards, windows, first, heads, cfg)
 
 
 def train_eagle3(

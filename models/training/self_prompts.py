@@ -13,7 +13,7 @@ header so far as the list's first entries in the next round, so that later round
 
 The prompts are then answered by the target (the self-distillation path of
 ``eagle3_data.extract``) in the form ``chat`` and ``serve`` give the model a conversation
-(``chat_prompt_tokens``: the model's chat template, or the plain ``User:/Assistant:``
+(``tui.chat_format.chat_prompt_tokens``: the model's chat template, or the plain ``User:/Assistant:``
 transcript for a base model), so the recorded data is the target's own answers to chat- and
 code-like requests.
 """
@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 
 
 @dataclass(frozen=True)
@@ -218,17 +219,3 @@ def _take_round(seeds, asks, results, n, prompts, kinds, by_seed, seen, words_by
             if len(prompts) >= n:
                 break
     return n_tok
-
-
-def chat_prompt_tokens(model, prompt: str) -> list[int]:
-    """``prompt`` as one user turn of a conversation, as ``chat``/``serve`` would give it to
-    ``model``: its chat template, or the plain transcript (``tui.chat_format``), tokenised
-    with BOS where the model adds one and special tokens parsed."""
-    from localspec.tui.chat_format import Message, chat_format_for
-
-    fmt = chat_format_for(model)
-    text = fmt.render([Message("user", prompt)])
-    toks = model.tokenize(text, add_special=True, parse_special=True)
-    if model.add_bos and toks[:2] == [model.bos, model.bos]:
-        toks = toks[1:]
-    return toks
