@@ -131,6 +131,24 @@ def test_each_peer_repeat_runs_on_its_own_server(engine):
     assert recs[0].peers["ngram-mod"]["t_decode_ms"] == 500.0
 
 
+def test_chat_format_gives_each_question_as_a_user_turn(engine):
+    """``bench --chat-format``: the model (and every peer) gets each question as one user turn
+    of the conversation, the tokens ``chat`` and ``serve`` would give it (the plain transcript
+    for the default base model), not the bare question."""
+    from localspec import SamplingParams
+    from localspec.bench.dataset import BenchPrompt, as_chat
+    from localspec.bench.specbench import run_bench
+    from localspec.tui.chat_format import chat_prompt_tokens
+
+    bare = [BenchPrompt("qa", "qa", 0, "Why is the sky blue?")]
+    peer = _RememberingPeer()
+    run_bench(engine, as_chat(bare, engine.model), max_tokens=2, sampling=SamplingParams.greedy(), peers={"ngram-mod": [peer]})
+    want = chat_prompt_tokens(engine.model, "Why is the sky blue?")
+    assert peer.served == [tuple(want)]
+    assert want != engine.tokenize("Why is the sky blue?")
+    assert "Why is the sky blue?" in engine.model.detokenize(want)
+
+
 class _ScriptedEngine:
     """Stands in for the engine where only the timing statistic is under test: each call of
     ``generate`` returns the next scripted decode time (µs) for its kind, same tokens."""
