@@ -220,11 +220,16 @@ def main() -> None:
         r = train_eagle3(target, files, work / "train", out, cfg, target_layers=LAYERS, d2t=d2t,
                          deadline=t0 + budget - 120)  # fmt: skip
         t_train = r.wall_s
-        stats.update(
+        trained = dict(
             train_tokens=r.n_train_tokens, steps=r.steps, val_accuracy=np.round(r.val_accuracy, 4).tolist(),
             val_by_source=r.val_by_source, train_accuracy=np.round(r.train_accuracy, 4).tolist(),
-            vocab_coverage=round(r.vocab_coverage, 4),
+            vocab_coverage=round(r.vocab_coverage, 4), train_seconds=round(r.wall_s),
         )  # fmt: skip
+        (work / "train").mkdir(parents=True, exist_ok=True)
+        (work / "train" / "result.json").write_text(json.dumps(trained))  # for a later --only ship
+        stats.update(trained)
+    elif (work / "train" / "result.json").exists():
+        stats.update(json.loads((work / "train" / "result.json").read_text()))
     if a.only == "train":
         print(json.dumps(dict(out=str(out), **stats, t_train_s=round(t_train))))
         return
