@@ -241,21 +241,28 @@ def test_text_recording_smoke_resume_and_restricted_training(model, model_path, 
         head.close()
 
 
+def _note_shards(model_path, tmp_path, n: int, **gen):
+    """Self-distillation shards (prompt + greedy answer, ``n_prompt`` kept) from ``n`` short
+    notes: ``prepare_data`` with ``gen`` (prompt_tokens, gen_tokens, n_seq, seed)."""
+    from localspec.models.training.eagle3_data import prepare_data
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(n):
+        (corpus / f"d{i}.txt").write_text(f"Note {i}: " + TEXT * 2)
+    return prepare_data(model_path, tmp_path / "data", [corpus], LAYERS, max_tokens=0, self_distill=n,
+                        shard_tokens=4096, topk=4, progress=False, **gen)  # fmt: skip
+
+
 def test_held_out_accuracy_scores_any_head_on_the_sequences_training_held_out(model_path, tmp_path):
     """The recipe ships a new head only when it beats the shipped one on held-out data
     (``held_out_accuracy``): scored from its GGUF, the new head gets what training reported
     for the same held-out sequences, and a head with another draft vocabulary is scored too."""
     from localspec.models.eagle3_heads import shipped_head
-    from localspec.models.training.eagle3_data import load_shard, prepare_data
+    from localspec.models.training.eagle3_data import load_shard
     from localspec.models.training.eagle3_train import held_out_accuracy, split_sequences
 
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for i in range(42):
-        (corpus / f"d{i}.txt").write_text(f"Note {i}: " + TEXT * 2)
-    shards = prepare_data(model_path, tmp_path / "data", [corpus], LAYERS, max_tokens=0, self_distill=42,
-                          prompt_tokens=12, gen_tokens=20, shard_tokens=4096, topk=4, n_seq=21, seed=3,
-                          progress=False)  # fmt: skip
+    shards = _note_shards(model_path, tmp_path, 42, prompt_tokens=12, gen_tokens=20, n_seq=21, seed=3)
     cfg = TrainConfig(steps=3, batch=2, seq_len=32, unroll=3, vocab_size=256, warmup=1, log_every=3, ckpt_every=3,
                       val_frac=0.05, bf16=False, head=dict(n_head=2, n_head_kv=1, head_dim=64, n_ff=64))  # fmt: skip
     val, train = split_sequences([load_shard(p) for p in shards], cfg)
@@ -274,16 +281,9 @@ def test_answer_accuracy_scores_the_answers_only(model_path, tmp_path):
     them leaves the score as it was), those of the answers do (corrupting them changes it);
     shards without answers (teacher-forced text) are refused with a clear error."""
     from localspec.models.eagle3_heads import shipped_head
-    from localspec.models.training.eagle3_data import prepare_data
     from localspec.models.training.eagle3_train import answer_accuracy
 
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for i in range(6):
-        (corpus / f"d{i}.txt").write_text(f"Note {i}: " + TEXT * 2)
-    shards = prepare_data(model_path, tmp_path / "data", [corpus], LAYERS, max_tokens=0, self_distill=6,
-                          prompt_tokens=24, gen_tokens=24, shard_tokens=4096, topk=4, n_seq=6, seed=5,
-                          progress=False)  # fmt: skip
+    shards = _note_shards(model_path, tmp_path, 6, prompt_tokens=24, gen_tokens=24, n_seq=6, seed=5)
     cfg = TrainConfig(batch=4, unroll=3, bf16=False)
     head = shipped_head(model_path)
     (base,) = answer_accuracy(model_path, shards, [head], cfg)
