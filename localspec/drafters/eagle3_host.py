@@ -57,13 +57,6 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x * (1.0 / np.sqrt(ms + np.float32(eps))).astype(np.float32)[:, None] * w
 
 
-def round_bf16(x: np.ndarray) -> np.ndarray:
-    """float32 values rounded to bfloat16 (nearest even), as float32."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    u = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-    return u.view(np.float32)
-
-
 class _Dense:
     """A float32 matrix applied through ``ls_gemm_t`` (kept transposed, [k, m]): only for values
     beyond float16's range (``_from_float32``)."""
@@ -86,16 +79,9 @@ class _Dense:
         return MatT(LS_MAT_F32T, 1.0, m, k, self.wt.ctypes.data, None)
 
     def apply(self, x: np.ndarray, n_threads: int = 1) -> np.ndarray:
-        from ..native import lib
-        from ..native.rows import raise_for
+        from ..native.head import mat_apply
 
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        k, m = self.wt.shape
-        y = np.empty((x.shape[0], m), dtype=np.float32)
-        rc = lib.ls_gemm_t(self.wt.ctypes.data, k, m, x.ctypes.data, x.shape[0], y.ctypes.data, int(n_threads))
-        if rc < 0:
-            raise_for(rc)
-        return y
+        return mat_apply(self, x, n_threads)
 
 
 def _from_float32(w: np.ndarray):

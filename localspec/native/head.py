@@ -10,6 +10,25 @@ from ._lib import LS_MAT_BF16, LS_MAT_F16, LS_MAT_Q8, MatT
 from .rows import raise_for
 
 
+def mat_apply(mat, x: np.ndarray, n_threads: int = 1) -> np.ndarray:
+    """``x W^T`` for any head matrix with ``shape`` (m, k) and ``c_mat()`` (``Q8Matrix``,
+    ``HalfMatrix``, ``eagle3_host._Dense``) through ``ls_mat_apply``: [r, k] float32 -> [r, m]
+    float32.
+
+    Raises:
+        ValueError: x not [r, k].
+    """
+    m, k = mat.shape
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"x has shape {x.shape}, the matrix {mat.shape}")
+    y = np.empty((x.shape[0], m), dtype=np.float32)
+    rc = lib.ls_mat_apply(mat.c_mat(), x.ctypes.data, x.shape[0], y.ctypes.data, int(n_threads))
+    if rc < 0:
+        raise_for(rc)
+    return y
+
+
 class Q8Matrix:
     """A weight matrix ``W`` [m, k] in Q8_0: ``q`` [m, k] int8 and ``d`` [m, k / 32] float32
     block scales (``W[i, 32 b + j] = d[i, b] * q[i, 32 b + j]``), as llama.cpp stores it.
@@ -54,16 +73,7 @@ class Q8Matrix:
     def apply(self, x: np.ndarray, n_threads: int = 1) -> np.ndarray:
         """``x W^T``: [r, k] float32 -> [r, m] float32 (``ls_gemm_q8``: x quantised per block
         of 32 as ggml's CPU backend does, the matrix read once for all rows)."""
-        m, k = self.shape
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        if x.ndim != 2 or x.shape[1] != k:
-            raise ValueError(f"x has shape {x.shape}, the matrix {self.shape}")
-        y = np.empty((x.shape[0], m), dtype=np.float32)
-        rc = lib.ls_gemm_q8(self.q.ctypes.data, self.d.ctypes.data, m, k, x.ctypes.data, x.shape[0], y.ctypes.data,
-                            int(n_threads))  # fmt: skip
-        if rc < 0:
-            raise_for(rc)
-        return y
+        return mat_apply(self, x, n_threads)
 
 
 class HalfMatrix:
@@ -125,15 +135,7 @@ class HalfMatrix:
 
     def apply(self, x: np.ndarray, n_threads: int = 1) -> np.ndarray:
         """``x W^T``: [r, k] float32 -> [r, m] float32."""
-        m, k = self.shape
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        if x.ndim != 2 or x.shape[1] != k:
-            raise ValueError(f"x has shape {x.shape}, the matrix {self.shape}")
-        y = np.empty((x.shape[0], m), dtype=np.float32)
-        rc = lib.ls_mat_apply(self.c_mat(), x.ctypes.data, x.shape[0], y.ctypes.data, int(n_threads))
-        if rc < 0:
-            raise_for(rc)
-        return y
+        return mat_apply(self, x, n_threads)
 
 
 def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

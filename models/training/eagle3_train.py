@@ -378,16 +378,30 @@ def evaluate(model: Eagle3Head, sampler: WindowSampler, seqs: list[tuple[int, in
     """Accuracy per unroll step on ``seqs`` (first window of each sequence)."""
     if not seqs:
         return []
+    windows = [sampler.window(s, i, start=0) for s, i in seqs]
+    acc = window_accuracy(model, sampler, windows, None, cfg.unroll, cfg.batch, cfg.bf16, device)
+    model.train()
+    return acc
+
+
+def window_accuracy(model: Eagle3Head, sampler: WindowSampler, windows: list[tuple[int, int, int]],
+                    first_label: list[int] | None, unroll: int, batch: int, bf16: bool, device) -> list[float]:  # fmt: skip
+    """The model's accuracy per unroll step (``ttt_loss``, in eval mode, no gradients) over
+    ``windows`` (shard, lo, hi) made by ``sampler``; with ``first_label``, only labels at absolute
+    token index ``>= first_label[i]`` of window ``i`` count."""
     model.eval()
-    corr = np.zeros(cfg.unroll)
-    cnt = np.zeros(cfg.unroll)
+    corr, cnt = np.zeros(unroll), np.zeros(unroll)
     with torch.no_grad():
-        for i0 in range(0, len(seqs), cfg.batch):
-            wins = [sampler.window(s, i, start=0) for s, i in seqs[i0 : i0 + cfg.batch]]
-            _, m = ttt_loss(model, sampler.make(wins, device), cfg.unroll, cfg.bf16)
+        for i0 in range(0, len(windows), batch):
+            wins = windows[i0 : i0 + batch]
+            b = sampler.make(wins, device)
+            if first_label is not None:
+                t = b.tokens.shape[1]
+                idx = torch.arange(t, device=device)[None, :] + torch.tensor([lo for _, lo, _ in wins], device=device)[:, None]
+                b.valid &= idx >= torch.tensor(first_label[i0 : i0 + batch], device=device)[:, None]
+            _, m = ttt_loss(model, b, unroll, bf16)
             corr[: len(m.correct)] += m.correct
             cnt[: len(m.count)] += m.count
-    model.train()
     return (corr / np.maximum(cnt, 1)).tolist()
 
 
@@ -402,10 +416,11 @@ def split_sequences(shards: list[Shard], cfg: TrainConfig) -> tuple[list[tuple[i
     return seqs[:n_val], seqs[n_val:]
 
 
-def _score_heads(target, shards: list[Shard], windows: list[tuple[int, int, int]], first_label: list[int],
+def _score_heads(target, shards: list[Shard], windows: list[tuple[int, int, int]], first_label: list[int] | None,
                  heads: list[str | os.PathLike], cfg: TrainConfig) -> list[list[float]]:  # fmt: skip
-    """Each head GGUF's accuracy per unroll step (``ttt_loss``) over ``windows`` (shard, lo, hi),
-    counting only labels at absolute token index ``>= first_label[i]`` of window ``i``."""
+    """Each head GGUF's accuracy per unroll step (``window_accuracy``) over ``windows`` (shard,
+    lo, hi); with ``first_label``, only labels at absolute token index ``>= first_label[i]`` of
+    window ``i`` count."""
     tt = read_target(target)
     device = pick_device(cfg.device)
     bf16 = cfg.bf16 and bf16_capable(device)
@@ -418,21 +433,10 @@ def _score_heads(target, shards: list[Shard], windows: list[tuple[int, int, int]
         model = Eagle3Head(head_cfg, emb, w.d2t, np.ones(3 * head_cfg.n_embd_target, np.float32))
         load_weights(model, w)
         model.to(device)
-        model.eval()
         t2d = np.full(tt.n_vocab, -1, np.int64)
         t2d[w.d2t] = np.arange(w.d2t.size)
         sampler = WindowSampler(shards, [], t2d, seq_len, cfg.seed)
-        corr, cnt = np.zeros(cfg.unroll), np.zeros(cfg.unroll)
-        with torch.no_grad():
-            for i0 in range(0, len(windows), cfg.batch):
-                wins = windows[i0 : i0 + cfg.batch]
-                b = sampler.make(wins, device)
-                idx = torch.arange(seq_len, device=device)[None, :] + torch.tensor([lo for _, lo, _ in wins], device=device)[:, None]
-                b.valid &= idx >= torch.tensor(first_label[i0 : i0 + cfg.batch], device=device)[:, None]
-                _, m = ttt_loss(model, b, cfg.unroll, bf16)
-                corr[: len(m.correct)] += m.correct
-                cnt[: len(m.count)] += m.count
-        out.append((corr / np.maximum(cnt, 1)).tolist())
+        out.append(window_accuracy(model, sampler, windows, first_label, cfg.unroll, cfg.batch, bf16, device))
     return out
 
 
@@ -460,7 +464,7 @@ def held_out_accuracy(target: str | os.PathLike, shard_files: list[Path], heads:
     for s, i in val:
         lo, hi = int(shards[s].starts[i]), int(shards[s].starts[i + 1])
         windows.append((s, lo, min(hi, lo + cfg.seq_len)))
-    return _score_heads(target, shards, windows, [lo for _, lo, _ in windows], heads, cfg)
+    return _score_heads(target, shards, windows, None, heads, cfg)
 
 
 def answer_accuracy(target: str | os.PathLike, shard_files: list[Path], heads: list[str | os.PathLike],
