@@ -533,6 +533,47 @@ def test_policy_replay_prices_each_side_with_the_policy_on_a_cost_table():
     assert row["est_us_off"] > row["est_us_on"] > row["calls_on"] * table[1]
 
 
+def test_the_suffix_automaton_finds_the_longest_occurring_prefix_as_brute_force_does():
+    from localspec.bench.memory import _SuffixAutomaton
+
+    rng = np.random.default_rng(11)
+    text = rng.integers(0, 3, 300).tolist()  # three symbols: many repeats, clones in the automaton
+    sam = _SuffixAutomaton()
+    for i, t in enumerate(text):
+        sam.extend(t)
+        if i % 37 == 0:
+            seen = text[: i + 1]
+            for _ in range(20):
+                pat = rng.integers(0, 3, 12).tolist()
+                want = max(n for n in range(13) if any(seen[j : j + n] == pat[:n] for j in range(len(seen) - n + 1)))
+                assert sam.longest_prefix(pat) == want
+
+
+def test_the_copying_bound_verifies_exactly_what_the_right_occurrence_agrees_on():
+    from localspec.bench.memory import replay_bound
+    from localspec.costmodel import CostModel
+    from localspec.policy import SpeculationPolicy
+
+    rng = np.random.default_rng(3)
+    out = rng.choice(np.arange(100, 5000), 60, replace=False).tolist()  # no n-gram repeats inside
+    reqs = [{"prompt": [1, 2, 3], "output": out}, {"prompt": [1, 2, 4], "output": out}]
+    table = {1: 22000.0, 2: 25700.0, 4: 33400.0, 8: 51000.0, 16: 80000.0, 32: 140000.0, 64: 260000.0}
+    (row,) = replay_bound([{"name": "w", "requests": reqs}], table, min_match=2)
+    step = SpeculationPolicy(CostModel(table)).step_us
+    assert row["tokens"] == 120
+    # own text only: nothing repeats inside a request, one call per token
+    assert row["calls_own"] == 120 and row["est_us_own"] == pytest.approx(120 * step(1))
+    # with the run's earlier text: the second request's first two tokens follow (2, 4) and
+    # (4, out[0]), never seen; from (out[0], out[1]) on, the first request's output agrees to
+    # the last token, whose verification emits it (57 drafts and the target's own token)
+    assert row["calls_mem"] == 60 + 3
+    assert row["est_us_mem"] == pytest.approx(62 * step(1) + step(58))
+    (capped,) = replay_bound([{"name": "w", "requests": reqs}], table, min_match=2, max_depth=20)
+    assert capped["calls_mem"] == 60 + 2 + 3  # 58 tokens as 21 + 21 + 16
+    with pytest.raises(ValueError):
+        replay_bound([], table, min_match=0)
+
+
 def test_humaneval_workload_is_each_problems_prompt_once_without_the_evaluated_ones(tmp_path):
     import gzip
 

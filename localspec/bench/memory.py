@@ -610,6 +610,118 @@ def replay_policy(workloads: Sequence[dict], cost_table_us: dict, *, max_nodes: 
     return _replay(workloads, lambda: _PolicySide(cost_table_us, max_nodes, max_depth), budget_mib)
 
 
+class _SuffixAutomaton:
+    """The suffix automaton of a growing token sequence (Blumer et al. 1985): ``extend``
+    appends a token in amortised O(1), ``longest_prefix`` finds how much of a pattern
+    occurs somewhere in the sequence in O(len(pattern))."""
+
+    def __init__(self) -> None:
+        self.next: list[dict[int, int]] = [{}]
+        self.link, self.len, self.last = [-1], [0], 0
+
+    def extend(self, c: int) -> None:
+        cur = len(self.len)
+        self.next.append({})
+        self.len.append(self.len[self.last] + 1)
+        self.link.append(0)
+        p = self.last
+        while p != -1 and c not in self.next[p]:
+            self.next[p][c] = cur
+            p = self.link[p]
+        if p != -1:
+            q = self.next[p][c]
+            if self.len[p] + 1 == self.len[q]:
+                self.link[cur] = q
+            else:
+                clone = len(self.len)
+                self.next.append(dict(self.next[q]))
+                self.len.append(self.len[p] + 1)
+                self.link.append(self.link[q])
+                while p != -1 and self.next[p].get(c) == q:
+                    self.next[p][c] = clone
+                    p = self.link[p]
+                self.link[q] = self.link[cur] = clone
+        self.last = cur
+
+    def longest_prefix(self, pattern: Sequence[int]) -> int:
+        state, n = 0, 0
+        for c in pattern:
+            state = self.next[state].get(c)
+            if state is None:
+                break
+            n += 1
+        return n
+
+
+def replay_bound(workloads: Sequence[dict], cost_table_us: dict, *, min_match: int = 1, max_depth: int = 63) -> list[dict]:
+    """The most any drafter that copies from earlier text can gain, on a cost table: an
+    upper bound to compare ``replay_policy`` against.
+
+    At each step of each recorded greedy output, the bound finds, among every earlier place
+    where the request's last ``min_match`` tokens occur, the one whose continuation agrees
+    longest with the output (``k`` tokens, at most ``max_depth``), and verifies exactly those
+    ``k`` tokens: a chain accepted whole, costing ``step_us(k + 1)`` of the engine's policy on
+    ``cost_table_us`` (decode plus host prior). A drafter that copies after a match of at
+    least ``min_match`` tokens accepts no more per step than ``k`` and verifies at least as
+    many tokens, so on a cost table that grows with the batch its estimated time is no
+    shorter (the n-gram drafter matches from one token: ``min_match`` 1). ``own`` copies only
+    from the request's own context, prompt and output (the n-gram drafter's sources); ``mem``
+    also from everything before it in the run (the workloads' corpora and earlier requests: a
+    drafting memory that never evicts). Found with suffix automata of both texts.
+
+    Returns:
+        per workload: ``{"name", "tokens", "calls_own", "calls_mem", "est_us_own", "est_us_mem"}``.
+    Raises:
+        ValueError: ``min_match`` < 1 or ``max_depth`` < 1.
+    """
+    from ..costmodel import CostModel
+    from ..policy import SpeculationPolicy
+
+    if min_match < 1 or max_depth < 1:
+        raise ValueError(f"need min_match >= 1 and max_depth >= 1, got {min_match}, {max_depth}")
+    pol = SpeculationPolicy(CostModel({int(b): float(t) for b, t in cost_table_us.items()}))
+    run = _SuffixAutomaton()  # every document of the run so far, each ended by its own separator
+    n_docs = 0
+
+    def end_document() -> None:
+        nonlocal n_docs
+        n_docs += 1
+        run.extend(-n_docs)  # a separator no other document has: no match runs across it
+
+    out = []
+    for w in workloads:
+        row = {"name": w["name"], "tokens": 0, "calls_own": 0, "calls_mem": 0, "est_us_own": 0.0, "est_us_mem": 0.0}
+        for doc in w.get("corpus", ()):
+            for t in doc:
+                run.extend(int(t))
+            end_document()
+        for req in w["requests"]:
+            measured = req.get("measured", True)
+            output = [int(t) for t in req["output"]]
+            history = [int(t) for c in req.get("context", ()) for t in c] + [int(t) for t in req["prompt"]]
+            own = _SuffixAutomaton()
+            for t in history:
+                own.extend(t)
+                run.extend(t)
+            for side, sam in (("own", own), ("mem", run)):
+                text, pos = list(history), 0
+                while pos < len(output):
+                    k = 0
+                    if len(text) >= min_match:
+                        want = min(max_depth, len(output) - pos - 1)
+                        k = max(0, sam.longest_prefix(text[len(text) - min_match :] + output[pos : pos + want]) - min_match)
+                    for t in output[pos : pos + k + 1]:
+                        sam.extend(t)
+                        text.append(t)
+                    pos += k + 1
+                    row[f"calls_{side}"] += measured
+                    row[f"est_us_{side}"] += pol.step_us(k + 1) * measured
+            end_document()
+            row["tokens"] += len(output) * measured
+        out.append(row)
+    return out
+
+
 def _rss_kib() -> tuple[int, int]:
     """(resident, peak resident) KiB of this process (Linux ``/proc/self/status``)."""
     vals = {}
