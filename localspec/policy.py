@@ -22,7 +22,8 @@ before* any model call (``plan``): from the cheap drafts already made (the n-gra
 ``--drafter auto``, nothing for a model drafter alone) and what it knows of the model
 drafter, whether running the model this step is expected to beat the cheap tree (or plain
 decoding) once its drafting time is paid (``prefer_model``), with the shape of the tree to
-grow (``tree_shape``: depth, top-k width, node budget) and the size to verify. The model's
+grow (``model_shape``: the chain or tree of the most expected tokens per µs, from the
+model's per-depth acceptance) and the size to verify. The model's
 drafting time is the cost model's measured time per draft level (``CostModel.t_draft_us``),
 weighed like the target's ``t(b)``. A plan without the model makes no model call. A model
 that does not pay is probed (a model step) after gaps that double from ``explore_every``
@@ -366,6 +367,9 @@ class TreeShape:
         )
 
 
+MODEL_DEPTHS = 16  # depths with their own acceptance counts in ModelDraftStats
+
+
 @dataclass
 class ModelDraftStats:
     """What the policy knows about a model drafter (draft model, EAGLE-3 head), learned online.
@@ -399,6 +403,12 @@ class ModelDraftStats:
             ``plan`` as ``probe_us`` (``probe_reserved_us``) and settled by ``observe_draft``.
         last_probe_us: the measured cost of the last probe (µs, as charged), 0 before one.
         last_shape: the shape the last plan with this model priced (``needs_features``).
+        depth_tried / depth_ok: per depth d (index d - 1), decayed counts of the model's steps
+            whose path reached depth d - 1 accepted with a node drafted at depth d, and of those
+            whose depth-d node was accepted (``observe_accept`` with ``depth``; each count decays
+            by ``depth_decay`` per observation, and a probe's outcome replaces them, as it
+            replaces the averages): ``depth_rates`` estimates from them the chance
+            that the model's drafts are accepted to each depth (``SpeculationPolicy.model_shape``).
     """
 
     t_draft_us: float = 0.0
@@ -421,6 +431,9 @@ class ModelDraftStats:
     probe_rows_us: float = 0.0
     last_probe_us: float = 0.0
     last_shape: "TreeShape | None" = None
+    depth_tried: list[float] = field(default_factory=lambda: [0.0] * MODEL_DEPTHS)
+    depth_ok: list[float] = field(default_factory=lambda: [0.0] * MODEL_DEPTHS)
+    depth_decay: float = 0.98
 
     def _ema(self, old: float, new: float) -> float:
         return new if self.n_steps <= 1 else old + self.alpha * (new - old)
@@ -439,10 +452,20 @@ class ModelDraftStats:
             self.explore_spent_us += self.last_probe_us - self.probe_reserved_us
             self.probe_reserved_us = 0.0
 
-    def observe_accept(self, n_accepted: int, gain: int | None = None) -> None:
+    def observe_accept(self, n_accepted: int, gain: int | None = None, depth: int | None = None) -> None:
         """A drafted step: ``n_accepted`` tokens along the model's tree, ``gain`` of them beyond
         what the cheap drafts got (None: the model drafted alone, gain = ``n_accepted``); a
-        probe's outcome replaces the averages."""
+        probe's outcome replaces the averages. ``depth``: the depth of the model's tree, for the
+        per-depth counts (a path accepted to the tree's depth says nothing of deeper ones)."""
+        if depth is not None and depth > 0:
+            keep = 0.0 if self.probe else self.depth_decay  # a probe's outcome replaces the counts too
+            for d in range(MODEL_DEPTHS):
+                self.depth_tried[d] *= keep
+                self.depth_ok[d] *= keep
+            for d in range(min(depth, n_accepted + 1, MODEL_DEPTHS)):
+                self.depth_tried[d] += 1.0
+                if d < n_accepted:
+                    self.depth_ok[d] += 1.0
         gain = float(n_accepted if gain is None else gain)
         if self.probe:
             self.probe = False
@@ -453,6 +476,25 @@ class ModelDraftStats:
 
     def skipped(self) -> None:
         self.steps_since_run += 1
+
+    def depth_rates(self, max_depth: int) -> np.ndarray | None:
+        """[max_depth] float64: the estimated chance that the model's drafts are accepted at
+        least to depth 1, 2, ... (products of each depth's conditional rate, with the rate of
+        the depth above as the prior of one with fewer than 2 observations), or None before
+        any observation."""
+        if self.depth_tried[0] <= 0.0:
+            return None
+        out = np.zeros(max_depth)
+        q, prior = 1.0, 0.5
+        for d in range(min(max_depth, MODEL_DEPTHS)):
+            n, k = self.depth_tried[d], self.depth_ok[d]
+            r = (k + 2.0 * prior) / (n + 2.0)  # two pseudo-observations at the prior
+            q *= r
+            out[d] = q
+            prior = r
+        if max_depth > MODEL_DEPTHS:
+            out[MODEL_DEPTHS:] = q * prior ** np.arange(1, max_depth - MODEL_DEPTHS + 1)
+        return out
 
 
 def accepted_length(tree: TokenTree, emitted: Sequence[int]) -> int:
@@ -513,6 +555,7 @@ class SpeculationPolicy:
         self._host_node_load = 1.0  # cost.load() when t_host_node_us was last refined
         self._alpha = 0.1
         self.verify_cost_factor = 2.5  # tree_shape: verification budget, in plain decodes
+        self.width_credit = 0.05  # model_shape: tree_shape's tree wins within this of the best chain's rate
         self.explore_every = 32  # plan: first gap (steps) between probes of a model drafter that does not pay
         self.explore_budget = 0.01  # plan: probes take at most this fraction of the steps and of their time
         self.feature_lead = 4  # needs_features: steps before a possible model step from which its head gets rows
@@ -647,6 +690,51 @@ class SpeculationPolicy:
         width = int(min(max_width, max(1, math.ceil((budget - 1) / depth))))
         return TreeShape(depth=depth, width=width, max_nodes=budget)
 
+    def model_shape(self, stats: ModelDraftStats, *, max_depth: int, max_nodes: int, max_width: int) -> TreeShape:
+        """Shape of the next model-drafted tree: the one with the most expected tokens per µs
+        (``model_rate``) among chains of every depth up to ``max_depth`` and ``tree_shape``'s
+        tree, which also wins when its rate is within ``width_credit`` of the best chain's
+        (its width adds acceptance that the estimate, made from the per-depth rates of the
+        drafts on each path, does not count). Before the model's drafts were verified (no
+        per-depth counts) ``tree_shape``'s.
+
+        Where a verified node costs a good part of a decode (the 2-core development CPU:
+        t(2) = 1.17 t(1)), a head whose first draft is accepted about half the time drafts
+        chains of one or two; where a batch costs about one token (a GPU) the same head
+        drafts deeper, each node still priced at its host time (``host_us``)."""
+        base = self.tree_shape(stats, max_depth=max_depth, max_nodes=max_nodes, max_width=max_width)
+        q = stats.depth_rates(max_depth)
+        if q is None:
+            return base
+        best, best_rate = None, -1.0
+        for depth in range(1, min(max_depth, max_nodes - 1) + 1):
+            chain = TreeShape(depth=depth, width=1, max_nodes=depth + 1)
+            r = self.model_rate(stats, chain, q)
+            if r > best_rate:
+                best, best_rate = chain, r
+        if best is None or self.model_rate(stats, base, q) >= best_rate * (1.0 - self.width_credit):
+            return base
+        return best
+
+    def model_rate(self, stats: ModelDraftStats, shape: TreeShape, q: np.ndarray | None = None, *, t_spent_us: float = 0.0) -> float:
+        """Expected tokens per µs of a model step of ``shape`` (its drafting, verification and
+        host time), credited with what the model is expected to get accepted beyond the cheap
+        drafts: the expected accepted length of ``shape.depth`` levels (``depth_rates``, over
+        the last ~50 drafted steps) times the share of the model's recent accepted tokens that
+        were a gain (``gain_length / accept_length``, moving averages; nothing when its recent
+        drafts got nothing accepted: its probes decide when it comes back); ``gain_length``
+        before any per-depth count. ``t_spent_us``: time this step already spent (the cheap
+        drafts), part of its time whatever it verifies, as in ``choose``'s rates."""
+        if q is None or q.size < shape.depth:
+            q = stats.depth_rates(shape.depth)
+        if q is None:
+            gain = stats.gain_length
+        else:
+            share = min(1.0, stats.gain_length / stats.accept_length) if stats.accept_length > 1e-9 else 0.0
+            gain = share * float(np.sum(q[: shape.depth]))
+        b = shape.max_nodes
+        return (1.0 + gain) / (t_spent_us + self.model_step_us(stats, shape) + self.cost.t_decode_us(b) + self.host_us(b))
+
     def model_step_us(self, stats: ModelDraftStats, shape: TreeShape) -> float:
         """Expected drafting time of a model step of ``shape`` (µs): the cost model's measured
         time of ``shape.depth`` draft levels plus the drafter's host time; the drafter's
@@ -654,7 +742,8 @@ class SpeculationPolicy:
         t = self.cost.t_draft_us(shape.depth)
         return stats.t_draft_us if t is None else t + stats.t_host_us
 
-    def prefer_model(self, cheap: Choice, stats: ModelDraftStats, shape: TreeShape | None = None) -> bool:
+    def prefer_model(self, cheap: Choice, stats: ModelDraftStats, shape: TreeShape | None = None, *,
+                     t_spent_us: float = 0.0) -> bool:  # fmt: skip
         """Does running the model drafter this step pay, rather than verifying only the cheap
         drafts (the n-gram tree, or nothing), whose best choice is ``cheap``? Compares the
         expected tokens per µs of a model step of ``shape``, including its drafting time, with
@@ -671,10 +760,11 @@ class SpeculationPolicy:
         runs.)"""
         if stats.n_steps == 0:
             return False
-        b = shape.max_nodes if shape is not None else max(2, int(round(stats.n_nodes)))
-        t_draft = self.model_step_us(stats, shape) if shape is not None else stats.t_draft_us
-        tokens = 1.0 + stats.gain_length
-        rate = tokens / (t_draft + self.cost.t_decode_us(b) + self.host_us(b))
+        if shape is not None:
+            rate = self.model_rate(stats, shape, t_spent_us=t_spent_us)
+        else:
+            b = max(2, int(round(stats.n_nodes)))
+            rate = (1.0 + stats.gain_length) / (t_spent_us + stats.t_draft_us + self.cost.t_decode_us(b) + self.host_us(b))
         return rate > cheap.expected_rate * (1.0 + self.min_gain)
 
     def probe_us(self, stats: ModelDraftStats, shape: TreeShape) -> float:
@@ -771,7 +861,7 @@ class SpeculationPolicy:
         if fixed_shape is not None:
             shape = fixed_shape
         else:
-            shape = self.tree_shape(model, max_depth=min(max_depth, model.max_depth), max_nodes=max_nodes, max_width=model.max_width)
+            shape = self.model_shape(model, max_depth=min(max_depth, model.max_depth), max_nodes=max_nodes, max_width=model.max_width)
         model.last_shape = shape
         if not adaptive:
             return StepPlan(c.n_nodes, shape)
@@ -781,7 +871,7 @@ class SpeculationPolicy:
         n_nodes = max(c.n_nodes, min(shape.max_nodes, max_nodes))
         if model.explore_from_us is None:
             model.explore_from_us = self.t_steps_us
-        if fixed_shape is None and not self.prefer_model(c, model, shape):
+        if fixed_shape is None and not self.prefer_model(c, model, shape, t_spent_us=t_draft_us):
             if not self.probe_due(model, shape):
                 return StepPlan(c.n_nodes, None)
             # a probe: a model step like any other (the target can only accept what it

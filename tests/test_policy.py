@@ -1,6 +1,7 @@
 import math
 
 import numpy as np
+import pytest
 
 from conftest import fixed_cost_model
 from localspec.policy import AcceptanceTracker, Choice, ModelDraftStats, ScoreCalibration, SpeculationPolicy, TreeShape
@@ -434,6 +435,84 @@ def test_auto_records_the_heads_gain_beyond_the_ngram_tree():
     assert st.accept_length == 3.0 and st.gain_length == 0.0
     st.observe_accept(2)
     assert st.gain_length == 2.0  # n_steps <= 1: the last value
+
+
+def test_per_depth_counts_stop_at_the_trees_depth_decay_and_are_replaced_by_a_probe():
+    """``observe_accept`` with the model tree's depth: depth d is tried when the path reached
+    d - 1 accepted and the tree has a node at d; a path accepted to the tree's depth says
+    nothing of deeper ones. Counts decay per observation; a probe's outcome replaces them."""
+    st = ModelDraftStats(n_steps=2, depth_decay=0.5)
+    st.observe_accept(2, depth=4)  # accepted 2 of a 4-deep tree: depths 1-3 tried, 1-2 accepted
+    assert st.depth_tried[:5] == [1.0, 1.0, 1.0, 0.0, 0.0] and st.depth_ok[:4] == [1.0, 1.0, 0.0, 0.0]
+    st.observe_accept(3, depth=3)  # the whole tree accepted: depth 4 was not tried
+    assert st.depth_tried[:4] == [1.5, 1.5, 1.5, 0.0] and st.depth_ok[:4] == [1.5, 1.5, 1.0, 0.0]
+    q = st.depth_rates(4)
+    r1 = (1.5 + 2 * 0.5) / (1.5 + 2)  # two pseudo-observations at the prior
+    r2 = (1.5 + 2 * r1) / (1.5 + 2)  # the prior of each depth is the rate of the one above
+    r3 = (1.0 + 2 * r2) / (1.5 + 2)
+    assert q[:3] == pytest.approx([r1, r1 * r2, r1 * r2 * r3])
+    assert q[3] == pytest.approx(r1 * r2 * r3 * r3)  # untried: its prior
+    st.probe = True
+    st.observe_accept(0, depth=2)
+    assert st.depth_tried[:3] == [1.0, 0.0, 0.0] and st.depth_ok[:2] == [0.0, 0.0]
+    assert ModelDraftStats().depth_rates(3) is None
+
+
+def _stats_with_rates(rate: float, n: int = 40, depth: int = 6) -> ModelDraftStats:
+    """A model drafter whose every next draft is accepted with chance ``rate`` (deterministic
+    counts: ``n`` steps of ``depth``-deep trees, accepted as far as that rate says)."""
+    st = ModelDraftStats(t_draft_us=1500.0, n_steps=n, t_host_us=100.0, depth_decay=1.0)
+    accepted = []
+    for k in range(n):
+        acc = 0
+        while acc < depth and (k * 7919 % 1000 + 0.5) / 1000.0 < rate ** (acc + 1):
+            acc += 1
+        st.observe_accept(acc, depth=depth)
+        accepted.append(acc)
+    st.accept_length = st.gain_length = float(np.mean(accepted))
+    return st
+
+
+def test_the_model_drafts_the_chain_whose_expected_rate_is_highest_for_the_machine():
+    """``model_shape``: where each verified node costs a good part of a decode (the 2-core
+    CPU's table), a head whose drafts are accepted about half the time drafts a short chain,
+    and a better head a longer one; where a batch costs about one token (a GPU), the same
+    head drafts deeper. Each choice is the best of the shapes it weighs (``tree_shape``'s
+    tree: within ``width_credit`` of the best chain)."""
+    cpu = {1: 22000.0, 2: 25800.0, 3: 30000.0, 4: 33400.0, 5: 50500.0, 6: 55100.0, 7: 58400.0, 8: 52300.0,
+           12: 66500.0, 16: 81400.0, 32: 145600.0, 64: 279300.0}  # fmt: skip
+    pol = SpeculationPolicy(CostModel(cpu), max_nodes=64)
+    pol.cost.observe_draft_levels([800.0, 600.0, 400.0, 400.0, 400.0, 400.0])
+    half, good = _stats_with_rates(0.5), _stats_with_rates(0.9)
+    s_half = pol.model_shape(half, max_depth=6, max_nodes=64, max_width=4)
+    s_good = pol.model_shape(good, max_depth=6, max_nodes=64, max_width=4)
+    assert s_half.width == 1 and s_half.max_nodes == s_half.depth + 1 and s_half.depth <= 2
+    assert s_good.depth > s_half.depth
+    for st, best in ((half, s_half), (good, s_good)):
+        q = st.depth_rates(6)
+        others = [TreeShape(d, 1, d + 1) for d in range(1, 7)] + [pol.tree_shape(st, max_depth=6, max_nodes=64, max_width=4)]
+        assert pol.model_rate(st, best, q) >= (1 - pol.width_credit) * max(pol.model_rate(st, o, q) for o in others)
+    assert pol.model_rate(half, s_half) > pol.model_rate(half, pol.tree_shape(half, max_depth=6, max_nodes=64, max_width=4))
+    # against a plain step, the short chain pays (about 1.55 tokens for 1.2 decodes)
+    plain = Choice(1, 1.0, 1.0 / pol.step_us(1))
+    assert pol.prefer_model(plain, half, s_half)
+    flat = SpeculationPolicy(CostModel({b: 4000.0 * (1 + 0.002 * (b - 1)) for b in (1, 2, 3, 4, 8, 16, 32, 64)}), max_nodes=64)
+    flat.cost.observe_draft_levels([800.0, 600.0, 400.0, 400.0, 400.0, 400.0])
+    deeper = flat.model_shape(half, max_depth=6, max_nodes=64, max_width=4)
+    assert deeper.depth > s_half.depth  # verification nearly free: the same head drafts deeper
+
+
+def test_a_model_whose_drafts_got_nothing_accepted_is_credited_nothing_at_any_depth():
+    """Per-depth counts from earlier steps do not make a model that now gets nothing accepted
+    look worth running: with ``accept_length`` 0 (a failed probe) every shape is credited no
+    gain, so only its probes bring it back."""
+    pol = SpeculationPolicy(fixed_cost_model(), max_nodes=64)
+    st = _stats_with_rates(0.9)
+    st.accept_length = st.gain_length = 0.0
+    for d in range(1, 5):
+        shape = TreeShape(d, 1, d + 1)
+        assert pol.model_rate(st, shape) == pytest.approx(1.0 / (pol.model_step_us(st, shape) + pol.step_us(d + 1)))
+    assert not pol.prefer_model(Choice(1, 1.0, 1.0 / pol.step_us(1)), st, TreeShape(1, 1, 2))
 
 
 def test_the_early_plain_exit_never_changes_the_choice():
