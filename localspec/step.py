@@ -101,9 +101,11 @@ class Proposal:
         t_draft_us: what drafting cost (µs).
         plan_nodes: the size the request's own plan chose (root included).
         max_nodes: the largest tree it may verify.
-        model_step: True when a model drafted this step (its plan's size is kept).
-        probe: the model drafted as a probe (``StepPlan.probe``): the request's score
-            calibration does not learn from this step.
+        model_step: True when a model drafted this step (its plan's size is kept). The
+            request's score calibration does not learn from such a step: it calibrates the
+            cheap drafts' scores, and the model's nodes carry their own (the model drafter's
+            acceptance tracker).
+        probe: the model drafted as a probe (``StepPlan.probe``).
     """
 
     candidate: TokenTree | None
@@ -322,8 +324,8 @@ class Step:
                 # the row that produced the last emitted token: it predicts the next root
                 d.set_final_hidden(kv.root_pos - 1, h_rows[res.rows[-1]])
         g.state.commit(res.tokens)
-        if g.calibration is not None:  # every step, so that plain steps age the evidence; a probe ages it only
-            scores = tree.score[1:] if not p.probe else ()
+        if g.calibration is not None:  # every step, so that plain steps age the evidence; a model step ages it only
+            scores = tree.score[1:] if not p.model_step else ()
             g.calibration.observe(np.asarray(scores, dtype=np.float64), len(res.path))
         chunks = g.emit(tree, res, lps)
         st = g.stats

@@ -21,7 +21,7 @@ def test_auto_probes_a_model_that_does_not_pay_rarely_and_takes_it_back_when_rig
     10% of the steps between: 15 or so, about 4 of 64 steps; every 5th step before), and the
     output is plain decoding's, and the failed probes leave the score calibration alone; with
     its drafts right, its next probe pays and it drafts most of the tokens, still plain
-    decoding's."""
+    decoding's, and its steps still leave the calibration (of the n-gram scores) alone."""
     e = Engine(model, drafter="none", n_ctx=2048, cost_model=fixed_cost_model())
     try:
         prompt = e.tokenize(TEXT)
@@ -46,6 +46,8 @@ def test_auto_probes_a_model_that_does_not_pay_rarely_and_takes_it_back_when_rig
         assert_same_as_plain(e, prompt, ref.token_ids, res.token_ids)
         assert res.stats.token_sources.get("draft_model", 0) >= 32, res.stats.token_sources
         assert res.stats.n_steps <= 32 and m.extends >= res.stats.n_steps // 2
+        # nor are the model's paying steps: the calibration is of the n-gram scores
+        assert e.policy.calibration.log_center == 0.0
     finally:
         e.close()
 
