@@ -749,11 +749,12 @@ class SpeculationPolicy:
         expected tokens per µs of a model step of ``shape``, including its drafting time, with
         the cheap step. False for a model never run (no evidence: ``plan`` probes it).
 
-        The model step is credited with what the model gets accepted beyond the cheap drafts
-        verified with it (``stats.gain_length``; for a model drafting alone its acceptance
-        length): tokens both drafters proposed are no gain of the model, and the merged
+        The model step is credited with what the model is expected to get accepted beyond the
+        cheap drafts verified with it (``model_rate``; for a model drafting alone its
+        acceptance): tokens both drafters proposed are no gain of the model, and the merged
         step verifies only ``shape.max_nodes`` nodes, so it cannot count on the cheap tree's
         longer runs either. Like ``choose``, it must beat the cheap step by ``min_gain``.
+        ``t_spent_us``: the time the step already spent on the cheap drafts (``model_rate``).
         (Measured 2026-12-01 on Spec-Bench: crediting the whole acceptance length gave
         ``auto`` 0.86x of ``ngram``; crediting the cheap tree's expected tokens plus the gain
         0.55x, because the head then ran, with its small budget, where the n-grams had long

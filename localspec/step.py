@@ -105,7 +105,6 @@ class Proposal:
             request's score calibration does not learn from such a step: it calibrates the
             cheap drafts' scores, and the model's nodes carry their own (the model drafter's
             acceptance tracker).
-        probe: the model drafted as a probe (``StepPlan.probe``).
     """
 
     candidate: TokenTree | None
@@ -114,7 +113,6 @@ class Proposal:
     plan_nodes: int = 1
     max_nodes: int = 1
     model_step: bool = False
-    probe: bool = False
 
 
 @dataclass
@@ -432,7 +430,7 @@ def propose_many(policy: SpeculationPolicy, reqs: Sequence[DraftRequest], *, ada
             cap = min(cap, r.calibration.trust_nodes())
         n = min(plan.n_nodes, r.max_nodes)
         out[i] = Proposal(cand, verified_tree(cand, n, r.root, r.n_scratch), t_cheap + (t_ext if i in trees else 0.0),
-                          n, cap, plan.shape is not None, plan.probe)  # fmt: skip
+                          n, cap, plan.shape is not None)  # fmt: skip
     return out  # type: ignore[return-value]
 
 

@@ -62,7 +62,7 @@ def main() -> None:
         tot = dict.fromkeys(keys, 0)
         for r in rs + [None]:
             if r is None:
-                r = dict(tot, name="**all**", calls_off=tot["calls_off"], calls_on=tot["calls_on"])
+                r = dict(tot, name="**all**")
             else:
                 for k in tot:
                     tot[k] += r[k]
