@@ -48,11 +48,16 @@ def model_path():
     return default_model_path()
 
 
+# Layers of the shared models offloaded to a GPU (CUDA / Metal builds of llama.cpp only;
+# docs/gpu.md): LOCALSPEC_TEST_N_GPU_LAYERS=-1 runs the model tests offloaded. Default 0: CPU.
+TEST_N_GPU_LAYERS = int(os.environ.get("LOCALSPEC_TEST_N_GPU_LAYERS", "0") or 0)
+
+
 @pytest.fixture(scope="session")
 def model(model_path):
     from localspec.backend import Model
 
-    m = Model(model_path)
+    m = Model(model_path, n_gpu_layers=TEST_N_GPU_LAYERS)
     yield m
     m.close()
 
@@ -83,7 +88,7 @@ def derived_draft_path(model_path, tmp_path_factory):
 def derived_draft(derived_draft_path):
     from localspec.backend import Model
 
-    m = Model(derived_draft_path)
+    m = Model(derived_draft_path, n_gpu_layers=TEST_N_GPU_LAYERS)
     yield m
     m.close()
 

@@ -1,6 +1,8 @@
 """``localspec bench drafters --versus``: a drafter named twice runs two engines of it (an
 A/A/B run shows the spread of a drafter against itself beside the drafter compared)."""
 
+import pytest
+
 from localspec.bench.dataset import BenchPrompt
 from localspec.bench.drafters import compare_drafters, summarize_versus, versus_labels
 
@@ -19,3 +21,16 @@ def test_a_drafter_named_twice_runs_on_two_engines(model):
     assert row["ngram"]["n_generated_tokens"] == row["ngram#2"]["n_generated_tokens"] > 0
     (cat, total) = summarize_versus(rows, labels)
     assert cat["category"] == "qa" and set(labels) <= set(cat) and total["category"] == "all"
+
+
+def test_repeats_time_every_engine_in_every_round(model):
+    prompts = [BenchPrompt("qa", "qa", 1, "Question: Name three rivers in Europe.\nAnswer:")]
+    rows = compare_drafters(model, prompts, ["ngram"], max_tokens=8, repeats=3)
+    (row,) = rows
+    for name in ("plain", "ngram"):
+        times = row[name]["t_decode_us_rounds"]
+        assert len(times) == 3 and all(t > 0 for t in times)
+        assert row[name]["t_decode_us"] == pytest.approx(sum(times) / 3)
+    assert row["ngram"]["identical"]
+    with pytest.raises(ValueError, match="repeats"):
+        compare_drafters(model, prompts, ["ngram"], max_tokens=8, repeats=0)

@@ -224,7 +224,8 @@ def versus_labels(names: Sequence[str]) -> list[str]:
     return out
 
 
-def compare_drafters(model, prompts, drafters=("ngram", "auto"), *, max_tokens: int = 128, n_threads=None, progress=None) -> list[dict]:
+def compare_drafters(model, prompts, drafters=("ngram", "auto"), *, max_tokens: int = 128, n_threads=None,
+                     progress=None, repeats: int = 1) -> list[dict]:  # fmt: skip
     """Spec-Bench-style prompts decoded plainly and with each drafter, in one run: per prompt
     the runs alternate (the order rotates prompt by prompt) so load bursts spread over all of
     them, each from an empty KV cache, greedy.
@@ -233,11 +234,20 @@ def compare_drafters(model, prompts, drafters=("ngram", "auto"), *, max_tokens: 
         prompts: ``bench.dataset.BenchPrompt`` list.
         drafters: drafter labels (``versus_labels``: a name, or ``name#k`` for another engine of
             the same drafter; engine options default: ``auto`` takes the shipped head).
+        repeats: rounds per prompt, each running every engine once; the order of a round is the
+            reverse of the round before (A B C, C B A, ...: with an even count a drift in the
+            machine's speed that is linear over the prompt adds the same time to every engine).
     Returns:
         one dict per prompt: ``category``, ``question_id``, and per drafter name (and
-        ``"plain"``) ``t_decode_us``, ``n_generated_tokens``, ``mean_acceptance_length``,
-        ``identical`` (token ids equal to the plain run's).
+        ``"plain"``) ``t_decode_us`` (the mean over the rounds), ``t_decode_us_rounds``,
+        ``n_generated_tokens``, ``mean_acceptance_length`` (the first round's),
+        ``identical`` (token ids equal to the plain run's in every round).
+
+    Raises:
+        ValueError: ``repeats`` is below 1.
     """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
     from ..costmodel import calibrate
     from ..engine import Engine
 
@@ -253,18 +263,23 @@ def compare_drafters(model, prompts, drafters=("ngram", "auto"), *, max_tokens: 
         rows = []
         for i, bp in enumerate(prompts):
             order = names[i % len(names):] + names[: i % len(names)]
-            res = {}
-            for name in order:
-                e = engines[name]
-                e.reset()
-                res[name] = e.generate(bp.text if bp.tokens is None else bp.tokens, max_tokens=max_tokens, sampling=greedy, speculative=name != "plain")
+            runs: dict[str, list] = {name: [] for name in names}
+            for k in range(repeats):
+                for name in order if k % 2 == 0 else order[::-1]:
+                    e = engines[name]
+                    e.reset()
+                    runs[name].append(e.generate(bp.text if bp.tokens is None else bp.tokens, max_tokens=max_tokens,
+                                                 sampling=greedy, speculative=name != "plain"))  # fmt: skip
+            plain_ids = runs["plain"][0].token_ids
             row = {"category": bp.category, "question_id": bp.question_id}
-            for name, r in res.items():
+            for name, rs in runs.items():
+                times = [r.stats.t_generate_us for r in rs]
                 row[name] = {
-                    "t_decode_us": r.stats.t_generate_us,
-                    "n_generated_tokens": r.stats.n_generated_tokens,
-                    "mean_acceptance_length": r.stats.mean_acceptance_length,
-                    "identical": r.token_ids == res["plain"].token_ids,
+                    "t_decode_us": float(np.mean(times)),
+                    "t_decode_us_rounds": times,
+                    "n_generated_tokens": rs[0].stats.n_generated_tokens,
+                    "mean_acceptance_length": rs[0].stats.mean_acceptance_length,
+                    "identical": all(r.token_ids == plain_ids for r in rs),
                 }
             rows.append(row)
             if progress is not None:

@@ -175,6 +175,8 @@ def register(sub) -> None:
     dr.add_argument("--rounds", type=int, default=2, help="passes over the built-in prompts (default 2)")
     dr.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all this process may use)")
     dr.add_argument("-m", "--model", default=None, help="target GGUF (default: the embedded model)")
+    dr.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
+                    help="target layers to offload on CUDA/Metal builds (-1 = all; the head stays on the CPU)")
     dr.add_argument("--versus", default=None, metavar="A,B",
                     help="instead: Spec-Bench prompts (--dataset) decoded plainly and with drafters A and B in one "
                     "run (e.g. ngram,auto); per category speed over plain, MAL, identical outputs, and B over A; "
@@ -184,6 +186,9 @@ def register(sub) -> None:
     dr.add_argument("--per-category", type=int, default=3, help="prompts per category (with --versus; default 3)")
     dr.add_argument("--chat-format", action="store_true",
                     help="(with --versus) each question as one user turn of a conversation, as chat and serve give it")
+    dr.add_argument("--repeats", type=int, default=1, metavar="R",
+                    help="(with --versus) rounds per prompt, each running every engine once, in reversed order "
+                    "round by round (A B, B A, ...); a prompt's time per engine is the mean (default 1)")  # fmt: skip
     dr.add_argument("--json", action="store_true")
     dr.set_defaults(func=run_drafters)
 
@@ -484,7 +489,7 @@ def run_drafters(a: argparse.Namespace) -> int:
 
     if a.versus:
         return _run_versus(a)
-    model = Model(resolve_model(a.model))
+    model = Model(resolve_model(a.model), n_gpu_layers=a.n_gpu_layers)
     try:
         head = a.eagle or shipped_head(model.path)
         if head is None:
@@ -534,20 +539,22 @@ def _run_versus(a: argparse.Namespace) -> int:
     if len(names) < 2 or "none" in names:
         raise SystemExit("localspec: error: --versus takes two or more drafter names, e.g. ngram,auto")
     names = versus_labels(names)
+    if a.repeats < 1:
+        raise SystemExit(f"localspec: error: --repeats must be at least 1, got {a.repeats}")
     prompts = select_prompts(load_questions(a.dataset), None, a.per_category)
-    model = Model(resolve_model(a.model))
+    model = Model(resolve_model(a.model), n_gpu_layers=a.n_gpu_layers)
     if a.chat_format:
         prompts = as_chat(prompts, model)
     load0 = os.getloadavg()[0]
     try:
-        rows = compare_drafters(model, prompts, names, max_tokens=a.max_tokens, n_threads=a.threads,
+        rows = compare_drafters(model, prompts, names, max_tokens=a.max_tokens, n_threads=a.threads, repeats=a.repeats,
                                 progress=lambda i, n, _r: print(f"  {i}/{n}", file=sys.stderr))  # fmt: skip
     finally:
         model.close()
     summary = summarize_versus(rows, names)
     load1 = os.getloadavg()[0]
     if a.json:
-        print(json.dumps({"prompts": rows, "summary": summary, "load_avg_1min": [load0, load1]}))
+        print(json.dumps({"prompts": rows, "summary": summary, "repeats": a.repeats, "load_avg_1min": [load0, load1]}))
         return 0
     print(f"load average (1 min): {load0:.1f} at the start, {load1:.1f} at the end, on {os.cpu_count()} CPUs; greedy, {a.max_tokens} tokens")
     head = " | ".join(f"{n} vs plain / MAL / identical" for n in names)
