@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +34,8 @@ from .paths import cache_dir
 
 # Batch sizes the policy may choose (nodes per verified tree, root included).
 CANDIDATE_SIZES = tuple(range(1, 17)) + (20, 24, 28, 32, 40, 48, 56, 64)
-_CACHE_VERSION = 2
+# 3: GPU tables time each size in a run of its own (calibration_schedule)
+_CACHE_VERSION = 3
 
 
 @dataclass
@@ -444,6 +446,25 @@ def _update_cache(path: Path, key: str, entry: dict | None, *, only_if: dict[int
         pass
 
 
+def calibration_schedule(sizes: Sequence[int], reps: int, *, cpu_only: bool) -> list[tuple[int, bool]]:
+    """The order of a calibration's decodes: ``(batch size, timed)`` pairs.
+
+    * CPU alone: ``reps`` rounds over all sizes, every decode timed. A burst of load from
+      another process then spoils one sample of many sizes, which the median drops, instead
+      of every sample of a few neighbouring sizes.
+    * GPU or RPC layers: per size, one untimed decode and then its ``reps`` timed ones in a
+      row. llama.cpp's CUDA backend replays a captured CUDA graph only while consecutive
+      decodes have the same shape (and captures none for more than one token), so a
+      single-token decode right after a decode of another size pays a new capture: 3.6-3.9 ms
+      against 1.1-1.6 ms in a run of single-token decodes, the state plain decoding and a
+      run of undrafted steps are in (Gemma 3 270M on an H200, docs/gpu.md). Rounds would
+      price every step's alternative, decoding one token, at the re-capture's cost.
+    """
+    if cpu_only:
+        return [(b, True) for _ in range(reps) for b in sizes]
+    return [(b, k > 0) for b in sizes for k in range(reps + 1)]
+
+
 def calibrate(
     ctx: Context,
     *,
@@ -500,25 +521,30 @@ def calibrate(
     cpu_only = getattr(m, "device_key", "local") == "local" and not getattr(m, "on_local_gpu", False)
     n_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     cpu_got, cpu_could = 0.0, 0.0
-    # Rounds over all sizes rather than all repetitions of one size in a row: a burst of load
-    # from another process then spoils one sample of many sizes, which the median drops,
-    # instead of every sample of a few neighbouring sizes.
     times: dict[int, list[float]] = {b: [] for b in sizes}
-    for r in range(reps):
-        for i, b in enumerate(sizes):
-            batch.set_sequence(rng.integers(100, vocab_hi, b), n_prefix, output="all")
-            t0 = clock()
-            c0 = cpu_clock()
+    schedule = calibration_schedule(sizes, reps, cpu_only=cpu_only)
+    n_timed = sum(timed for _, timed in schedule)
+    done = 0
+    for b, timed in schedule:
+        batch.set_sequence(rng.integers(100, vocab_hi, b), n_prefix, output="all")
+        if not timed:
             ctx.decode(batch)
             ctx.synchronize()
-            c1 = cpu_clock()
-            t1 = clock()
-            times[b].append((t1 - t0) * 1e6)
-            cpu_got += c1 - c0
-            cpu_could += (t1 - t0) * min(ctx.n_threads if b == 1 else ctx.n_threads_batch, n_cpus)
             ctx.seq_rm(0, n_prefix, -1)
-            if progress is not None:
-                progress(r * len(sizes) + i + 1, reps * len(sizes))
+            continue
+        t0 = clock()
+        c0 = cpu_clock()
+        ctx.decode(batch)
+        ctx.synchronize()
+        c1 = cpu_clock()
+        t1 = clock()
+        ctx.seq_rm(0, n_prefix, -1)
+        times[b].append((t1 - t0) * 1e6)
+        cpu_got += c1 - c0
+        cpu_could += (t1 - t0) * min(ctx.n_threads if b == 1 else ctx.n_threads_batch, n_cpus)
+        done += 1
+        if progress is not None:
+            progress(done, n_timed)
     table = {b: float(np.median(ts)) for b, ts in times.items()}
     ctx.clear()
     share = cpu_got / cpu_could if cpu_only and cpu_could > 0 else None

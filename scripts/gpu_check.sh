@@ -71,6 +71,9 @@ step bench-kernels 30 "$py" -m localspec bench kernels --json
 step versus-chat 240 "$py" -m localspec bench drafters -ngl "$ngl" --versus ngram,eagle3,auto \
     --dataset "$data" --per-category "$per" -n 128 --chat-format --json
 
+# the drafting memory (docs/drafters.md#drafting-memory) where verifying more tokens costs little
+step memory 180 "$py" -m localspec bench memory --workloads code,batch --prompts 40 -ngl "$ngl" --json
+
 # the decode cost tables the engines measured (per model, device set and build)
 costs
 echo "== done"

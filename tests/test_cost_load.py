@@ -223,3 +223,25 @@ def test_an_entry_measured_again_meanwhile_is_not_dropped(ctx, cache):
     for _ in range(cm.expire_after):
         cm.observe(1, 12900.0)
     assert cm.rebased == 1 and entries(cache) == data
+
+
+def test_calibration_schedule_rounds_on_the_cpu_and_runs_of_a_size_on_a_gpu():
+    from localspec.costmodel import calibration_schedule
+
+    assert calibration_schedule([1, 2, 4], 2, cpu_only=True) == [(1, True), (2, True), (4, True)] * 2
+    gpu = calibration_schedule([1, 2, 4], 2, cpu_only=False)
+    assert gpu == [(1, False), (1, True), (1, True), (2, False), (2, True), (2, True), (4, False), (4, True), (4, True)]
+
+
+def test_a_gpu_calibration_times_each_size_in_a_row_after_an_untimed_decode(ctx, cache, monkeypatch):
+    """Layers on a GPU: each size is timed in a run of its own (CUDA graphs are replayed only
+    between decodes of one shape), so the k-th timed decode of the table is size-major."""
+    monkeypatch.setattr(ctx.model, "on_local_gpu", True)
+    # per timed decode, in the order decoded: b = 1, 1, 2, 2, 4, 4
+    wall = Scripted([0.0015, 0.0015, 0.0040, 0.0040, 0.0042, 0.0042])
+    cpu = Scripted([0.0] * 6)
+    seen = []
+    cm = calibrate(ctx, sizes=SIZES, reps=2, clock=wall, cpu_clock=cpu, progress=lambda d, n: seen.append((d, n)))
+    assert cm.table_us == pytest.approx({1: 1500.0, 2: 4000.0, 4: 4200.0})
+    assert wall.reads == 2 * 6  # the untimed decodes read no clock
+    assert seen[-1] == (6, 6) and len(seen) == 6
