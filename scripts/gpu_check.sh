@@ -14,7 +14,8 @@
 #   TEST_WORKERS  pytest-xdist workers (default 4; 0 = one process)
 # Each step has its own time limit (seconds, STEP_SCALE multiplies them) and a failed step
 # does not stop the next; a line per step gives its exit status and time. STEPS="info versus"
-# runs only the steps named.
+# runs only the steps named; VERSUS (default ngram,eagle3,auto) and REPEATS (default 1) set the
+# drafters and rounds per prompt of the versus steps.
 set -u
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR DATASET [PER_CATEGORY] [TEST_WORKERS]}
 data=${2:?usage: scripts/gpu_check.sh OUT_DIR DATASET [PER_CATEGORY] [TEST_WORKERS]}
@@ -23,6 +24,8 @@ workers=${4:-4}
 scale=${STEP_SCALE:-1}
 py=${PYTHON:-python3}
 ngl=${NGL:--1}
+versus=${VERSUS:-ngram,eagle3,auto}
+repeats=${REPEATS:-1}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 
@@ -56,7 +59,8 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,m
 step bench-host 90 "$py" -m localspec bench host -ngl "$ngl" --nodes 16 --json
 costs() { cp "$("$py" -c 'from localspec.paths import cache_dir; print(cache_dir())')/costs.json" "$out/costs.json" 2>/dev/null; }
 costs
-step versus 240 "$py" -m localspec bench drafters -ngl "$ngl" --versus ngram,eagle3,auto \
+step features 60 "$py" -m localspec bench features -ngl "$ngl" --json
+step versus 240 "$py" -m localspec bench drafters -ngl "$ngl" --versus "$versus" --repeats "$repeats" \
     --dataset "$data" --per-category "$per" -n 128 --json
 step bench-drafters 90 "$py" -m localspec bench drafters -ngl "$ngl" --rounds 1 --json
 # the model tests with the target (and draft) offloaded: exactness tests may differ in near-ties
@@ -68,7 +72,7 @@ LOCALSPEC_TEST_N_GPU_LAYERS=$ngl step engine-tests 180 "$py" -m pytest -q -p no:
 step kernel-tests 60 "$py" -m pytest -q -p no:cacheprovider "${xdist[@]}" \
     tests/test_native.py tests/test_verify.py tests/test_sampling.py
 step bench-kernels 30 "$py" -m localspec bench kernels --json
-step versus-chat 240 "$py" -m localspec bench drafters -ngl "$ngl" --versus ngram,eagle3,auto \
+step versus-chat 240 "$py" -m localspec bench drafters -ngl "$ngl" --versus "$versus" --repeats "$repeats" \
     --dataset "$data" --per-category "$per" -n 128 --chat-format --json
 
 # the drafting memory (docs/drafters.md#drafting-memory) where verifying more tokens costs little

@@ -156,6 +156,7 @@ def register(sub) -> None:
     ft.add_argument("--sizes", default="1,8", help="batch sizes (default 1,8)")
     ft.add_argument("--reps", type=int, default=30)
     ft.add_argument("-m", "--model", default=None, help="target GGUF (default: the embedded model)")
+    ft.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload on CUDA/Metal builds (-1 = all)")
     ft.add_argument("--json", action="store_true")
     ft.set_defaults(func=run_features)
 
@@ -459,7 +460,7 @@ def run_features(a: argparse.Namespace) -> int:
     from ..bench.features import bench_features
     from ..models import resolve_model
 
-    model = Model(resolve_model(a.model))
+    model = Model(resolve_model(a.model), n_gpu_layers=a.n_gpu_layers)
     try:
         layers = [int(x) for x in a.layers.split(",")]
         rows = bench_features(model, layers, sizes=[int(s) for s in a.sizes.split(",")], reps=a.reps)
