@@ -446,23 +446,31 @@ def _update_cache(path: Path, key: str, entry: dict | None, *, only_if: dict[int
         pass
 
 
-def calibration_schedule(sizes: Sequence[int], reps: int, *, cpu_only: bool) -> list[tuple[int, bool]]:
+def calibration_schedule(sizes: Sequence[int], reps: int, *, cpu_only: bool, order: str | None = None) -> list[tuple[int, bool]]:
     """The order of a calibration's decodes: ``(batch size, timed)`` pairs.
 
-    * CPU alone: ``reps`` rounds over all sizes, every decode timed. A burst of load from
-      another process then spoils one sample of many sizes, which the median drops, instead
-      of every sample of a few neighbouring sizes.
-    * GPU or RPC layers: per size, one untimed decode and then its ``reps`` timed ones in a
-      row. llama.cpp's CUDA backend replays a captured CUDA graph only while consecutive
-      decodes have the same shape (and captures none for more than one token), so a
-      single-token decode right after a decode of another size pays a new capture: 3.6-3.9 ms
-      against 1.1-1.6 ms in a run of single-token decodes, the state plain decoding and a
-      run of undrafted steps are in (Gemma 3 270M on an H200, docs/gpu.md). Rounds would
-      price every step's alternative, decoding one token, at the re-capture's cost.
+    * ``"rounds"`` (the default on the CPU alone): ``reps`` rounds over all sizes, every
+      decode timed. A burst of load from another process then spoils one sample of many
+      sizes, which the median drops, instead of every sample of a few neighbouring sizes.
+    * ``"runs"`` (the default with GPU or RPC layers): per size, two untimed decodes and then
+      its ``reps`` timed ones in a row. llama.cpp reuses its graph, and its CUDA backend
+      captures a CUDA graph on the second of two decodes of the same shape and replays it
+      from the third (``ggml_backend_cuda_graph_compute``), so a run times each size as a run
+      of equal steps (plain decoding, undrafted steps) pays it; rounds time every size as a
+      step after a step of another size pays it.
+
+    Args:
+        order: ``"rounds"`` or ``"runs"``; default: ``LOCALSPEC_CALIBRATION_ORDER`` when set,
+            else by ``cpu_only`` as above.
+    Raises:
+        ValueError: another ``order``.
     """
-    if cpu_only:
+    order = order or os.environ.get("LOCALSPEC_CALIBRATION_ORDER") or ("rounds" if cpu_only else "runs")
+    if order == "rounds":
         return [(b, True) for _ in range(reps) for b in sizes]
-    return [(b, k > 0) for b in sizes for k in range(reps + 1)]
+    if order == "runs":
+        return [(b, k >= 2) for b in sizes for k in range(reps + 2)]
+    raise ValueError(f"calibration order must be 'rounds' or 'runs', got {order!r}")
 
 
 def calibrate(

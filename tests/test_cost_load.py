@@ -229,8 +229,11 @@ def test_calibration_schedule_rounds_on_the_cpu_and_runs_of_a_size_on_a_gpu():
     from localspec.costmodel import calibration_schedule
 
     assert calibration_schedule([1, 2, 4], 2, cpu_only=True) == [(1, True), (2, True), (4, True)] * 2
-    gpu = calibration_schedule([1, 2, 4], 2, cpu_only=False)
-    assert gpu == [(1, False), (1, True), (1, True), (2, False), (2, True), (2, True), (4, False), (4, True), (4, True)]
+    gpu = calibration_schedule([1, 2], 2, cpu_only=False)
+    assert gpu == [(1, False), (1, False), (1, True), (1, True), (2, False), (2, False), (2, True), (2, True)]
+    assert calibration_schedule([1, 2], 1, cpu_only=False, order="rounds") == [(1, True), (2, True)]
+    with pytest.raises(ValueError, match="rounds"):
+        calibration_schedule([1], 1, cpu_only=True, order="sideways")
 
 
 def test_a_gpu_calibration_times_each_size_in_a_row_after_an_untimed_decode(ctx, cache, monkeypatch):
