@@ -406,9 +406,16 @@ class ModelDraftStats:
         depth_tried / depth_ok: per depth d (index d - 1), decayed counts of the model's steps
             whose path reached depth d - 1 accepted with a node drafted at depth d, and of those
             whose depth-d node was accepted (``observe_accept`` with ``depth``; each count decays
-            by ``depth_decay`` per observation, and a probe's outcome replaces them, as it
-            replaces the averages): ``depth_rates`` estimates from them the chance
-            that the model's drafts are accepted to each depth (``SpeculationPolicy.model_shape``).
+            by ``depth_decay`` per observation; a probe whose outcome differs from the last
+            probe's, got anything accepted or not (``last_probe_ok``), replaces them, as it
+            replaces the averages, and one like it adds to them): ``depth_rates`` estimates
+            from them the chance that the model's drafts are accepted to each depth
+            (``SpeculationPolicy.model_shape``). Replacing at every probe left a model whose
+            probes all got their chains accepted at one observation (a first-depth rate of 2/3)
+            and never drafting between probes where a verified node costs a good part of a
+            decode; adding at every probe left a model that failed many probes out after it
+            got good.
+        last_probe_ok: whether the last probe got any of its drafts accepted (None: no probe yet).
     """
 
     t_draft_us: float = 0.0
@@ -434,6 +441,7 @@ class ModelDraftStats:
     depth_tried: list[float] = field(default_factory=lambda: [0.0] * MODEL_DEPTHS)
     depth_ok: list[float] = field(default_factory=lambda: [0.0] * MODEL_DEPTHS)
     depth_decay: float = 0.98
+    last_probe_ok: bool | None = None
 
     def _ema(self, old: float, new: float) -> float:
         return new if self.n_steps <= 1 else old + self.alpha * (new - old)
@@ -457,8 +465,10 @@ class ModelDraftStats:
         what the cheap drafts got (None: the model drafted alone, gain = ``n_accepted``); a
         probe's outcome replaces the averages. ``depth``: the depth of the model's tree, for the
         per-depth counts (a path accepted to the tree's depth says nothing of deeper ones)."""
+        ok = n_accepted > 0
         if depth is not None and depth > 0:
-            keep = 0.0 if self.probe else self.depth_decay  # a probe's outcome replaces the counts too
+            # a probe's outcome replaces the counts where it differs from the last probe's
+            keep = 0.0 if self.probe and self.last_probe_ok is not ok else self.depth_decay
             for d in range(MODEL_DEPTHS):
                 self.depth_tried[d] *= keep
                 self.depth_ok[d] *= keep
@@ -469,6 +479,7 @@ class ModelDraftStats:
         gain = float(n_accepted if gain is None else gain)
         if self.probe:
             self.probe = False
+            self.last_probe_ok = ok
             self.accept_length, self.gain_length = float(n_accepted), gain
             return
         self.accept_length = self._ema(self.accept_length, float(n_accepted))
@@ -719,19 +730,22 @@ class SpeculationPolicy:
     def model_rate(self, stats: ModelDraftStats, shape: TreeShape, q: np.ndarray | None = None, *, t_spent_us: float = 0.0) -> float:
         """Expected tokens per µs of a model step of ``shape`` (its drafting, verification and
         host time), credited with what the model is expected to get accepted beyond the cheap
-        drafts: the expected accepted length of ``shape.depth`` levels (``depth_rates``, over
+        drafts: the expected accepted length of ``shape.depth`` levels, or of as many as its
+        ``shape.max_nodes - 1`` drafted nodes can reach when fewer (``depth_rates``, over
         the last ~50 drafted steps) times the share of the model's recent accepted tokens that
         were a gain (``gain_length / accept_length``, moving averages; nothing when its recent
         drafts got nothing accepted: its probes decide when it comes back); ``gain_length``
         before any per-depth count. ``t_spent_us``: time this step already spent (the cheap
         drafts), part of its time whatever it verifies, as in ``choose``'s rates."""
-        if q is None or q.size < shape.depth:
-            q = stats.depth_rates(shape.depth)
+        # a tree of n drafted nodes reaches at most depth n: (depth 4, 2 nodes) drafts one node
+        reach = max(0, min(shape.depth, shape.max_nodes - 1))
+        if q is None or q.size < reach:
+            q = stats.depth_rates(reach)
         if q is None:
             gain = stats.gain_length
         else:
             share = min(1.0, stats.gain_length / stats.accept_length) if stats.accept_length > 1e-9 else 0.0
-            gain = share * float(np.sum(q[: shape.depth]))
+            gain = share * float(np.sum(q[:reach]))
         b = shape.max_nodes
         return (1.0 + gain) / (t_spent_us + self.model_step_us(stats, shape) + self.cost.t_decode_us(b) + self.host_us(b))
 

@@ -10,6 +10,7 @@ from helpers import ScriptedModelDrafter, assert_same_as_plain
 from localspec import Engine, SamplingParams
 from localspec.drafters.auto import AutoDrafter
 from localspec.drafters.ngram import NgramDrafter
+from localspec.tree import TokenSource
 
 GREEDY = SamplingParams.greedy(seed=0)
 TEXT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -20,20 +21,26 @@ def test_auto_probes_a_model_that_does_not_pay_rarely_and_takes_it_back_when_rig
     (gaps of at least ``explore_every``, 4 here, long enough that a probe's rows cost at most
     10% of the steps between: 15 or so, about 4 of 64 steps; every 5th step before), and the
     output is plain decoding's, and the failed probes leave the score calibration alone; with
-    its drafts right, its next probe pays and it drafts most of the tokens, still plain
-    decoding's, and its steps still leave the calibration (of the n-gram scores) alone."""
+    its drafts right, its next probe pays and it drafts most of the tokens from there on, still
+    plain decoding's, and its steps still leave the calibration (of the n-gram scores) alone.
+    When that probe comes depends on measured step times (the probes' budget is a share of
+    them), so the second request is long enough for a probe after the longest gap."""
     e = Engine(model, drafter="none", n_ctx=2048, cost_model=fixed_cost_model())
     try:
         prompt = e.tokenize(TEXT)
-        ref = e.generate(prompt, max_tokens=64, sampling=GREEDY, speculative=False)
+        ref = e.generate(prompt, max_tokens=160, sampling=GREEDY, speculative=False)
         m = ScriptedModelDrafter(prompt + ref.token_ids, right=False)
         # an n-gram part that drafts nothing (greedy Gemma 3 270M repeats itself: the n-grams
         # would draft most of the answer and leave the model few steps)
         e.set_drafter(AutoDrafter(m, NgramDrafter(max_occurrences=0)))
         e.policy.explore_every, e.policy.explore_budget = 4, 0.1
+        # the fixed table stays fixed: the engine would learn this machine's batch costs online
+        # (on a 2-core AMD EPYC t(2) = 2.3 t(1), where no chain of a new model pays), and the
+        # test is of the probes, not of a machine
+        e.policy.cost.observe = lambda b, t_us: None
         e.reset()
         res = e.generate(prompt, max_tokens=64, sampling=GREEDY)
-        assert_same_as_plain(e, prompt, ref.token_ids, res.token_ids)
+        assert_same_as_plain(e, prompt, ref.token_ids[:64], res.token_ids)
         n_steps = res.stats.n_steps
         assert n_steps >= 40 and 3 <= m.extends <= 8, (n_steps, m.extends)
         # the failed probes are no evidence about the request's drafts: its score calibration
@@ -42,10 +49,14 @@ def test_auto_probes_a_model_that_does_not_pay_rarely_and_takes_it_back_when_rig
         m.right = True
         m.extends = 0
         e.reset()
-        res = e.generate(prompt, max_tokens=64, sampling=GREEDY)
+        res = e.generate(prompt, max_tokens=160, sampling=GREEDY)
         assert_same_as_plain(e, prompt, ref.token_ids, res.token_ids)
-        assert res.stats.token_sources.get("draft_model", 0) >= 32, res.stats.token_sources
-        assert res.stats.n_steps <= 32 and m.extends >= res.stats.n_steps // 2
+        # its next probe comes within the longest gap (max_explore_gap: about 35 steps here) and
+        # from there the model drafts nearly every token: chains of several right tokens a step
+        first = res.sources.index(TokenSource.DRAFT_MODEL) if TokenSource.DRAFT_MODEL in res.sources else None
+        assert first is not None and first <= 100, res.stats.token_sources
+        after = res.sources[first:]
+        assert after.count(TokenSource.DRAFT_MODEL) >= 0.7 * len(after), res.stats.token_sources
         # nor are the model's paying steps: the calibration is of the n-gram scores
         assert e.policy.calibration.log_center == 0.0
     finally:

@@ -458,6 +458,30 @@ def test_per_depth_counts_stop_at_the_trees_depth_decay_and_are_replaced_by_a_pr
     assert ModelDraftStats().depth_rates(3) is None
 
 
+def test_a_probe_replaces_the_counts_when_its_outcome_differs_from_the_last_probes():
+    """A probe that got drafts accepted after failed ones replaces the counts (a model that
+    failed many probes comes back); the next probe that gets its drafts accepted adds to them,
+    so a model right on every probe builds evidence instead of standing at one observation
+    (a first-depth rate of 2/3, which never paid where a node costs a good part of a decode);
+    a failed probe after a good one replaces them again."""
+    st = ModelDraftStats(n_steps=5, depth_decay=1.0)
+    for _ in range(3):  # failed probes: the counts of failure add up
+        st.probe = True
+        st.observe_accept(0, depth=3)
+    assert st.depth_tried[:2] == [3.0, 0.0] and st.depth_ok[0] == 0.0  # the first replaced, then two added
+    st.probe = True
+    st.observe_accept(3, depth=3)  # right: replaces
+    assert st.depth_tried[:3] == [1.0, 1.0, 1.0] and st.depth_ok[:3] == [1.0, 1.0, 1.0]
+    r_one = st.depth_rates(1)[0]
+    st.probe = True
+    st.observe_accept(3, depth=3)  # right again: adds
+    assert st.depth_tried[:3] == [2.0, 2.0, 2.0] and st.depth_ok[:3] == [2.0, 2.0, 2.0]
+    assert st.depth_rates(1)[0] > r_one
+    st.probe = True
+    st.observe_accept(0, depth=3)  # wrong after right: replaces
+    assert st.depth_tried[:2] == [1.0, 0.0] and st.depth_ok[0] == 0.0
+
+
 def _stats_with_rates(rate: float, n: int = 40, depth: int = 6) -> ModelDraftStats:
     """A model drafter whose every next draft is accepted with chance ``rate`` (deterministic
     counts: ``n`` steps of ``depth``-deep trees, accepted as far as that rate says)."""
@@ -500,6 +524,23 @@ def test_the_model_drafts_the_chain_whose_expected_rate_is_highest_for_the_machi
     flat.cost.observe_draft_levels([800.0, 600.0, 400.0, 400.0, 400.0, 400.0])
     deeper = flat.model_shape(half, max_depth=6, max_nodes=64, max_width=4)
     assert deeper.depth > s_half.depth  # verification nearly free: the same head drafts deeper
+
+
+def test_a_shape_is_credited_no_deeper_than_its_nodes_reach():
+    """``model_rate``: a shape deeper than its node budget (``tree_shape``'s tree where the
+    budget is one or two nodes, as on a CPU where t(2) is twice t(1)) is credited the accepted
+    length of the depths its nodes reach, not of its depth: (depth 4, 2 nodes) drafts one node
+    and gets at most one token, so it is worth no more than a chain of one and loses to the
+    chain of two of a head that is nearly always right (otherwise it was chosen and the head
+    drafted one token a step)."""
+    pol = SpeculationPolicy(fixed_cost_model(), max_nodes=64)
+    pol.cost.observe_draft_levels([1000.0] * 6)
+    st = _stats_with_rates(0.97)
+    q = st.depth_rates(6)
+    shallow = TreeShape(4, 1, 2)
+    one, two = TreeShape(1, 1, 2), TreeShape(2, 1, 3)
+    assert pol.model_rate(st, shallow, q) <= pol.model_rate(st, one, q)
+    assert pol.model_rate(st, shallow, q) < pol.model_rate(st, two, q)
 
 
 def test_a_model_whose_drafts_got_nothing_accepted_is_credited_nothing_at_any_depth():
