@@ -406,16 +406,9 @@ class ModelDraftStats:
         depth_tried / depth_ok: per depth d (index d - 1), decayed counts of the model's steps
             whose path reached depth d - 1 accepted with a node drafted at depth d, and of those
             whose depth-d node was accepted (``observe_accept`` with ``depth``; each count decays
-            by ``depth_decay`` per observation; a probe whose outcome differs from the last
-            probe's, got anything accepted or not (``last_probe_ok``), replaces them, as it
-            replaces the averages, and one like it adds to them): ``depth_rates`` estimates
-            from them the chance that the model's drafts are accepted to each depth
-            (``SpeculationPolicy.model_shape``). Replacing at every probe left a model whose
-            probes all got their chains accepted at one observation (a first-depth rate of 2/3)
-            and never drafting between probes where a verified node costs a good part of a
-            decode; adding at every probe left a model that failed many probes out after it
-            got good.
-        last_probe_ok: whether the last probe got any of its drafts accepted (None: no probe yet).
+            by ``depth_decay`` per observation, and a probe's outcome replaces them, as it
+            replaces the averages): ``depth_rates`` estimates from them the chance
+            that the model's drafts are accepted to each depth (``SpeculationPolicy.model_shape``).
     """
 
     t_draft_us: float = 0.0
@@ -441,7 +434,6 @@ class ModelDraftStats:
     depth_tried: list[float] = field(default_factory=lambda: [0.0] * MODEL_DEPTHS)
     depth_ok: list[float] = field(default_factory=lambda: [0.0] * MODEL_DEPTHS)
     depth_decay: float = 0.98
-    last_probe_ok: bool | None = None
 
     def _ema(self, old: float, new: float) -> float:
         return new if self.n_steps <= 1 else old + self.alpha * (new - old)
@@ -465,10 +457,8 @@ class ModelDraftStats:
         what the cheap drafts got (None: the model drafted alone, gain = ``n_accepted``); a
         probe's outcome replaces the averages. ``depth``: the depth of the model's tree, for the
         per-depth counts (a path accepted to the tree's depth says nothing of deeper ones)."""
-        ok = n_accepted > 0
         if depth is not None and depth > 0:
-            # a probe's outcome replaces the counts where it differs from the last probe's
-            keep = 0.0 if self.probe and self.last_probe_ok is not ok else self.depth_decay
+            keep = 0.0 if self.probe else self.depth_decay  # a probe's outcome replaces the counts too
             for d in range(MODEL_DEPTHS):
                 self.depth_tried[d] *= keep
                 self.depth_ok[d] *= keep
@@ -479,7 +469,6 @@ class ModelDraftStats:
         gain = float(n_accepted if gain is None else gain)
         if self.probe:
             self.probe = False
-            self.last_probe_ok = ok
             self.accept_length, self.gain_length = float(n_accepted), gain
             return
         self.accept_length = self._ema(self.accept_length, float(n_accepted))

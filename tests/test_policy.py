@@ -458,29 +458,6 @@ def test_per_depth_counts_stop_at_the_trees_depth_decay_and_are_replaced_by_a_pr
     assert ModelDraftStats().depth_rates(3) is None
 
 
-def test_a_probe_replaces_the_counts_when_its_outcome_differs_from_the_last_probes():
-    """A probe that got drafts accepted after failed ones replaces the counts (a model that
-    failed many probes comes back); the next probe that gets its drafts accepted adds to them,
-    so a model right on every probe builds evidence instead of standing at one observation
-    (a first-depth rate of 2/3, which never paid where a node costs a good part of a decode);
-    a failed probe after a good one replaces them again."""
-    st = ModelDraftStats(n_steps=5, depth_decay=1.0)
-    for _ in range(3):  # failed probes: the counts of failure add up
-        st.probe = True
-        st.observe_accept(0, depth=3)
-    assert st.depth_tried[:2] == [3.0, 0.0] and st.depth_ok[0] == 0.0  # the first replaced, then two added
-    st.probe = True
-    st.observe_accept(3, depth=3)  # right: replaces
-    assert st.depth_tried[:3] == [1.0, 1.0, 1.0] and st.depth_ok[:3] == [1.0, 1.0, 1.0]
-    r_one = st.depth_rates(1)[0]
-    st.probe = True
-    st.observe_accept(3, depth=3)  # right again: adds
-    assert st.depth_tried[:3] == [2.0, 2.0, 2.0] and st.depth_ok[:3] == [2.0, 2.0, 2.0]
-    assert st.depth_rates(1)[0] > r_one
-    st.probe = True
-    st.observe_accept(0, depth=3)  # wrong after right: replaces
-    assert st.depth_tried[:2] == [1.0, 0.0] and st.depth_ok[0] == 0.0
-
 
 def _stats_with_rates(rate: float, n: int = 40, depth: int = 6) -> ModelDraftStats:
     """A model drafter whose every next draft is accepted with chance ``rate`` (deterministic
