@@ -41,6 +41,16 @@ def fixed_cost_model() -> CostModel:
     return CostModel(dict(FIXED_COSTS_US))
 
 
+def frozen_cost_model(table_us: dict[int, float] | None = None) -> CostModel:
+    """A cost table (default ``FIXED_COSTS_US``) that learns nothing online: an engine feeds its
+    measured decodes to ``CostModel.observe``, which moves a fixed table to this machine's
+    batch costs (on a 2-core AMD EPYC t(2) = 2.3 t(1), where no draft pays), for tests of a
+    policy's choices rather than of a machine."""
+    cm = CostModel(dict(FIXED_COSTS_US if table_us is None else table_us))
+    cm.observe = lambda b, t_us: None
+    return cm
+
+
 @pytest.fixture(scope="session")
 def model_path():
     from localspec.models import default_model_path

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import fixed_cost_model
+from conftest import fixed_cost_model, frozen_cost_model
 from helpers import ScriptedModelDrafter, assert_same_as_plain
 from localspec import Engine, SamplingParams
-from localspec.costmodel import CostModel
 from localspec.drafters.auto import AutoDrafter
 from localspec.drafters.ngram import NgramDrafter
 from localspec.tree import TokenSource
@@ -29,7 +28,8 @@ def test_auto_probes_a_model_that_does_not_pay_rarely_and_takes_it_back_when_rig
     is nearly flat (a GPU's up to 8 tokens): there one right probe, the estimate's only
     observation after it, is enough to bring the model back (on a steep CPU table it is not:
     drafters.md, "probes")."""
-    flat = CostModel({b: 11900.0 * (1.0 + 0.02 * (b - 1)) for b in (1, 2, 3, 4, 8, 16, 32, 64)})
+    # held fixed (frozen_cost_model): the test is of the probes, not of this machine's batch costs
+    flat = frozen_cost_model({b: 11900.0 * (1.0 + 0.02 * (b - 1)) for b in (1, 2, 3, 4, 8, 16, 32, 64)})
     e = Engine(model, drafter="none", n_ctx=2048, cost_model=flat)
     try:
         prompt = e.tokenize(TEXT)
@@ -39,9 +39,6 @@ def test_auto_probes_a_model_that_does_not_pay_rarely_and_takes_it_back_when_rig
         # would draft most of the answer and leave the model few steps)
         e.set_drafter(AutoDrafter(m, NgramDrafter(max_occurrences=0)))
         e.policy.explore_every, e.policy.explore_budget = 4, 0.1
-        # the table stays fixed: the engine would learn this machine's batch costs online (on
-        # a 2-core AMD EPYC t(2) = 2.3 t(1)), and the test is of the probes, not of a machine
-        e.policy.cost.observe = lambda b, t_us: None
         e.reset()
         res = e.generate(prompt, max_tokens=64, sampling=GREEDY)
         assert_same_as_plain(e, prompt, ref.token_ids[:64], res.token_ids)

@@ -458,7 +458,6 @@ def test_per_depth_counts_stop_at_the_trees_depth_decay_and_are_replaced_by_a_pr
     assert ModelDraftStats().depth_rates(3) is None
 
 
-
 def _stats_with_rates(rate: float, n: int = 40, depth: int = 6) -> ModelDraftStats:
     """A model drafter whose every next draft is accepted with chance ``rate`` (deterministic
     counts: ``n`` steps of ``depth``-deep trees, accepted as far as that rate says)."""

@@ -165,11 +165,7 @@ def fixed_table(service):
     the machine's batch costs online from the module's earlier requests, and on a CPU where
     verifying two tokens costs 2.3 single-token decodes (a 2-core AMD EPYC) it rightly drafts
     nothing, which the test of the drafted request's fields is not about."""
-    from conftest import fixed_cost_model
-
-    fresh = fixed_cost_model()
-    fresh.observe = lambda b, t_us: None
-    saved = service.call(lambda e: (e.policy.cost, e.cost_model))
+    from conftest import frozen_cost_model
 
     def use(table):
         def swap(e):
@@ -177,9 +173,10 @@ def fixed_table(service):
 
         return swap
 
-    service.call(use(fresh))
+    saved = service.call(lambda e: e.cost_model)
+    service.call(use(frozen_cost_model()))
     yield
-    service.call(use(saved[0]))
+    service.call(use(saved))
 
 
 @pytest.mark.parametrize(
