@@ -113,10 +113,13 @@ def random_head_path(model_path, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def engine(model):
-    """A shared engine (n-gram drafter). Tests must leave its drafter as they found it."""
+    """A shared engine (n-gram drafter) on conftest's table held fixed (``frozen_cost_model``):
+    many modules assert that its requests draft, and a table that learned this machine's batch
+    costs online (under a load, or on a CPU where t(2) = 2.3 t(1)) would rightly draft nothing.
+    Tests must leave its drafter as they found it."""
     from localspec import Engine
 
-    e = Engine(model, drafter="ngram", n_ctx=4096, cost_model=fixed_cost_model())
+    e = Engine(model, drafter="ngram", n_ctx=4096, cost_model=frozen_cost_model())
     yield e
     e.close()
 

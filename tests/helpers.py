@@ -337,7 +337,7 @@ def serve_app_thread(model, engine, *, max_body_bytes: int, parallel: int = 2):
     scheduler and the editor service and resets ``engine`` on exit."""
     from contextlib import contextmanager
 
-    from conftest import fixed_cost_model
+    from conftest import frozen_cost_model
     from localspec.scheduler import BatchScheduler
     from localspec.server import CompletionService, ServiceConfig
     from localspec.server.http import AppThread
@@ -345,7 +345,7 @@ def serve_app_thread(model, engine, *, max_body_bytes: int, parallel: int = 2):
 
     @contextmanager
     def run():
-        sched = BatchScheduler(model, parallel=parallel, n_ctx=512, cost_model=fixed_cost_model()).start()
+        sched = BatchScheduler(model, parallel=parallel, n_ctx=512, cost_model=frozen_cost_model()).start()
         oai = OpenAIService(sched, model_name="gemma-test", sampling=SamplingParams.greedy())
         editor = CompletionService(engine, ServiceConfig(sampling=SamplingParams.greedy()))
         try:

@@ -159,32 +159,12 @@ def test_completion_endpoint(client):
 # -- speculation: same text, statistics ------------------------------------------------------------
 
 
-@pytest.fixture
-def fixed_table(service):
-    """The shared engine on conftest's fixed table, held fixed for one test: the engine learns
-    the machine's batch costs online from the module's earlier requests, and on a CPU where
-    verifying two tokens costs 2.3 single-token decodes (a 2-core AMD EPYC) it rightly drafts
-    nothing, which the test of the drafted request's fields is not about."""
-    from conftest import frozen_cost_model
-
-    def use(table):
-        def swap(e):
-            e.policy.cost = e.cost_model = table
-
-        return swap
-
-    saved = service.call(lambda e: e.cost_model)
-    service.call(use(frozen_cost_model()))
-    yield
-    service.call(use(saved))
-
-
 @pytest.mark.parametrize(
     "sampling",
     [GREEDY, {"top_k": 40, "top_p": 0.9, "samplers": ["top_k", "top_p", "infill"], "seed": 42}],
     ids=["greedy", "llama-vim-samplers-seeded"],
 )
-def test_speculative_and_plain_completion_give_the_same_text(client, sampling, fixed_table):
+def test_speculative_and_plain_completion_give_the_same_text(client, sampling):
     base = {**vim_request(n_predict=40), "n_indent": 0, "t_max_predict_ms": 0, "return_tokens": True, **sampling}
     del base["response_fields"]
     spec = client.post("/infill", json={**base, "cache_prompt": False}).json()
