@@ -19,8 +19,12 @@ def test_a_drafter_named_twice_runs_on_two_engines(model):
     (row,) = rows
     assert row["ngram"]["identical"] and row["ngram#2"]["identical"]
     assert row["ngram"]["n_generated_tokens"] == row["ngram#2"]["n_generated_tokens"] > 0
+    for name in labels:  # every emitted token has exactly one source
+        assert sum(row[name]["token_sources"].values()) == row[name]["n_generated_tokens"]
+        assert 0 < row[name]["n_steps"] <= row[name]["n_generated_tokens"]
     (cat, total) = summarize_versus(rows, labels)
     assert cat["category"] == "qa" and set(labels) <= set(cat) and total["category"] == "all"
+    assert total["ngram"]["token_sources"] == row["ngram"]["token_sources"]
 
 
 def test_repeats_time_every_engine_in_every_round(model):

@@ -15,6 +15,8 @@ building the tree).
 
 from __future__ import annotations
 
+from collections import Counter
+
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -240,8 +242,10 @@ def compare_drafters(model, prompts, drafters=("ngram", "auto"), *, max_tokens: 
     Returns:
         one dict per prompt: ``category``, ``question_id``, and per drafter name (and
         ``"plain"``) ``t_decode_us`` (the mean over the rounds), ``t_decode_us_rounds``,
-        ``n_generated_tokens``, ``mean_acceptance_length`` (the first round's),
-        ``identical`` (token ids equal to the plain run's in every round).
+        ``n_generated_tokens``, ``mean_acceptance_length``, ``n_steps`` (target calls) and
+        ``token_sources`` (emitted tokens per ``TokenSource`` name: which drafter supplied
+        them), all the first round's, and ``identical`` (token ids equal to the plain run's in
+        every round).
 
     Raises:
         ValueError: ``repeats`` is below 1.
@@ -279,6 +283,8 @@ def compare_drafters(model, prompts, drafters=("ngram", "auto"), *, max_tokens: 
                     "t_decode_us_rounds": times,
                     "n_generated_tokens": rs[0].stats.n_generated_tokens,
                     "mean_acceptance_length": rs[0].stats.mean_acceptance_length,
+                    "n_steps": rs[0].stats.n_steps,
+                    "token_sources": dict(rs[0].stats.token_sources),
                     "identical": all(r.token_ids == plain_ids for r in rs),
                 }
             rows.append(row)
@@ -292,7 +298,8 @@ def compare_drafters(model, prompts, drafters=("ngram", "auto"), *, max_tokens: 
 
 def summarize_versus(rows: list[dict], drafters) -> list[dict]:
     """Per category: each drafter's decode speed ratio over plain (tokens/s ratio of the
-    summed times), its MAL, identical outputs, and the ratio of the last drafter over the first."""
+    summed times), its MAL, identical outputs, its emitted tokens per source (summed:
+    ``token_sources``), and the ratio of the last drafter over the first."""
     out = []
     cats = sorted({r["category"] for r in rows})
     for cat in cats + ["all"]:
@@ -308,6 +315,7 @@ def summarize_versus(rows: list[dict], drafters) -> list[dict]:
                 "speed_vs_plain": tps[name] / tps["plain"] if tps["plain"] else 0.0,
                 "mal": float(np.mean([r[name]["mean_acceptance_length"] for r in rs])),
                 "identical": sum(r[name]["identical"] for r in rs),
+                "token_sources": dict(sum((Counter(r[name]["token_sources"]) for r in rs), Counter())),
             }
         entry["last_over_first"] = tps[drafters[-1]] / tps[drafters[0]] if tps[drafters[0]] else 0.0
         out.append(entry)

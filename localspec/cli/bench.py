@@ -563,6 +563,10 @@ def _run_versus(a: argparse.Namespace) -> int:
     for e in summary:
         cells = " | ".join(f"{e[n]['speed_vs_plain']:.2f}x / {e[n]['mal']:.2f} / {e[n]['identical']}/{e['prompts']}" for n in names)
         print(f"| {e['category']} | {e['prompts']} | {cells} | {e['last_over_first']:.2f}x |")
+    total = summary[-1]
+    for n in names:
+        src = total[n]["token_sources"]
+        print(f"{n}: emitted tokens by source, all prompts: " + ", ".join(f"{k} {v}" for k, v in sorted(src.items(), key=lambda kv: -kv[1])))
     return 0
 
 
