@@ -38,14 +38,18 @@ FIXED_COSTS_US = {
 
 
 def fixed_cost_model() -> CostModel:
+    """``FIXED_COSTS_US`` as a cost table that learns online as an engine's does: for policy
+    simulations that feed it their own times (``observe_step``). Engines on the real model use
+    ``frozen_cost_model``."""
     return CostModel(dict(FIXED_COSTS_US))
 
 
 def frozen_cost_model(table_us: dict[int, float] | None = None) -> CostModel:
-    """A cost table (default ``FIXED_COSTS_US``) that learns nothing online: an engine feeds its
-    measured decodes to ``CostModel.observe``, which moves a fixed table to this machine's
-    batch costs (on a 2-core AMD EPYC t(2) = 2.3 t(1), where no draft pays), for tests of a
-    policy's choices rather than of a machine."""
+    """A cost table (default ``FIXED_COSTS_US``) that learns nothing online, for every engine
+    on the real model in the tests: an engine feeds its measured decodes to
+    ``CostModel.observe``, which moves a fixed table to this machine's batch costs (on a 2-core
+    AMD EPYC t(2) = 2.3 t(1), where no draft pays; under a load, steeper still), and a test
+    that asserts drafting would then test the machine rather than the code."""
     cm = CostModel(dict(FIXED_COSTS_US if table_us is None else table_us))
     cm.observe = lambda b, t_us: None
     return cm
@@ -245,6 +249,6 @@ def chat_template_engine(chat_template_model_path):
     """An engine (n-gram drafter) on the default model with Gemma's chat template."""
     from localspec import Engine
 
-    e = Engine(chat_template_model_path, drafter="ngram", n_ctx=2048, cost_model=fixed_cost_model())
+    e = Engine(chat_template_model_path, drafter="ngram", n_ctx=2048, cost_model=frozen_cost_model())
     yield e
     e.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import fixed_cost_model, frozen_cost_model
+from conftest import frozen_cost_model
 from helpers import ScriptedModelDrafter, assert_same_as_plain
 from localspec import Engine, SamplingParams
 from localspec.drafters.auto import AutoDrafter
@@ -102,7 +102,7 @@ def test_a_head_that_never_pays_is_probed_within_the_budget_over_requests_not_on
     reset of the exploration state probes each one), every output plain decoding's."""
     from localspec.drafters.eagle3 import Eagle3Drafter
 
-    e = Engine(model, drafter="none", n_ctx=2048, cost_model=fixed_cost_model())
+    e = Engine(model, drafter="none", n_ctx=2048, cost_model=frozen_cost_model())
     try:
         prompts = [e.tokenize(q) for q in QUESTIONS]
         refs = [e.generate(p, max_tokens=24, sampling=GREEDY, speculative=False).token_ids for p in prompts]
@@ -143,7 +143,7 @@ def test_the_tap_pauses_while_a_head_that_never_pays_waits_for_its_probes(model,
     is plain decoding's."""
     from localspec.drafters.eagle3 import Eagle3Drafter
 
-    e = Engine(model, drafter="none", n_ctx=2048, cost_model=fixed_cost_model())
+    e = Engine(model, drafter="none", n_ctx=2048, cost_model=frozen_cost_model())
     try:
         prompt = e.tokenize(TEXT)
         ref = e.generate(prompt, max_tokens=96, sampling=GREEDY, speculative=False)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import fixed_cost_model
+from conftest import frozen_cost_model
 from localspec.engine import Engine
 from localspec.sampling import SamplingParams
 from localspec.scheduler import BatchScheduler
@@ -48,7 +48,7 @@ def run_alone(eng: Engine, prompts, samplings) -> list[list[int]]:
 
 
 def run_batched(model, tokenize, prompts, samplings, **kw) -> list:
-    sched = BatchScheduler(model, parallel=3, n_ctx=512, cost_model=fixed_cost_model(), adaptive=False,
+    sched = BatchScheduler(model, parallel=3, n_ctx=512, cost_model=frozen_cost_model(), adaptive=False,
                            max_tree_nodes=16, **kw)  # fmt: skip
     try:
         jobs = [sched.submit(tokenize(p), max_tokens=N, sampling=sp) for p, sp in zip(prompts, samplings)]
@@ -72,7 +72,7 @@ def shared_model(model):
 
 
 def engine_for(model, name, **options) -> Engine:
-    return Engine(model, drafter=name, n_ctx=1024, cost_model=fixed_cost_model(), adaptive=False,
+    return Engine(model, drafter=name, n_ctx=1024, cost_model=frozen_cost_model(), adaptive=False,
                   max_tree_nodes=16, **options)  # fmt: skip
 
 
@@ -97,7 +97,7 @@ def test_an_mtp_block_gives_the_same_texts_alone_and_batched(tmp_path):
     from mtp_gguf import write_tiny_glm4moe
 
     path = write_tiny_glm4moe(tmp_path / "tiny-glm4moe-mtp.gguf")
-    eng = Engine(path, drafter="mtp", n_ctx=1024, n_threads=1, cost_model=fixed_cost_model(), adaptive=False,
+    eng = Engine(path, drafter="mtp", n_ctx=1024, n_threads=1, cost_model=frozen_cost_model(), adaptive=False,
                  max_tree_nodes=16)  # fmt: skip
     try:
         prompts = ["abcabcabc", "hello hello", "0123456789", "zzz yyy zzz"]
@@ -152,7 +152,7 @@ def test_the_slots_share_what_the_policy_learns_of_the_model(shared_model):
 
 
 def _scheduler(model, name, **options):
-    sched = BatchScheduler(model, parallel=4, n_ctx=512, cost_model=fixed_cost_model(), adaptive=False,
+    sched = BatchScheduler(model, parallel=4, n_ctx=512, cost_model=frozen_cost_model(), adaptive=False,
                            max_tree_nodes=16, drafter=name, drafter_options=options)  # fmt: skip
     for p in PROMPTS:
         sched.submit(model.tokenize(p), max_tokens=12, sampling=SamplingParams.greedy())

@@ -6,7 +6,7 @@ from localspec import Engine, SamplingParams
 
 pytest.importorskip("jinja2")
 
-from conftest import GEMMA_CHAT_TEMPLATE, fixed_cost_model  # noqa: E402
+from conftest import GEMMA_CHAT_TEMPLATE, frozen_cost_model  # noqa: E402
 
 from localspec.tui.chat_format import (  # noqa: E402
     ChatTemplateError,
@@ -130,7 +130,7 @@ def test_template_session_two_turns_reuse_the_cache(chat_template_engine):
 
 
 def test_failed_turn_leaves_the_conversation_unchanged(model):
-    e = Engine(model, drafter="none", n_ctx=256, cost_model=fixed_cost_model())
+    e = Engine(model, drafter="none", n_ctx=256, cost_model=frozen_cost_model())
     try:
         s = ChatSession(e, sampling=SamplingParams.greedy(), max_tokens=8)
         from localspec.errors import ContextOverflowError

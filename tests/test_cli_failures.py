@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import fixed_cost_model
+from conftest import frozen_cost_model
 from localspec import Engine, SamplingParams
 from localspec.cli.main import main
 from localspec.server.fields import RequestError, get_float, get_int
@@ -130,7 +130,7 @@ def test_special_prompt_starting_with_bos_gets_one_bos(engine, capsys):
 
 
 def test_small_n_ctx_holds_the_size_asked_for(model, capsys):
-    e = Engine(model, drafter="ngram", n_ctx=20, cost_model=fixed_cost_model())
+    e = Engine(model, drafter="ngram", n_ctx=20, cost_model=frozen_cost_model())
     try:
         assert e.n_ctx == 20 and e.ctx.n_ctx_allocated >= 256  # llama.cpp rounds up; we do not use it
         r = e.generate("Once upon a time", max_tokens=64, sampling=SamplingParams.greedy())

@@ -4,7 +4,7 @@ surgery, and the engine and the batch scheduler honouring them, output unchanged
 import numpy as np
 import pytest
 
-from conftest import fixed_cost_model
+from conftest import frozen_cost_model
 from localspec import Engine, SamplingParams
 from localspec.draft_limits import DraftLimits
 from localspec.scheduler import BatchScheduler
@@ -64,7 +64,7 @@ def test_bad_limits_are_refused():
 @pytest.fixture(scope="module")
 def exhaustive_engine(model):
     """Verifies every proposed tree (no adaptive sizing): what a limit cuts is what is drafted."""
-    e = Engine(model, drafter="ngram", n_ctx=1024, cost_model=fixed_cost_model(), adaptive=False)
+    e = Engine(model, drafter="ngram", n_ctx=1024, cost_model=frozen_cost_model(), adaptive=False)
     yield e
     e.close()
 
@@ -75,7 +75,7 @@ def run_engine(engine, **kw):
 
 
 def run_sched(model, **kw):
-    with BatchScheduler(model, parallel=1, n_ctx=512, cost_model=fixed_cost_model(), adaptive=False) as sched:
+    with BatchScheduler(model, parallel=1, n_ctx=512, cost_model=frozen_cost_model(), adaptive=False) as sched:
         job = sched.submit(model.tokenize(PROMPT, add_special=True), max_tokens=N, sampling=SamplingParams.greedy(), **kw)
         sched.run_until_idle()
         return job.wait()

@@ -5,7 +5,7 @@ contexts, and the auto drafter."""
 import numpy as np
 import pytest
 
-from conftest import fixed_cost_model
+from conftest import frozen_cost_model
 from helpers import (
     REJECTION_SAMPLING, REJECTION_SHAPES, PlainReferences, assert_rejection_sampling_exact, assert_same_as_plain,
 )
@@ -29,7 +29,7 @@ STORY = (
 
 @pytest.fixture(scope="module")
 def eng(model):
-    e = Engine(model, drafter="none", n_ctx=4096, cost_model=fixed_cost_model())
+    e = Engine(model, drafter="none", n_ctx=4096, cost_model=frozen_cost_model())
     yield e
     e.close()
 
@@ -140,9 +140,9 @@ def test_drafter_options_are_checked(model):
     from localspec.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="--draft-model"):
-        Engine(model, drafter="draft", n_ctx=256, cost_model=fixed_cost_model())
+        Engine(model, drafter="draft", n_ctx=256, cost_model=frozen_cost_model())
     with pytest.raises(InvalidRequestError, match="does not take"):
-        Engine(model, drafter="ngram", draft_model="x.gguf", n_ctx=256, cost_model=fixed_cost_model())
+        Engine(model, drafter="ngram", draft_model="x.gguf", n_ctx=256, cost_model=frozen_cost_model())
 
 
 # -- classic rejection sampling with the draft's own probabilities, on fixed real rows --------

@@ -4,7 +4,7 @@ the eval callback, and an untrained head drafting end to end, losslessly."""
 import numpy as np
 import pytest
 
-from conftest import fixed_cost_model
+from conftest import frozen_cost_model
 from helpers import (
     REJECTION_SAMPLING, REJECTION_SHAPES, PlainReferences, assert_rejection_sampling_exact, assert_same_as_plain,
 )
@@ -30,7 +30,7 @@ def head(random_head_path):
 
 @pytest.fixture(scope="module")
 def eng(model):
-    e = Engine(model, drafter="none", n_ctx=2048, cost_model=fixed_cost_model())
+    e = Engine(model, drafter="none", n_ctx=2048, cost_model=frozen_cost_model())
     yield e
     e.close()
 
@@ -274,7 +274,7 @@ def test_the_shipped_head_is_found_for_the_default_model_and_drafts_losslessly(m
     questions = ["What is the capital of France?", "Name three uses of copper.", "How do plants make sugar?"]
     mal = {}
     for name, drafter in (("shipped", "eagle3"), ("random", Eagle3Drafter(random_head_path))):
-        e = Engine(model, drafter=drafter, n_ctx=2048, cost_model=fixed_cost_model(), adaptive=False)
+        e = Engine(model, drafter=drafter, n_ctx=2048, cost_model=frozen_cost_model(), adaptive=False)
         try:
             lens = []
             for q in questions:

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import fixed_cost_model
+from conftest import frozen_cost_model
 from hf_eagle3 import (
     TargetSpec, convert, converter, reference_head_logits, sdist_path, write_head, write_target,
 )
@@ -67,7 +67,7 @@ def target(conv):
 
 
 def engine(target, head, shape=None, **kw):
-    return Engine(target, drafter="eagle3", eagle=head, n_ctx=512, cost_model=fixed_cost_model(),
+    return Engine(target, drafter="eagle3", eagle=head, n_ctx=512, cost_model=frozen_cost_model(),
                   adaptive=shape is None, draft_shape=shape, **kw)  # fmt: skip
 
 
@@ -112,7 +112,7 @@ def test_a_converted_head_computes_the_upstream_head(conv, target, layout):
     its own position instead of the next one is off by 9-18% of it."""
     d, heads = conv
     h = Eagle3Drafter(d / f"head-{layout}.gguf", context_window=None, runtime="llama")  # every entry, as the reference
-    e = Engine(target, drafter=h, n_ctx=512, cost_model=fixed_cost_model())
+    e = Engine(target, drafter=h, n_ctx=512, cost_model=frozen_cost_model())
     try:
         prompt = target.tokenize(PROMPT)
         assert len(prompt) > 20  # a catch-up longer than CATCH_UP_OUTPUTS: two calls
@@ -140,7 +140,7 @@ def test_a_converted_head_on_the_host_runtime_computes_the_upstream_head(conv, t
     d, heads = conv
     h = Eagle3Drafter(d / f"head-{layout}.gguf", context_window=None, runtime="host")
     g = Eagle3Drafter(d / f"head-{layout}.gguf", context_window=None, runtime="llama")
-    e = Engine(target, drafter=g, n_ctx=512, cost_model=fixed_cost_model())
+    e = Engine(target, drafter=g, n_ctx=512, cost_model=frozen_cost_model())
     try:
         h.attach(TargetHandle(target, n_ctx=e.ctx.n_ctx, n_threads=e.ctx.n_threads, tensor_source=e.ctx, features=e._tap))
         assert h.runtime == "host" and h.ctx is None

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import fixed_cost_model
+from conftest import frozen_cost_model
 from helpers import assert_same_as_plain
 from localspec import Engine, SamplingParams, native
 from localspec.drafters.base import TargetHandle
@@ -119,7 +119,7 @@ def _pair(model, head, n_ctx=1024, **options):
     from localspec.drafters.eagle3 import Eagle3Drafter
 
     ref = Eagle3Drafter(head, runtime="llama", **options)
-    e = Engine(model, drafter=ref, n_ctx=n_ctx, cost_model=fixed_cost_model())
+    e = Engine(model, drafter=ref, n_ctx=n_ctx, cost_model=frozen_cost_model())
     host = Eagle3Drafter(head, runtime="host", **options)
     host.attach(TargetHandle(model, n_ctx=e.ctx.n_ctx, n_threads=e.ctx.n_threads, tensor_source=e.ctx, features=e._tap))
     assert (ref.runtime, host.runtime) == ("llama", "host")
@@ -235,7 +235,7 @@ def test_host_runtime_output_equals_plain_decoding(model, sampling):
     from localspec.drafters.eagle3 import Eagle3Drafter
     from localspec.models.eagle3_heads import shipped_head
 
-    e = Engine(model, drafter="none", n_ctx=2048, cost_model=fixed_cost_model())
+    e = Engine(model, drafter="none", n_ctx=2048, cost_model=frozen_cost_model())
     try:
         prompt = e.tokenize(TEXT * 3)
         ref = e.generate(prompt, max_tokens=80, sampling=sampling, speculative=False)

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import fixed_cost_model  # noqa: E402
+from conftest import frozen_cost_model  # noqa: E402
 from localspec import Engine, SamplingParams  # noqa: E402
 from localspec.backend import Batch, Context, Model  # noqa: E402
 from localspec.backend._llama import ext  # noqa: E402
@@ -161,7 +161,7 @@ def test_train_smoke_record_train_resume_export_draft(model, model_path, tmp_pat
     head = Model(out)
     assert head.architecture == "eagle3"
     head.close()
-    eng = Engine(model, drafter="eagle3", eagle=out, n_ctx=1024, cost_model=fixed_cost_model())
+    eng = Engine(model, drafter="eagle3", eagle=out, n_ctx=1024, cost_model=frozen_cost_model())
     try:
         prompt = eng.tokenize("def add(a, b):")
         spec = eng.generate(prompt, max_tokens=12, sampling=SamplingParams.greedy())

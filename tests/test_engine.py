@@ -4,7 +4,7 @@ streaming, cache reuse, errors."""
 import numpy as np
 import pytest
 
-from conftest import chisquare_pvalue, fixed_cost_model
+from conftest import chisquare_pvalue, frozen_cost_model
 from helpers import RandomDrafter, ScriptedDrafter, assert_same_as_plain
 from localspec import Engine, SamplingParams
 from localspec.errors import ContextOverflowError, GrammarError, InvalidRequestError
@@ -223,7 +223,7 @@ def test_bad_requests(eng):
 
 
 def test_nearly_full_context(model):
-    e = Engine(model, drafter="ngram", n_ctx=256, cost_model=fixed_cost_model())
+    e = Engine(model, drafter="ngram", n_ctx=256, cost_model=frozen_cost_model())
     try:
         text = "a b c d e f g h " * 200
         prompt = e.tokenize(text)[:240]
@@ -392,7 +392,7 @@ def test_small_contexts_work_or_are_refused_clearly(model):
         Engine(model, n_ctx=8)
     with pytest.raises(InvalidRequestError, match="cannot hold 65 sequences"):
         Context(model, n_ctx=64, n_seq_max=65)
-    e = Engine(model, n_ctx=64, cost_model=fixed_cost_model())
+    e = Engine(model, n_ctx=64, cost_model=frozen_cost_model())
     try:
         assert e.max_tree_nodes == 31
         prompt = "one two three four, one two three four, one two"

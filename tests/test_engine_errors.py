@@ -33,11 +33,11 @@ def test_grammar_error_mid_step_keeps_the_cache_consistent(engine, drafter):
 def test_a_closed_engine_is_an_error_not_a_crash(model):
     # generating from a closed engine handed llama.cpp the freed KV cache: a segfault of the
     # whole process (a token-id prompt; a text prompt aborted in the freed vocabulary instead)
-    from conftest import fixed_cost_model
+    from conftest import frozen_cost_model
     from localspec import Engine
     from localspec.errors import LocalSpecError
 
-    e = Engine(model, drafter="ngram", n_ctx=256, cost_model=fixed_cost_model())
+    e = Engine(model, drafter="ngram", n_ctx=256, cost_model=frozen_cost_model())
     assert e.generate([2, 9259], max_tokens=2, sampling=SamplingParams.greedy()).finish_reason == "length"
     e.close()
     for call in (lambda: e.generate([2, 9259], max_tokens=2, sampling=SamplingParams.greedy()),

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import FakeModel, fixed_cost_model
+from conftest import FakeModel, frozen_cost_model
 from helpers import assert_same_as_plain
 from localspec import Engine, SamplingParams, native
 from localspec.costmodel import CostModel
@@ -232,7 +232,7 @@ def test_the_heads_catch_up_keeps_its_context_window(model, random_head_path, wi
     from localspec.policy import TreeShape
 
     assert CONTEXT_WINDOW == 16
-    e = Engine(model, drafter="none", n_ctx=2048, cost_model=fixed_cost_model())
+    e = Engine(model, drafter="none", n_ctx=2048, cost_model=frozen_cost_model())
     try:
         prompt = e.tokenize(TEXT * 2)
         assert len(prompt) > 41  # longer than every window below
@@ -267,7 +267,7 @@ def test_the_heads_catch_up_keeps_its_context_window(model, random_head_path, wi
 
 
 def test_head_cost_per_level_enters_the_cost_model(model, random_head_path):
-    e = Engine(model, drafter="none", n_ctx=2048, cost_model=fixed_cost_model())
+    e = Engine(model, drafter="none", n_ctx=2048, cost_model=frozen_cost_model())
     try:
         from localspec.drafters.eagle3 import Eagle3Drafter
         from localspec.policy import TreeShape
@@ -293,7 +293,7 @@ def test_shipped_head_greedy_equals_plain_over_500_tokens_of_long_context(model,
     tokens: the eagle3 and auto drafters with the shipped head emit exactly plain decoding's
     tokens where the exact kernels are on (CPU backend), else the same up to near-ties
     (``assert_same_as_plain``)."""
-    e = Engine(model, drafter="none", n_ctx=2048, cost_model=fixed_cost_model())
+    e = Engine(model, drafter="none", n_ctx=2048, cost_model=frozen_cost_model())
     try:
         prompt = e.tokenize(TEXT * 30)[:620]
         ref = e.generate(prompt, max_tokens=500, sampling=GREEDY, speculative=False)

@@ -13,7 +13,7 @@ import pytest
 
 import localspec.verify as verify_mod
 import oracle
-from conftest import fixed_cost_model
+from conftest import frozen_cost_model
 from helpers import assert_same_as_plain
 from localspec import Engine, SamplingParams, native
 from localspec.drafters.medusa import MedusaCalibration, MedusaDrafter
@@ -184,7 +184,7 @@ def test_engine_hands_the_heads_the_verification_rows(model, tmp_path):
     from localspec.models.training.medusa_data import FinalNormRecorder
 
     heads = write_medusa_gguf(tmp_path / "u.gguf", untrained_heads(model.path, np.arange(1000, 1300), n_heads=2))
-    e = Engine(model, drafter="medusa", medusa=heads, n_ctx=1024, cost_model=fixed_cost_model())
+    e = Engine(model, drafter="medusa", medusa=heads, n_ctx=1024, cost_model=frozen_cost_model())
     seen = []
     d = e.drafter
     inner = d.set_final_hidden
@@ -352,7 +352,7 @@ def test_shipped_heads_greedy_equal_plain_over_300_tokens_of_long_context(model)
     decoding's (``assert_same_as_plain``). (Trees of 8 nodes on every step: with 16 nodes and
     500 tokens this one test took 3 minutes of the suite.)"""
     assert _shipped(model) is not None
-    e = Engine(model, drafter="none", n_ctx=2048, cost_model=fixed_cost_model(), max_tree_nodes=8)
+    e = Engine(model, drafter="none", n_ctx=2048, cost_model=frozen_cost_model(), max_tree_nodes=8)
     try:
         prompt = e.tokenize(TEXT * 30)[:620]
         ref = e.generate(prompt, max_tokens=300, sampling=GREEDY, speculative=False)
@@ -372,7 +372,7 @@ def test_auto_with_medusa_heads_merges_them_with_ngrams(model):
     """``--drafter auto --medusa PATH``: the n-gram tree every step and the heads' tree (every
     step here: not adaptive), merged into one verified tree. Greedy output equals plain
     decoding, and tokens of both sources are accepted."""
-    e = Engine(model, drafter="auto", medusa=_shipped(model), n_ctx=1024, cost_model=fixed_cost_model(),
+    e = Engine(model, drafter="auto", medusa=_shipped(model), n_ctx=1024, cost_model=frozen_cost_model(),
                adaptive=False, max_tree_nodes=16)  # fmt: skip
     try:
         assert e.drafter.name == "auto" and e.drafter.model.name == "medusa"
@@ -389,7 +389,7 @@ def test_auto_with_medusa_heads_merges_them_with_ngrams(model):
 def test_seeded_gumbel_and_rejection_on_the_real_model(model):
     """Seeded Gumbel: the same tokens as plain decoding with that seed. Rejection sampling:
     runs, drafts and accepts (its exactness is the enumeration test above)."""
-    e = Engine(model, drafter="none", n_ctx=1024, cost_model=fixed_cost_model(), adaptive=False, max_tree_nodes=16)
+    e = Engine(model, drafter="none", n_ctx=1024, cost_model=frozen_cost_model(), adaptive=False, max_tree_nodes=16)
     try:
         prompt = e.tokenize(TEXT * 3)
         gum = SamplingParams(temperature=0.8, seed=7, verify="gumbel")
@@ -448,7 +448,7 @@ def test_shipped_heads_trees_through_the_engine_propose_path_are_exact(model):
 
     heads = _shipped(model)
     assert heads is not None
-    eng = Engine(model, drafter="none", n_ctx=512, cost_model=fixed_cost_model(), adaptive=False)
+    eng = Engine(model, drafter="none", n_ctx=512, cost_model=frozen_cost_model(), adaptive=False)
     try:
         eng.set_drafter("medusa")
         d = eng.drafter
@@ -569,7 +569,7 @@ def test_train_medusa_smoke_record_train_export_draft(model, model_path, tmp_pat
     assert res["recorded_tokens"] == 192 and res["steps"] == 4 and len(res["val_acc_full_top1"]) == 4
     w = read_medusa_gguf(out)
     assert w.out.shape == (1, 256, 640) and w.n_heads == 4 and w.training["val_acc_full_top1"] == [round(a, 4) for a in res["val_acc_full_top1"]]
-    e = Engine(model, drafter="medusa", medusa=out, n_ctx=512, cost_model=fixed_cost_model(), adaptive=False)
+    e = Engine(model, drafter="medusa", medusa=out, n_ctx=512, cost_model=frozen_cost_model(), adaptive=False)
     try:
         prompt = e.tokenize(TEXT)
         spec = e.generate(prompt, max_tokens=24, sampling=GREEDY)

@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from conftest import fixed_cost_model
+from conftest import frozen_cost_model
 from localspec import SamplingParams
 from localspec.drafters import make_drafter
 from localspec.drafters.memory import DraftMemory, MemoryFileError
@@ -333,7 +333,7 @@ def test_engine_outputs_with_memory_equal_plain(model, plain):
     from localspec import Engine
 
     mem = DraftMemory(4)
-    with Engine(model, drafter="ngram", n_ctx=1024, cost_model=fixed_cost_model(), draft_memory=mem) as e:
+    with Engine(model, drafter="ngram", n_ctx=1024, cost_model=frozen_cost_model(), draft_memory=mem) as e:
         for _ in range(2):  # the second round drafts from the first one's outputs
             assert [e.generate(p, max_tokens=N, sampling=SamplingParams.greedy()).token_ids for p in PROMPTS] == plain["greedy"]
         s = SamplingParams(temperature=0.8, seed=1234)
@@ -347,7 +347,7 @@ def test_batched_outputs_with_memory_equal_plain(model, plain):
     mem = DraftMemory(4)
     for round_ in range(2):
         for sampling, key in ((SamplingParams.greedy(), "greedy"), (SamplingParams(temperature=0.8, seed=1234), "seeded")):
-            sched = BatchScheduler(model, parallel=3, n_ctx=256, cost_model=fixed_cost_model(), draft_memory=mem)
+            sched = BatchScheduler(model, parallel=3, n_ctx=256, cost_model=frozen_cost_model(), draft_memory=mem)
             try:
                 jobs = [sched.submit(model.tokenize(p), max_tokens=N, sampling=sampling) for p in PROMPTS]
                 sched.run_until_idle()
@@ -365,7 +365,7 @@ def test_engine_memory_drafts_a_repeated_request(model):
     mem = DraftMemory(4)
     p = "def is_prime(n):\n"
     g = SamplingParams.greedy()
-    with Engine(model, drafter="ngram", n_ctx=1024, cost_model=fixed_cost_model(), draft_memory=mem) as e:
+    with Engine(model, drafter="ngram", n_ctx=1024, cost_model=frozen_cost_model(), draft_memory=mem) as e:
         first = e.generate(p, max_tokens=N, sampling=g)
         e.generate("Unrelated text in between.", max_tokens=4, sampling=g)
         off = e.generate(p, max_tokens=N, sampling=dataclasses.replace(g, draft_memory=False))

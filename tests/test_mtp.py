@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import chisquare_pvalue, fixed_cost_model
+from conftest import chisquare_pvalue, frozen_cost_model
 from helpers import assert_same_as_plain
 from localspec.drafters.mtp import MtpDrafter
 from localspec.drafters.tree_expand import Children, DraftChildSelector, DraftMode
@@ -49,13 +49,13 @@ def mtp_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(mtp_path):
-    eng = Engine(mtp_path, drafter="none", n_ctx=1024, n_threads=1, cost_model=fixed_cost_model())
+    eng = Engine(mtp_path, drafter="none", n_ctx=1024, n_threads=1, cost_model=frozen_cost_model())
     yield eng
     eng.close()
 
 
 def mtp_engine(path, shape):
-    return Engine(path, drafter="mtp", draft_shape=shape, n_ctx=1024, n_threads=1, cost_model=fixed_cost_model(), adaptive=False)
+    return Engine(path, drafter="mtp", draft_shape=shape, n_ctx=1024, n_threads=1, cost_model=frozen_cost_model(), adaptive=False)
 
 
 class CacheChecks:
@@ -232,11 +232,11 @@ def test_a_wrong_draft_distribution_fails_the_rejection_test(mtp_path, rejection
 def test_a_target_without_mtp_blocks_is_a_one_line_error(tmp_path):
     path = write_tiny_glm4moe(tmp_path / "tiny-glm4moe.gguf", nextn=False)
     with pytest.raises(ModelLoadError) as e:
-        Engine(path, drafter="mtp", n_ctx=256, n_threads=1, cost_model=fixed_cost_model())
+        Engine(path, drafter="mtp", n_ctx=256, n_threads=1, cost_model=frozen_cost_model())
     msg = str(e.value)
     assert "\n" not in msg and "tiny-glm4moe.gguf" in msg and "glm4moe.nextn_predict_layers is absent" in msg
     # set_drafter refuses it too and the engine keeps its drafter and works
-    eng = Engine(path, drafter="ngram", n_ctx=256, n_threads=1, cost_model=fixed_cost_model())
+    eng = Engine(path, drafter="ngram", n_ctx=256, n_threads=1, cost_model=frozen_cost_model())
     try:
         with pytest.raises(ModelLoadError, match="nextn_predict_layers"):
             eng.set_drafter("mtp")
@@ -249,7 +249,7 @@ def test_a_target_without_mtp_blocks_is_a_one_line_error(tmp_path):
 def test_declared_mtp_blocks_without_tensors_are_refused(tmp_path):
     path = write_tiny_glm4moe(tmp_path / "tiny-no-nextn-tensors.gguf", nextn_tensors=False)
     with pytest.raises(ModelLoadError) as e:
-        Engine(path, drafter="mtp", n_ctx=256, n_threads=1, cost_model=fixed_cost_model())
+        Engine(path, drafter="mtp", n_ctx=256, n_threads=1, cost_model=frozen_cost_model())
     msg = str(e.value)
     assert "\n" not in msg and "tiny-no-nextn-tensors.gguf" in msg and "blk.2." in msg
 
@@ -272,7 +272,7 @@ def test_rejection_step_law_is_exact_through_the_propose_path(mtp_path):
     from localspec.verify import verify_rejection
     from test_propose_rejection import EnumeratedDraftSampler, engine_propose, subtree_keeping_likely_draws
 
-    eng = Engine(mtp_path, drafter="none", n_ctx=512, n_threads=1, cost_model=fixed_cost_model(), adaptive=False)
+    eng = Engine(mtp_path, drafter="none", n_ctx=512, n_threads=1, cost_model=frozen_cost_model(), adaptive=False)
     d = MtpDrafter(shape=TreeShape(2, 2, 7, 0.0))
     try:
         eng.set_drafter(d)
@@ -339,7 +339,7 @@ def test_recurrent_targets_are_refused(tmp_path):
 
     path = write_tiny_mamba(tmp_path / "tiny-mamba.gguf")
     with pytest.raises(ModelLoadError) as e:
-        Engine(path, drafter="mtp", n_ctx=256, n_threads=1, cost_model=fixed_cost_model())
+        Engine(path, drafter="mtp", n_ctx=256, n_threads=1, cost_model=frozen_cost_model())
     msg = str(e.value)
     assert "\n" not in msg and "tiny-mamba.gguf" in msg and "recurrent / linear-attention" in msg
 
@@ -347,7 +347,7 @@ def test_recurrent_targets_are_refused(tmp_path):
 def test_auto_drafts_with_the_mtp_block_of_a_target_that_has_one(mtp_path, plain):
     from localspec.drafters.auto import AutoDrafter
 
-    eng = Engine(mtp_path, drafter="auto", n_ctx=1024, n_threads=1, cost_model=fixed_cost_model(), adaptive=False)
+    eng = Engine(mtp_path, drafter="auto", n_ctx=1024, n_threads=1, cost_model=frozen_cost_model(), adaptive=False)
     try:
         assert isinstance(eng.drafter, AutoDrafter) and isinstance(eng.drafter.model, MtpDrafter)
         greedy = SamplingParams.greedy()
@@ -370,7 +370,7 @@ def test_mtp_cache_after_rollbacks_computes_what_a_fresh_one_does(mtp_path):
     greedy = SamplingParams.greedy()
     eng = mtp_engine(mtp_path, TreeShape(3, 2, 7, 0.0))
     fresh = MtpDrafter()
-    eng2 = Engine(mtp_path, drafter=fresh, n_ctx=1024, n_threads=1, cost_model=fixed_cost_model(), adaptive=False)
+    eng2 = Engine(mtp_path, drafter=fresh, n_ctx=1024, n_threads=1, cost_model=frozen_cost_model(), adaptive=False)
     try:
         eng.generate(PROMPT, max_tokens=120, sampling=greedy)
         res = eng.generate(PROMPT[:5] + [9], max_tokens=60, sampling=greedy)

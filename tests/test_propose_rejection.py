@@ -21,7 +21,7 @@ import pytest
 
 import localspec.verify as verify_mod
 import oracle
-from conftest import FakeModel, fixed_cost_model
+from conftest import FakeModel, fixed_cost_model, frozen_cost_model
 from localspec.drafters.auto import AutoDrafter
 from localspec.drafters.level_drafter import ModelDrafter
 from localspec.drafters.ngram import NgramDrafter
@@ -254,7 +254,7 @@ def test_eagle3_trees_through_the_engine_propose_path_are_exact(model):
 
     head = shipped_head(model.path)
     assert head is not None
-    eng = Engine(model, drafter="none", n_ctx=512, cost_model=fixed_cost_model(), adaptive=False)
+    eng = Engine(model, drafter="none", n_ctx=512, cost_model=frozen_cost_model(), adaptive=False)
     d = Eagle3Drafter(head, shape=TreeShape(1, 3, 4, 0.0))
     try:
         eng.set_drafter(d)

@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
-from conftest import fixed_cost_model
+from conftest import frozen_cost_model
 from localspec import Engine, SamplingParams
 from localspec.backend import rpc
 from localspec.cli.rpc import check_banner, find_rpc_server
@@ -96,7 +96,7 @@ def test_unreachable_worker_is_a_clear_error_naming_it():
     with pytest.raises(rpc.RPCError, match=f"127.0.0.1:{port} is unreachable"):
         rpc.probe(f"127.0.0.1:{port}", timeout=5)
     with pytest.raises(rpc.RPCError, match=f"127.0.0.1:{port}"):
-        Engine(rpc=[f"127.0.0.1:{port}"], drafter=None, cost_model=fixed_cost_model())
+        Engine(rpc=[f"127.0.0.1:{port}"], drafter=None, cost_model=frozen_cost_model())
 
 
 def _hello_server(version: tuple[int, int, int]):
@@ -156,7 +156,7 @@ def test_rpc_build_is_present():
 @pytest.fixture(scope="module")
 def remote(worker):
     """Plain and speculative greedy outputs with all the target's layers on the worker."""
-    with Engine(rpc=[worker.endpoint], drafter="ngram", n_ctx=2048, cost_model=fixed_cost_model()) as eng:
+    with Engine(rpc=[worker.endpoint], drafter="ngram", n_ctx=2048, cost_model=frozen_cost_model()) as eng:
         assert eng.model.n_gpu_layers == -1 and eng.model.device_key.startswith("RPC")
         assert eng.model.rpc_workers[0].endpoint == worker.endpoint
         plain = eng.generate(PROMPT, max_tokens=48, sampling=GREEDY, speculative=False)
@@ -216,7 +216,7 @@ def test_logits_on_the_worker_are_bit_identical_to_local(model_path, worker):
 def test_part_of_the_layers_local_part_on_the_worker(engine, worker):
     engine.reset()
     local = engine.generate(PROMPT, max_tokens=24, sampling=GREEDY, speculative=False)
-    with Engine(rpc=worker.endpoint, n_gpu_layers=9, drafter="ngram", n_ctx=2048, cost_model=fixed_cost_model()) as eng:
+    with Engine(rpc=worker.endpoint, n_gpu_layers=9, drafter="ngram", n_ctx=2048, cost_model=frozen_cost_model()) as eng:
         assert eng.generate(PROMPT, max_tokens=24, sampling=GREEDY).token_ids == local.token_ids
 
 
@@ -262,7 +262,7 @@ def test_a_worker_killed_mid_generation_python_api(engine):
     local = engine.generate(PROMPT, max_tokens=24, sampling=GREEDY, speculative=False)
     w = Worker()
     try:
-        eng = Engine(rpc=[w.endpoint], drafter="ngram", n_ctx=4096, cost_model=fixed_cost_model())
+        eng = Engine(rpc=[w.endpoint], drafter="ngram", n_ctx=4096, cost_model=frozen_cost_model())
         stream = eng.stream(PROMPT, max_tokens=3000, sampling=GREEDY)
         first = bounded(lambda: next(stream))  # the first token came through the worker
         assert first.text
@@ -299,7 +299,7 @@ def test_a_worker_lost_between_requests_is_seen_before_the_next_one(engine):
     local = engine.generate(PROMPT, max_tokens=8, sampling=GREEDY, speculative=False)
     w = Worker()
     try:
-        with Engine(rpc=[w.endpoint], drafter="none", n_ctx=1024, cost_model=fixed_cost_model()) as eng:
+        with Engine(rpc=[w.endpoint], drafter="none", n_ctx=1024, cost_model=frozen_cost_model()) as eng:
             assert bounded(lambda: eng.generate(PROMPT, max_tokens=8, sampling=GREEDY)).token_ids == local.token_ids
             w.kill()
             deadline = time.monotonic() + 60  # a bound: the loop ends as soon as the guard sees it
@@ -361,8 +361,8 @@ def test_a_worker_killed_mid_request_server(engine):
     engine.reset()
     local = engine.generate(PROMPT, max_tokens=16, sampling=GREEDY, speculative=False)
     w = Worker()
-    eng = Engine(rpc=[w.endpoint], drafter="ngram", n_ctx=2048, cost_model=fixed_cost_model())
-    sched = BatchScheduler(eng.model, parallel=2, n_ctx=2048, cost_model=fixed_cost_model()).start()
+    eng = Engine(rpc=[w.endpoint], drafter="ngram", n_ctx=2048, cost_model=frozen_cost_model())
+    sched = BatchScheduler(eng.model, parallel=2, n_ctx=2048, cost_model=frozen_cost_model()).start()
     oai = OpenAIService(sched, model_name="gemma-rpc", sampling=GREEDY)
     editor = CompletionService(eng, ServiceConfig(sampling=GREEDY))
     try:

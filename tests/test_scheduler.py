@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from conftest import fixed_cost_model
+from conftest import fixed_cost_model, frozen_cost_model
 from localspec import SamplingParams
 from localspec.errors import ContextOverflowError, InvalidRequestError
 from localspec.policy import allocate_nodes as _allocate
@@ -76,7 +76,7 @@ def alone(engine):
 
 
 def _run(model, sampling, **kw):
-    sched = BatchScheduler(model, parallel=len(PROMPTS), cost_model=fixed_cost_model(), **kw)
+    sched = BatchScheduler(model, parallel=len(PROMPTS), cost_model=frozen_cost_model(), **kw)
     try:
         jobs = [sched.submit(model.tokenize(p), max_tokens=N, sampling=sampling) for p in PROMPTS]
         sched.run_until_idle()
@@ -103,7 +103,7 @@ def test_batched_equals_alone_seeded(model, alone):
 
 
 def test_compaction_keeps_outputs(model, alone):
-    sched = BatchScheduler(model, parallel=2, n_ctx=64, cost_model=fixed_cost_model(), adaptive=False, max_tree_nodes=8)
+    sched = BatchScheduler(model, parallel=2, n_ctx=64, cost_model=frozen_cost_model(), adaptive=False, max_tree_nodes=8)
     try:
         sched.kv_size = 64  # a software limit far below the real cache: compactions at most steps
         jobs = [sched.submit(model.tokenize(p), max_tokens=N, sampling=SamplingParams.greedy()) for p in PROMPTS]
@@ -115,7 +115,7 @@ def test_compaction_keeps_outputs(model, alone):
 
 
 def test_cancel_frees_the_slot_and_others_go_on(model, alone):
-    sched = BatchScheduler(model, parallel=2, n_ctx=256, cost_model=fixed_cost_model())
+    sched = BatchScheduler(model, parallel=2, n_ctx=256, cost_model=frozen_cost_model())
     try:
         seen = []
         a = sched.submit(model.tokenize(PROMPTS[0]), max_tokens=200, sampling=SamplingParams.greedy(),
@@ -135,7 +135,7 @@ def test_cancel_frees_the_slot_and_others_go_on(model, alone):
 
 
 def test_bad_requests(model):
-    sched = BatchScheduler(model, parallel=1, n_ctx=32, cost_model=fixed_cost_model())
+    sched = BatchScheduler(model, parallel=1, n_ctx=32, cost_model=frozen_cost_model())
     try:
         with pytest.raises(ContextOverflowError):
             sched.submit(list(range(10, 50)))
@@ -184,7 +184,7 @@ def as_run(result):
 def test_a_prompt_cache_hit_decodes_bit_for_bit_as_alone(model, engine):
     p1 = model.tokenize(LONG)
     assert len(p1) > model.n_swa + 100
-    sched = BatchScheduler(model, parallel=2, n_ctx=2048, cost_model=fixed_cost_model())
+    sched = BatchScheduler(model, parallel=2, n_ctx=2048, cost_model=frozen_cost_model())
     try:
 
         def run(prompt, **kw):
@@ -219,7 +219,7 @@ def test_prompts_sharing_a_header_prefill_it_once_and_decode_as_alone(model, eng
     tails = [" Question: which box holds keys?", " Question: how many shelves are there?",
              " Summary: the boxes hold"]  # fmt: skip
     prompts = [head + model.tokenize(t, add_special=False) for t in tails]
-    sched = BatchScheduler(model, parallel=3, n_ctx=2048, cost_model=fixed_cost_model(), prompt_cache=0)
+    sched = BatchScheduler(model, parallel=3, n_ctx=2048, cost_model=frozen_cost_model(), prompt_cache=0)
     try:
         jobs = [sched.submit(p, max_tokens=N, sampling=GREEDY_LP) for p in prompts]  # arrive together
         sched.run_until_idle()
@@ -238,7 +238,7 @@ def test_prompts_sharing_a_header_prefill_it_once_and_decode_as_alone(model, eng
 def test_compaction_moves_shared_prefixes_once_and_keeps_outputs(model, engine):
     head = model.tokenize(LONG)
     prompts = [head + model.tokenize(t, add_special=False) for t in (" First,", " Second,", " Third,")]
-    sched = BatchScheduler(model, parallel=2, n_ctx=2048, cost_model=fixed_cost_model(), adaptive=False,
+    sched = BatchScheduler(model, parallel=2, n_ctx=2048, cost_model=frozen_cost_model(), adaptive=False,
                            max_tree_nodes=8)  # fmt: skip
     try:
         first = sched.submit(prompts[0], max_tokens=N, sampling=GREEDY_LP)
@@ -260,7 +260,7 @@ def test_compaction_moves_shared_prefixes_once_and_keeps_outputs(model, engine):
 def test_a_long_prompt_joins_the_running_batch_in_pieces(model, engine):
     short = model.tokenize(PROMPTS[0])
     long_prompt = model.tokenize(LONG)
-    sched = BatchScheduler(model, parallel=2, n_ctx=2048, cost_model=fixed_cost_model(), prefill_chunk=64)
+    sched = BatchScheduler(model, parallel=2, n_ctx=2048, cost_model=frozen_cost_model(), prefill_chunk=64)
     try:
         got = []
         a = sched.submit(short, max_tokens=64, sampling=GREEDY_LP, on_chunk=lambda c: got.append(c.token))
@@ -290,7 +290,7 @@ def test_a_dropped_entry_leaves_no_hole_before_a_running_request(model, engine):
     # freed cells would take d's next tokens before its own earlier cells
     long_prompt = model.tokenize(LONG)
     short = [model.tokenize(p) for p in PROMPTS]
-    sched = BatchScheduler(model, parallel=2, n_ctx=2048, cost_model=fixed_cost_model(), prompt_cache=1)
+    sched = BatchScheduler(model, parallel=2, n_ctx=2048, cost_model=frozen_cost_model(), prompt_cache=1)
     try:
         a = sched.submit(long_prompt, max_tokens=4, sampling=GREEDY_LP)
         sched.run_until_idle()
@@ -312,7 +312,7 @@ def test_a_dropped_entry_leaves_no_hole_before_a_running_request(model, engine):
 def test_a_short_prompt_is_not_kept_waiting_by_a_long_one_being_prefilled(model, engine):
     long_prompt = model.tokenize(LONG)
     short = model.tokenize(PROMPTS[1])
-    sched = BatchScheduler(model, parallel=2, n_ctx=2048, cost_model=fixed_cost_model(), prefill_chunk=64)
+    sched = BatchScheduler(model, parallel=2, n_ctx=2048, cost_model=frozen_cost_model(), prefill_chunk=64)
     try:
         got = []
         b = sched.submit(long_prompt, max_tokens=4, sampling=GREEDY_LP)

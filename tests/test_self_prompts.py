@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from conftest import fixed_cost_model  # noqa: E402
+from conftest import frozen_cost_model  # noqa: E402
 from localspec import Engine  # noqa: E402
 from localspec.models.training.eagle3_data import load_shard, prepare_data  # noqa: E402
 from localspec.models.training.self_prompts import (  # noqa: E402
@@ -39,7 +39,7 @@ def test_split_items_and_keys():
 
 @pytest.fixture(scope="module")
 def engine(model_path):
-    e = Engine(model_path, drafter=None, cost_model=fixed_cost_model(), n_ctx=1024)
+    e = Engine(model_path, drafter=None, cost_model=frozen_cost_model(), n_ctx=1024)
     yield e
     e.close()
 

@@ -14,7 +14,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from conftest import fixed_cost_model  # noqa: E402
+from conftest import frozen_cost_model  # noqa: E402
 from helpers import localspec_process  # noqa: E402
 from localspec import SamplingParams  # noqa: E402
 from localspec.engine import Engine  # noqa: E402
@@ -30,7 +30,7 @@ N = 24
 
 @pytest.fixture(scope="module")
 def plain_engine(model):
-    eng = Engine(model, drafter="none", n_ctx=1024, cost_model=fixed_cost_model())
+    eng = Engine(model, drafter="none", n_ctx=1024, cost_model=frozen_cost_model())
     yield eng
     eng.close()
 
@@ -69,7 +69,7 @@ def check_client(client, plain_engine: Engine, drafter: str) -> None:
 @pytest.mark.parametrize("drafter", ["eagle3", "medusa", "draft"])
 def test_in_process_serve_with_a_model_drafter(model, plain_engine, derived_draft_path, drafter):
     options = {"draft_model": str(derived_draft_path)} if drafter == "draft" else {}
-    sched = BatchScheduler(model, parallel=4, n_ctx=512, cost_model=fixed_cost_model(), drafter=drafter,
+    sched = BatchScheduler(model, parallel=4, n_ctx=512, cost_model=frozen_cost_model(), drafter=drafter,
                            drafter_options=options, adaptive=False, max_tree_nodes=8).start()  # fmt: skip
     oai = OpenAIService(sched, model_name="m", sampling=SamplingParams.greedy())
     try:

@@ -11,7 +11,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from conftest import fixed_cost_model  # noqa: E402
+from conftest import frozen_cost_model  # noqa: E402
 from helpers import serve_app_thread  # noqa: E402
 from localspec import SamplingParams  # noqa: E402
 from localspec.scheduler import BatchScheduler  # noqa: E402
@@ -168,7 +168,7 @@ def test_a_prompt_far_too_long_is_refused_before_it_is_tokenized_whole(client):
 
 
 def test_waiting_requests_are_counted_beyond_the_free_slots(model):
-    sched = BatchScheduler(model, parallel=2, n_ctx=64, cost_model=fixed_cost_model())  # not started: nothing runs
+    sched = BatchScheduler(model, parallel=2, n_ctx=64, cost_model=frozen_cost_model())  # not started: nothing runs
     try:
         svc = OpenAIService(sched, model_name="m", sampling=SamplingParams.greedy(), max_queue=1)
         req = parse_oai("completion", {"prompt": "Hello", "max_tokens": 1}, svc.sampling)
@@ -182,7 +182,7 @@ def test_waiting_requests_are_counted_beyond_the_free_slots(model):
 
 
 def test_stop_accepting_cancels_what_was_submitted_and_refuses_more(model):
-    sched = BatchScheduler(model, parallel=1, n_ctx=64, cost_model=fixed_cost_model())  # not started: nothing runs
+    sched = BatchScheduler(model, parallel=1, n_ctx=64, cost_model=frozen_cost_model())  # not started: nothing runs
     try:
         svc = OpenAIService(sched, model_name="m", sampling=SamplingParams.greedy())
         req = parse_oai("completion", {"prompt": "Hello", "max_tokens": 8}, svc.sampling)

@@ -13,7 +13,7 @@ openai = pytest.importorskip("openai")
 
 import httpx  # noqa: E402
 
-from conftest import fixed_cost_model  # noqa: E402
+from conftest import frozen_cost_model  # noqa: E402
 from helpers import serve_app_thread  # noqa: E402
 from localspec import SamplingParams  # noqa: E402
 from localspec.scheduler import BatchScheduler  # noqa: E402
@@ -173,7 +173,7 @@ def test_one_log_line_per_request(client, server, caplog):
 
 
 def test_health_shows_a_stuck_scheduler(model, monkeypatch):
-    sched = BatchScheduler(model, parallel=1, n_ctx=256, cost_model=fixed_cost_model())
+    sched = BatchScheduler(model, parallel=1, n_ctx=256, cost_model=frozen_cost_model())
     release = threading.Event()
     entered = threading.Event()
     real_step = sched._decode_step

@@ -5,7 +5,7 @@ speculation against plain decoding on the FIM path."""
 import httpx
 import pytest
 
-from conftest import FIM_IDS, fixed_cost_model
+from conftest import FIM_IDS, frozen_cost_model
 from localspec import Engine
 from localspec.sampling import SamplingParams
 from localspec.server import CompletionService, ServiceConfig
@@ -19,7 +19,7 @@ SUFFIX = "\n\ndef add_five(x):\n    return x + 5\n"
 
 @pytest.fixture(scope="module")
 def fim_engine(fim_model_path):
-    e = Engine(fim_model_path, drafter="ngram", n_ctx=2048, cost_model=fixed_cost_model())
+    e = Engine(fim_model_path, drafter="ngram", n_ctx=2048, cost_model=frozen_cost_model())
     yield e
     e.close()
 

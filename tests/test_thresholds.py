@@ -26,7 +26,7 @@ import pytest
 
 import oracle
 import test_verify as tv
-from conftest import chisquare_pvalue, fixed_cost_model
+from conftest import chisquare_pvalue, frozen_cost_model
 from localspec import Engine, SamplingParams, native
 from localspec import verify as verify_mod
 from localspec.bench import thresholds as bt
@@ -396,7 +396,7 @@ def test_lower_thresholds_raise_acceptance_on_the_model(model):
     temperature 1 without truncation (with llama.cpp's top-k / top-p / min-p the rows here are
     nearly point masses, where both rules accept the same drafts), 2 seeds: thresholds 0.3 mark
     the results lossy and accept a larger share of the drafts than lossless verification."""
-    engine = Engine(model, drafter="ngram", n_ctx=1024, cost_model=fixed_cost_model(), max_tree_nodes=8, adaptive=False)
+    engine = Engine(model, drafter="ngram", n_ctx=1024, cost_model=frozen_cost_model(), max_tree_nodes=8, adaptive=False)
     try:
         toks = engine.tokenize(CODE)
         acc = {"lossless": [0, 0], "lossy": [0, 0]}
@@ -426,7 +426,7 @@ def test_thresholds_do_not_apply_at_temperature_zero(engine):
 
 
 def test_engine_default_thresholds_apply_to_requests_that_leave_them_unset(model):
-    e = Engine(model, drafter="ngram", n_ctx=1024, cost_model=fixed_cost_model(), accept_threshold_acc=0.4)
+    e = Engine(model, drafter="ngram", n_ctx=1024, cost_model=frozen_cost_model(), accept_threshold_acc=0.4)
     try:
         r = e.generate(REPEAT, max_tokens=8, sampling=SamplingParams(temperature=0.8, seed=1))
         assert r.stats.lossy and r.stats.accept_threshold_acc == 0.4 and r.stats.accept_threshold_single == 1.0
@@ -456,7 +456,7 @@ def servers(model, engine):
     from localspec.server.http import AppThread
     from localspec.server.openai import OpenAIService, create_serve_app
 
-    sched = BatchScheduler(model, parallel=1, n_ctx=512, cost_model=fixed_cost_model()).start()
+    sched = BatchScheduler(model, parallel=1, n_ctx=512, cost_model=frozen_cost_model()).start()
     oai = OpenAIService(sched, model_name="gemma-test", sampling=SamplingParams.greedy())
     editor = CompletionService(engine, ServiceConfig(sampling=SamplingParams.greedy()))
     app = create_serve_app(oai, editor, max_body_bytes=64 * 1024)

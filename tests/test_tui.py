@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("textual")
 
-from conftest import fixed_cost_model  # noqa: E402
+from conftest import fixed_cost_model, frozen_cost_model  # noqa: E402
 from textual.widgets import Input, OptionList  # noqa: E402
 
 from localspec import Engine, SamplingParams  # noqa: E402
@@ -32,7 +32,7 @@ def anyio_backend():
 
 @pytest.fixture(scope="module")
 def chat_engine(model):
-    e = Engine(model, drafter="ngram", n_ctx=2048, cost_model=fixed_cost_model())
+    e = Engine(model, drafter="ngram", n_ctx=2048, cost_model=frozen_cost_model())
     yield e
     e.close()
 
@@ -167,7 +167,7 @@ async def test_errors_are_shown_and_keep_the_conversation(model, long_sampling, 
         assert any("no model is loaded" in t for t in notices(app, "error"))
         assert app.query_one("#prompt", PromptInput).value == "hello"
 
-    small = Engine(model, drafter="ngram", n_ctx=256, cost_model=fixed_cost_model())
+    small = Engine(model, drafter="ngram", n_ctx=256, cost_model=frozen_cost_model())
     try:
         app = ChatApp(engine=small, sampling=long_sampling, max_tokens=200)
         async with app.run_test(size=SIZE) as pilot:
@@ -320,7 +320,7 @@ async def test_load_a_model_by_path_keeps_the_conversation(chat_engine, chat_tem
     loaded = []
 
     def factory(path, drafter):
-        e = Engine(path, drafter=drafter, n_ctx=1024, cost_model=fixed_cost_model())
+        e = Engine(path, drafter=drafter, n_ctx=1024, cost_model=frozen_cost_model())
         loaded.append(e)
         return e
 
@@ -352,7 +352,7 @@ async def test_switch_to_a_draft_model_asks_for_its_path(model, tmp_path):
     from the draft model; the path is remembered for the next switch."""
     from localspec.tui.screens import PathScreen
 
-    e = Engine(model, drafter="ngram", n_ctx=1024, cost_model=fixed_cost_model())
+    e = Engine(model, drafter="ngram", n_ctx=1024, cost_model=frozen_cost_model())
     app = ChatApp(engine=e, sampling=SamplingParams.greedy(), max_tokens=24)
     try:
         async with app.run_test(size=SIZE) as pilot:
@@ -388,7 +388,7 @@ async def test_a_draft_model_that_fails_to_load_is_forgotten_and_asked_for_again
     head): the switch fails, the app says so, and choosing the drafter again asks again."""
     from localspec.tui.screens import PathScreen
 
-    e = Engine(model, drafter="ngram", n_ctx=1024, cost_model=fixed_cost_model())
+    e = Engine(model, drafter="ngram", n_ctx=1024, cost_model=frozen_cost_model())
     app = ChatApp(engine=e, sampling=SamplingParams.greedy(), max_tokens=4)
     try:
         async with app.run_test(size=SIZE) as pilot:
@@ -412,7 +412,7 @@ async def test_a_draft_model_that_fails_to_load_is_forgotten_and_asked_for_again
 async def test_switching_to_and_from_eagle3_says_what_happens_to_the_kv_cache(model, random_head_path):
     """The EAGLE-3 feature tap needs a new target context: the app must not claim the KV
     cache is kept (the next answer does prefill the whole conversation); other switches keep it."""
-    e = Engine(model, drafter="ngram", n_ctx=1024, cost_model=fixed_cost_model())
+    e = Engine(model, drafter="ngram", n_ctx=1024, cost_model=frozen_cost_model())
     app = ChatApp(engine=e, sampling=SamplingParams.greedy(), max_tokens=4,
                   drafter_options={"eagle3": {"eagle": str(random_head_path)}})  # fmt: skip
     try:

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from conftest import fixed_cost_model  # noqa: E402
+from conftest import frozen_cost_model  # noqa: E402
 from helpers import localspec_process  # noqa: E402
 from localspec import Engine, SamplingParams  # noqa: E402
 from localspec.scheduler import BatchScheduler  # noqa: E402
@@ -47,7 +47,7 @@ def test_a_later_turn_replaces_the_pending_earlier_one_and_bad_bounds_are_refuse
 
 @pytest.fixture(scope="module")
 def engine(model_path):
-    e = Engine(model_path, drafter="ngram", cost_model=fixed_cost_model(), n_ctx=1024)
+    e = Engine(model_path, drafter="ngram", cost_model=frozen_cost_model(), n_ctx=1024)
     yield e
     e.close()
 
@@ -84,7 +84,7 @@ def test_engine_records_within_the_bound_and_skips_opted_out_requests(engine, mo
 
 def test_batch_scheduler_records_its_requests(model, tmp_path):
     log = UsageLog(tmp_path, max_mib=1, flush_tokens=10_000)
-    sched = BatchScheduler(model, parallel=2, n_ctx=256, cost_model=fixed_cost_model())
+    sched = BatchScheduler(model, parallel=2, n_ctx=256, cost_model=frozen_cost_model())
     sched.usage_log = log
     try:
         greedy = sched.submit(model.tokenize(PROMPTS[1]), max_tokens=6, sampling=SamplingParams.greedy())
@@ -125,7 +125,7 @@ def test_from_usage_continues_the_shipped_head_and_the_gguf_drafts_losslessly(en
     assert cfg == base_cfg and np.array_equal(w.d2t, base.d2t)  # the same head, trained on
     # three small steps: close to the shipped head (Q8_0 both times), but moved
     assert 0 < np.abs(w.w_down - base.w_down).max() < 0.05
-    with Engine(model_path, drafter="eagle3", eagle=out, cost_model=fixed_cost_model(), n_ctx=1024) as e3:
+    with Engine(model_path, drafter="eagle3", eagle=out, cost_model=frozen_cost_model(), n_ctx=1024) as e3:
         for p in PROMPTS[:2]:
             plain = engine.generate(p, max_tokens=24, sampling=SamplingParams.greedy(), speculative=False)
             assert e3.generate(p, max_tokens=24, sampling=SamplingParams.greedy()).token_ids == plain.token_ids

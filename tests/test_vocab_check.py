@@ -110,18 +110,18 @@ def test_extra_ids_that_are_real_tokens_are_refused(vocab_files, target_vocab):
 
 
 def test_engine_refuses_a_mismatched_draft_model_and_keeps_its_drafter(vocab_files, model):
-    from conftest import fixed_cost_model
+    from conftest import frozen_cost_model
     from localspec import Engine, SamplingParams
     from localspec.drafters.draft_model import DraftModelDrafter
 
     files, _ = vocab_files
-    e = Engine(model, drafter="ngram", n_ctx=512, cost_model=fixed_cost_model())
+    e = Engine(model, drafter="ngram", n_ctx=512, cost_model=frozen_cost_model())
     try:
         with pytest.raises(VocabMismatchError, match="token 1000 differs"):
             e.set_drafter(DraftModelDrafter(load(files["text"])))
         assert e.drafter_name == "ngram"
         assert len(e.generate("Hello", max_tokens=3, sampling=SamplingParams.greedy()).token_ids) == 3
         with pytest.raises(VocabMismatchError, match="EOS"):
-            Engine(model, drafter=DraftModelDrafter(load(files["eos"])), n_ctx=512, cost_model=fixed_cost_model())
+            Engine(model, drafter=DraftModelDrafter(load(files["eos"])), n_ctx=512, cost_model=frozen_cost_model())
     finally:
         e.close()
