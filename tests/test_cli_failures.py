@@ -65,6 +65,45 @@ def test_bench_repeats_below_one(capsys):
     assert msg == "localspec: error: --repeats must be at least 1, got 0", msg
 
 
+def test_bench_versus_refuses_bad_input_before_loading(capsys, tmp_path, monkeypatch):
+    """``bench drafters --versus``: a missing or malformed dataset, an unknown drafter, a
+    ``name#k`` label, ``none`` and an empty file each give one line, before a model loads."""
+    import localspec.backend
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(localspec.backend, "Model", no_load)
+    good = tmp_path / "q.jsonl"
+    good.write_text(json.dumps({"category": "qa", "turns": ["Name a river."]}) + "\n")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"category": "qa", "turns": [123]}) + "\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    versus = ["bench", "drafters", "--versus"]
+    for argv, want in [
+        ([*versus, "ngram,auto", "--dataset", str(tmp_path / "nope.jsonl")], "nope.jsonl"),
+        ([*versus, "ngram,auto", "--dataset", str(tmp_path)], "is not a file"),
+        ([*versus, "ngram,auto", "--dataset", str(bad)], "bad.jsonl:1: not a Spec-Bench question ('turns' must be"),
+        ([*versus, "ngram,auto", "--dataset", str(empty)], "the dataset has no questions"),
+        ([*versus, "ngram,bogus", "--dataset", str(good)], "'bogus' is not a drafter to compare"),
+        ([*versus, "ngram,ngram#2", "--dataset", str(good)], "'ngram#2' is not a drafter to compare"),
+        ([*versus, "none,ngram", "--dataset", str(good)], "plain decoding always runs"),
+        (["bench", "drafters", "--dataset", str(good), "--repeats", "2"], "--dataset, --repeats go with --versus"),
+    ]:
+        assert want in cli_error(capsys, argv), argv
+    for flag, value in (("--per-category", "0"), ("--per-category", "-1"), ("-n", "0")):
+        with pytest.raises(SystemExit) as e:  # argparse: usage and one error line, exit 2
+            main([*versus, "ngram,auto", "--dataset", str(good), flag, value])
+        assert e.value.code == 2 and "must be >= 1" in capsys.readouterr().err
+
+
+def test_complete_serve_off_loopback_needs_an_api_key(capsys):
+    """As `serve`: the editor server listens beyond this machine only behind a key."""
+    msg = cli_error(capsys, ["complete", "--serve", "--host", "0.0.0.0", "--port", "0"])
+    assert msg == "localspec: error: listening on 0.0.0.0 (not this machine only) needs --api-key KEY", msg
+
+
 def test_derive_draft_on_a_truncated_gguf(capsys, tmp_path, model_path):
     cut = tmp_path / "cut.gguf"
     with open(model_path, "rb") as src, open(cut, "wb") as dst:

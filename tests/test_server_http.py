@@ -126,6 +126,12 @@ def test_n_cmpl_alternatives_are_independent_samples_with_consecutive_seeds(clie
             "samplers": ["top_k", "temperature"], "return_tokens": True, "t_max_predict_ms": 0, "n_predict": 8}  # fmt: skip
     answers = client.post("/infill", json=body).json()
     assert [d["generation_settings"]["seed"] for d in answers] == [7, 8, 9]
+    from localspec.server.protocol import MAX_CMPL
+
+    without = {k: v for k, v in body.items() if k != "n_cmpl"}
+    for key, req in (("n_cmpl", {**body, "n_cmpl": MAX_CMPL + 1}), ("n", {**without, "n": 100000})):
+        r = client.post("/infill", json=req)  # bounded, as llama-server bounds it by its slots
+        assert r.status_code == 400 and f'"{key}" must be' in r.json()["error"]["message"], r.text
     # each is the completion that seed gives alone
     for d in answers:
         alone = client.post("/infill", json={**body, "n_cmpl": 1, "seed": d["generation_settings"]["seed"]}).json()
@@ -449,6 +455,22 @@ def test_unknown_paths_and_methods(client):
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     assert client.get("/infill").status_code == 405
     assert client.post("/health").status_code == 405
+
+
+
+def test_api_key_guards_every_path_but_health(service):
+    """`complete --serve --api-key KEY`: the plugins send it as ``Authorization: Bearer``."""
+    from localspec.server.http import AppThread, create_app
+    from localspec.server.openai import APIKeyMiddleware
+
+    with AppThread(APIKeyMiddleware(create_app(service), "sekrit")) as srv, httpx.Client(base_url=srv.url, timeout=300) as c:
+        assert c.get("/health").status_code == 200
+        body = {"prompt": "One, two,", "n_predict": 2, **GREEDY}
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = c.post("/completion", json=body, headers=headers)
+            assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+        r = c.post("/completion", json=body, headers={"Authorization": "Bearer sekrit"})
+        assert r.status_code == 200 and r.json()["tokens_predicted"] == 2
 
 
 def test_oversized_bodies_are_refused(service):

@@ -69,8 +69,11 @@ def load_questions(path: str | Path) -> list[dict]:
                 continue
             try:
                 q = json.loads(line)
-                if not q["turns"] or "category" not in q:
-                    raise KeyError("turns/category")
+                turns = q["turns"]
+                if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+                    raise TypeError(f"'turns' must be a non-empty list of strings, got {turns!r:.60}")
+                if not isinstance(q["category"], str):
+                    raise TypeError(f"'category' must be a string, got {q['category']!r:.60}")
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{i}: not a Spec-Bench question ({e})") from None
             out.append(q)
@@ -82,7 +85,16 @@ def category_of(label: str) -> str:
 
 
 def select_prompts(questions: list[dict], categories: list[str] | None, per_category: int) -> list[BenchPrompt]:
-    """The first ``per_category`` questions of each category (mt_bench round-robin)."""
+    """The first ``per_category`` questions of each category (mt_bench round-robin).
+
+    Raises:
+        ValueError: ``per_category`` below 1, a category not in ``questions``, or no question
+            at all (an empty file).
+    """
+    if per_category < 1:
+        raise ValueError(f"at least one prompt per category is needed, got {per_category}")
+    if not questions:
+        raise ValueError("the dataset has no questions")
     by_cat: dict[str, list[dict]] = {}
     for q in questions:
         by_cat.setdefault(category_of(q["category"]), []).append(q)

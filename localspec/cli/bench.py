@@ -11,7 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
-from .common import add_drafter_args, add_model_args, add_sampling_args, count, make_engine, sampling_from_args
+from .common import add_drafter_args, add_model_args, add_sampling_args, count, make_engine, positive, sampling_from_args
 
 
 def register(sub) -> None:
@@ -32,12 +32,12 @@ def register(sub) -> None:
         "'code' (Python code-completion prompts, see localspec/bench/data/README.md)",
     )
     p.add_argument("--categories", default=None, help="comma-separated categories (default: all)")
-    p.add_argument("--per-category", type=int, default=10, help="prompts per category (default 10)")
+    p.add_argument("--per-category", type=positive, default=10, help="prompts per category (default 10)")
     p.add_argument("--chat-format", action="store_true",
                    help="give each question as one user turn of a conversation, as chat and serve do (the model's "
                    "chat template, or the plain transcript for a base model), as Spec-Bench's own harness does; "
                    "default: the bare question, which a base model continues as text")  # fmt: skip
-    p.add_argument("-n", "--max-tokens", type=count, default=128, help="new tokens per prompt (default 128)")
+    p.add_argument("-n", "--max-tokens", type=positive, default=128, help="new tokens per prompt (default 128)")
     p.add_argument("--out", default="bench-out", help="output directory (default ./bench-out)")
     p.add_argument(
         "--repeats",
@@ -101,7 +101,7 @@ def register(sub) -> None:
                     help="prompts of the batch workload (one instruction, different inputs; default 200)")
     me.add_argument("--dataset", default=None, metavar="FILE",
                     help="Spec-Bench question.jsonl (for specbench, and its MT-Bench items for turn2)")
-    me.add_argument("--per-category", type=int, default=None, help="Spec-Bench prompts per category (default 5)")
+    me.add_argument("--per-category", type=positive, default=None, help="Spec-Bench prompts per category (default 5)")
     me.add_argument("--turns", type=int, default=None, metavar="N", help="conversations of turn2 (default 20)")
     me.add_argument("--editor-file", default=None, metavar="PATH",
                     help="the file typed in the editor workload (default: localspec's server/prompt.py)")
@@ -166,28 +166,28 @@ def register(sub) -> None:
         description="Drafts with the head in fixed tree shapes on every step and, alternating prompt "
         "by prompt in the same run, decodes plainly: reports per head runtime (the host's C kernels "
         "and llama.cpp's eagle3 graph) and level the head's median time, its fraction of a plain "
-        "single-token target decode (goal: <= 3%%; level 0 with its catch-up <= 5%%), the head's "
+        "single-token target decode (goal: <= 3%; level 0 with its catch-up <= 5%), the head's "
         "calls per level, and the host time per drafted node.",
     )
     dr.add_argument("--runtimes", default="host,llama", help="head runtimes to measure (default host,llama)")
     dr.add_argument("--eagle", default=None, metavar="PATH", help="EAGLE-3 head GGUF (default: the head shipped for the model)")
     dr.add_argument("--shapes", default="6x1x7,4x3x16", help="tree shapes depth x width x nodes (default 6x1x7,4x3x16)")
-    dr.add_argument("-n", "--max-tokens", type=count, default=48, help="tokens per prompt (default 48)")
+    dr.add_argument("-n", "--max-tokens", type=positive, default=48, help="tokens per prompt (default 48)")
     dr.add_argument("--rounds", type=int, default=2, help="passes over the built-in prompts (default 2)")
     dr.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all this process may use)")
     dr.add_argument("-m", "--model", default=None, help="target GGUF (default: the embedded model)")
     dr.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
                     help="target layers to offload on CUDA/Metal builds (-1 = all; the head stays on the CPU)")
-    dr.add_argument("--versus", default=None, metavar="A,B",
+    dr.add_argument("--versus", default=None, metavar="A,B[,...]",
                     help="instead: Spec-Bench prompts (--dataset) decoded plainly and with drafters A and B in one "
                     "run (e.g. ngram,auto); per category speed over plain, MAL, identical outputs, and B over A; "
                     "a name given twice runs two engines of it (ngram,ngram,auto: the spread of a drafter against "
                     "itself beside B)")  # fmt: skip
     dr.add_argument("--dataset", default=None, help="Spec-Bench question.jsonl (with --versus)")
-    dr.add_argument("--per-category", type=int, default=3, help="prompts per category (with --versus; default 3)")
+    dr.add_argument("--per-category", type=positive, default=None, help="prompts per category (with --versus; default 3)")
     dr.add_argument("--chat-format", action="store_true",
                     help="(with --versus) each question as one user turn of a conversation, as chat and serve give it")
-    dr.add_argument("--repeats", type=int, default=1, metavar="R",
+    dr.add_argument("--repeats", type=int, default=None, metavar="R",
                     help="(with --versus) rounds per prompt, each running every engine once, in reversed order "
                     "round by round (A B, B A, ...); a prompt's time per engine is the mean (default 1)")  # fmt: skip
     dr.add_argument("--json", action="store_true")
@@ -490,6 +490,10 @@ def run_drafters(a: argparse.Namespace) -> int:
 
     if a.versus:
         return _run_versus(a)
+    given = [f for f, v in (("--dataset", a.dataset), ("--per-category", a.per_category), ("--repeats", a.repeats),
+                            ("--chat-format", a.chat_format or None)) if v is not None]  # fmt: skip
+    if given:
+        raise SystemExit(f"localspec: error: {', '.join(given)} go with --versus A,B (the head's cost per level runs on built-in prompts)")
     model = Model(resolve_model(a.model), n_gpu_layers=a.n_gpu_layers)
     try:
         head = a.eagle or shipped_head(model.path)
@@ -526,36 +530,58 @@ def run_drafters(a: argparse.Namespace) -> int:
     return 0
 
 
+def _load_prompts(dataset: str, categories: list[str] | None, per_category: int) -> list:
+    """``select_prompts`` of ``load_questions(dataset)``; a missing, unreadable or malformed
+    file, an unknown category or a dataset without questions exits with one line."""
+    from ..bench.dataset import load_questions, select_prompts
+
+    try:
+        return select_prompts(load_questions(dataset), categories, per_category)
+    except OSError as e:  # resolve_dataset's own message, or the OS's
+        msg = f"cannot read --dataset {dataset!r}: {e.strerror}" if e.strerror else f"--dataset: {e}"
+        raise SystemExit(f"localspec: error: {msg}") from None
+    except (ValueError, UnicodeDecodeError) as e:  # a malformed line names itself
+        raise SystemExit(f"localspec: error: {e}") from None
+
+
 def _run_versus(a: argparse.Namespace) -> int:
     import os
 
     from ..backend import Model
-    from ..bench.dataset import as_chat, load_questions, select_prompts
+    from ..bench.dataset import as_chat
     from ..bench.drafters import compare_drafters, summarize_versus, versus_labels
     from ..models import resolve_model
+
+    from ..drafters import drafter_names
 
     if not a.dataset:
         raise SystemExit("localspec: error: --versus needs --dataset FILE (a Spec-Bench question.jsonl)")
     names = [n.strip() for n in a.versus.split(",") if n.strip()]
-    if len(names) < 2 or "none" in names:
+    known = [n for n in drafter_names() if n != "none"]
+    for n in names:
+        if n not in known:
+            why = "plain decoding always runs" if n == "none" else f"choose from {', '.join(known)}"
+            raise SystemExit(f"localspec: error: --versus: {n!r} is not a drafter to compare ({why})")
+    if len(names) < 2:
         raise SystemExit("localspec: error: --versus takes two or more drafter names, e.g. ngram,auto")
     names = versus_labels(names)
-    if a.repeats < 1:
-        raise SystemExit(f"localspec: error: --repeats must be at least 1, got {a.repeats}")
-    prompts = select_prompts(load_questions(a.dataset), None, a.per_category)
+    repeats = 1 if a.repeats is None else a.repeats
+    if repeats < 1:
+        raise SystemExit(f"localspec: error: --repeats must be at least 1, got {repeats}")
+    prompts = _load_prompts(a.dataset, None, 3 if a.per_category is None else a.per_category)
     model = Model(resolve_model(a.model), n_gpu_layers=a.n_gpu_layers)
     if a.chat_format:
         prompts = as_chat(prompts, model)
     load0 = os.getloadavg()[0]
     try:
-        rows = compare_drafters(model, prompts, names, max_tokens=a.max_tokens, n_threads=a.threads, repeats=a.repeats,
+        rows = compare_drafters(model, prompts, names, max_tokens=a.max_tokens, n_threads=a.threads, repeats=repeats,
                                 progress=lambda i, n, _r: print(f"  {i}/{n}", file=sys.stderr))  # fmt: skip
     finally:
         model.close()
     summary = summarize_versus(rows, names)
     load1 = os.getloadavg()[0]
     if a.json:
-        print(json.dumps({"prompts": rows, "summary": summary, "repeats": a.repeats, "load_avg_1min": [load0, load1]}))
+        print(json.dumps({"prompts": rows, "summary": summary, "repeats": repeats, "load_avg_1min": [load0, load1]}))
         return 0
     print(f"load average (1 min): {load0:.1f} at the start, {load1:.1f} at the end, on {os.cpu_count()} CPUs; greedy, {a.max_tokens} tokens")
     head = " | ".join(f"{n} vs plain / MAL / identical" for n in names)
@@ -572,7 +598,6 @@ def _run_versus(a: argparse.Namespace) -> int:
 
 def run(a: argparse.Namespace) -> int:
     from ..bench import peer as peer_mod
-    from ..bench.dataset import load_questions, select_prompts
     from ..bench.report import markdown_table, plot, write_json
     from ..bench.specbench import machine_info, run_bench, summarize
 
@@ -585,14 +610,7 @@ def run(a: argparse.Namespace) -> int:
     if a.peer_repeats < 1:
         raise SystemExit(f"localspec: error: --peer-repeats must be at least 1, got {a.peer_repeats}")
     cats = [c.strip() for c in a.categories.split(",")] if a.categories else None
-    try:
-        questions = load_questions(a.dataset)
-        prompts = select_prompts(questions, cats, a.per_category)
-    except OSError as e:  # resolve_dataset's own message, or the OS's
-        msg = f"cannot read --dataset {a.dataset!r}: {e.strerror}" if e.strerror else f"--dataset: {e}"
-        raise SystemExit(f"localspec: error: {msg}") from None
-    except (ValueError, UnicodeDecodeError) as e:  # a malformed line names itself
-        raise SystemExit(f"localspec: error: {e}") from None
+    prompts = _load_prompts(a.dataset, cats, a.per_category)
     sampling = sampling_from_args(a)
     lossy = None
     if sampling.accept_threshold_single is not None or sampling.accept_threshold_acc is not None:

@@ -354,6 +354,18 @@ def need_extra(module: str, extra: str, command: str) -> None:
         ) from None
 
 
+def positive(text: str) -> int:
+    """argparse type of a count that must be at least 1 (prompts per category, tokens a bench
+    times): refused before anything loads."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def count(text: str) -> int:
     """argparse type of a token count: an integer >= 0 (refused before anything loads)."""
     try:

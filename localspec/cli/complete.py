@@ -21,7 +21,9 @@ def register(sub) -> None:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--serve", action="store_true", help="serve HTTP until stopped")
     mode.add_argument("--stdio", action="store_true", help="JSON lines on standard input / output")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; others need --api-key)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' but on /health (the plugins' api_key; needed off loopback)")
     p.add_argument("--port", type=int, default=8012, help="port (default 8012, the plugins' default; 0 = any free port)")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body (default 8 MiB)")
     p.add_argument("--max-queue", type=int, default=64, help="most requests waiting (default 64; more get 503)")
@@ -58,6 +60,11 @@ def run(a: argparse.Namespace) -> int:
         default_n_predict=a.n_predict,
     )
     sock = None
+    if a.serve:
+        from .serve import is_loopback
+
+        if not is_loopback(a.host) and not a.api_key:
+            raise SystemExit(f"localspec: error: listening on {a.host} (not this machine only) needs --api-key KEY")
     if a.serve:  # fail before loading the model when the port is taken
         from ..server.http import bind_socket
 
@@ -94,7 +101,12 @@ def run(a: argparse.Namespace) -> int:
 
         def load_app():
             service = load()
-            return create_app(service, max_body_bytes=a.max_body_bytes), service.stop_accepting
+            app = create_app(service, max_body_bytes=a.max_body_bytes)
+            if a.api_key:
+                from ..server.openai import APIKeyMiddleware
+
+                app = APIKeyMiddleware(app, a.api_key)
+            return app, service.stop_accepting
 
         def on_ready(addr: str) -> None:
             print(f"localspec complete: listening on {addr}", flush=True)

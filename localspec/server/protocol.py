@@ -20,6 +20,12 @@ from .sampling_fields import SamplerFields, parse_sampler_fields
 # Fields llama.cpp's server accepts that change nothing here (told in the response notes).
 _NOT_IMPLEMENTED = ("n_probs", "lora", "n_keep", "n_discard", "n_cache_reuse", "min_keep", "post_sampling_probs")
 
+# The most completions one request may ask for (``n_cmpl`` / ``n``). llama-server bounds it by
+# its slot count (``server-schema.cpp``: 1 to ``n_parallel``); the editor server runs a
+# request's completions one after another on one slot, so it bounds them by this count
+# instead (llama.vscode asks for 3), and a larger one is a 400, not minutes of a busy slot.
+MAX_CMPL = 16
+
 
 @dataclass
 class CompletionRequest:
@@ -40,7 +46,8 @@ class CompletionRequest:
         return_tokens: include the generated token ids in ``tokens``.
         id_slot / client_id: who sent it; a newer request with the same key cancels an
             older one (``client_key``).
-        n_cmpl: completions asked for (localspec answers one).
+        n_cmpl: completions asked for, 1 to ``MAX_CMPL`` (one after another on the request's
+            slot; a streamed request streams one).
         speculative: False forces plain decoding (localspec extension); None = server default.
         draft_limits: llama.cpp's ``speculative.n_max`` / ``speculative.p_min`` (``DraftLimits``).
         speculation_notes: speculation fields that change nothing here (``speculative.n_min``).
@@ -125,7 +132,7 @@ def parse_request(kind: str, body: Any, *, default_n_predict: int = -1) -> Compl
     if cid is not None and (isinstance(cid, bool) or not isinstance(cid, (str, int))):
         raise RequestError('"client_id" must be a string or an integer')
     r.client_id = None if cid is None else str(cid)
-    r.n_cmpl = get_int(body, "n_cmpl", get_int(body, "n", 1, 1), 1)
+    r.n_cmpl = get_int(body, "n_cmpl", get_int(body, "n", 1, 1, MAX_CMPL), 1, MAX_CMPL)
     spec = get_speculation(body)
     r.speculative, r.draft_limits, r.speculation_notes = spec.enabled, spec.limits, spec.notes
     r.sampler_fields = parse_sampler_fields(body)

@@ -15,7 +15,9 @@ leaving (as llama.cpp queues them), so the cache it fills is there for the next 
 A cancelled request is answered (HTTP 200, ``"stop": true``) with ``"cancelled"`` (the reason)
 and *no* ``content`` field: llama.vim caches any response that has ``"content":"``, and
 llama.vscode caches each ``content`` it reads, so an empty answer would be remembered as the
-completion of that context. Both plugins ignore a response without ``content``.
+completion of that context. Both plugins ignore a response without ``content``. The
+``"cancelled"`` field is there whatever ``response_fields`` selects: it says why the answer has
+no ``content``.
 """
 
 from __future__ import annotations
