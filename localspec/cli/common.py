@@ -354,27 +354,26 @@ def need_extra(module: str, extra: str, command: str) -> None:
         ) from None
 
 
-def positive(text: str) -> int:
-    """argparse type of a count that must be at least 1 (prompts per category, tokens a bench
-    times): refused before anything loads."""
+def _whole_number(text: str, least: int) -> int:
+    """``text`` as an integer of at least ``least``, else argparse's one-line error."""
     try:
         n = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expects a whole number, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    if n < least:
+        raise argparse.ArgumentTypeError(f"must be >= {least}, got {n}")
     return n
+
+
+def positive(text: str) -> int:
+    """argparse type of a count that must be at least 1 (prompts per category, tokens a bench
+    times): refused before anything loads."""
+    return _whole_number(text, 1)
 
 
 def count(text: str) -> int:
     """argparse type of a token count: an integer >= 0 (refused before anything loads)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expects a whole number, got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return n
+    return _whole_number(text, 0)
 
 
 def check_model_files(a: argparse.Namespace) -> None:
