@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from localspec.server.http import ServerThread
+from localspec.server.protocol import MAX_CMPL
 from plugin_requests import (
     VIM_RESPONSE_FIELDS,
     llama_vim_fim,
@@ -126,8 +127,6 @@ def test_n_cmpl_alternatives_are_independent_samples_with_consecutive_seeds(clie
             "samplers": ["top_k", "temperature"], "return_tokens": True, "t_max_predict_ms": 0, "n_predict": 8}  # fmt: skip
     answers = client.post("/infill", json=body).json()
     assert [d["generation_settings"]["seed"] for d in answers] == [7, 8, 9]
-    from localspec.server.protocol import MAX_CMPL
-
     without = {k: v for k, v in body.items() if k != "n_cmpl"}
     for key, req in (("n_cmpl", {**body, "n_cmpl": MAX_CMPL + 1}), ("n", {**without, "n": 100000})):
         r = client.post("/infill", json=req)  # bounded, as llama-server bounds it by its slots
@@ -455,7 +454,6 @@ def test_unknown_paths_and_methods(client):
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     assert client.get("/infill").status_code == 405
     assert client.post("/health").status_code == 405
-
 
 
 def test_api_key_guards_every_path_but_health(service):

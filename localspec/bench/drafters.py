@@ -15,9 +15,8 @@ building the tree).
 
 from __future__ import annotations
 
-from collections import Counter
-
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 

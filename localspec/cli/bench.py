@@ -11,7 +11,8 @@ import sys
 import threading
 from pathlib import Path
 
-from .common import add_drafter_args, add_model_args, add_sampling_args, count, make_engine, positive, sampling_from_args
+from .common import (add_drafter_args, add_model_args, add_sampling_args, count, drafters_to_compare, make_engine, positive,
+                     sampling_from_args)
 
 
 def register(sub) -> None:
@@ -552,16 +553,9 @@ def _run_versus(a: argparse.Namespace) -> int:
     from ..bench.drafters import compare_drafters, summarize_versus, versus_labels
     from ..models import resolve_model
 
-    from ..drafters import drafter_names
-
     if not a.dataset:
         raise SystemExit("localspec: error: --versus needs --dataset FILE (a Spec-Bench question.jsonl)")
-    names = [n.strip() for n in a.versus.split(",") if n.strip()]
-    known = [n for n in drafter_names() if n != "none"]
-    for n in names:
-        if n not in known:
-            why = "plain decoding always runs" if n == "none" else f"choose from {', '.join(known)}"
-            raise SystemExit(f"localspec: error: --versus: {n!r} is not a drafter to compare ({why})")
+    names = drafters_to_compare("--versus", [n.strip() for n in a.versus.split(",") if n.strip()])
     if len(names) < 2:
         raise SystemExit("localspec: error: --versus takes two or more drafter names, e.g. ngram,auto")
     names = versus_labels(names)

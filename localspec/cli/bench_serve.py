@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from .common import add_drafter_option_args, add_model_args, count, drafter_options, make_engine, need_extra
+from .common import add_drafter_option_args, add_model_args, count, drafter_options, drafters_to_compare, make_engine, need_extra
 
 
 def register(bsub) -> None:
@@ -66,19 +66,13 @@ def run(a: argparse.Namespace) -> int:
 
     from ..bench.dataset import interleave, load_questions, select_prompts
     from ..bench.serve import bench_serve, plot, summarize
-    from ..drafters import drafter_names
 
     clients = tuple(int(x) for x in a.clients.split(","))
     if a.repeats < 1:
         raise SystemExit(f"localspec: error: --repeats must be at least 1, got {a.repeats}")
     if a.prompts is not None and a.prompts < 1:
         raise SystemExit(f"localspec: error: --prompts must be at least 1, got {a.prompts}")
-    names = [x.strip() for x in a.drafters.split(",")]
-    known = [n for n in drafter_names() if n != "none"]
-    for n in names:
-        if n not in known:
-            raise SystemExit(f"localspec: error: --drafters: {n!r} is not a drafter (choose from {', '.join(known)}; "
-                             "plain decoding always runs)")  # fmt: skip
+    names = drafters_to_compare("--drafters", [x.strip() for x in a.drafters.split(",")])
     if len(set(names)) != len(names):
         raise SystemExit(f"localspec: error: --drafters names a drafter twice: {a.drafters}")
     options = drafter_options(a, names)

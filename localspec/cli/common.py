@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
 import os
 import sys
@@ -352,6 +353,36 @@ def need_extra(module: str, extra: str, command: str) -> None:
         raise SystemExit(
             f"localspec: error: localspec {command} needs the [{extra}] extra: pip install 'localspec[{extra}]' ({e})"
         ) from None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an IP address, IPv6 in brackets or not) is this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_listen_address(host: str, api_key: str | None) -> None:
+    """`serve` and `complete --serve` listen beyond this machine only behind a key: exits with
+    one line when ``host`` is not loopback and ``api_key`` is empty."""
+    if not is_loopback(host) and not api_key:
+        raise SystemExit(f"localspec: error: listening on {host} (not this machine only) needs --api-key KEY")
+
+
+def drafters_to_compare(flag: str, names: list[str]) -> list[str]:
+    """``names`` when each is a drafter other than ``none`` (plain decoding runs beside them
+    anyway); else exits with one line naming ``flag`` and the choices."""
+    from ..drafters import drafter_names
+
+    known = [n for n in drafter_names() if n != "none"]
+    for n in names:
+        if n not in known:
+            raise SystemExit(f"localspec: error: {flag}: {n!r} is not a drafter to compare (choose from "
+                             f"{', '.join(known)}; plain decoding always runs)")  # fmt: skip
+    return names
 
 
 def _whole_number(text: str, least: int) -> int:

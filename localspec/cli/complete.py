@@ -7,7 +7,8 @@ import logging
 import signal
 import sys
 
-from .common import add_drafter_args, add_memory_args, add_model_args, add_sampling_args, make_engine, sampling_from_args
+from .common import (add_drafter_args, add_memory_args, add_model_args, add_sampling_args, check_listen_address,
+                     make_engine, sampling_from_args)
 
 
 def register(sub) -> None:
@@ -60,14 +61,10 @@ def run(a: argparse.Namespace) -> int:
         default_n_predict=a.n_predict,
     )
     sock = None
-    if a.serve:
-        from .serve import is_loopback
-
-        if not is_loopback(a.host) and not a.api_key:
-            raise SystemExit(f"localspec: error: listening on {a.host} (not this machine only) needs --api-key KEY")
-    if a.serve:  # fail before loading the model when the port is taken
+    if a.serve:  # fail before loading the model when the address needs a key or the port is taken
         from ..server.http import bind_socket
 
+        check_listen_address(a.host, a.api_key)
         try:
             sock = bind_socket(a.host, a.port)
         except OSError as e:

@@ -4,13 +4,12 @@ concurrent requests decoded together (``--parallel``)."""
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import signal
 import sys
 
 from .common import (_draft_shape, add_drafter_args, add_memory_args, add_model_args, add_sampling_args, add_usage_args,
-                     make_engine, sampling_from_args)
+                     check_listen_address, make_engine, sampling_from_args)
 
 
 def register(sub) -> None:
@@ -44,15 +43,6 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def _raise_interrupt(_signum, _frame) -> None:
     raise KeyboardInterrupt
 
@@ -65,8 +55,7 @@ def run(a: argparse.Namespace) -> int:
 
     if not 0 <= a.port <= 65535:
         raise SystemExit(f"localspec: error: --port must be in 0..65535, got {a.port}")
-    if not is_loopback(a.host) and not a.api_key:
-        raise SystemExit(f"localspec: error: listening on {a.host} (not this machine only) needs --api-key KEY")
+    check_listen_address(a.host, a.api_key)
     if a.parallel < 1:
         raise SystemExit(f"localspec: error: --parallel must be >= 1, got {a.parallel}")
     if a.ctx_per_request < 16:
