@@ -17,7 +17,10 @@ stage uses what exists):
    ``N`` chat- and code-like prompts the target writes itself (``--self-prompts`` of
    ``train-eagle3``), answered greedily in the chat format, 128 tokens each, within half of
    the stage's share (40% of it for the harvest, the rest for the answers); the document
-   prompts get the rest of the share.
+   prompts get the rest of the share. With ``--bare-answers`` the same prompts are also
+   answered **bare** (``WORK/bare``: the prompt text alone, as ``generate``, ``complete`` and
+   ``bench`` give it; a base model continues it as text), in the same window (the harvest
+   26%, the chat answers 39%, the bare answers 35%).
 3. **draft vocabulary** (``WORK/d2t.npy``, once): the ``--vocab-size`` tokens seen most often
    as the target's top-1 in the generated data plus as next tokens of the text plan, and the
    end-of-generation tokens.
@@ -35,7 +38,14 @@ stage uses what exists):
    accuracy of the training split (``held_out_accuracy``) is reported too but does not
    decide: those sequences come from the new head's own sources and favoured it (the
    2026-12-03 head: 0.62 against 0.48 there, while it was not better on Spec-Bench's bare
-   questions). ``--only ship`` runs this stage on an existing work folder.
+   questions). ``--only ship`` runs this stage on an existing work folder. With
+   ``--bare-answers`` the gate's prompts are also answered bare (``WORK/gate-bare``), and the
+   new head must be better on both gates.
+
+``--init-head GGUF`` (``shipped``: the shipped head) continues that head instead of training
+one from scratch: its draft vocabulary and hyper-parameters are kept, the documents' stages
+(corpus, generated, text) are skipped, the chat (and bare) recording gets half the budget and
+training the rest, at ``--lr`` (default 5e-4; 2e-4 suits a continuation).
 
 Prints one JSON line with rates, token counts, wall times and accuracies. Needs the [train]
 extra; nothing here reads the Spec-Bench questions or HumanEval.
@@ -135,12 +145,22 @@ def main() -> None:
     ap.add_argument("--text-tokens", type=int, default=4_000_000, help="text tokens planned")
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=4000)
+    ap.add_argument("--bare-answers", action="store_true",
+                    help="also answer the chat prompts bare (WORK/bare) and gate on bare answers too")
+    ap.add_argument("--init-head", metavar="GGUF",
+                    help="continue this head ('shipped': the shipped one) on chat/bare data only")
+    ap.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
     ap.add_argument("--no-ship", action="store_true", help="do not replace models/heads/")
     ap.add_argument("--only", choices=("gen", "text", "train", "ship"),
                     help="run one stage (e.g. gen and text in two processes); the draft vocabulary is "
                          "fixed by the first text or train stage from the generated shards present then")
     a = ap.parse_args()
     run = lambda stage: a.only in (None, stage)  # noqa: E731
+    if (a.bare_answers or a.init_head) and a.chat_prompts <= 0:
+        ap.error("--bare-answers and --init-head record the chat stage: give --chat-prompts N")
+    init_head = (HEAD if a.init_head == "shipped" else Path(a.init_head)) if a.init_head else None
+    if init_head is not None and not init_head.is_file():
+        ap.error(f"--init-head {init_head}: no such file")
 
     t0 = time.time()
     budget = a.budget_min * 60.0
@@ -148,20 +168,26 @@ def main() -> None:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     corpus = Path(a.corpus) if a.corpus else work / "corpus"
-    if not corpus.exists():
+    if init_head is None and not corpus.exists():
         build_corpus(corpus, man=1500, doc=600, seed=11, install=a.install)
-    sources = _sources(corpus)
+    sources = _sources(corpus) if init_head is None else []
     t_corpus = time.time() - t0
 
     # 2. self-distillation
     t1 = time.time()
-    gen_budget = SHARES["gen"] * budget if run("gen") else 0.0
-    chat = shard_paths(work / "chat")
+    gen_budget = (SHARES["gen"] if init_head is None else 1.0) * budget if run("gen") else 0.0
+    chat_window = gen_budget / 2
+    chat, bare = shard_paths(work / "chat"), shard_paths(work / "bare")
     if run("gen") and a.chat_prompts > 0:
+        chat_end = t0 + t_corpus + chat_window * (0.65 if a.bare_answers else 1.0)
         chat = prepare_data(target, work / "chat", [], LAYERS, max_tokens=0, self_distill=0,
                             self_prompts=a.chat_prompts, gen_tokens=128, shard_tokens=12288, seed=13, topk=8,
-                            n_seq=64, deadline=t0 + t_corpus + gen_budget / 2)  # fmt: skip
-    if run("gen"):
+                            n_seq=64, deadline=chat_end)  # fmt: skip
+    if run("gen") and a.bare_answers:
+        bare = _answer_bare(prepare_data, target, work / "chat", work / "bare", t0 + t_corpus + chat_window)
+    if run("gen") and init_head is not None:
+        gen = []
+    elif run("gen"):
         gen = prepare_data(target, work / "gen", sources, LAYERS, max_tokens=0, self_distill=a.prompts,
                            prompt_tokens=64, gen_tokens=128, shard_tokens=12288, seed=11, topk=8, n_seq=64,
                            deadline=t0 + t_corpus + gen_budget)  # fmt: skip
@@ -170,8 +196,11 @@ def main() -> None:
     t_gen = time.time() - t1
     if a.only == "gen":
         print(json.dumps(dict(gen_tokens=_count(gen), gen_shards=len(gen), chat_tokens=_count(chat),
-                              chat_shards=len(chat), t_gen_s=round(t_gen))))  # fmt: skip
+                              chat_shards=len(chat), bare_tokens=_count(bare), bare_shards=len(bare),
+                              t_gen_s=round(t_gen))))  # fmt: skip
         return
+    if init_head is not None:
+        return _continue(a, target, work, init_head, [*chat, *bare], chat, bare, t0, budget, t_gen)
 
     # 3. the text plan (other documents: a different seed) and the draft vocabulary
     text_dir = work / "text"
@@ -208,11 +237,11 @@ def main() -> None:
 
     # 5. train
     cfg = TrainConfig(
-        steps=a.steps, batch=8, seq_len=128, unroll=4, lr=5e-4, warmup=50, vocab_size=a.vocab_size,
+        steps=a.steps, batch=8, seq_len=128, unroll=4, lr=a.lr, warmup=50, vocab_size=a.vocab_size,
         log_every=50, ckpt_every=200, loss_frac=0.25,
     )  # fmt: skip
     out = Path(a.out) if a.out else work / "head.gguf"
-    files = [*gen, *chat, *text]
+    files = [*gen, *chat, *bare, *text]
     stats = dict(gen_tokens=_count(gen), text_tokens=_count(text), gen_shards=len(gen), text_shards=len(text),
                  chat_tokens=_count(chat), chat_shards=len(chat))  # fmt: skip
     t_train = 0.0
@@ -235,12 +264,7 @@ def main() -> None:
         return
 
     # 6. ship only a head that does better than the shipped one on answers neither saw
-    gate = prepare_data(target, work / "gate", [], LAYERS, max_tokens=0, self_distill=0, self_prompts=GATE_PROMPTS,
-                        gen_tokens=128, shard_tokens=12288, seed=GATE_SEED, topk=8, n_seq=64)  # fmt: skip
-    old_acc, new_acc = answer_accuracy(target, gate, [HEAD, out], cfg)
-    better = float(np.mean(new_acc)) > float(np.mean(old_acc))
-    stats.update(gate_new=np.round(new_acc, 4).tolist(), gate_shipped=np.round(old_acc, 4).tolist(),
-                 gate_sequences=GATE_PROMPTS, gate_seed=GATE_SEED)  # fmt: skip
+    better = _gate(target, work, out, cfg, a.bare_answers, stats)
     try:
         old_ho, new_ho = held_out_accuracy(target, files, [HEAD, out], cfg)
         stats.update(held_out_new=np.round(new_ho, 4).tolist(), held_out_shipped=np.round(old_ho, 4).tolist())
@@ -252,6 +276,79 @@ def main() -> None:
         out=str(out), better=better, shipped=better and not a.no_ship, size_mib=round(out.stat().st_size / 2**20, 2),
         **stats, t_corpus_s=round(t_corpus), t_gen_s=round(t_gen), t_text_s=round(t_text), t_train_s=round(t_train),
         t_total_s=round(time.time() - t0),
+    )))  # fmt: skip
+
+
+def _answer_bare(prepare_data, target: Path, chat_dir: Path, bare_dir: Path, deadline: float) -> list[Path]:
+    """The prompts harvested into ``chat_dir`` answered bare into ``bare_dir`` (the harvest is
+    copied, not redone)."""
+    harvest = chat_dir / "self_prompts.json"
+    if not harvest.exists():
+        return []
+    bare_dir.mkdir(parents=True, exist_ok=True)
+    if not (bare_dir / "self_prompts.json").exists():
+        shutil.copyfile(harvest, bare_dir / "self_prompts.json")
+    n = len(json.loads(harvest.read_text())["prompts"])
+    return prepare_data(target, bare_dir, [], LAYERS, max_tokens=0, self_distill=0, self_prompts=n,
+                        self_prompt_framing="bare", gen_tokens=128, shard_tokens=12288, seed=13, topk=8, n_seq=64,
+                        deadline=deadline)  # fmt: skip
+
+
+def _gate(target: Path, work: Path, out: Path, cfg, bare: bool, stats: dict) -> bool:
+    """Score ``out`` and the shipped head on the gate set(s); True when ``out`` is better on
+    each (the mean over unroll steps of ``answer_accuracy``). Adds the scores to ``stats``."""
+    from localspec.models.training.eagle3_data import prepare_data
+    from localspec.models.training.eagle3_train import answer_accuracy
+
+    gate = prepare_data(target, work / "gate", [], LAYERS, max_tokens=0, self_distill=0, self_prompts=GATE_PROMPTS,
+                        gen_tokens=128, shard_tokens=12288, seed=GATE_SEED, topk=8, n_seq=64)  # fmt: skip
+    old_acc, new_acc = answer_accuracy(target, gate, [HEAD, out], cfg)
+    better = float(np.mean(new_acc)) > float(np.mean(old_acc))
+    stats.update(gate_new=np.round(new_acc, 4).tolist(), gate_shipped=np.round(old_acc, 4).tolist(),
+                 gate_sequences=GATE_PROMPTS, gate_seed=GATE_SEED)  # fmt: skip
+    if bare:
+        gate_bare = _answer_bare(prepare_data, target, work / "gate", work / "gate-bare", None)
+        old_b, new_b = answer_accuracy(target, gate_bare, [HEAD, out], cfg)
+        better = better and float(np.mean(new_b)) > float(np.mean(old_b))
+        stats.update(gate_bare_new=np.round(new_b, 4).tolist(), gate_bare_shipped=np.round(old_b, 4).tolist())
+    return better
+
+
+def _continue(a, target: Path, work: Path, init_head: Path, files, chat, bare, t0: float, budget: float,
+              t_gen: float) -> None:
+    """``--init-head``: continue ``init_head`` on the chat (and bare) shards, gate, ship."""
+    from localspec.models.training.eagle3_train import TrainConfig, train_eagle3
+
+    cfg = TrainConfig(
+        steps=a.steps, batch=8, seq_len=128, unroll=4, lr=a.lr, warmup=50, vocab_size=a.vocab_size,
+        log_every=50, ckpt_every=200, loss_frac=0.25,
+    )  # fmt: skip
+    out = Path(a.out) if a.out else work / "head.gguf"
+    stats = dict(init_head=init_head.name, chat_tokens=_count(chat), chat_shards=len(chat), bare_tokens=_count(bare),
+                 bare_shards=len(bare), lr=a.lr)  # fmt: skip
+    t_train = 0.0
+    if a.only in (None, "train"):
+        r = train_eagle3(target, files, work / "train", out, cfg, target_layers=LAYERS, init_head=init_head,
+                         deadline=t0 + budget - 180)  # fmt: skip
+        t_train = r.wall_s
+        trained = dict(
+            train_tokens=r.n_train_tokens, steps=r.steps, val_accuracy=np.round(r.val_accuracy, 4).tolist(),
+            val_by_source=r.val_by_source, train_accuracy=np.round(r.train_accuracy, 4).tolist(),
+            train_seconds=round(r.wall_s),
+        )  # fmt: skip
+        (work / "train" / "result.json").write_text(json.dumps(trained))
+        stats.update(trained)
+    elif (work / "train" / "result.json").exists():
+        stats.update(json.loads((work / "train" / "result.json").read_text()))
+    if a.only == "train":
+        print(json.dumps(dict(out=str(out), **stats, t_train_s=round(t_train))))
+        return
+    better = _gate(target, work, out, cfg, a.bare_answers, stats)
+    if better and not a.no_ship:
+        ship(out, target, stats)
+    print(json.dumps(dict(
+        out=str(out), better=better, shipped=better and not a.no_ship, size_mib=round(out.stat().st_size / 2**20, 2),
+        **stats, t_gen_s=round(t_gen), t_train_s=round(t_train), t_total_s=round(time.time() - t0),
     )))  # fmt: skip
 
 

@@ -120,3 +120,32 @@ def test_a_deadline_leaves_the_harvest_a_share_and_the_answers_the_rest(model_pa
     assert cut(t0) <= harvest_deadline <= cut(t_call)
     assert harvest_deadline < deadline - 300.0  # the answers keep the rest of the time
     assert shards and sum(load_shard(p).starts.size - 1 for p in shards) == 2
+
+
+def test_bare_framing_answers_the_saved_prompts_as_plain_text(model_path, tmp_path):
+    """A harvest already in the folder is reused (no new harvest), and ``bare`` gives each
+    prompt as its text alone, as ``generate`` and ``bench`` without ``--chat-format`` do."""
+    prompts = ["How do I list the files in a folder with Python?", "Write a haiku about the sea."]
+    (tmp_path / "self_prompts.json").write_text(json.dumps(dict(prompts=prompts, kinds=["code", "writing"])))
+    shards = prepare_data(model_path, tmp_path, [], LAYERS, max_tokens=0, self_distill=0, self_prompts=2,
+                          self_prompt_framing="bare", gen_tokens=4, seed=5, topk=4, n_seq=2,
+                          progress=False)  # fmt: skip
+    from localspec.backend import Model
+
+    m = Model(model_path, vocab_only=True)
+    try:
+        want = sorted(m.tokenize(p, add_special=True) for p in prompts)
+        got = []
+        for s in (load_shard(p) for p in shards):
+            for i in range(s.starts.size - 1):
+                seq = s.tokens[s.starts[i] : s.starts[i + 1]].tolist()
+                pre = next(w for w in want if seq[: len(w)] == w)
+                assert len(seq) > len(pre)
+                got.append(pre)
+        assert sorted(got) == want
+        assert not any("User:" in m.detokenize(w) for w in want)
+    finally:
+        m.close()
+    with pytest.raises(ValueError, match="framing"):
+        prepare_data(model_path, tmp_path / "x", [], LAYERS, max_tokens=0, self_distill=0, self_prompts=2,
+                     self_prompt_framing="markdown", gen_tokens=4, seed=5)  # fmt: skip

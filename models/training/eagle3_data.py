@@ -681,7 +681,11 @@ def prepare_data(
     ``deadline``, the harvest stops at ``HARVEST_SHARE`` of the time left so that the rest
     answers what it found), answered by the target like the other self-distillation prompts;
     the harvest is saved as
-    ``self_prompts.json`` beside the plan. ``self_prompt_tokens``: tokens per list continuation.
+    ``self_prompts.json`` beside the plan (one already there is reused: copy another folder's
+    to answer the same prompts in another framing). ``self_prompt_tokens``: tokens per list
+    continuation. ``self_prompt_framing``: ``"chat"`` (default: one user turn, as ``chat`` and
+    ``serve`` give it) or ``"bare"`` (the prompt text alone, as ``generate``, ``complete`` and
+    ``bench`` without ``--chat-format`` give it; a base model continues it as text).
     """
     from localspec.backend import Model
 
@@ -689,6 +693,7 @@ def prepare_data(
                if k in plan_args}  # fmt: skip
     n_self = int(plan_args.pop("self_prompts", 0) or 0)
     self_tokens = int(plan_args.pop("self_prompt_tokens", 160))
+    framing = plan_args.pop("self_prompt_framing", "chat")
     d = Path(data_dir)
     d.mkdir(parents=True, exist_ok=True)
     plan_path = d / "plan.npz"
@@ -700,7 +705,8 @@ def prepare_data(
             now = time.time()
             plan_args["chat_prompts"] = harvest_chat_prompts(
                 target, d / "self_prompts.json", n_self, seed=plan_args.get("seed", 0), max_tokens=self_tokens,
-                deadline=None if dl is None else now + HARVEST_SHARE * max(0.0, dl - now))  # fmt: skip
+                deadline=None if dl is None else now + HARVEST_SHARE * max(0.0, dl - now),
+                framing=framing)  # fmt: skip
         m = Model(target, vocab_only=True)
         try:
             plan = make_plan(m, iter_text_files(sources), **plan_args)
@@ -714,10 +720,17 @@ def prepare_data(
 
 
 def harvest_chat_prompts(target, out: Path, n: int, *, seed: int = 0, max_tokens: int = 160,
-                         deadline: float | None = None) -> list[list[int]]:  # fmt: skip
+                         deadline: float | None = None, framing: str = "chat") -> list[list[int]]:  # fmt: skip
     """``n`` prompts the target writes itself (``self_prompts.harvest_prompts``; fewer when
     ``deadline`` passes first), saved to ``out`` (JSON: prompts, kinds, rounds) and returned as
-    chat-formatted token ids (``tui.chat_format.chat_prompt_tokens``). An existing ``out`` is reused."""
+    token ids: chat-formatted (``tui.chat_format.chat_prompt_tokens``) when ``framing`` is
+    ``"chat"``, the text alone with BOS (``Model.tokenize``) when ``"bare"``. An existing
+    ``out`` is reused.
+
+    Raises:
+        ValueError: ``framing`` is neither ``"chat"`` nor ``"bare"``."""
+    if framing not in ("chat", "bare"):
+        raise ValueError(f"self-prompt framing {framing!r}: choose 'chat' or 'bare'")
     from localspec import Engine
     from localspec.costmodel import CostModel
 
@@ -736,6 +749,8 @@ def harvest_chat_prompts(target, out: Path, n: int, *, seed: int = 0, max_tokens
                                            prompts=h.prompts, kinds=h.kinds), indent=1))  # fmt: skip
             os.replace(tmp, out)
             prompts = h.prompts
+        if framing == "bare":
+            return [eng.tokenize(p) for p in prompts]
         return [chat_prompt_tokens(eng.model, p) for p in prompts]
     finally:
         eng.close()
