@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shutil
 import sys
 import time
@@ -107,8 +108,12 @@ def _sha256(path: Path) -> str:
 
 
 def ship(head: Path, target: Path, stats: dict) -> None:
-    """Copy ``head`` over the shipped head and rewrite its manifest entry."""
-    shutil.copyfile(head, HEAD)
+    """Put ``head`` in place of the shipped head and rewrite its manifest entry. Both files are
+    written beside their targets and renamed over them: a process that has the old head mapped
+    (llama.cpp mmaps GGUF files) keeps reading the old file, not a mix of the two."""
+    tmp = HEAD.with_suffix(".tmp")
+    shutil.copyfile(head, tmp)
+    os.replace(tmp, HEAD)
     man_path = HEAD.parent / "manifest.json"
     manifest = json.loads(man_path.read_text())
     entry = dict(
@@ -117,7 +122,9 @@ def ship(head: Path, target: Path, stats: dict) -> None:
         trained=stats,
     )  # fmt: skip
     manifest["heads"] = [h for h in manifest["heads"] if h["file"] != HEAD.name] + [entry]
-    man_path.write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp = man_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+    os.replace(tmp, man_path)
 
 
 def main() -> None:
