@@ -168,6 +168,16 @@ def main() -> None:
     init_head = (HEAD if a.init_head == "shipped" else Path(a.init_head)) if a.init_head else None
     if init_head is not None and not init_head.is_file():
         ap.error(f"--init-head {init_head}: no such file")
+    if init_head is not None:  # fail before any recording, not after it
+        from localspec.models.eagle3_gguf import read_eagle3_gguf
+
+        try:
+            head_cfg, _ = read_eagle3_gguf(init_head)
+        except (ValueError, KeyError, OSError) as e:
+            ap.error(f"--init-head: {e}")
+        if tuple(head_cfg.target_layers) != LAYERS:
+            ap.error(f"--init-head {init_head} reads target layers {list(head_cfg.target_layers)}, the recipe "
+                     f"records {list(LAYERS)}")  # fmt: skip
 
     t0 = time.time()
     budget = a.budget_min * 60.0
