@@ -45,7 +45,9 @@ stage uses what exists):
 ``--init-head GGUF`` (``shipped``: the shipped head) continues that head instead of training
 one from scratch: its draft vocabulary and hyper-parameters are kept, the documents' stages
 (corpus, generated, text) are skipped, the chat (and bare) recording gets half the budget and
-training the rest, at ``--lr`` (default 5e-4; 2e-4 suits a continuation).
+training the rest, at ``--lr`` (default 2e-4 here, 5e-4 from scratch); ``--install``,
+``--corpus`` and ``--only text`` are refused with it. Export and the gate keep the last 2
+minutes of the budget (15% of a budget under ~13 minutes).
 
 Prints one JSON line with rates, token counts, wall times and accuracies. Needs the [train]
 extra; nothing here reads the Spec-Bench questions or HumanEval.
@@ -107,6 +109,22 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _gate_reserve(budget: float) -> float:
+    """Seconds kept for export and the gate at the end of the budget: 2 minutes, or 15% of
+    a budget under ~13 minutes (so a short budget still trains)."""
+    return min(120.0, 0.15 * budget)
+
+
+def _command() -> str:
+    return "python scripts/train_default_head.py " + " ".join(sys.argv[1:])
+
+
+def _manifest_entry() -> dict:
+    """The shipped head's manifest entry ({} when none)."""
+    manifest = json.loads((HEAD.parent / "manifest.json").read_text())
+    return next((h for h in manifest["heads"] if h["file"] == HEAD.name), {})
+
+
 def ship(head: Path, target: Path, stats: dict) -> None:
     """Put ``head`` in place of the shipped head and rewrite its manifest entry. Both files are
     written beside their targets and renamed over them: a process that has the old head mapped
@@ -156,15 +174,26 @@ def main() -> None:
                     help="also answer the chat prompts bare (WORK/bare) and gate on bare answers too")
     ap.add_argument("--init-head", metavar="GGUF",
                     help="continue this head ('shipped': the shipped one) on chat/bare data only")
-    ap.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
+    ap.add_argument("--lr", type=float, default=None,
+                    help="peak learning rate (default 5e-4 from scratch, 2e-4 with --init-head)")
     ap.add_argument("--no-ship", action="store_true", help="do not replace models/heads/")
     ap.add_argument("--only", choices=("gen", "text", "train", "ship"),
                     help="run one stage (e.g. gen and text in two processes); the draft vocabulary is "
                          "fixed by the first text or train stage from the generated shards present then")
     a = ap.parse_args()
     run = lambda stage: a.only in (None, stage)  # noqa: E731
+    for name in ("budget_min", "steps", "lr"):
+        if getattr(a, name) is not None and not getattr(a, name) > 0:
+            ap.error(f"--{name.replace('_', '-')} must be above 0 (got {getattr(a, name)})")
+    for name in ("chat_prompts", "prompts", "text_tokens"):
+        if getattr(a, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be 0 or more (got {getattr(a, name)})")
     if (a.bare_answers or a.init_head) and a.chat_prompts <= 0:
         ap.error("--bare-answers and --init-head record the chat stage: give --chat-prompts N")
+    if a.init_head and (a.install or a.corpus or a.only == "text"):
+        ap.error("--init-head skips the documents' stages: --install, --corpus and --only text do not apply")
+    if a.lr is None:
+        a.lr = 2e-4 if a.init_head else 5e-4
     init_head = (HEAD if a.init_head == "shipped" else Path(a.init_head)) if a.init_head else None
     if init_head is not None and not init_head.is_file():
         ap.error(f"--init-head {init_head}: no such file")
@@ -264,7 +293,7 @@ def main() -> None:
     t_train = 0.0
     if run("train"):
         r = train_eagle3(target, files, work / "train", out, cfg, target_layers=LAYERS, d2t=d2t,
-                         deadline=t0 + budget - 120)  # fmt: skip
+                         deadline=t0 + budget - _gate_reserve(budget))  # fmt: skip
         t_train = r.wall_s
         trained = dict(
             train_tokens=r.n_train_tokens, steps=r.steps, val_accuracy=np.round(r.val_accuracy, 4).tolist(),
@@ -288,7 +317,7 @@ def main() -> None:
     except ValueError:  # too few sequences held out: the gate alone
         pass
     if better and not a.no_ship:
-        ship(out, target, stats)
+        ship(out, target, dict(stats, recipe_seconds=round(time.time() - t0), command=_command()))
     print(json.dumps(dict(
         out=str(out), better=better, shipped=better and not a.no_ship, size_mib=round(out.stat().st_size / 2**20, 2),
         **stats, t_corpus_s=round(t_corpus), t_gen_s=round(t_gen), t_text_s=round(t_text), t_train_s=round(t_train),
@@ -346,7 +375,7 @@ def _continue(a, target: Path, work: Path, init_head: Path, files, chat, bare, t
     t_train = 0.0
     if a.only in (None, "train"):
         r = train_eagle3(target, files, work / "train", out, cfg, target_layers=LAYERS, init_head=init_head,
-                         deadline=t0 + budget - 180)  # fmt: skip
+                         deadline=t0 + budget - _gate_reserve(budget))  # fmt: skip
         t_train = r.wall_s
         trained = dict(
             train_tokens=r.n_train_tokens, steps=r.steps, val_accuracy=np.round(r.val_accuracy, 4).tolist(),
@@ -362,7 +391,9 @@ def _continue(a, target: Path, work: Path, init_head: Path, files, chat, bare, t
         return
     better = _gate(target, work, out, cfg, a.bare_answers, stats)
     if better and not a.no_ship:
-        ship(out, target, stats)
+        if init_head.resolve() == HEAD.resolve():  # keep the lineage: the continued head's own record
+            stats["init_head_trained"] = _manifest_entry().get("trained", {})
+        ship(out, target, dict(stats, recipe_seconds=round(time.time() - t0), command=_command()))
     print(json.dumps(dict(
         out=str(out), better=better, shipped=better and not a.no_ship, size_mib=round(out.stat().st_size / 2**20, 2),
         **stats, t_gen_s=round(t_gen), t_train_s=round(t_train), t_total_s=round(time.time() - t0),
