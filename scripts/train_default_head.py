@@ -230,7 +230,7 @@ def main() -> None:
                             self_prompts=a.chat_prompts, gen_tokens=128, shard_tokens=12288, seed=13, topk=8,
                             n_seq=64, deadline=chat_end)  # fmt: skip
     if run("gen") and a.bare_answers:
-        bare = _answer_bare(prepare_data, target, work / "chat", work / "bare", t0 + t_corpus + chat_window)
+        bare = _answer_bare(target, work / "chat", work / "bare", t0 + t_corpus + chat_window)
     if run("gen") and init_head is not None:
         gen = []
     elif run("gen"):
@@ -245,41 +245,40 @@ def main() -> None:
                               chat_shards=len(chat), bare_tokens=_count(bare), bare_shards=len(bare),
                               t_gen_s=round(t_gen))))  # fmt: skip
         return
-    if init_head is not None:
-        return _continue(a, target, work, init_head, [*chat, *bare], chat, bare, t0, budget, t_gen)
-
-    # 3. the text plan (other documents: a different seed) and the draft vocabulary
-    text_dir = work / "text"
-    text_dir.mkdir(parents=True, exist_ok=True)
-    plan_path = text_dir / "plan.npz"
-    m = Model(target, vocab_only=True)
-    try:
-        if plan_path.exists():
-            plan = DataPlan.load(plan_path)
+    text, d2t, t_text = [], None, 0.0  # --init-head: the head's own draft vocabulary, no documents
+    if init_head is None:
+        # 3. the text plan (other documents: a different seed) and the draft vocabulary
+        text_dir = work / "text"
+        text_dir.mkdir(parents=True, exist_ok=True)
+        plan_path = text_dir / "plan.npz"
+        m = Model(target, vocab_only=True)
+        try:
+            if plan_path.exists():
+                plan = DataPlan.load(plan_path)
+            else:
+                plan = make_plan(m, iter_text_files(sources), max_tokens=a.text_tokens, seq_len=512,
+                                 shard_tokens=16384, seed=12)  # fmt: skip
+                plan.meta["layers"] = list(LAYERS)
+                plan.save(plan_path)
+            n_vocab = m.n_vocab
+        finally:
+            m.close()
+        d2t_path = work / "d2t.npy"
+        if d2t_path.exists():
+            d2t = np.load(d2t_path)
         else:
-            plan = make_plan(m, iter_text_files(sources), max_tokens=a.text_tokens, seq_len=512, shard_tokens=16384,
-                             seed=12)  # fmt: skip
-            plan.meta["layers"] = list(LAYERS)
-            plan.save(plan_path)
-        n_vocab = m.n_vocab
-    finally:
-        m.close()
-    d2t_path = work / "d2t.npy"
-    if d2t_path.exists():
-        d2t = np.load(d2t_path)
-    else:
-        d2t = draft_vocab([*gen, *chat], text_token_counts(plan, n_vocab), a.vocab_size, read_target(target).eog)
-        np.save(d2t_path, d2t)
+            d2t = draft_vocab([*gen, *chat], text_token_counts(plan, n_vocab), a.vocab_size, read_target(target).eog)
+            np.save(d2t_path, d2t)
 
-    # 4. teacher-forced text
-    t2 = time.time()
-    text_end = t0 + t_corpus + gen_budget + SHARES["text"] * budget if run("text") else 0.0
-    text = (record_text_plan(target, text_dir, plan, LAYERS, d2t, topk=8, deadline=text_end) if run("text")
-            else shard_paths(text_dir))  # fmt: skip
-    t_text = time.time() - t2
-    if a.only == "text":
-        print(json.dumps(dict(text_tokens=_count(text), text_shards=len(text), t_text_s=round(t_text))))
-        return
+        # 4. teacher-forced text
+        t2 = time.time()
+        text_end = t0 + t_corpus + gen_budget + SHARES["text"] * budget if run("text") else 0.0
+        text = (record_text_plan(target, text_dir, plan, LAYERS, d2t, topk=8, deadline=text_end) if run("text")
+                else shard_paths(text_dir))  # fmt: skip
+        t_text = time.time() - t2
+        if a.only == "text":
+            print(json.dumps(dict(text_tokens=_count(text), text_shards=len(text), t_text_s=round(t_text))))
+            return
 
     # 5. train
     cfg = TrainConfig(
@@ -288,11 +287,14 @@ def main() -> None:
     )  # fmt: skip
     out = Path(a.out) if a.out else work / "head.gguf"
     files = [*gen, *chat, *bare, *text]
-    stats = dict(gen_tokens=_count(gen), text_tokens=_count(text), gen_shards=len(gen), text_shards=len(text),
-                 chat_tokens=_count(chat), chat_shards=len(chat))  # fmt: skip
+    stats = dict(chat_tokens=_count(chat), chat_shards=len(chat), bare_tokens=_count(bare), bare_shards=len(bare))
+    if init_head is None:
+        stats.update(gen_tokens=_count(gen), text_tokens=_count(text), gen_shards=len(gen), text_shards=len(text))
+    else:
+        stats.update(init_head=init_head.name, lr=a.lr)
     t_train = 0.0
     if run("train"):
-        r = train_eagle3(target, files, work / "train", out, cfg, target_layers=LAYERS, d2t=d2t,
+        r = train_eagle3(target, files, work / "train", out, cfg, target_layers=LAYERS, d2t=d2t, init_head=init_head,
                          deadline=t0 + budget - _gate_reserve(budget))  # fmt: skip
         t_train = r.wall_s
         trained = dict(
@@ -311,12 +313,15 @@ def main() -> None:
 
     # 6. ship only a head that does better than the shipped one on answers neither saw
     better = _gate(target, work, out, cfg, a.bare_answers, stats)
-    try:
-        old_ho, new_ho = held_out_accuracy(target, files, [HEAD, out], cfg)
-        stats.update(held_out_new=np.round(new_ho, 4).tolist(), held_out_shipped=np.round(old_ho, 4).tolist())
-    except ValueError:  # too few sequences held out: the gate alone
-        pass
+    if init_head is None:  # a continuation reports its held-out split in val_by_source; the gate compares heads
+        try:
+            old_ho, new_ho = held_out_accuracy(target, files, [HEAD, out], cfg)
+            stats.update(held_out_new=np.round(new_ho, 4).tolist(), held_out_shipped=np.round(old_ho, 4).tolist())
+        except ValueError:  # too few sequences held out: the gate alone
+            pass
     if better and not a.no_ship:
+        if init_head is not None and init_head.resolve() == HEAD.resolve():  # keep the lineage: its own record
+            stats["init_head_trained"] = _manifest_entry().get("trained", {})
         ship(out, target, dict(stats, recipe_seconds=round(time.time() - t0), command=_command()))
     print(json.dumps(dict(
         out=str(out), better=better, shipped=better and not a.no_ship, size_mib=round(out.stat().st_size / 2**20, 2),
@@ -325,9 +330,11 @@ def main() -> None:
     )))  # fmt: skip
 
 
-def _answer_bare(prepare_data, target: Path, chat_dir: Path, bare_dir: Path, deadline: float) -> list[Path]:
+def _answer_bare(target: Path, chat_dir: Path, bare_dir: Path, deadline: float | None) -> list[Path]:
     """The prompts harvested into ``chat_dir`` answered bare into ``bare_dir`` (the harvest is
     copied, not redone)."""
+    from localspec.models.training.eagle3_data import prepare_data
+
     harvest = chat_dir / "self_prompts.json"
     if not harvest.exists():
         return []
@@ -353,51 +360,11 @@ def _gate(target: Path, work: Path, out: Path, cfg, bare: bool, stats: dict) -> 
     stats.update(gate_new=np.round(new_acc, 4).tolist(), gate_shipped=np.round(old_acc, 4).tolist(),
                  gate_sequences=GATE_PROMPTS, gate_seed=GATE_SEED)  # fmt: skip
     if bare:
-        gate_bare = _answer_bare(prepare_data, target, work / "gate", work / "gate-bare", None)
+        gate_bare = _answer_bare(target, work / "gate", work / "gate-bare", None)
         old_b, new_b = answer_accuracy(target, gate_bare, [HEAD, out], cfg)
         better = better and float(np.mean(new_b)) > float(np.mean(old_b))
         stats.update(gate_bare_new=np.round(new_b, 4).tolist(), gate_bare_shipped=np.round(old_b, 4).tolist())
     return better
-
-
-def _continue(a, target: Path, work: Path, init_head: Path, files, chat, bare, t0: float, budget: float,
-              t_gen: float) -> None:
-    """``--init-head``: continue ``init_head`` on the chat (and bare) shards, gate, ship."""
-    from localspec.models.training.eagle3_train import TrainConfig, train_eagle3
-
-    cfg = TrainConfig(
-        steps=a.steps, batch=8, seq_len=128, unroll=4, lr=a.lr, warmup=50, vocab_size=a.vocab_size,
-        log_every=50, ckpt_every=200, loss_frac=0.25,
-    )  # fmt: skip
-    out = Path(a.out) if a.out else work / "head.gguf"
-    stats = dict(init_head=init_head.name, chat_tokens=_count(chat), chat_shards=len(chat), bare_tokens=_count(bare),
-                 bare_shards=len(bare), lr=a.lr)  # fmt: skip
-    t_train = 0.0
-    if a.only in (None, "train"):
-        r = train_eagle3(target, files, work / "train", out, cfg, target_layers=LAYERS, init_head=init_head,
-                         deadline=t0 + budget - _gate_reserve(budget))  # fmt: skip
-        t_train = r.wall_s
-        trained = dict(
-            train_tokens=r.n_train_tokens, steps=r.steps, val_accuracy=np.round(r.val_accuracy, 4).tolist(),
-            val_by_source=r.val_by_source, train_accuracy=np.round(r.train_accuracy, 4).tolist(),
-            train_seconds=round(r.wall_s),
-        )  # fmt: skip
-        (work / "train" / "result.json").write_text(json.dumps(trained))
-        stats.update(trained)
-    elif (work / "train" / "result.json").exists():
-        stats.update(json.loads((work / "train" / "result.json").read_text()))
-    if a.only == "train":
-        print(json.dumps(dict(out=str(out), **stats, t_train_s=round(t_train))))
-        return
-    better = _gate(target, work, out, cfg, a.bare_answers, stats)
-    if better and not a.no_ship:
-        if init_head.resolve() == HEAD.resolve():  # keep the lineage: the continued head's own record
-            stats["init_head_trained"] = _manifest_entry().get("trained", {})
-        ship(out, target, dict(stats, recipe_seconds=round(time.time() - t0), command=_command()))
-    print(json.dumps(dict(
-        out=str(out), better=better, shipped=better and not a.no_ship, size_mib=round(out.stat().st_size / 2**20, 2),
-        **stats, t_gen_s=round(t_gen), t_train_s=round(t_train), t_total_s=round(time.time() - t0),
-    )))  # fmt: skip
 
 
 if __name__ == "__main__":
