@@ -55,6 +55,8 @@ def tapped_context(model, layers: tuple | None, final_norm: bool, **ctx_args):
     """A target ``Context`` with the tap its drafters read: ``(ctx, tap, norm_tap)``, where
     ``tap`` is a ``FeatureTap`` / ``NextnTap`` for ``layers`` (EAGLE-3 heads, MTP blocks) or
     None, and ``norm_tap`` a ``FinalNormTap`` when ``final_norm`` (Medusa heads) or None.
+    The context computes small decodes' logits with the lm_head readout
+    (``backend.readout``) unless ``readout=False`` is passed or ``LOCALSPEC_READOUT=llama``.
 
     Raises:
         InvalidRequestError: both asked (one ``cb_eval`` per context).
@@ -68,6 +70,9 @@ def tapped_context(model, layers: tuple | None, final_norm: bool, **ctx_args):
     norm_tap = FinalNormTap(model.n_embd) if final_norm else None
     cb_tap = tap or norm_tap
     cb, ud = (cb_tap.callback, cb_tap.user_data) if cb_tap is not None else (None, None)
+    from .backend import readout
+
+    ctx_args.setdefault("readout", readout.wanted())
     ctx = Context(model, cb_eval=cb, cb_eval_user_data=ud, **ctx_args)
     if hasattr(tap, "bind"):  # NextnTap: llama.cpp's nextn rows, read after each decode
         tap.bind(ctx)

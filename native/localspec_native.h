@@ -38,7 +38,7 @@
 extern "C" {
 #endif
 
-#define LS_ABI_VERSION 9
+#define LS_ABI_VERSION 10
 
 /* error codes (negative returns) */
 #define LS_ERR_BANNED (-1)         /* every token is banned (-inf) by logit bias */
@@ -424,6 +424,38 @@ LS_API int64_t ls_tap_n_copied(const ls_tap *tap);
 /* paused != 0: the callback answers no to every node (nothing copied, and the scheduler runs
  * the graph without the splits the observed nodes cost) until it is set to 0 again */
 LS_API void ls_tap_set_paused(ls_tap *tap, int32_t paused);
+/* The stop node: name i (-1: none). stopping mode 0: name i is not observed at all; 1: its
+ * rows are copied; 2: its rows are copied and then the callback answers false, so ggml's
+ * scheduler skips the rest of that graph split (for llama.cpp: the lm_head after
+ * ``result_norm``; ggml-backend.cpp, ggml_backend_sched_compute_splits). */
+LS_API void ls_tap_set_stop(ls_tap *tap, int32_t i);
+LS_API void ls_tap_set_stopping(ls_tap *tap, int32_t mode);
+/* Record src[0] and src[1] (struct ggml_tensor *, at byte offset off_src of the struct) of the
+ * node called `name` whenever the callback is asked about it (the lm_head weight is src[0] of
+ * llama.cpp's ``result_output``); ls_tap_watched_src(tap, j) reads them (NULL: not seen). */
+LS_API int32_t ls_tap_watch(ls_tap *tap, const char *name, int64_t off_src);
+LS_API const void *ls_tap_watched_src(const ls_tap *tap, int32_t j);
+/* Chain another eval callback (NULL: none): it is asked about every node too, observes the
+ * nodes it asked for before this tap copies them, and its false answer is passed on. */
+typedef bool (*ls_eval_fn)(void *tensor, bool ask, void *user_data);
+LS_API void ls_tap_set_next(ls_tap *tap, ls_eval_fn next, void *next_ud);
+
+/* ---- the lm_head readout (ls_readout.c) ---------------------------------------------- */
+
+/* ggml's CPU type traits, passed in by the caller (this library does not link ggml):
+ * from_float quantizes a float row to the weight's vec_dot type, vec_dot is ggml's dot product
+ * of one weight row with one quantized row (ggml_vec_dot_t with nrc = 1). */
+typedef void (*ls_from_float_fn)(const float *x, void *y, int64_t k);
+typedef void (*ls_vec_dot_fn)(int n, float *s, size_t bs, const void *x, size_t bx, const void *y, size_t by, int nrc);
+/* logits[r, v] = vec_dot(w row v, from_float(h row r)) for r < nr, v < n_vocab: what ggml's
+ * CPU mul_mat computes for a quantized lm_head on its vec_dot path, bit for bit (the same
+ * functions on the same bytes), with the weight matrix read once for all rows.
+ * w: [n_vocab] rows of row_bytes; h: [nr, n_embd] float32; q_row_bytes: bytes of one row of
+ * n_embd in the vec_dot type; logits: [nr, n_vocab] float32.
+ * returns: 0, LS_ERR_ARG or LS_ERR_NOMEM */
+LS_API int32_t ls_lm_head(const void *w, int64_t n_vocab, int64_t row_bytes, int64_t n_embd, const float *h, int64_t nr,
+                          ls_from_float_fn from_float, int64_t q_row_bytes, ls_vec_dot_fn vec_dot, float *logits,
+                          int32_t n_threads);
 
 #ifdef __cplusplus
 }

@@ -25,6 +25,13 @@ struct ls_tap {
     int64_t rows[LS_TAP_MAX_NAMES];
     int32_t err;
     int32_t paused;
+    int32_t stop;  /* name index after whose copy the rest of the graph is skipped, or -1 */
+    int32_t stopping; /* 0: the stop node is not observed; 1: copied; 2: copied, then the split stops */
+    char watch[LS_TAP_NAME_LEN]; /* a node whose sources are recorded when asked about */
+    int64_t off_src;
+    const void *watch_src[2];
+    ls_eval_fn next; /* the callback this one chains to (or NULL) and its user data */
+    void *next_ud;
     int64_t n_asked, n_copied;
 };
 
@@ -48,6 +55,7 @@ ls_tap *ls_tap_new(int32_t n_names, const char *const *names, int64_t width, int
     tap->off_ne = off_ne;
     tap->off_name = off_name;
     tap->get = get;
+    tap->stop = -1;
     return tap;
 }
 
@@ -70,16 +78,23 @@ bool ls_tap_eval(void *tensor, bool ask, void *user_data) {
     int32_t i = tap_index(tap, t + tap->off_name);
     if (ask) {
         tap->n_asked++;
-        return i >= 0 && !tap->paused;
+        if (tap->watch[0] && strncmp(t + tap->off_name, tap->watch, LS_TAP_NAME_LEN) == 0)
+            memcpy((void *)tap->watch_src, t + tap->off_src, sizeof tap->watch_src);
+        bool mine = i >= 0 && !tap->paused && (i != tap->stop || tap->stopping);
+        bool theirs = tap->next ? tap->next(tensor, true, tap->next_ud) : false;
+        return mine || theirs;
     }
-    if (i < 0) return true; /* never cancel the decode */
+    /* the chained callback observes first (it may have asked for the same node); its answer
+     * is kept: a tap never cancels a decode except at its own stop node */
+    bool go_on = tap->next ? tap->next(tensor, false, tap->next_ud) : true;
+    if (i < 0 || tap->paused || (i == tap->stop && !tap->stopping)) return go_on;
     int32_t type;
     int64_t ne[2];
     memcpy(&type, t + tap->off_type, sizeof type);
     memcpy(ne, t + tap->off_ne, sizeof ne);
     if (type != LS_GGML_TYPE_F32 || ne[0] != tap->width || ne[1] < 0) {
         tap->err = LS_ERR_ARG;
-        return true;
+        return go_on; /* nothing captured: let the graph finish (the caller falls back) */
     }
     int64_t need = tap->rows[i] + ne[1];
     if (need > tap->cap[i]) {
@@ -88,7 +103,7 @@ bool ls_tap_eval(void *tensor, bool ask, void *user_data) {
         float *b = realloc(tap->buf[i], (size_t)cap * (size_t)tap->width * sizeof *b);
         if (!b) {
             tap->err = LS_ERR_NOMEM;
-            return true;
+            return go_on;
         }
         tap->buf[i] = b;
         tap->cap[i] = cap;
@@ -97,7 +112,7 @@ bool ls_tap_eval(void *tensor, bool ask, void *user_data) {
         tap->get(tensor, tap->buf[i] + tap->rows[i] * tap->width, 0, (size_t)(ne[1] * tap->width) * sizeof(float));
     tap->rows[i] = need;
     tap->n_copied++;
-    return true;
+    return go_on && !(i == tap->stop && tap->stopping == 2);
 }
 
 int64_t ls_tap_rows(const ls_tap *tap, int32_t i) { return (i >= 0 && i < tap->n_names) ? tap->rows[i] : -1; }
@@ -116,3 +131,22 @@ int64_t ls_tap_n_asked(const ls_tap *tap) { return tap->n_asked; }
 int64_t ls_tap_n_copied(const ls_tap *tap) { return tap->n_copied; }
 
 void ls_tap_set_paused(ls_tap *tap, int32_t paused) { tap->paused = paused != 0; }
+
+void ls_tap_set_stop(ls_tap *tap, int32_t i) { tap->stop = (i >= 0 && i < tap->n_names) ? i : -1; }
+
+void ls_tap_set_stopping(ls_tap *tap, int32_t mode) { tap->stopping = mode < 0 ? 0 : mode > 2 ? 2 : mode; }
+
+int32_t ls_tap_watch(ls_tap *tap, const char *name, int64_t off_src) {
+    if (!name || strlen(name) >= LS_TAP_NAME_LEN || off_src < 0) return LS_ERR_ARG;
+    strcpy(tap->watch, name);
+    tap->off_src = off_src;
+    tap->watch_src[0] = tap->watch_src[1] = NULL;
+    return 0;
+}
+
+const void *ls_tap_watched_src(const ls_tap *tap, int32_t j) { return (j == 0 || j == 1) ? tap->watch_src[j] : NULL; }
+
+void ls_tap_set_next(ls_tap *tap, ls_eval_fn next, void *next_ud) {
+    tap->next = next;
+    tap->next_ud = next_ud;
+}

@@ -53,6 +53,10 @@ class Context:
         ctx_other: another context to share tensors with (EAGLE-3 draft heads).
         mtp: a context of llama.cpp's type MTP (``LLAMA_CONTEXT_TYPE_MTP``): its graph runs the
             model's MTP / NextN block instead of the trunk (model loaded with ``load_mtp``).
+        readout: compute the logits of decodes with at most ``readout.MAX_ROWS`` output rows
+            with localspec's lm_head readout (``backend.readout``: the same bits, the lm_head
+            read once for all rows) when the model is on the CPU and the readout passes its
+            check on this context; else llama.cpp's lm_head (``readout_off_reason`` says why).
 
     Raises:
         ModelLoadError: llama.cpp could not create the context (e.g. out of memory).
@@ -78,9 +82,13 @@ class Context:
         type_k: int | None = None,
         type_v: int | None = None,
         mtp: bool = False,
+        readout: bool = False,
     ) -> None:
         self._ctx = None
         self.model = model
+        self.readout = None  # backend.readout.Readout while it computes this context's logits
+        self.readout_off_reason: str | None = "not asked" if not readout else None
+        self._readout_logits = None  # the last decode's logits when the readout computed them
         if n_ctx > 0 and n_seq_max > min(int(n_ctx), int(n_batch)):
             # llama.cpp asserts (aborting the process) when the sequences outnumber the batch
             raise InvalidRequestError(
@@ -115,7 +123,18 @@ class Context:
             params.type_k = int(type_k)
         if type_v is not None:
             params.type_v = int(type_v)
+        rd = None
+        if readout:
+            from .readout import Readout, unavailable
+
+            why = "an MTP or embeddings context" if mtp or embeddings else unavailable(model)
+            if why is not None:
+                self.readout_off_reason = why
+            else:
+                rd = Readout(model.n_embd, model.n_vocab, chain=(cb_eval, cb_eval_user_data) if cb_eval is not None else None)
+                cb_eval, cb_eval_user_data = rd.callback, rd.user_data
         self._cb_eval = cb_eval  # keep the ctypes callback alive as long as the context
+        self._readout_obj = rd
         if cb_eval is not None:
             params.cb_eval = cb_eval
             params.cb_eval_user_data = cb_eval_user_data
@@ -155,6 +174,11 @@ class Context:
         self.n_tokens_last = 0  # tokens of the last successful ``decode``
         # called as ``after_decode(ctx)`` after every successful ``decode`` (NextnTap)
         self.after_decode = None
+        if rd is not None:
+            if rd.self_check(self):
+                self.readout = rd
+            else:
+                self.readout_off_reason = rd.off_reason
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -207,8 +231,27 @@ class Context:
         """
         n_out = int(batch.output[: batch.n_tokens].sum())
         self.n_calls += 1
-        rc = lib.llama_decode(self.handle, batch.struct)
-        self._check_workers()
+        self._readout_logits = None
+        rd = self.readout
+        use = rd is not None and rd.begin(n_out)
+        try:
+            rc = lib.llama_decode(self.handle, batch.struct)
+            self._check_workers()
+        except BaseException:
+            if use:
+                rd.cancel()
+            raise
+        if use:
+            if rc != 0:
+                rd.cancel()
+            else:
+                try:
+                    nt = self.n_threads_batch if batch.n_tokens > 1 else self.n_threads
+                    self._readout_logits = rd.finish(n_out, nt)
+                except RuntimeError as e:
+                    self.readout, self.readout_off_reason = None, rd.off_reason
+                    self.n_outputs = 0
+                    raise DecodeError(str(e)) from e
         if rc != 0:
             self.n_outputs = 0
             if rc == 1:
@@ -234,6 +277,7 @@ class Context:
         """
         kind = lib.LLAMA_PROCESS_TYPE_ENCODE if encode else lib.LLAMA_PROCESS_TYPE_DECODE
         self.n_calls += 1
+        self._readout_logits = None  # the readout serves llama_decode only (its graph runs whole here)
         rc = lib.llama_process(self.handle, kind, batch.handle)
         self._check_workers()
         if rc != 0:
@@ -267,6 +311,8 @@ class Context:
         """
         if self.n_outputs == 0:
             return np.zeros((0, self.n_vocab), dtype=np.float32)
+        if self._readout_logits is not None:
+            return self._readout_logits
         ptr = lib.llama_get_logits(self.handle)
         key = (ctypes.cast(ptr, ctypes.c_void_p).value, self.n_outputs)
         view = getattr(self, "_logits_view", None)

@@ -9,7 +9,7 @@ import os
 from ctypes import POINTER, c_double, c_float, c_int8, c_int32, c_int64, c_uint64, c_void_p
 from pathlib import Path
 
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 # error codes (LS_ERR_*)
 ERR_BANNED = -1
@@ -174,6 +174,12 @@ _SIGNATURES = {
     "ls_tap_n_asked": (c_int64, [c_void_p]),
     "ls_tap_n_copied": (c_int64, [c_void_p]),
     "ls_tap_set_paused": (None, [c_void_p, c_int32]),
+    "ls_tap_set_stop": (None, [c_void_p, c_int32]),
+    "ls_tap_set_stopping": (None, [c_void_p, c_int32]),
+    "ls_tap_set_next": (None, [c_void_p, c_void_p, c_void_p]),
+    "ls_tap_watch": (c_int32, [c_void_p, ctypes.c_char_p, c_int64]),
+    "ls_tap_watched_src": (c_void_p, [c_void_p, c_int32]),
+    "ls_lm_head": (c_int32, [_P, c_int64, c_int64, c_int64, _P, c_int64, c_void_p, c_int64, c_void_p, _P, c_int32]),
 }  # fmt: skip
 
 

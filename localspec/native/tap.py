@@ -74,6 +74,37 @@ class NativeTap:
         computes the graph without splitting it at the named tensors."""
         lib.ls_tap_set_paused(self._ptr, int(bool(paused)))
 
+    def set_stop(self, i: int) -> None:
+        """Name ``i`` (-1: none) is the stop node: while ``set_stopping(True)``, the callback
+        copies its rows and then answers false, so ggml skips the rest of the graph split (the
+        lm_head after ``result_norm``: ``backend.readout``); while not stopping, it does not
+        observe that name at all."""
+        lib.ls_tap_set_stop(self._ptr, int(i))
+
+    def set_stopping(self, mode: int) -> None:
+        """0: the stop node is not observed; 1: its rows are copied; 2: copied, then the rest
+        of the graph split is skipped."""
+        lib.ls_tap_set_stopping(self._ptr, int(mode))
+
+    def watch(self, name: str, off_src: int) -> None:
+        """Record ``src[0]`` and ``src[1]`` of graph node ``name`` whenever it is asked about
+        (``off_src``: byte offset of ``src`` in ``struct ggml_tensor``); see ``watched``."""
+        if lib.ls_tap_watch(self._ptr, name.encode(), int(off_src)) != 0:
+            raise ValueError(f"cannot watch {name!r}")
+
+    def watched(self, j: int) -> int | None:
+        """Address of the watched node's ``src[j]`` (j = 0, 1) as last seen, or None."""
+        return lib.ls_tap_watched_src(self._ptr, int(j)) or None
+
+    def set_next(self, callback, user_data) -> None:
+        """Chain ``callback`` (a ``ggml_backend_sched_eval_callback``, with its ``user_data``;
+        None: none): asked about every node as well, it observes the nodes it asked for before
+        this tap copies them. The references are kept for the tap's lifetime."""
+        self._next = (callback, user_data)
+        fn = ctypes.cast(callback, ctypes.c_void_p).value if callback is not None else None
+        ud = user_data.value if isinstance(user_data, ctypes.c_void_p) else user_data
+        lib.ls_tap_set_next(self._ptr, fn, ud)
+
     @property
     def n_asked(self) -> int:
         """Graph nodes the callback was asked about since the tap was made (test hook, with

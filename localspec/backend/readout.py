@@ -1,0 +1,290 @@
+"""The lm_head readout: a decode's logits computed from its final-norm rows by ggml's own CPU
+dot products, with the lm_head matrix read once for all rows.
+
+**Why.** On a CPU the lm_head of a model with a large vocabulary dominates a decode: Gemma 3
+270M's is 262,144 x 640 (Q8_0, 178 MB), measured 2026-12-05 on the 2-core AMD EPYC: a
+single-token decode costs 11.8 ms, of which the trunk is 4.9 ms; llama.cpp's CPU mul_mat then
+costs ~7 ms for one row and ~27 ms for 8 (its tiled paths for small batches re-read the matrix).
+A verification batch needs a row per tree node, so the lm_head made a tree of 2 cost 2.0x a
+single-token decode. Multiplying every block of the matrix with all rows while it is in cache
+(``native/ls_readout.c``) costs 4.5 ms for 1-2 rows and 17 ms for 8.
+
+**How.** The context's eval callback (a ``NativeTap`` on ``result_norm``, chained in front of
+any drafter tap) copies the final-norm rows of the decode's output rows and then answers
+false: ggml's scheduler skips the rest of that graph split, i.e. the lm_head (and llama.cpp
+copies an unused logits buffer). The logits are then ``vec_dot(w_v, from_float(h_r))`` with
+ggml's CPU type traits for the weight's type (``ggml_get_type_traits_cpu``): the functions
+llama.cpp's mul_mat calls on its vec_dot path, on the same bytes (the GGUF file's tensor,
+memory-mapped), so the logits are bit for bit the ones a single-token decode produces.
+
+**Checked, not assumed.** Every context that asks for the readout proves it first
+(``Readout.self_check``): two decodes with llama.cpp's own lm_head, then the same two with
+the readout (the first one stopped at ``result_norm``); the logits of all four must be equal
+bit for bit, and so must the second decode of each pair (the stop left the KV cache as it
+was). An architecture that transforms the logits after the lm_head (final-logit soft-capping,
+logit scales), a LoRA adapter, a split GGUF or a CPU whose kernels differ between one row and
+many fails the check, and that context keeps llama.cpp's lm_head (``off_reason`` says why).
+
+Used only where the whole model is on this machine's CPU (no GPU layers, no RPC workers): on
+a GPU the lm_head is cheap, and its weights are not in host memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+
+import numpy as np
+
+from .. import native as _native
+from ._llama import _libggml, ggml_tensor_get, lib
+from .tensor import GgmlTensor
+
+FINAL_NORM = "result_norm"
+
+# Decodes with more output rows than this use llama.cpp's lm_head: its tiled GEMM overtakes
+# the row-by-row vec_dot between 8 and 16 rows (measured 2026-12-05, 2-core AMD EPYC: 8 rows
+# 17 ms here against 27 ms; 16 rows 36 ms against 30 ms).
+MAX_ROWS = int(os.environ.get("LOCALSPEC_READOUT_MAX_ROWS", "8"))
+
+
+def wanted() -> bool:
+    """Whether target contexts ask for the readout: ``LOCALSPEC_READOUT=own`` (default) or
+    ``llama`` (llama.cpp's lm_head always, e.g. to compare)."""
+    return os.environ.get("LOCALSPEC_READOUT", "own") != "llama"
+
+
+class _TypeTraitsCpu(ctypes.Structure):
+    """``struct ggml_type_traits_cpu`` (ggml-cpu.h)."""
+
+    _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p), ("vec_dot_type", ctypes.c_int),
+                ("nrows", ctypes.c_int64)]  # fmt: skip
+
+
+def _ggml():
+    """llama-cpp-python's ``libggml`` handle with the functions used here bound (ggml-cpu's and
+    ggml-base's symbols resolve through it: the libraries llama.cpp itself runs)."""
+    g = _libggml
+    if not getattr(g, "_ls_readout_bound", False):
+        g.ggml_get_type_traits_cpu.restype = ctypes.POINTER(_TypeTraitsCpu)
+        g.ggml_get_type_traits_cpu.argtypes = [ctypes.c_int]
+        g.ggml_row_size.restype = ctypes.c_size_t
+        g.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
+        g.ggml_backend_buffer_is_host.restype = ctypes.c_bool
+        g.ggml_backend_buffer_is_host.argtypes = [ctypes.c_void_p]
+        g.ggml_backend_buffer_get_base.restype = ctypes.c_void_p
+        g.ggml_backend_buffer_get_base.argtypes = [ctypes.c_void_p]
+        g.ggml_backend_buffer_get_size.restype = ctypes.c_size_t
+        g.ggml_backend_buffer_get_size.argtypes = [ctypes.c_void_p]
+        g._ls_readout_bound = True
+    return g
+
+
+def unavailable(model) -> str | None:
+    """Why the readout cannot run for ``model`` (one line), or None when it may."""
+    if not _native.AVAILABLE:
+        return f"the C kernels are not built ({_native.LOAD_ERROR})"
+    if getattr(model, "vocab_only", False):
+        return "vocabulary-only model"
+    if getattr(model, "n_gpu_layers", 0) != 0 or getattr(model, "on_local_gpu", False):
+        return "layers are offloaded to a GPU"
+    if getattr(model, "_load_args", {}).get("rpc"):
+        return "layers are on RPC workers"
+    return None
+
+
+class LmHeadWeights:
+    """The lm_head weight as llama.cpp holds it (the ``src[0]`` of the graph's
+    ``result_output`` matmul, whose ``src[1]`` is ``result_norm``) and ggml's CPU functions for
+    its type.
+
+    Attributes:
+        data: address of ``[n_vocab]`` rows of ``row_bytes`` (host memory of the model).
+        from_float / vec_dot: addresses of ggml's functions; ``q_row_bytes`` one quantized row.
+    """
+
+    def __init__(self, data: int, n_vocab: int, row_bytes: int, from_float: int, vec_dot: int, q_row_bytes: int,
+                 type_id: int) -> None:  # fmt: skip
+        self.data, self.n_vocab, self.row_bytes = int(data), int(n_vocab), int(row_bytes)
+        self.from_float, self.vec_dot, self.q_row_bytes = int(from_float), int(vec_dot), int(q_row_bytes)
+        self.type_id = int(type_id)
+
+    @staticmethod
+    def from_graph(weight_ptr: int | None, norm_ptr: int | None, n_embd: int, n_vocab: int) -> "LmHeadWeights | str":
+        """The weight seen as ``src[0]`` of ``result_output`` (``src[1]``: ``norm_ptr``), or a
+        one-line reason why it cannot be read here."""
+        if not weight_ptr or not norm_ptr:
+            return "the graph has no result_output node"
+        norm = GgmlTensor.from_address(norm_ptr)
+        if norm.name != FINAL_NORM.encode():
+            return "result_output is not the lm_head of result_norm (a logit transform follows it)"
+        t = GgmlTensor.from_address(weight_ptr)
+        g = _ggml()
+        if int(t.ne[0]) != n_embd or int(t.ne[1]) != n_vocab or int(t.ne[2]) != 1 or int(t.ne[3]) != 1:
+            return f"the lm_head is {list(t.ne)}, not [{n_embd}, {n_vocab}]"
+        if not t.data or not t.buffer or not g.ggml_backend_buffer_is_host(t.buffer):
+            return "the lm_head is not in host memory"
+        row = int(g.ggml_row_size(int(t.type), n_embd))
+        if int(t.nb[1]) != row:
+            return "the lm_head rows are not contiguous"
+        base, size = int(g.ggml_backend_buffer_get_base(t.buffer) or 0), int(g.ggml_backend_buffer_get_size(t.buffer))
+        if not (base <= int(t.data) and int(t.data) + row * n_vocab <= base + size):
+            return "the lm_head lies outside its buffer (a repacked layout?)"
+        tt = g.ggml_get_type_traits_cpu(int(t.type)).contents
+        if not tt.vec_dot:
+            return f"ggml has no CPU dot product for type {int(t.type)}"
+        qt = g.ggml_get_type_traits_cpu(int(tt.vec_dot_type)).contents
+        if not qt.from_float:
+            return f"ggml has no CPU conversion to type {int(tt.vec_dot_type)}"
+        return LmHeadWeights(t.data, n_vocab, row, qt.from_float, tt.vec_dot, g.ggml_row_size(int(tt.vec_dot_type), n_embd),
+                             int(t.type))  # fmt: skip
+
+
+class Readout:
+    """A context's lm_head readout (see the module docstring): the eval callback to install,
+    and the logits of the decodes it computes.
+
+    Args:
+        n_embd / n_vocab: the target's hidden size (the ``result_norm`` width) and vocabulary.
+        chain: ``(callback, user_data)`` of the drafter tap to run behind this one, or None.
+    """
+
+    def __init__(self, n_embd: int, n_vocab: int, chain=None) -> None:
+        from ..native.tap import NativeTap
+
+        self.n_embd, self.n_vocab = int(n_embd), int(n_vocab)
+        self._tap = NativeTap([FINAL_NORM], self.n_embd, tensor_type=GgmlTensor,
+                              tensor_get=ctypes.cast(ggml_tensor_get, ctypes.c_void_p).value,
+                              callback_type=lib.ggml_backend_sched_eval_callback)  # fmt: skip
+        self._tap.set_stop(0)
+        self._tap.watch("result_output", GgmlTensor.src.offset)
+        self._chain = chain if chain is not None and chain[0] is not None else None
+        if self._chain is not None:
+            self._tap.set_next(*self._chain)
+        self.callback, self.user_data = self._tap.callback, self._tap.user_data
+        self.weights: LmHeadWeights | None = None
+        self.active = False  # set by a passed self_check
+        self.off_reason: str | None = "not checked yet"
+        self.max_rows = MAX_ROWS
+        self._buf = np.empty((0, self.n_vocab), dtype=np.float32)
+        self.n_used = 0  # decodes whose logits the readout computed
+        self.t_us = 0.0  # time spent in the lm_head kernel (µs)
+
+    # -- per decode ---------------------------------------------------------------------------
+
+    def begin(self, n_out: int) -> bool:
+        """Before a decode with ``n_out`` output rows: whether this decode uses the readout (its
+        graph then stops at ``result_norm``)."""
+        use = self.active and 0 < n_out <= self.max_rows
+        self._tap.clear()
+        self._tap.set_stopping(2 if use else 0)
+        return use
+
+    def cancel(self) -> None:
+        """The decode failed: nothing to read."""
+        self._tap.set_stopping(0)
+
+    def finish(self, n_out: int, n_threads: int) -> np.ndarray:
+        """After a decode that used the readout: its logits ``[n_out, n_vocab] float32`` (a
+        view of a buffer that the next decode reuses).
+
+        Raises:
+            RuntimeError: the tap did not capture ``n_out`` rows (the lm_head was skipped, so
+                this decode has no logits); the readout turns itself off.
+        """
+        self._tap.set_stopping(0)
+        try:
+            h = self._tap.rows(0)
+        except TypeError:
+            h = None
+        if h is None or h.shape[0] != n_out:
+            self.active = False
+            self.off_reason = f"a decode captured {'no' if h is None else h.shape[0]} final-norm rows for {n_out} outputs"
+            raise RuntimeError(f"lm_head readout: {self.off_reason}; it is now off for this context")
+        return self._compute(h, n_threads)
+
+    def _compute(self, h: np.ndarray, n_threads: int) -> np.ndarray:
+        n = h.shape[0]
+        if self._buf.shape[0] < n:
+            self._buf = np.empty((max(n, self.max_rows), self.n_vocab), dtype=np.float32)
+        out = self._buf[:n]
+        w = self.weights
+        t0 = time.perf_counter()
+        rc = _native.lib.ls_lm_head(w.data, w.n_vocab, w.row_bytes, self.n_embd, h.ctypes.data, n, w.from_float,
+                                    w.q_row_bytes, w.vec_dot, out.ctypes.data, int(n_threads))  # fmt: skip
+        self.t_us += (time.perf_counter() - t0) * 1e6
+        if rc != 0:
+            raise RuntimeError(f"lm_head readout failed (code {rc})")
+        self.n_used += 1
+        return out
+
+    # -- the check ----------------------------------------------------------------------------
+
+    def self_check(self, ctx) -> bool:
+        """Prove the readout on ``ctx`` (a fresh context; its KV cache is cleared afterwards):
+        two decodes with llama.cpp's lm_head, then the same two with the first stopped at
+        ``result_norm``; every row of the readout must equal llama.cpp's logits bit for bit,
+        and the second decode must compute the same either way. Sets ``active`` /
+        ``off_reason``; returns ``active``."""
+        from .batch import Batch
+
+        self.active = False
+        if self._chain is not None:
+            self._tap.set_next(None, None)  # the drafter tap sees none of the check's decodes
+        rng = np.random.default_rng(0)
+        hi = max(2, min(self.n_vocab, 30000))
+        steps = ((rng.integers(1, hi, 5).astype(np.int32), 0), (rng.integers(1, hi, 3).astype(np.int32), 5))
+        b = Batch(8)
+        try:
+            runs = []
+            for stop_first in (False, True):
+                lib.llama_memory_clear(ctx.mem, True)
+                got = []
+                for k, (toks, pos0) in enumerate(steps):
+                    b.set_sequence(toks, pos0, output="all")
+                    self._tap.clear()
+                    stop = stop_first and k == 0
+                    self._tap.set_stopping(2 if stop else 1)
+                    rc = lib.llama_decode(ctx.handle, b.struct)
+                    self._tap.set_stopping(0)
+                    if rc != 0:
+                        self.off_reason = f"a check decode failed ({rc})"
+                        return False
+                    if self.weights is None:
+                        w = LmHeadWeights.from_graph(self._tap.watched(0), self._tap.watched(1), self.n_embd, self.n_vocab)
+                        if isinstance(w, str):
+                            self.off_reason = w
+                            return False
+                        self.weights = w
+                    n = len(toks)
+                    h = self._tap.rows(0)
+                    if h.shape[0] != n:
+                        self.off_reason = f"captured {h.shape[0]} final-norm rows for {n} outputs"
+                        return False
+                    own = self._compute(h, ctx.n_threads_batch).copy()
+                    ref = None if stop else np.ctypeslib.as_array(lib.llama_get_logits(ctx.handle), shape=(n, self.n_vocab)).copy()
+                    got.append((ref, own))
+                runs.append(got)
+            (l1, o1), (l2, o2) = runs[0]
+            (_, r1), (l2b, r2) = runs[1]
+            if not (np.array_equal(l1, o1) and np.array_equal(l2, o2)):
+                d = float(np.abs(l1 - o1).max())
+                self.off_reason = f"logits differ from llama.cpp's lm_head (max |diff| {d:.3g}: a logit transform or other kernels)"
+                return False
+            if not (np.array_equal(r1, o1) and np.array_equal(l2b, l2) and np.array_equal(r2, o2)):
+                self.off_reason = "a decode stopped at result_norm changed what the next decode computes"
+                return False
+            self.active, self.off_reason = True, None
+            return True
+        except Exception as e:  # noqa: BLE001 - a failed check keeps llama.cpp's lm_head
+            self.off_reason = f"the check failed ({type(e).__name__}: {e})"
+            return False
+        finally:
+            self._tap.set_stopping(0)
+            self._tap.clear()
+            lib.llama_memory_clear(ctx.mem, True)
+            if self._chain is not None:
+                self._tap.set_next(*self._chain)
+            self.n_used = 0
+            self.t_us = 0.0

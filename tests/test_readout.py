@@ -1,0 +1,200 @@
+"""The lm_head readout (``backend.readout``): logits computed from the final-norm rows with
+ggml's own dot products must be llama.cpp's logits bit for bit, for every batch shape the
+engine decodes, and the decodes it stops at ``result_norm`` must leave the KV cache as whole
+decodes do; drafter taps chained behind it see the same rows; a readout that would compute
+other numbers is refused by its check."""
+
+
+import numpy as np
+import pytest
+
+from localspec import Engine, SamplingParams
+from localspec.backend import Batch, Context
+from localspec.backend import readout as ro
+from localspec.backend.features import FeatureTap, FinalNormTap
+
+TEXT = "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable type. "
+
+
+def _pair(model, **kw):
+    a = Context(model, readout=True, **kw)
+    b = Context(model, readout=False, **kw)
+    return a, b
+
+
+def test_readout_is_on_for_the_default_model_on_the_cpu(model):
+    c = Context(model, n_ctx=256, readout=True)
+    try:
+        assert c.readout is not None, c.readout_off_reason
+        assert c.readout.weights.n_vocab == model.n_vocab
+    finally:
+        c.close()
+    off = Context(model, n_ctx=256)
+    assert off.readout is None and off.readout_off_reason == "not asked"
+    off.close()
+
+
+def test_logits_equal_llamas_bit_for_bit_for_every_batch_shape(model):
+    """Prefill (last row), single tokens, chains, a token tree in several sequences, a batch
+    split into micro-batches, and one over ``max_rows`` (llama.cpp's lm_head): every row equal
+    to the context that never uses the readout, decode after decode (the stopped decodes left
+    the cache as the whole ones did)."""
+    kw = dict(n_ctx=1024, n_batch=64, n_ubatch=4, n_seq_max=4)
+    a, b = _pair(model, **kw)
+    try:
+        assert a.readout is not None, a.readout_off_reason
+        toks = model.tokenize(TEXT * 3)[:60]
+        batch = Batch(64, 4)
+
+        def both(fill):
+            out = []
+            for c in (a, b):
+                fill()
+                c.decode(batch)
+                out.append(c.logits().copy())
+            np.testing.assert_array_equal(out[0], out[1])
+            return out[0]
+
+        both(lambda: batch.set_sequence(toks[:40], 0, output="last"))
+        pos = 40
+        used0 = a.readout.n_used
+        for n in (1, 2, 3, 8, 12):
+            t = toks[pos : pos + n]
+            both(lambda: batch.set_sequence(t, pos, output="all"))
+            for c in (a, b):
+                c.seq_rm(0, pos + 1, -1)  # keep one token: the next decode reads the stopped one's KV
+            pos += 1
+        # a tree: root at pos, two branches in sequences 1 and 2 (sharing the root)
+        tree_tok = np.array(toks[pos : pos + 5], dtype=np.int32)
+        tree_pos = np.array([pos, pos + 1, pos + 2, pos + 1, pos + 2], dtype=np.int32)
+        seqs = np.array([[0, 1, 2], [1, 0, 0], [1, 0, 0], [2, 0, 0], [2, 0, 0]], dtype=np.int32)
+        n_seq = np.array([3, 1, 1, 1, 1], dtype=np.int32)
+        for c in (a, b):
+            c.seq_cp(0, 1, 0, pos)
+            c.seq_cp(0, 2, 0, pos)
+        both(lambda: batch.set_tree(tree_tok, tree_pos, seqs, n_seq))
+        # the readout computed every decode of at most max_rows outputs (12 used llama.cpp's)
+        assert a.readout.n_used - used0 == 5, a.readout.n_used
+    finally:
+        a.close()
+        b.close()
+
+
+def test_drafter_taps_behind_the_readout_see_the_same_rows(model):
+    """A FeatureTap (EAGLE-3) and a FinalNormTap (Medusa) chained behind the readout capture
+    the rows they capture alone."""
+    toks = model.tokenize(TEXT * 2)[:30]
+    for make in (lambda: FeatureTap([2, 9], model.n_layer, model.n_embd), lambda: FinalNormTap(model.n_embd)):
+        rows, logits = [], []
+        for readout in (True, False):
+            tap = make()
+            c = Context(model, n_ctx=256, n_batch=64, cb_eval=tap.callback, cb_eval_user_data=tap.user_data, readout=readout)
+            try:
+                assert (c.readout is not None) == readout, c.readout_off_reason
+                tap.clear()
+                b = Batch(64)
+                b.set_sequence(toks[:24], 0, output="last")
+                c.decode(b)
+                b.set_sequence(toks[24:28], 24, output="all")
+                c.decode(b)
+                rows.append(tap.take())
+                logits.append(c.logits().copy())
+            finally:
+                c.close()
+        assert rows[0].shape[0] > 0
+        np.testing.assert_array_equal(rows[0], rows[1])
+        np.testing.assert_array_equal(logits[0], logits[1])
+
+
+def test_a_readout_with_other_numbers_fails_its_check(model, monkeypatch):
+    """Mutation: the readout quantizes the rows for another dot product (F16 instead of the
+    weight's Q8_0 partner). The check must see different logits and keep llama.cpp's lm_head,
+    whose logits then equal a plain context's."""
+    real = ro.LmHeadWeights.from_graph
+
+    def wrong(*args):
+        w = real(*args)
+        if not isinstance(w, str):
+            g = ro._ggml()
+            w.vec_dot = g.ggml_get_type_traits_cpu(1).contents.vec_dot  # F16 x F16
+            w.from_float = g.ggml_get_type_traits_cpu(1).contents.from_float
+            w.q_row_bytes = int(g.ggml_row_size(1, model.n_embd))
+        return w
+
+    monkeypatch.setattr(ro.LmHeadWeights, "from_graph", staticmethod(wrong))
+    c = Context(model, n_ctx=256, readout=True)
+    ref = Context(model, n_ctx=256)
+    try:
+        assert c.readout is None
+        assert "differ" in c.readout_off_reason
+        b = Batch(8)
+        toks = model.tokenize(TEXT)[:6]
+        out = []
+        for x in (c, ref):
+            b.set_sequence(toks, 0, output="all")
+            x.decode(b)
+            out.append(x.logits().copy())
+        np.testing.assert_array_equal(out[0], out[1])
+    finally:
+        c.close()
+        ref.close()
+
+
+def test_unavailable_says_why():
+    class M:
+        vocab_only = False
+        n_gpu_layers = 0
+        on_local_gpu = False
+        _load_args = {"rpc": None}
+
+    m = M()
+    assert ro.unavailable(m) is None
+    m.n_gpu_layers = -1
+    assert "GPU" in ro.unavailable(m)
+    m.n_gpu_layers, m._load_args = 0, {"rpc": "127.0.0.1:5000"}
+    assert "RPC" in ro.unavailable(m)
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_engine_output_is_the_same_with_llamas_lm_head(model, monkeypatch, drafter):
+    """Greedy generation through the engine (prefill, plain steps, verified trees) gives the
+    same tokens with the readout as with llama.cpp's lm_head, and the readout did the work."""
+    prompt = "def fibonacci(n):\n    " + "# compute the sequence\n" * 3
+    outs = []
+    for mode in ("own", "llama"):
+        monkeypatch.setenv("LOCALSPEC_READOUT", mode)
+        eng = Engine(model, drafter=drafter, n_ctx=1024)
+        try:
+            assert (eng.ctx.readout is not None) == (mode == "own"), eng.ctx.readout_off_reason
+            r = eng.generate(prompt, max_tokens=48, sampling=SamplingParams.greedy())
+            outs.append(r.token_ids)
+            if mode == "own":
+                assert eng.ctx.readout.n_used >= (40 if drafter == "none" else 4)
+        finally:
+            eng.close()
+    assert outs[0] == outs[1]
+
+
+def test_readout_rows_capture_failure_is_a_clear_error(model):
+    """A decode whose final-norm rows did not all arrive has no logits (its lm_head was
+    skipped): a DecodeError, the readout off for that context, and the context still usable."""
+    from localspec.errors import DecodeError
+
+    c = Context(model, n_ctx=256, n_batch=8, readout=True)
+    try:
+        rd = c.readout
+        assert rd is not None
+        b = Batch(8)
+        toks = model.tokenize(TEXT)[:6]
+        b.set_sequence(toks[:3], 0, output="all")
+        orig = rd.finish
+        rd.finish = lambda n_out, nt: orig(n_out + 1, nt)  # expects a row more than captured
+        with pytest.raises(DecodeError, match="final-norm rows"):
+            c.decode(b)
+        assert c.readout is None and "final-norm rows" in c.readout_off_reason
+        c.seq_rm(0, 0, -1)
+        b.set_sequence(toks[:3], 0, output="all")
+        c.decode(b)
+        assert c.logits().shape == (3, model.n_vocab) and np.isfinite(c.logits()).all()
+    finally:
+        c.close()
