@@ -448,14 +448,20 @@ LS_API void ls_tap_set_next(ls_tap *tap, ls_eval_fn next, void *next_ud);
 typedef void (*ls_from_float_fn)(const float *x, void *y, int64_t k);
 typedef void (*ls_vec_dot_fn)(int n, float *s, size_t bs, const void *x, size_t bx, const void *y, size_t by, int nrc);
 /* logits[r, v] = vec_dot(w row v, from_float(h row r)) for r < nr, v < n_vocab: what ggml's
- * CPU mul_mat computes for a quantized lm_head on its vec_dot path, bit for bit (the same
- * functions on the same bytes), with the weight matrix read once for all rows.
+ * CPU mul_mat computes for a quantized lm_head on its vec_dot path, bit for bit, with the
+ * weight matrix read once for all rows.
+ * kernel 0: ggml's own vec_dot per (weight row, row) (the same functions on the same bytes);
+ * kernel 1: Q8_0 weights on x86 with AVX2/FMA/F16C only: ggml_vec_dot_q8_0_q8_0's AVX2 path
+ * written out for 4 rows per weight block (the same operations in the same order; the caller
+ * checks it against ggml's before use).
  * w: [n_vocab] rows of row_bytes; h: [nr, n_embd] float32; q_row_bytes: bytes of one row of
  * n_embd in the vec_dot type; logits: [nr, n_vocab] float32.
- * returns: 0, LS_ERR_ARG or LS_ERR_NOMEM */
+ * returns: 0, LS_ERR_ARG (also: kernel 1 unavailable here) or LS_ERR_NOMEM */
 LS_API int32_t ls_lm_head(const void *w, int64_t n_vocab, int64_t row_bytes, int64_t n_embd, const float *h, int64_t nr,
                           ls_from_float_fn from_float, int64_t q_row_bytes, ls_vec_dot_fn vec_dot, float *logits,
-                          int32_t n_threads);
+                          int32_t n_threads, int32_t kernel);
+/* 1 when kernel 1 of ls_lm_head can run on this CPU */
+LS_API int32_t ls_lm_head_q8_0_available(void);
 
 #ifdef __cplusplus
 }

@@ -7,23 +7,28 @@ single-token decode costs 11.8 ms, of which the trunk is 4.9 ms; llama.cpp's CPU
 costs ~7 ms for one row and ~27 ms for 8 (its tiled paths for small batches re-read the matrix).
 A verification batch needs a row per tree node, so the lm_head made a tree of 2 cost 2.0x a
 single-token decode. Multiplying every block of the matrix with all rows while it is in cache
-(``native/ls_readout.c``) costs 4.5 ms for 1-2 rows and 17 ms for 8.
+(``native/ls_readout.c``) costs ~4 ms for 1-2 rows and 13 ms for 8 (kernel 1 below).
 
 **How.** The context's eval callback (a ``NativeTap`` on ``result_norm``, chained in front of
 any drafter tap) copies the final-norm rows of the decode's output rows and then answers
 false: ggml's scheduler skips the rest of that graph split, i.e. the lm_head (and llama.cpp
 copies an unused logits buffer). The logits are then ``vec_dot(w_v, from_float(h_r))`` with
 ggml's CPU type traits for the weight's type (``ggml_get_type_traits_cpu``): the functions
-llama.cpp's mul_mat calls on its vec_dot path, on the same bytes (the GGUF file's tensor,
-memory-mapped), so the logits are bit for bit the ones a single-token decode produces.
+llama.cpp's mul_mat calls on its vec_dot path, on the same bytes (llama.cpp's own copy of the
+weight: ``src[0]`` of the graph's ``result_output``, seen by the callback), so the logits are
+bit for bit the ones a single-token decode produces. For
+Q8_0 weights on x86 CPUs with AVX2 a second kernel writes ggml's AVX2 Q8_0 dot product out for
+four rows per weight block (the same operations in the same order, 1.4-1.6x faster for 4-8
+rows); it is used only where the check below finds it bit-identical to ggml's.
 
 **Checked, not assumed.** Every context that asks for the readout proves it first
 (``Readout.self_check``): two decodes with llama.cpp's own lm_head, then the same two with
-the readout (the first one stopped at ``result_norm``); the logits of all four must be equal
-bit for bit, and so must the second decode of each pair (the stop left the KV cache as it
-was). An architecture that transforms the logits after the lm_head (final-logit soft-capping,
-logit scales), a LoRA adapter, a split GGUF or a CPU whose kernels differ between one row and
-many fails the check, and that context keeps llama.cpp's lm_head (``off_reason`` says why).
+the first one stopped at ``result_norm``. The readout's logits must equal llama.cpp's bit for
+bit, and the second decode must compute the same after a stopped one (the stop left the KV
+cache as it was). An architecture that transforms the logits after the lm_head (final-logit
+soft-capping, logit scales), a weight in a repacked or device buffer, or a CPU whose kernels
+differ between one row and many fails the check, and that context keeps llama.cpp's lm_head
+(``Context.readout_off_reason`` says why).
 
 Used only where the whole model is on this machine's CPU (no GPU layers, no RPC workers): on
 a GPU the lm_head is cheap, and its weights are not in host memory.
@@ -42,11 +47,13 @@ from ._llama import _libggml, ggml_tensor_get, lib
 from .tensor import GgmlTensor
 
 FINAL_NORM = "result_norm"
+GGML_TYPE_Q8_0 = 8
 
-# Decodes with more output rows than this use llama.cpp's lm_head: its tiled GEMM overtakes
-# the row-by-row vec_dot between 8 and 16 rows (measured 2026-12-05, 2-core AMD EPYC: 8 rows
-# 17 ms here against 27 ms; 16 rows 36 ms against 30 ms).
-MAX_ROWS = int(os.environ.get("LOCALSPEC_READOUT_MAX_ROWS", "8"))
+# Decodes with more output rows than this use llama.cpp's lm_head (tinyBLAS tiles): measured
+# 2026-12-05 on the 2-core AMD EPYC at 256 tokens of context, whole decodes with the readout
+# (kernel 1) against llama.cpp's lm_head: 1 row 9.3 / 11.2 ms, 2 rows 11.3 / 22.8, 4 rows
+# 15.6 / 32.6, 8 rows 27.3 / 40.6, 16 rows 57.5 / 59.2, 24 rows 81.6 / 82.0 (docs/architecture.md).
+MAX_ROWS = int(os.environ.get("LOCALSPEC_READOUT_MAX_ROWS", "16"))
 
 
 def wanted() -> bool:
@@ -167,6 +174,7 @@ class Readout:
         self.active = False  # set by a passed self_check
         self.off_reason: str | None = "not checked yet"
         self.max_rows = MAX_ROWS
+        self.kernel = 0  # ls_lm_head's kernel (self_check picks it)
         self._buf = np.empty((0, self.n_vocab), dtype=np.float32)
         self.n_used = 0  # decodes whose logits the readout computed
         self.t_us = 0.0  # time spent in the lm_head kernel (µs)
@@ -212,7 +220,7 @@ class Readout:
         w = self.weights
         t0 = time.perf_counter()
         rc = _native.lib.ls_lm_head(w.data, w.n_vocab, w.row_bytes, self.n_embd, h.ctypes.data, n, w.from_float,
-                                    w.q_row_bytes, w.vec_dot, out.ctypes.data, int(n_threads))  # fmt: skip
+                                    w.q_row_bytes, w.vec_dot, out.ctypes.data, int(n_threads), self.kernel)  # fmt: skip
         self.t_us += (time.perf_counter() - t0) * 1e6
         if rc != 0:
             raise RuntimeError(f"lm_head readout failed (code {rc})")
@@ -225,8 +233,10 @@ class Readout:
         """Prove the readout on ``ctx`` (a fresh context; its KV cache is cleared afterwards):
         two decodes with llama.cpp's lm_head, then the same two with the first stopped at
         ``result_norm``; every row of the readout must equal llama.cpp's logits bit for bit,
-        and the second decode must compute the same either way. Sets ``active`` /
-        ``off_reason``; returns ``active``."""
+        and the second decode must compute the same either way. The faster kernel (ggml's
+        Q8_0 dot product written out for several rows, ``ls_lm_head`` kernel 1) is used when
+        it passes, else ggml's own ``vec_dot`` (kernel 0) when that passes. Sets ``active`` /
+        ``kernel`` / ``off_reason``; returns ``active``."""
         from .batch import Batch
 
         self.active = False
@@ -237,7 +247,7 @@ class Readout:
         steps = ((rng.integers(1, hi, 5).astype(np.int32), 0), (rng.integers(1, hi, 3).astype(np.int32), 5))
         b = Batch(8)
         try:
-            runs = []
+            runs = []  # per run, per decode: (llama.cpp's logits or None when stopped, final-norm rows)
             for stop_first in (False, True):
                 lib.llama_memory_clear(ctx.mem, True)
                 got = []
@@ -262,21 +272,30 @@ class Readout:
                     if h.shape[0] != n:
                         self.off_reason = f"captured {h.shape[0]} final-norm rows for {n} outputs"
                         return False
-                    own = self._compute(h, ctx.n_threads_batch).copy()
                     ref = None if stop else np.ctypeslib.as_array(lib.llama_get_logits(ctx.handle), shape=(n, self.n_vocab)).copy()
-                    got.append((ref, own))
+                    got.append((ref, h))
                 runs.append(got)
-            (l1, o1), (l2, o2) = runs[0]
-            (_, r1), (l2b, r2) = runs[1]
-            if not (np.array_equal(l1, o1) and np.array_equal(l2, o2)):
-                d = float(np.abs(l1 - o1).max())
-                self.off_reason = f"logits differ from llama.cpp's lm_head (max |diff| {d:.3g}: a logit transform or other kernels)"
-                return False
-            if not (np.array_equal(r1, o1) and np.array_equal(l2b, l2) and np.array_equal(r2, o2)):
+            (l1, h1), (l2, h2) = runs[0]
+            (_, g1), (l2b, g2) = runs[1]
+            if not (np.array_equal(h1, g1) and np.array_equal(l2, l2b) and np.array_equal(h2, g2)):
                 self.off_reason = "a decode stopped at result_norm changed what the next decode computes"
                 return False
-            self.active, self.off_reason = True, None
-            return True
+            kernels = [1, 0] if self.weights.type_id == GGML_TYPE_Q8_0 and _native.lib.ls_lm_head_q8_0_available() else [0]
+            why = []
+            for kern in kernels:
+                self.kernel = kern
+                try:
+                    o1 = self._compute(h1, ctx.n_threads_batch).copy()
+                    o2 = self._compute(h2, ctx.n_threads_batch).copy()
+                except RuntimeError as e:
+                    why.append(f"kernel {kern}: {e}")
+                    continue
+                if np.array_equal(l1, o1) and np.array_equal(l2, o2):
+                    self.active, self.off_reason = True, None
+                    return True
+                why.append(f"kernel {kern}: max |diff| {float(np.abs(l1 - o1).max()):.3g}")
+            self.off_reason = f"logits differ from llama.cpp's lm_head ({'; '.join(why)}): a logit transform or other kernels"
+            return False
         except Exception as e:  # noqa: BLE001 - a failed check keeps llama.cpp's lm_head
             self.off_reason = f"the check failed ({type(e).__name__}: {e})"
             return False

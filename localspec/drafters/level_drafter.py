@@ -40,6 +40,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..backend import Context, Model
+from ..backend import readout as _readout
 from ..backend.slots import SeqSlots
 from ..policy import ModelDraftStats, TreeShape, accepted_length
 from ..sampling import SamplingParams
@@ -422,6 +423,9 @@ class ModelDrafter(abc.ABC):
                 n_threads=self.n_threads or target.n_threads,
                 ctx_other=ctx_other,
                 mtp=mtp,
+                # a draft model's lm_head costs what the target's does (backend.readout); a head
+                # graph (ctx_other) or an MTP block reads another context's tensors: not checked
+                readout=_readout.wanted() and ctx_other is None and not mtp,
             )
         self.hub = hub
         self.seq0 = hub.join()
