@@ -435,8 +435,9 @@ LS_API void ls_tap_set_stopping(ls_tap *tap, int32_t mode);
  * llama.cpp's ``result_output``); ls_tap_watched_src(tap, j) reads them (NULL: not seen). */
 LS_API int32_t ls_tap_watch(ls_tap *tap, const char *name, int64_t off_src);
 LS_API const void *ls_tap_watched_src(const ls_tap *tap, int32_t j);
-/* Chain another eval callback (NULL: none): it is asked about every node too, observes the
- * nodes it asked for before this tap copies them, and its false answer is passed on. */
+/* Chain another eval callback (NULL: none): it is asked about every node too and observes
+ * exactly the nodes it asked to observe (before this tap copies them), as if it were the
+ * context's only callback; its false answer is passed on. */
 typedef bool (*ls_eval_fn)(void *tensor, bool ask, void *user_data);
 LS_API void ls_tap_set_next(ls_tap *tap, ls_eval_fn next, void *next_ud);
 

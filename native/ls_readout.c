@@ -9,6 +9,7 @@
 #include "ls_internal.h"
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
 #include <immintrin.h>
 #define LS_HAVE_Q8_0_X86 1
 #endif
@@ -67,7 +68,10 @@ LS_Q8_TARGET static void q8_scales(const ls_block_q8_0 *hq, int64_t n, float *dy
 int32_t ls_lm_head_q8_0_available(void) {
 #ifdef LS_HAVE_Q8_0_X86
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    /* F16C from CPUID leaf 1 (ECX bit 29): older compilers do not know "f16c" as a feature name */
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    int f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29));
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
 #else
     return 0;
 #endif

@@ -32,6 +32,8 @@ struct ls_tap {
     const void *watch_src[2];
     ls_eval_fn next; /* the callback this one chains to (or NULL) and its user data */
     void *next_ud;
+    const void *asked;  /* the node asked about last, and whether `next` wanted to observe it */
+    int32_t next_wants;
     int64_t n_asked, n_copied;
 };
 
@@ -82,11 +84,15 @@ bool ls_tap_eval(void *tensor, bool ask, void *user_data) {
             memcpy((void *)tap->watch_src, t + tap->off_src, sizeof tap->watch_src);
         bool mine = i >= 0 && !tap->paused && (i != tap->stop || tap->stopping);
         bool theirs = tap->next ? tap->next(tensor, true, tap->next_ud) : false;
+        tap->asked = tensor;
+        tap->next_wants = theirs;
         return mine || theirs;
     }
-    /* the chained callback observes first (it may have asked for the same node); its answer
-     * is kept: a tap never cancels a decode except at its own stop node */
-    bool go_on = tap->next ? tap->next(tensor, false, tap->next_ud) : true;
+    /* ggml observes only the node it asked about last. The chained callback observes it
+     * first, and only if it asked to (as ggml would call it alone); its answer is kept: a tap
+     * never cancels a decode except at its own stop node */
+    bool go_on = true;
+    if (tap->next && tensor == tap->asked && tap->next_wants) go_on = tap->next(tensor, false, tap->next_ud);
     if (i < 0 || tap->paused || (i == tap->stop && !tap->stopping)) return go_on;
     int32_t type;
     int64_t ne[2];
@@ -94,7 +100,7 @@ bool ls_tap_eval(void *tensor, bool ask, void *user_data) {
     memcpy(ne, t + tap->off_ne, sizeof ne);
     if (type != LS_GGML_TYPE_F32 || ne[0] != tap->width || ne[1] < 0) {
         tap->err = LS_ERR_ARG;
-        return go_on; /* nothing captured: let the graph finish (the caller falls back) */
+        return go_on; /* nothing captured, the graph runs on (the caller sees ls_tap_error) */
     }
     int64_t need = tap->rows[i] + ne[1];
     if (need > tap->cap[i]) {

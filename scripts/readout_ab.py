@@ -30,10 +30,15 @@ def main() -> None:
     a = ap.parse_args()
     model = Model(default_model_path())
     engines = {}
-    for mode in ("own", "llama"):
+    before = os.environ.get("LOCALSPEC_READOUT")
+    for mode in ("own", "llama"):  # the engines' target contexts read the variable when made
         os.environ["LOCALSPEC_READOUT"] = mode
         e = Engine(model, drafter=a.drafter, n_ctx=4096)
         engines[mode] = e
+    if before is None:
+        os.environ.pop("LOCALSPEC_READOUT")
+    else:
+        os.environ["LOCALSPEC_READOUT"] = before
     assert engines["own"].ctx.readout is not None, engines["own"].ctx.readout_off_reason
     assert engines["llama"].ctx.readout is None
     prompts = select_prompts(load_questions(resolve_dataset(a.dataset)), None, a.per_category)

@@ -199,9 +199,11 @@ def test_steps_that_draft_nothing_make_no_head_call(model, random_head_path, run
         d = Eagle3Drafter(random_head_path, runtime=runtime)
         e.set_drafter(d)
         assert d.runtime == runtime
-        # retry the head after short gaps: probes may take the whole measured step time (the
-        # budget rule is tests/test_policy.py's; here a loaded machine must not starve the probes)
-        e.policy.explore_every, e.policy.explore_budget = 4, 1.0
+        # retry the head after short gaps: probes may take 4x the measured step time (the budget
+        # rule is tests/test_policy.py's; here a loaded machine must not starve the probes: with
+        # a budget of 1x, a probe priced on the steep table (~1.5 t1 per node) waited ~25 steps,
+        # and 40 tokens saw one probe when another test loaded the CPU)
+        e.policy.explore_every, e.policy.explore_budget = 4, 4.0
         log = count_head_calls(d)
         e.reset()
         calls0 = log.calls()

@@ -127,7 +127,7 @@ class Context:
         if readout:
             from .readout import Readout, unavailable
 
-            why = "an MTP or embeddings context" if mtp or embeddings else unavailable(model)
+            why = "an MTP or embeddings context" if mtp or embeddings else unavailable(model, kv_unified=kv_unified, n_seq_max=n_seq_max)
             if why is not None:
                 self.readout_off_reason = why
             else:
@@ -306,8 +306,9 @@ class Context:
     def logits(self) -> np.ndarray:
         """Logits of the last decode: ``[n_outputs, n_vocab] float32``, a view (no copy).
 
-        Rows follow the batch order of the tokens that asked for output. The view is only
-        valid until the next ``decode``.
+        Rows follow the batch order of the tokens that asked for output (the readout runs
+        only where llama.cpp computes them in that order: ``readout.unavailable``). The view
+        is only valid until the next ``decode``.
         """
         if self.n_outputs == 0:
             return np.zeros((0, self.n_vocab), dtype=np.float32)

@@ -22,16 +22,19 @@ four rows per weight block (the same operations in the same order, 1.4-1.6x fast
 rows); it is used only where the check below finds it bit-identical to ggml's.
 
 **Checked, not assumed.** Every context that asks for the readout proves it first
-(``Readout.self_check``): two decodes with llama.cpp's own lm_head, then the same two with
-the first one stopped at ``result_norm``. The readout's logits must equal llama.cpp's bit for
-bit, and the second decode must compute the same after a stopped one (the stop left the KV
-cache as it was). An architecture that transforms the logits after the lm_head (final-logit
+(``Readout.self_check``): decodes of ``max_rows``, 2 and 1 rows with llama.cpp's own lm_head
+(its tiled, tinyBLAS and vec_dot paths), then the same with the first one stopped at
+``result_norm``. The readout's logits must equal llama.cpp's bit for bit, and the later
+decodes must compute the same after a stopped one (the stop left the KV cache as it was). An architecture that transforms the logits after the lm_head (final-logit
 soft-capping, logit scales), a weight in a repacked or device buffer, or a CPU whose kernels
 differ between one row and many fails the check, and that context keeps llama.cpp's lm_head
 (``Context.readout_off_reason`` says why).
 
 Used only where the whole model is on this machine's CPU (no GPU layers, no RPC workers): on
-a GPU the lm_head is cheap, and its weights are not in host memory.
+a GPU the lm_head is cheap, and its weights are not in host memory. Not for recurrent or
+hybrid models, nor contexts with per-sequence KV streams: llama.cpp splits their batches out
+of order and reorders the logits afterwards, while the readout's rows come in computed order
+(``unavailable``).
 """
 
 from __future__ import annotations
@@ -88,16 +91,28 @@ def _ggml():
     return g
 
 
-def unavailable(model) -> str | None:
-    """Why the readout cannot run for ``model`` (one line), or None when it may."""
-    if not _native.AVAILABLE:
-        return f"the C kernels are not built ({_native.LOAD_ERROR})"
+def unavailable(model, *, kv_unified: bool = True, n_seq_max: int = 1) -> str | None:
+    """Why the readout cannot run for ``model`` in a context with these options (one line), or
+    None when it may.
+
+    The readout's rows come in the order llama.cpp computes them, micro-batch by micro-batch;
+    llama.cpp returns logits in batch order, reordering them afterwards when its batch split
+    took tokens out of order (``split_equal`` / ``split_seq``: recurrent and hybrid memories,
+    and per-sequence KV streams). Those cases keep llama.cpp's lm_head. With one KV stream the
+    split is ``split_simple``, in batch order (llama-kv-cache.cpp, ``init_batch``)."""
+    if not _native.enabled():
+        return "the C kernels are not built or are switched off" + (f" ({_native.LOAD_ERROR})" if not _native.AVAILABLE else "")
     if getattr(model, "vocab_only", False):
         return "vocabulary-only model"
-    if getattr(model, "n_gpu_layers", 0) != 0 or getattr(model, "on_local_gpu", False):
+    if getattr(model, "on_local_gpu", False):
         return "layers are offloaded to a GPU"
     if getattr(model, "_load_args", {}).get("rpc"):
         return "layers are on RPC workers"
+    handle = getattr(model, "handle", None)
+    if handle is not None and (lib.llama_model_is_recurrent(handle) or lib.llama_model_is_hybrid(handle)):
+        return "a recurrent or hybrid model (llama.cpp may reorder its output rows)"
+    if not kv_unified and n_seq_max > 1:
+        return "per-sequence KV streams (llama.cpp may reorder its output rows)"
     return None
 
 
@@ -131,13 +146,13 @@ class LmHeadWeights:
         if int(t.ne[0]) != n_embd or int(t.ne[1]) != n_vocab or int(t.ne[2]) != 1 or int(t.ne[3]) != 1:
             return f"the lm_head is {list(t.ne)}, not [{n_embd}, {n_vocab}]"
         if not t.data or not t.buffer or not g.ggml_backend_buffer_is_host(t.buffer):
-            return "the lm_head is not in host memory"
+            return "the lm_head is not in plain host memory (a device, repacked or AMX buffer)"
         row = int(g.ggml_row_size(int(t.type), n_embd))
         if int(t.nb[1]) != row:
             return "the lm_head rows are not contiguous"
         base, size = int(g.ggml_backend_buffer_get_base(t.buffer) or 0), int(g.ggml_backend_buffer_get_size(t.buffer))
         if not (base <= int(t.data) and int(t.data) + row * n_vocab <= base + size):
-            return "the lm_head lies outside its buffer (a repacked layout?)"
+            return "the lm_head lies outside its buffer"
         tt = g.ggml_get_type_traits_cpu(int(t.type)).contents
         if not tt.vec_dot:
             return f"ggml has no CPU dot product for type {int(t.type)}"
@@ -223,7 +238,9 @@ class Readout:
                                     w.q_row_bytes, w.vec_dot, out.ctypes.data, int(n_threads), self.kernel)  # fmt: skip
         self.t_us += (time.perf_counter() - t0) * 1e6
         if rc != 0:
-            raise RuntimeError(f"lm_head readout failed (code {rc})")
+            self.active = False
+            self.off_reason = f"the lm_head kernel {self.kernel} failed (code {rc})"
+            raise RuntimeError(f"lm_head readout: {self.off_reason}")
         self.n_used += 1
         return out
 
@@ -231,9 +248,11 @@ class Readout:
 
     def self_check(self, ctx) -> bool:
         """Prove the readout on ``ctx`` (a fresh context; its KV cache is cleared afterwards):
-        two decodes with llama.cpp's lm_head, then the same two with the first stopped at
-        ``result_norm``; every row of the readout must equal llama.cpp's logits bit for bit,
-        and the second decode must compute the same either way. The faster kernel (ggml's
+        three decodes (``max_rows`` rows, 2 rows, 1 row: the sizes where llama.cpp's CPU
+        matmul takes its tiled, tinyBLAS and vec_dot paths) with llama.cpp's lm_head, then
+        the same three with the first stopped at ``result_norm``; every row of the readout
+        must equal llama.cpp's logits bit for bit, and the later decodes must compute the same
+        either way. The faster kernel (ggml's
         Q8_0 dot product written out for several rows, ``ls_lm_head`` kernel 1) is used when
         it passes, else ggml's own ``vec_dot`` (kernel 0) when that passes. Sets ``active`` /
         ``kernel`` / ``off_reason``; returns ``active``."""
@@ -244,8 +263,13 @@ class Readout:
             self._tap.set_next(None, None)  # the drafter tap sees none of the check's decodes
         rng = np.random.default_rng(0)
         hi = max(2, min(self.n_vocab, 30000))
-        steps = ((rng.integers(1, hi, 5).astype(np.int32), 0), (rng.integers(1, hi, 3).astype(np.int32), 5))
-        b = Batch(8)
+        self.max_rows = max(1, min(self.max_rows, int(ctx.n_batch)))
+        sizes = (self.max_rows, 2, 1)
+        steps, pos = [], 0
+        for n in sizes:
+            steps.append((rng.integers(1, hi, n).astype(np.int32), pos))
+            pos += n
+        b = Batch(max(sizes))
         try:
             runs = []  # per run, per decode: (llama.cpp's logits or None when stopped, final-norm rows)
             for stop_first in (False, True):
@@ -275,25 +299,29 @@ class Readout:
                     ref = None if stop else np.ctypeslib.as_array(lib.llama_get_logits(ctx.handle), shape=(n, self.n_vocab)).copy()
                     got.append((ref, h))
                 runs.append(got)
-            (l1, h1), (l2, h2) = runs[0]
-            (_, g1), (l2b, g2) = runs[1]
-            if not (np.array_equal(h1, g1) and np.array_equal(l2, l2b) and np.array_equal(h2, g2)):
+            whole, stopped = runs
+            if not all(np.array_equal(hw, hs) for (_, hw), (_, hs) in zip(whole, stopped)) or not all(
+                np.array_equal(lw, ls) for (lw, _), (ls, _) in zip(whole[1:], stopped[1:])
+            ):
                 self.off_reason = "a decode stopped at result_norm changed what the next decode computes"
                 return False
             kernels = [1, 0] if self.weights.type_id == GGML_TYPE_Q8_0 and _native.lib.ls_lm_head_q8_0_available() else [0]
             why = []
             for kern in kernels:
                 self.kernel = kern
+                diff = 0.0
                 try:
-                    o1 = self._compute(h1, ctx.n_threads_batch).copy()
-                    o2 = self._compute(h2, ctx.n_threads_batch).copy()
+                    for ref, h in whole:
+                        own = self._compute(h, ctx.n_threads_batch)
+                        if not np.array_equal(ref, own):
+                            diff = max(diff, float(np.abs(ref - own).max()) if np.isfinite(own).all() else float("inf"))
                 except RuntimeError as e:
                     why.append(f"kernel {kern}: {e}")
                     continue
-                if np.array_equal(l1, o1) and np.array_equal(l2, o2):
+                if diff == 0.0:
                     self.active, self.off_reason = True, None
                     return True
-                why.append(f"kernel {kern}: max |diff| {float(np.abs(l1 - o1).max()):.3g}")
+                why.append(f"kernel {kern}: max |diff| {diff:.3g}")
             self.off_reason = f"logits differ from llama.cpp's lm_head ({'; '.join(why)}): a logit transform or other kernels"
             return False
         except Exception as e:  # noqa: BLE001 - a failed check keeps llama.cpp's lm_head

@@ -98,8 +98,9 @@ class NativeTap:
 
     def set_next(self, callback, user_data) -> None:
         """Chain ``callback`` (a ``ggml_backend_sched_eval_callback``, with its ``user_data``;
-        None: none): asked about every node as well, it observes the nodes it asked for before
-        this tap copies them. The references are kept for the tap's lifetime."""
+        None: none): asked about every node as well, it observes exactly the nodes it asked to
+        observe (before this tap copies them), as if it were the context's only callback. The
+        references are kept for the tap's lifetime."""
         self._next = (callback, user_data)
         fn = ctypes.cast(callback, ctypes.c_void_p).value if callback is not None else None
         ud = user_data.value if isinstance(user_data, ctypes.c_void_p) else user_data
