@@ -94,31 +94,17 @@ int32_t ls_lm_head(const void *w, int64_t n_vocab, int64_t row_bytes, int64_t n_
     const int64_t nblk = (n_vocab + LS_READOUT_BLOCK - 1) / LS_READOUT_BLOCK;
     int nt = n_threads < 1 ? 1 : n_threads;
     (void)nt;
+    float *dy = NULL; /* kernel 1: the activation rows' block scales as floats */
 #ifdef LS_HAVE_Q8_0_X86
+    const int nb = (int)(n_embd / 32);
+    const ls_block_q8_0 *hb = (const ls_block_q8_0 *)hq;
     if (kernel == 1) {
-        const int nb = (int)(n_embd / 32);
-        float *dy = malloc(sizeof(float) * (size_t)(nr * nb));
+        dy = malloc(sizeof(float) * (size_t)(nr * nb));
         if (!dy) {
             free(hq);
             return LS_ERR_NOMEM;
         }
-        const ls_block_q8_0 *hb = (const ls_block_q8_0 *)hq;
         q8_scales(hb, nr * nb, dy);
-#if defined(_OPENMP)
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-#endif
-        for (int64_t b = 0; b < nblk; b++) {
-            const int64_t v0 = b * LS_READOUT_BLOCK;
-            const int64_t v1 = v0 + LS_READOUT_BLOCK < n_vocab ? v0 + LS_READOUT_BLOCK : n_vocab;
-            for (int64_t v = v0; v < v1; v++) {
-                const ls_block_q8_0 *x = (const ls_block_q8_0 *)(wb + v * row_bytes);
-                for (int64_t r0 = 0; r0 < nr; r0 += LS_Q8_ROWS)
-                    q8_rows(x, nb, hb, dy, r0, nr - r0 < LS_Q8_ROWS ? nr - r0 : LS_Q8_ROWS, logits, n_vocab, v);
-            }
-        }
-        free(dy);
-        free(hq);
-        return 0;
     }
 #endif
 #if defined(_OPENMP)
@@ -129,10 +115,19 @@ int32_t ls_lm_head(const void *w, int64_t n_vocab, int64_t row_bytes, int64_t n_
         const int64_t v1 = v0 + LS_READOUT_BLOCK < n_vocab ? v0 + LS_READOUT_BLOCK : n_vocab;
         for (int64_t v = v0; v < v1; v++) {
             const char *wr = wb + v * row_bytes;
+#ifdef LS_HAVE_Q8_0_X86
+            if (dy) {
+                for (int64_t r0 = 0; r0 < nr; r0 += LS_Q8_ROWS)
+                    q8_rows((const ls_block_q8_0 *)wr, nb, hb, dy, r0, nr - r0 < LS_Q8_ROWS ? nr - r0 : LS_Q8_ROWS, logits,
+                            n_vocab, v);
+                continue;
+            }
+#endif
             for (int64_t r = 0; r < nr; r++)
                 vec_dot((int)n_embd, logits + r * n_vocab + v, 0, wr, 0, hq + r * q_row_bytes, 0, 1);
         }
     }
+    free(dy);
     free(hq);
     return 0;
 }

@@ -132,6 +132,7 @@ def test_a_readout_with_other_numbers_fails_its_check(model, monkeypatch):
         return w
 
     monkeypatch.setattr(ro.LmHeadWeights, "from_graph", staticmethod(wrong))
+    monkeypatch.setattr(model, "_readout_verdict", None, raising=False)  # check again; restored after
     c = Context(model, n_ctx=256, readout=True)
     ref = Context(model, n_ctx=256)
     try:
@@ -148,6 +149,25 @@ def test_a_readout_with_other_numbers_fails_its_check(model, monkeypatch):
     finally:
         c.close()
         ref.close()
+
+
+def test_the_verdict_is_checked_once_per_model(model, monkeypatch):
+    """The first context of a model runs the check; a later one takes its verdict (and a
+    context whose batch is smaller than the rows checked runs its own)."""
+    monkeypatch.setattr(model, "_readout_verdict", None, raising=False)
+    calls = []
+    real = ro.Readout.self_check
+
+    def counted(self, ctx):
+        calls.append(int(ctx.n_batch))
+        return real(self, ctx)
+
+    monkeypatch.setattr(ro.Readout, "self_check", counted)
+    for n_batch in (512, 64, 8, 32):
+        c = Context(model, n_ctx=1024, n_batch=n_batch, readout=True)
+        assert c.readout is not None and c.readout.max_rows == min(16, n_batch)
+        c.close()
+    assert calls == [512, 8]  # the 8-row context's own check did not replace the model's verdict
 
 
 def test_unavailable_says_why(model):

@@ -175,7 +175,7 @@ class Context:
         # called as ``after_decode(ctx)`` after every successful ``decode`` (NextnTap)
         self.after_decode = None
         if rd is not None:
-            if rd.self_check(self):
+            if rd.check(self):
                 self.readout = rd
             else:
                 self.readout_off_reason = rd.off_reason

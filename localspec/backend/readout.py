@@ -21,8 +21,8 @@ Q8_0 weights on x86 CPUs with AVX2 a second kernel writes ggml's AVX2 Q8_0 dot p
 four rows per weight block (the same operations in the same order, 1.4-1.6x faster for 4-8
 rows); it is used only where the check below finds it bit-identical to ggml's.
 
-**Checked, not assumed.** Every context that asks for the readout proves it first
-(``Readout.self_check``): decodes of ``max_rows``, 2 and 1 rows with llama.cpp's own lm_head
+**Checked, not assumed.** The first context of a model that asks for the readout proves it
+(``Readout.self_check``; later contexts of the model take its verdict, ``Readout.check``): decodes of ``max_rows``, 2 and 1 rows with llama.cpp's own lm_head
 (its tiled, tinyBLAS and vec_dot paths), then the same with the first one stopped at
 ``result_norm``. The readout's logits must equal llama.cpp's bit for bit, and the later
 decodes must compute the same after a stopped one (the stop left the KV cache as it was). An architecture that transforms the logits after the lm_head (final-logit
@@ -245,6 +245,27 @@ class Readout:
         return out
 
     # -- the check ----------------------------------------------------------------------------
+
+    def check(self, ctx) -> bool:
+        """``self_check`` once per model: a later context of the same model (whose batch holds
+        the rows the check decoded) takes the verdict, the weight and the kernel of the first
+        (what the check proves depends on the model, its weight and this process's ggml, not
+        on the context). Returns ``active``."""
+        model = ctx.model
+        seen = getattr(model, "_readout_verdict", None)
+        if seen is not None and int(ctx.n_batch) >= seen["max_rows"]:
+            self.weights, self.kernel, self.max_rows = seen["weights"], seen["kernel"], seen["max_rows"]
+            self.active, self.off_reason = seen["active"], seen["off_reason"]
+            return self.active
+        ok = self.self_check(ctx)
+        if seen is not None and seen["max_rows"] >= self.max_rows:
+            return ok  # a small context's own check: the model keeps the verdict of more rows
+        try:
+            model._readout_verdict = {"weights": self.weights, "kernel": self.kernel, "max_rows": self.max_rows,
+                                      "active": ok, "off_reason": self.off_reason}  # fmt: skip
+        except AttributeError:
+            pass
+        return ok
 
     def self_check(self, ctx) -> bool:
         """Prove the readout on ``ctx`` (a fresh context; its KV cache is cleared afterwards):
