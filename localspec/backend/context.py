@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import threading
 
@@ -21,6 +22,8 @@ from ._llama import exact_kernels, lib, recent_errors
 from .batch import Batch
 from .model import Model
 
+
+log = logging.getLogger("localspec.readout")
 
 GGML_TYPE_BF16 = 30
 
@@ -179,6 +182,11 @@ class Context:
                 self.readout = rd
             else:
                 self.readout_off_reason = rd.off_reason
+        if readout:  # `localspec -v` shows which lm_head computes the logits, and why
+            if self.readout is not None:
+                log.info("lm_head readout on (kernel %d, decodes of up to %d rows)", self.readout.kernel, self.readout.max_rows)
+            else:
+                log.info("lm_head readout off: %s", self.readout_off_reason)
 
     # -- lifetime -----------------------------------------------------------------------------
 
