@@ -235,3 +235,16 @@ def test_readout_rows_capture_failure_is_a_clear_error(model):
         assert c.logits().shape == (3, model.n_vocab) and np.isfinite(c.logits()).all()
     finally:
         c.close()
+
+
+def test_bad_settings_are_named_not_raised(monkeypatch, caplog):
+    monkeypatch.setenv("LOCALSPEC_READOUT_MAX_ROWS", "many")
+    assert ro._max_rows_from_env() == ro.DEFAULT_MAX_ROWS
+    assert "LOCALSPEC_READOUT_MAX_ROWS='many'" in caplog.text
+    monkeypatch.setenv("LOCALSPEC_READOUT_MAX_ROWS", "4")
+    assert ro._max_rows_from_env() == 4
+    monkeypatch.setenv("LOCALSPEC_READOUT", "fast")
+    assert ro.wanted() is True
+    assert "LOCALSPEC_READOUT='fast'" in caplog.text
+    monkeypatch.setenv("LOCALSPEC_READOUT", "LLAMA")
+    assert ro.wanted() is False

@@ -40,6 +40,7 @@ of order and reorders the logits afterwards, while the readout's rows come in co
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import time
 
@@ -56,13 +57,37 @@ GGML_TYPE_Q8_0 = 8
 # 2026-12-05 on the 2-core AMD EPYC at 256 tokens of context, whole decodes with the readout
 # (kernel 1) against llama.cpp's lm_head: 1 row 9.3 / 11.2 ms, 2 rows 11.3 / 22.8, 4 rows
 # 15.6 / 32.6, 8 rows 27.3 / 40.6, 16 rows 57.5 / 59.2, 24 rows 81.6 / 82.0 (docs/architecture.md).
-MAX_ROWS = int(os.environ.get("LOCALSPEC_READOUT_MAX_ROWS", "16"))
+DEFAULT_MAX_ROWS = 16
+log = logging.getLogger("localspec.readout")
+
+
+def _max_rows_from_env() -> int:
+    """``LOCALSPEC_READOUT_MAX_ROWS`` (a positive integer), else ``DEFAULT_MAX_ROWS`` (a bad
+    value is named in a logged warning, not raised at import)."""
+    raw = os.environ.get("LOCALSPEC_READOUT_MAX_ROWS")
+    if raw is None:
+        return DEFAULT_MAX_ROWS
+    try:
+        n = int(raw)
+        if n >= 1:
+            return n
+    except ValueError:
+        pass
+    log.warning("LOCALSPEC_READOUT_MAX_ROWS=%r is not a positive integer; using %d", raw, DEFAULT_MAX_ROWS)
+    return DEFAULT_MAX_ROWS
+
+
+MAX_ROWS = _max_rows_from_env()
 
 
 def wanted() -> bool:
     """Whether target contexts ask for the readout: ``LOCALSPEC_READOUT=own`` (default) or
-    ``llama`` (llama.cpp's lm_head always, e.g. to compare)."""
-    return os.environ.get("LOCALSPEC_READOUT", "own") != "llama"
+    ``llama`` (llama.cpp's lm_head always, e.g. to compare); another value is named in a
+    warning and taken as ``own``."""
+    v = os.environ.get("LOCALSPEC_READOUT", "own").strip().lower()
+    if v not in ("own", "llama"):
+        log.warning("LOCALSPEC_READOUT=%r is not 'own' or 'llama'; using 'own'", v)
+    return v != "llama"
 
 
 class _TypeTraitsCpu(ctypes.Structure):
