@@ -65,13 +65,23 @@ LS_Q8_TARGET static void q8_scales(const ls_block_q8_0 *hq, int64_t n, float *dy
 }
 #endif
 
-int32_t ls_lm_head_q8_0_available(void) {
 #ifdef LS_HAVE_Q8_0_X86
+static int32_t q8_probe(void) {
     __builtin_cpu_init();
     /* F16C from CPUID leaf 1 (ECX bit 29): older compilers do not know "f16c" as a feature name */
     unsigned a = 0, b = 0, c = 0, d = 0;
     int f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29));
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
+}
+#endif
+
+int32_t ls_lm_head_q8_0_available(void) {
+#ifdef LS_HAVE_Q8_0_X86
+    /* probed once (CPUID traps to the hypervisor in a VM); every caller computes the same value,
+     * so a race between threads only repeats the probe */
+    static volatile int32_t known = -1;
+    if (known < 0) known = q8_probe();
+    return known;
 #else
     return 0;
 #endif

@@ -16,19 +16,20 @@ copies an unused logits buffer). The logits are then ``vec_dot(w_v, from_float(h
 ggml's CPU type traits for the weight's type (``ggml_get_type_traits_cpu``): the functions
 llama.cpp's mul_mat calls on its vec_dot path, on the same bytes (llama.cpp's own copy of the
 weight: ``src[0]`` of the graph's ``result_output``, seen by the callback), so the logits are
-bit for bit the ones a single-token decode produces. For
-Q8_0 weights on x86 CPUs with AVX2 a second kernel writes ggml's AVX2 Q8_0 dot product out for
-four rows per weight block (the same operations in the same order, 1.4-1.6x faster for 4-8
-rows); it is used only where the check below finds it bit-identical to ggml's.
+bit for bit the ones a single-token decode produces. For Q8_0 weights on x86 CPUs with AVX2 a
+second kernel writes ggml's AVX2 Q8_0 dot product out for four rows per weight block (the same
+operations in the same order, 1.4-1.6x faster for 4-8 rows); it is used only where the check
+below finds it bit-identical to ggml's.
 
 **Checked, not assumed.** The first context of a model that asks for the readout proves it
-(``Readout.self_check``; later contexts of the model take its verdict, ``Readout.check``): decodes of ``max_rows``, 2 and 1 rows with llama.cpp's own lm_head
-(its tiled, tinyBLAS and vec_dot paths), then the same with the first one stopped at
-``result_norm``. The readout's logits must equal llama.cpp's bit for bit, and the later
-decodes must compute the same after a stopped one (the stop left the KV cache as it was). An architecture that transforms the logits after the lm_head (final-logit
-soft-capping, logit scales), a weight in a repacked or device buffer, or a CPU whose kernels
-differ between one row and many fails the check, and that context keeps llama.cpp's lm_head
-(``Context.readout_off_reason`` says why).
+(``Readout.self_check``; later contexts of the model take its verdict, ``Readout.check``):
+decodes of ``max_rows``, 2 and 1 rows with llama.cpp's own lm_head (its tiled, tinyBLAS and
+vec_dot paths), then the same with the first one stopped at ``result_norm``. The readout's
+logits must equal llama.cpp's bit for bit, and the later decodes must compute the same after
+a stopped one (the stop left the KV cache as it was). An architecture that transforms the
+logits after the lm_head (final-logit soft-capping, logit scales), a weight in a repacked or
+device buffer, or a CPU whose kernels differ between one row and many fails the check, and
+that context keeps llama.cpp's lm_head (``Context.readout_off_reason`` says why).
 
 Used only where the whole model is on this machine's CPU (no GPU layers, no RPC workers): on
 a GPU the lm_head is cheap, and its weights are not in host memory. Not for recurrent or
@@ -47,10 +48,11 @@ import time
 import numpy as np
 
 from .. import native as _native
-from ._llama import _libggml, ggml_tensor_get, lib
+from ._llama import _libggml, lib
+from .features import FINAL_NORM_TENSOR as FINAL_NORM
+from .features import _native_tap
 from .tensor import GgmlTensor
 
-FINAL_NORM = "result_norm"
 GGML_TYPE_Q8_0 = 8
 
 # Decodes with more output rows than this use llama.cpp's lm_head (tinyBLAS tiles): measured
@@ -198,12 +200,8 @@ class Readout:
     """
 
     def __init__(self, n_embd: int, n_vocab: int, chain=None) -> None:
-        from ..native.tap import NativeTap
-
         self.n_embd, self.n_vocab = int(n_embd), int(n_vocab)
-        self._tap = NativeTap([FINAL_NORM], self.n_embd, tensor_type=GgmlTensor,
-                              tensor_get=ctypes.cast(ggml_tensor_get, ctypes.c_void_p).value,
-                              callback_type=lib.ggml_backend_sched_eval_callback)  # fmt: skip
+        self._tap = _native_tap([FINAL_NORM], self.n_embd, True)
         self._tap.set_stop(0)
         self._tap.watch("result_output", GgmlTensor.src.offset)
         self._chain = chain if chain is not None and chain[0] is not None else None
@@ -298,10 +296,9 @@ class Readout:
         matmul takes its tiled, tinyBLAS and vec_dot paths) with llama.cpp's lm_head, then
         the same three with the first stopped at ``result_norm``; every row of the readout
         must equal llama.cpp's logits bit for bit, and the later decodes must compute the same
-        either way. The faster kernel (ggml's
-        Q8_0 dot product written out for several rows, ``ls_lm_head`` kernel 1) is used when
-        it passes, else ggml's own ``vec_dot`` (kernel 0) when that passes. Sets ``active`` /
-        ``kernel`` / ``off_reason``; returns ``active``."""
+        either way. The faster kernel (ggml's Q8_0 dot product written out for several rows,
+        ``ls_lm_head`` kernel 1) is used when it passes, else ggml's own ``vec_dot`` (kernel 0)
+        when that passes. Sets ``active`` / ``kernel`` / ``off_reason``; returns ``active``."""
         from .batch import Batch
 
         self.active = False
