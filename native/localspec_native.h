@@ -38,7 +38,7 @@
 extern "C" {
 #endif
 
-#define LS_ABI_VERSION 10
+#define LS_ABI_VERSION 11
 
 /* error codes (negative returns) */
 #define LS_ERR_BANNED (-1)         /* every token is banned (-inf) by logit bias */
@@ -454,15 +454,21 @@ typedef void (*ls_vec_dot_fn)(int n, float *s, size_t bs, const void *x, size_t 
  * kernel 0: ggml's own vec_dot per (weight row, row) (the same functions on the same bytes);
  * kernel 1: Q8_0 weights on x86 with AVX2/FMA/F16C only: ggml_vec_dot_q8_0_q8_0's AVX2 path
  * written out for 4 rows per weight block (the same operations in the same order; the caller
- * checks it against ggml's before use).
+ * checks it against ggml's before use);
+ * kernel 2: the same lanes as kernel 1 with AVX-512 (F/BW/DQ/VL) and VNNI, two rows per 512-bit
+ * register: each lane's integer dot product formed by VPDPBUSD on the weight bytes offset by
+ * 128 and corrected by -128 * the activation bytes' sum (exact), then the same conversion,
+ * scale product, fused multiply-add and horizontal sum per row (checked the same way).
  * w: [n_vocab] rows of row_bytes; h: [nr, n_embd] float32; q_row_bytes: bytes of one row of
  * n_embd in the vec_dot type; logits: [nr, n_vocab] float32.
- * returns: 0, LS_ERR_ARG (also: kernel 1 unavailable here) or LS_ERR_NOMEM */
+ * returns: 0, LS_ERR_ARG (also: kernel 1 or 2 unavailable here) or LS_ERR_NOMEM */
 LS_API int32_t ls_lm_head(const void *w, int64_t n_vocab, int64_t row_bytes, int64_t n_embd, const float *h, int64_t nr,
                           ls_from_float_fn from_float, int64_t q_row_bytes, ls_vec_dot_fn vec_dot, float *logits,
                           int32_t n_threads, int32_t kernel);
 /* 1 when kernel 1 of ls_lm_head can run on this CPU */
 LS_API int32_t ls_lm_head_q8_0_available(void);
+/* 1 when kernel `kernel` (0, 1, 2) of ls_lm_head can run on this CPU, else 0 */
+LS_API int32_t ls_lm_head_kernel_available(int32_t kernel);
 
 #ifdef __cplusplus
 }

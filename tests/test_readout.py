@@ -34,23 +34,24 @@ def test_readout_is_on_for_the_default_model_on_the_cpu(model):
     off.close()
 
 
-@pytest.mark.parametrize("kernel", [0, 1])
+@pytest.mark.parametrize("kernel", [0, 1, 2])
 def test_logits_equal_llamas_bit_for_bit_for_every_batch_shape(model, kernel):
     """Prefill (last row), single tokens, chains, a token tree in several sequences, a batch
     split into micro-batches, and one over ``max_rows`` (llama.cpp's lm_head): every row equal
     to the context that never uses the readout, decode after decode (the stopped decodes left
     the cache as the whole ones did); for ggml's vec_dot (kernel 0) and the written-out Q8_0
-    kernel (1), which the check picks where it can run."""
+    kernels (1: AVX2, 2: AVX-512 VNNI), which the check picks where they run."""
     from localspec import native
 
-    if kernel == 1 and not native.lib.ls_lm_head_q8_0_available():
-        pytest.skip("no AVX2/FMA/F16C: kernel 1 does not run on this CPU")
+    if not native.lib.ls_lm_head_kernel_available(kernel):
+        pytest.skip(f"kernel {kernel} does not run on this CPU ({'AVX2/FMA/F16C' if kernel == 1 else 'AVX-512 F/BW/DQ/VL/VNNI'})")
     kw = dict(n_ctx=1024, n_batch=64, n_ubatch=4, n_seq_max=4)
     a, b = _pair(model, **kw)
     try:
         assert a.readout is not None, a.readout_off_reason
-        if native.lib.ls_lm_head_q8_0_available():
-            assert a.readout.kernel == 1  # the default model's lm_head is Q8_0: the check chose kernel 1
+        written = [k for k in (1, 2) if native.lib.ls_lm_head_kernel_available(k)]
+        if written:  # the default model's lm_head is Q8_0: the check chose a written-out kernel
+            assert a.readout.kernel in written, a.readout.kernel
         a.readout.kernel = kernel
         a.readout.max_rows = 8
         toks = model.tokenize(TEXT * 3)[:60]
@@ -88,6 +89,34 @@ def test_logits_equal_llamas_bit_for_bit_for_every_batch_shape(model, kernel):
     finally:
         a.close()
         b.close()
+
+
+def test_written_out_kernels_equal_ggmls_vec_dot_for_every_row_count(model):
+    """Kernels 1 (AVX2) and 2 (AVX-512 VNNI, two rows per register, 16 rows per pass) give
+    ggml's vec_dot's logits (kernel 0) bit for bit for every row count from 1 to 18 and 35
+    (odd counts leave half a register empty; more than 16 rows take a second pass), on rows
+    of every scale, including ones that quantize to +-127 and to zero."""
+    from localspec import native
+
+    kernels = [k for k in (1, 2) if native.lib.ls_lm_head_kernel_available(k)]
+    if not kernels:
+        pytest.skip("no written-out kernel runs on this CPU")
+    c = Context(model, n_ctx=256, n_batch=64, readout=True)
+    try:
+        r = c.readout
+        assert r is not None, c.readout_off_reason
+        rng = np.random.default_rng(7)
+        for n in list(range(1, 19)) + [35]:
+            h = rng.standard_normal((n, model.n_embd)).astype(np.float32) * rng.choice([1e-3, 1.0, 50.0], (n, 1)).astype(np.float32)
+            h[0, :32] = 0.0  # an all-zero block
+            h[-1, 32:64] = np.where(np.arange(32) % 2, 1.0, -1.0)  # a block of +-127 after quantizing
+            r.kernel = 0
+            ref = r._compute(h, 2).copy()
+            for k in kernels:
+                r.kernel = k
+                np.testing.assert_array_equal(r._compute(h, 2), ref, err_msg=f"kernel {k}, {n} rows")
+    finally:
+        c.close()
 
 
 def test_drafter_taps_behind_the_readout_see_the_same_rows(model):

@@ -9,7 +9,7 @@ import os
 from ctypes import POINTER, c_double, c_float, c_int8, c_int32, c_int64, c_uint64, c_void_p
 from pathlib import Path
 
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 # error codes (LS_ERR_*)
 ERR_BANNED = -1
@@ -181,6 +181,7 @@ _SIGNATURES = {
     "ls_tap_watched_src": (c_void_p, [c_void_p, c_int32]),
     "ls_lm_head": (c_int32, [_P, c_int64, c_int64, c_int64, _P, c_int64, c_void_p, c_int64, c_void_p, _P, c_int32, c_int32]),
     "ls_lm_head_q8_0_available": (c_int32, []),
+    "ls_lm_head_kernel_available": (c_int32, [c_int32]),
 }  # fmt: skip
 
 
