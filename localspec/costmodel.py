@@ -381,7 +381,7 @@ def _cache_key(ctx: Context) -> str:
         f"repack={getattr(m, 'repack', True)}",
         f"kernels={os.environ.get('GGML_CPU_TILED_MM', '1')}",
         # the lm_head readout changes small batches' cost (backend.readout)
-        *([f"readout<={ctx.readout.max_rows}"] if getattr(ctx, "readout", None) is not None else []),
+        *([f"readout<={ctx.readout.max_rows}:k{ctx.readout.kernel}"] if getattr(ctx, "readout", None) is not None else []),
         f"llama-cpp-python={lib.__version__}",
         hashlib.sha1(system_info().encode()).hexdigest()[:12],
     ]

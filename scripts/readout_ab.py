@@ -4,6 +4,7 @@ that alternates prompt by prompt. Prints tokens per second of the generation loo
 excluded) per category and engine, the readout's speed-up, and whether every output matched.
 
     python scripts/readout_ab.py [--dataset question.jsonl] [--per-category 5] [-n 128] [--drafter ngram]
+    python scripts/readout_ab.py --kernels 1,2 ...   # kernel 2 against kernel 1, both readouts
 """
 
 from __future__ import annotations
@@ -27,20 +28,35 @@ def main() -> None:
     ap.add_argument("-n", "--max-tokens", type=int, default=128)
     ap.add_argument("--drafter", default="ngram")
     ap.add_argument("--json", default=None, help="also write the per-prompt numbers here")
+    ap.add_argument("--kernels", default=None, metavar="A,B",
+                    help="instead of readout against llama.cpp's lm_head: readout kernel B (columns 'readout') "
+                         "against kernel A (columns 'llama.cpp lm_head'), e.g. 1,2 (LOCALSPEC_READOUT_KERNEL)")
     a = ap.parse_args()
     model = Model(default_model_path())
     engines = {}
-    before = os.environ.get("LOCALSPEC_READOUT")
-    for mode in ("own", "llama"):  # the engines' target contexts read the variable when made
-        os.environ["LOCALSPEC_READOUT"] = mode
+    saved = {k: os.environ.get(k) for k in ("LOCALSPEC_READOUT", "LOCALSPEC_READOUT_KERNEL")}
+    base, other = a.kernels.split(",") if a.kernels else (None, None)
+    for mode in ("own", "llama"):  # the engines' target contexts read the variables when made
+        os.environ["LOCALSPEC_READOUT"] = mode if a.kernels is None else "own"
+        kern = {"own": other, "llama": base}[mode]
+        if kern is None:
+            os.environ.pop("LOCALSPEC_READOUT_KERNEL", None)
+        else:
+            os.environ["LOCALSPEC_READOUT_KERNEL"] = kern
         e = Engine(model, drafter=a.drafter, n_ctx=4096)
         engines[mode] = e
-    if before is None:
-        os.environ.pop("LOCALSPEC_READOUT")
-    else:
-        os.environ["LOCALSPEC_READOUT"] = before
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     assert engines["own"].ctx.readout is not None, engines["own"].ctx.readout_off_reason
-    assert engines["llama"].ctx.readout is None
+    if a.kernels is None:
+        assert engines["llama"].ctx.readout is None
+    else:
+        got = (engines["llama"].ctx.readout.kernel, engines["own"].ctx.readout.kernel)
+        assert got == (int(base), int(other)), f"kernels {got}: not both proved on this CPU"
+        print(f"kernel {base} (columns 'llama.cpp lm_head') against kernel {other} (columns 'readout')")
     prompts = select_prompts(load_questions(resolve_dataset(a.dataset)), None, a.per_category)
     greedy = SamplingParams.greedy()
     rows = []
@@ -64,7 +80,8 @@ def main() -> None:
                      **{k: {"tokens": v[1], "seconds": v[2]} for k, v in out.items()}})  # fmt: skip
         print(f"{i + 1}/{len(prompts)} {p.category} identical={same}", flush=True)
     print(f"\n{len(prompts)} prompts in {time.time() - t0:.0f} s; load average {os.getloadavg()[0]:.2f}\n")
-    print("| category | plain, llama.cpp lm_head | plain, readout | spec, llama.cpp lm_head | spec, readout | readout speed-up plain / spec | identical |")
+    la, lb = ("llama.cpp lm_head", "readout") if a.kernels is None else (f"kernel {base}", f"kernel {other}")
+    print(f"| category | plain, {la} | plain, {lb} | spec, {la} | spec, {lb} | {lb} speed-up plain / spec | identical |")
     print("|---|---|---|---|---|---|---|")
     for cat in [c for c in sums if c != "all"] + ["all"]:
         v = sums[cat]

@@ -199,6 +199,32 @@ def test_the_verdict_is_checked_once_per_model(model, monkeypatch):
     assert calls == [512, 8]  # the 8-row context's own check did not replace the model's verdict
 
 
+def test_a_kernel_can_be_asked_for_where_the_check_proved_it(model, monkeypatch, caplog):
+    """``LOCALSPEC_READOUT_KERNEL`` picks a kernel the check proved (0, ggml's vec_dot, is
+    then checked too); one it cannot run, or a bad value, is named in a warning and the
+    check's own choice is used."""
+    from localspec import native
+
+    monkeypatch.setattr(model, "_readout_verdict", None, raising=False)
+    monkeypatch.setenv("LOCALSPEC_READOUT_KERNEL", "0")
+    c = Context(model, n_ctx=256, n_batch=64, readout=True)
+    try:
+        assert c.readout is not None and c.readout.kernel == 0 and 0 in c.readout.passed
+    finally:
+        c.close()
+    missing = [k for k in (1, 2) if not native.lib.ls_lm_head_kernel_available(k)]
+    for raw in ["7"] + [str(k) for k in missing]:
+        monkeypatch.setenv("LOCALSPEC_READOUT_KERNEL", raw)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="localspec.readout"):
+            c = Context(model, n_ctx=256, n_batch=64, readout=True)
+        try:
+            assert c.readout is not None and c.readout.kernel == model._readout_verdict["kernel"]
+            assert "LOCALSPEC_READOUT_KERNEL" in caplog.text
+        finally:
+            c.close()
+
+
 def test_unavailable_says_why(model):
     class M:
         vocab_only = False

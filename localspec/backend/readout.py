@@ -18,8 +18,10 @@ llama.cpp's mul_mat calls on its vec_dot path, on the same bytes (llama.cpp's ow
 weight: ``src[0]`` of the graph's ``result_output``, seen by the callback), so the logits are
 bit for bit the ones a single-token decode produces. For Q8_0 weights on x86 CPUs with AVX2 a
 second kernel writes ggml's AVX2 Q8_0 dot product out for four rows per weight block (the same
-operations in the same order, 1.4-1.6x faster for 4-8 rows); it is used only where the check
-below finds it bit-identical to ggml's.
+operations in the same order, 1.4-1.6x faster for 4-8 rows), and with AVX-512 VNNI a third
+forms the same lanes two rows per 512-bit register (1.3-1.7x faster than the second for 4-16
+rows on the AMD EPYC, Zen 5); each is used only where the check below finds it
+bit-identical to ggml's, and of those that pass the check keeps the fastest it times.
 
 **Checked, not assumed.** The first context of a model that asks for the readout proves it
 (``Readout.self_check``; later contexts of the model take its verdict, ``Readout.check``):
@@ -90,6 +92,19 @@ def wanted() -> bool:
     if v not in ("own", "llama"):
         log.warning("LOCALSPEC_READOUT=%r is not 'own' or 'llama'; using 'own'", v)
     return v != "llama"
+
+
+def forced_kernel() -> int | None:
+    """``LOCALSPEC_READOUT_KERNEL`` (0: ggml's vec_dot, 1: AVX2, 2: AVX-512 VNNI), the kernel
+    to use where the check proved it, instead of the fastest that passed (e.g. to compare
+    them); unset: None. Another value is named in a warning and ignored."""
+    raw = os.environ.get("LOCALSPEC_READOUT_KERNEL")
+    if raw is None or not raw.strip():
+        return None
+    if raw.strip() in ("0", "1", "2"):
+        return int(raw)
+    log.warning("LOCALSPEC_READOUT_KERNEL=%r is not 0, 1 or 2; ignored", raw)
+    return None
 
 
 class _TypeTraitsCpu(ctypes.Structure):
@@ -213,6 +228,7 @@ class Readout:
         self.off_reason: str | None = "not checked yet"
         self.max_rows = MAX_ROWS
         self.kernel = 0  # ls_lm_head's kernel (self_check picks it)
+        self.passed: list[int] = []  # the kernels the check proved bit-identical (those it tried)
         self._buf = np.empty((0, self.n_vocab), dtype=np.float32)
         self.n_used = 0  # decodes whose logits the readout computed
         self.t_us = 0.0  # time spent in the lm_head kernel (µs)
@@ -278,17 +294,29 @@ class Readout:
         seen = getattr(model, "_readout_verdict", None)
         if seen is not None and int(ctx.n_batch) >= seen["max_rows"]:
             self.weights, self.kernel, self.max_rows = seen["weights"], seen["kernel"], seen["max_rows"]
-            self.active, self.off_reason = seen["active"], seen["off_reason"]
-            return self.active
+            self.active, self.off_reason, self.passed = seen["active"], seen["off_reason"], seen["passed"]
+            return self._force()
         ok = self.self_check(ctx)
         if seen is not None and seen["max_rows"] >= self.max_rows:
-            return ok  # a small context's own check: the model keeps the verdict of more rows
+            return self._force()  # a small context's own check: the model keeps the verdict of more rows
         try:
             model._readout_verdict = {"weights": self.weights, "kernel": self.kernel, "max_rows": self.max_rows,
-                                      "active": ok, "off_reason": self.off_reason}  # fmt: skip
+                                      "active": ok, "off_reason": self.off_reason, "passed": list(self.passed)}  # fmt: skip
         except AttributeError:
             pass
-        return ok
+        return self._force()
+
+    def _force(self) -> bool:
+        """Applies ``forced_kernel()`` when the check proved that kernel (else a warning and the
+        check's choice). Returns ``active``."""
+        k = forced_kernel()
+        if self.active and k is not None and k != self.kernel:
+            if k in self.passed:
+                self.kernel = k
+            else:
+                log.warning("LOCALSPEC_READOUT_KERNEL=%d: that kernel did not pass the check here (%s); using kernel %d",
+                            k, "proved: " + ", ".join(map(str, self.passed)), self.kernel)  # fmt: skip
+        return self.active
 
     def _fastest(self, kernels: list[int], rows: list[np.ndarray], n_threads: int) -> int:
         """The kernel of ``kernels`` (all checked bit-identical; in order of preference) that
@@ -375,8 +403,8 @@ class Readout:
             fast = [k for k in (2, 1) if self.weights.type_id == GGML_TYPE_Q8_0 and _native.lib.ls_lm_head_kernel_available(k)]
             why, passed = [], []
             for kern in fast + [0]:
-                if kern == 0 and passed:
-                    break  # ggml's own vec_dot per pair: only when no written-out kernel passed
+                if kern == 0 and passed and forced_kernel() != 0:
+                    break  # ggml's own vec_dot per pair: only when no written-out kernel passed, or asked for
                 self.kernel = kern
                 diff = 0.0
                 try:
@@ -391,8 +419,9 @@ class Readout:
                     passed.append(kern)
                 else:
                     why.append(f"kernel {kern}: max |diff| {diff:.3g}")
+            self.passed = passed
             if passed:
-                self.kernel = self._fastest(passed, [h for _, h in whole[:2]], ctx.n_threads_batch)
+                self.kernel = self._fastest([k for k in passed if k or len(passed) == 1], [h for _, h in whole[:2]], ctx.n_threads_batch)
                 self.active, self.off_reason = True, None
                 return True
             self.off_reason = f"logits differ from llama.cpp's lm_head ({'; '.join(why)}): a logit transform or other kernels"
