@@ -119,6 +119,29 @@ def test_written_out_kernels_equal_ggmls_vec_dot_for_every_row_count(model):
         c.close()
 
 
+def test_decodes_of_more_rows_than_checked_equal_llamas(model):
+    """A decode of more output rows than the check decoded (40 > ``CHECK_ROWS``: kernel 2's
+    limit is 64) gives llama.cpp's logits bit for bit, and the readout computed it where the
+    kernel's limit covers it."""
+    a, b = _pair(model, n_ctx=256, n_batch=64)
+    try:
+        assert a.readout is not None, a.readout_off_reason
+        toks = model.tokenize(TEXT * 4)[:48]
+        batch = Batch(64)
+        out = []
+        for c in (a, b):
+            batch.set_sequence(toks[:8], 0, output="last")
+            c.decode(batch)
+            batch.set_sequence(toks[8:48], 8, output="all")
+            c.decode(batch)
+            out.append(c.logits().copy())
+        np.testing.assert_array_equal(out[0], out[1])
+        assert a.readout.n_used == (2 if a.readout.max_rows >= 40 else 1)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_drafter_taps_behind_the_readout_see_the_same_rows(model):
     """A FeatureTap (EAGLE-3) and a FinalNormTap (Medusa) chained behind the readout capture
     the rows they capture alone."""
@@ -194,7 +217,8 @@ def test_the_verdict_is_checked_once_per_model(model, monkeypatch):
     monkeypatch.setattr(ro.Readout, "self_check", counted)
     for n_batch in (512, 64, 8, 32):
         c = Context(model, n_ctx=1024, n_batch=n_batch, readout=True)
-        assert c.readout is not None and c.readout.max_rows == min(16, n_batch)
+        assert c.readout is not None and c.readout.check_rows == min(16, n_batch)
+        assert c.readout.max_rows == min(ro.DEFAULT_MAX_ROWS[c.readout.kernel], n_batch)
         c.close()
     assert calls == [512, 8]  # the 8-row context's own check did not replace the model's verdict
 
@@ -294,7 +318,7 @@ def test_readout_rows_capture_failure_is_a_clear_error(model):
 
 def test_bad_settings_are_named_not_raised(monkeypatch, caplog):
     monkeypatch.setenv("LOCALSPEC_READOUT_MAX_ROWS", "many")
-    assert ro._max_rows_from_env() == ro.DEFAULT_MAX_ROWS
+    assert ro._max_rows_from_env() is None  # each kernel's DEFAULT_MAX_ROWS
     assert "LOCALSPEC_READOUT_MAX_ROWS='many'" in caplog.text
     monkeypatch.setenv("LOCALSPEC_READOUT_MAX_ROWS", "4")
     assert ro._max_rows_from_env() == 4

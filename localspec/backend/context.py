@@ -56,7 +56,8 @@ class Context:
         ctx_other: another context to share tensors with (EAGLE-3 draft heads).
         mtp: a context of llama.cpp's type MTP (``LLAMA_CONTEXT_TYPE_MTP``): its graph runs the
             model's MTP / NextN block instead of the trunk (model loaded with ``load_mtp``).
-        readout: compute the logits of decodes with at most ``readout.MAX_ROWS`` output rows
+        readout: compute the logits of decodes with at most ``readout.max_rows`` output rows (16 or
+            64 by kernel: ``backend.readout.DEFAULT_MAX_ROWS``)
             with localspec's lm_head readout (``backend.readout``: the same bits, the lm_head
             read once for all rows) when the model is on the CPU and the readout passes its
             check on this context; else llama.cpp's lm_head (``readout_off_reason`` says why).

@@ -25,7 +25,7 @@ bit-identical to ggml's, and of those that pass the check keeps the fastest it t
 
 **Checked, not assumed.** The first context of a model that asks for the readout proves it
 (``Readout.self_check``; later contexts of the model take its verdict, ``Readout.check``):
-decodes of ``max_rows``, 2 and 1 rows with llama.cpp's own lm_head (its tiled, tinyBLAS and
+decodes of ``CHECK_ROWS``, 2 and 1 rows with llama.cpp's own lm_head (its tiled, tinyBLAS and
 vec_dot paths), then the same with the first one stopped at ``result_norm``. The readout's
 logits must equal llama.cpp's bit for bit, and the later decodes must compute the same after
 a stopped one (the stop left the KV cache as it was). An architecture that transforms the
@@ -57,28 +57,36 @@ from .tensor import GgmlTensor
 
 GGML_TYPE_Q8_0 = 8
 
-# Decodes with more output rows than this use llama.cpp's lm_head (tinyBLAS tiles): measured
-# 2026-12-05 on the 2-core AMD EPYC at 256 tokens of context, whole decodes with the readout
-# (kernel 1) against llama.cpp's lm_head: 1 row 9.3 / 11.2 ms, 2 rows 11.3 / 22.8, 4 rows
-# 15.6 / 32.6, 8 rows 27.3 / 40.6, 16 rows 57.5 / 59.2, 24 rows 81.6 / 82.0 (docs/architecture.md).
-DEFAULT_MAX_ROWS = 16
+# Decodes with more output rows than this use llama.cpp's lm_head, per kernel: measured
+# 2026-12-05 on the 2-core AMD EPYC (Zen 5) at 256 tokens of context, whole decodes with the
+# readout against llama.cpp's lm_head (ms, median of 15): kernel 1 (AVX2) 16 rows 60.7 / 66.9,
+# 24 rows 91.0 / 97.2, 32 rows 130.1 / 127.7 (no gain past 24); kernel 2 (AVX-512 VNNI) 16 rows
+# 51.1, 24 rows 67.7, 32 rows 106.1, 48 rows 160.2 / 202.5, 64 rows 193.6 / 253.1
+# (docs/architecture.md). ggml's vec_dot per pair (kernel 0) is the slowest of the three.
+DEFAULT_MAX_ROWS = {0: 16, 1: 16, 2: 64}
+CHECK_ROWS = 16
+"""Output rows of the check's first decode (``Readout.self_check``). A kernel computes each
+row by the same operations whatever the number of rows (rows beyond 16 take another pass
+over the weight block), so decodes of more rows than checked are the same functions on the
+same bytes; ``tests/test_readout.py`` compares the kernels for up to 35 rows."""
 log = logging.getLogger("localspec.readout")
 
 
-def _max_rows_from_env() -> int:
-    """``LOCALSPEC_READOUT_MAX_ROWS`` (a positive integer), else ``DEFAULT_MAX_ROWS`` (a bad
-    value is named in a logged warning, not raised at import)."""
+def _max_rows_from_env() -> int | None:
+    """``LOCALSPEC_READOUT_MAX_ROWS`` (a positive integer; every kernel), else None: the
+    kernel's ``DEFAULT_MAX_ROWS`` (a bad value is named in a logged warning, not raised at
+    import)."""
     raw = os.environ.get("LOCALSPEC_READOUT_MAX_ROWS")
     if raw is None:
-        return DEFAULT_MAX_ROWS
+        return None
     try:
         n = int(raw)
         if n >= 1:
             return n
     except ValueError:
         pass
-    log.warning("LOCALSPEC_READOUT_MAX_ROWS=%r is not a positive integer; using %d", raw, DEFAULT_MAX_ROWS)
-    return DEFAULT_MAX_ROWS
+    log.warning("LOCALSPEC_READOUT_MAX_ROWS=%r is not a positive integer; using each kernel's default", raw)
+    return None
 
 
 MAX_ROWS = _max_rows_from_env()
@@ -226,7 +234,8 @@ class Readout:
         self.weights: LmHeadWeights | None = None
         self.active = False  # set by a passed self_check
         self.off_reason: str | None = "not checked yet"
-        self.max_rows = MAX_ROWS
+        self.max_rows = MAX_ROWS or CHECK_ROWS  # set for the chosen kernel by ``check`` (``_force``)
+        self.check_rows = CHECK_ROWS  # the check's first decode (``self_check``)
         self.kernel = 0  # ls_lm_head's kernel (self_check picks it)
         self.passed: list[int] = []  # the kernels the check proved bit-identical (those it tried)
         self._buf = np.empty((0, self.n_vocab), dtype=np.float32)
@@ -269,7 +278,7 @@ class Readout:
     def _compute(self, h: np.ndarray, n_threads: int) -> np.ndarray:
         n = h.shape[0]
         if self._buf.shape[0] < n:
-            self._buf = np.empty((max(n, self.max_rows), self.n_vocab), dtype=np.float32)
+            self._buf = np.empty((max(n, min(self.max_rows, CHECK_ROWS)), self.n_vocab), dtype=np.float32)
         out = self._buf[:n]
         w = self.weights
         t0 = time.perf_counter()
@@ -292,23 +301,24 @@ class Readout:
         on the context). Returns ``active``."""
         model = ctx.model
         seen = getattr(model, "_readout_verdict", None)
-        if seen is not None and int(ctx.n_batch) >= seen["max_rows"]:
-            self.weights, self.kernel, self.max_rows = seen["weights"], seen["kernel"], seen["max_rows"]
+        if seen is not None and int(ctx.n_batch) >= seen["check_rows"]:
+            self.weights, self.kernel, self.check_rows = seen["weights"], seen["kernel"], seen["check_rows"]
             self.active, self.off_reason, self.passed = seen["active"], seen["off_reason"], seen["passed"]
-            return self._force()
+            return self._force(ctx)
         ok = self.self_check(ctx)
-        if seen is not None and seen["max_rows"] >= self.max_rows:
-            return self._force()  # a small context's own check: the model keeps the verdict of more rows
+        if seen is not None and seen["check_rows"] >= self.check_rows:
+            return self._force(ctx)  # a small context's own check: the model keeps the verdict of more rows
         try:
-            model._readout_verdict = {"weights": self.weights, "kernel": self.kernel, "max_rows": self.max_rows,
+            model._readout_verdict = {"weights": self.weights, "kernel": self.kernel, "check_rows": self.check_rows,
                                       "active": ok, "off_reason": self.off_reason, "passed": list(self.passed)}  # fmt: skip
         except AttributeError:
             pass
-        return self._force()
+        return self._force(ctx)
 
-    def _force(self) -> bool:
+    def _force(self, ctx) -> bool:
         """Applies ``forced_kernel()`` when the check proved that kernel (else a warning and the
-        check's choice). Returns ``active``."""
+        check's choice), then the kernel's row limit (``LOCALSPEC_READOUT_MAX_ROWS``, else
+        ``DEFAULT_MAX_ROWS``; at most the context's ``n_batch``). Returns ``active``."""
         k = forced_kernel()
         if self.active and k is not None and k != self.kernel:
             if k in self.passed:
@@ -316,11 +326,13 @@ class Readout:
             else:
                 log.warning("LOCALSPEC_READOUT_KERNEL=%d: that kernel did not pass the check here (%s); using kernel %d",
                             k, "proved: " + ", ".join(map(str, self.passed)), self.kernel)  # fmt: skip
+        limit = MAX_ROWS or DEFAULT_MAX_ROWS.get(self.kernel, CHECK_ROWS)
+        self.max_rows = max(1, min(limit, int(ctx.n_batch)))
         return self.active
 
     def _fastest(self, kernels: list[int], rows: list[np.ndarray], n_threads: int) -> int:
         """The kernel of ``kernels`` (all checked bit-identical; in order of preference) that
-        computes ``rows`` (the check's ``max_rows``- and 2-row decodes) soonest: after a
+        computes ``rows`` (the check's ``check_rows``- and 2-row decodes) soonest: after a
         round untimed, the best of 3 timings each, interleaved, so that a busy moment does
         not decide alone; a later kernel must be 5% faster to displace an earlier one.
         Kernel 2 (AVX-512 VNNI) computes 4-16 rows 1.3-1.6x faster than kernel 1 on the AMD
@@ -344,7 +356,7 @@ class Readout:
 
     def self_check(self, ctx) -> bool:
         """Prove the readout on ``ctx`` (a fresh context; its KV cache is cleared afterwards):
-        three decodes (``max_rows`` rows, 2 rows, 1 row: the sizes where llama.cpp's CPU
+        three decodes (``check_rows`` rows, 2 rows, 1 row: the sizes where llama.cpp's CPU
         matmul takes its tiled, tinyBLAS and vec_dot paths) with llama.cpp's lm_head, then
         the same three with the first stopped at ``result_norm``; every row of the readout
         must equal llama.cpp's logits bit for bit, and the later decodes must compute the same
@@ -358,8 +370,8 @@ class Readout:
             self._tap.set_next(None, None)  # the drafter tap sees none of the check's decodes
         rng = np.random.default_rng(0)
         hi = max(2, min(self.n_vocab, 30000))
-        self.max_rows = max(1, min(self.max_rows, int(ctx.n_batch)))
-        sizes = (self.max_rows, 2, 1)
+        self.check_rows = max(1, min(CHECK_ROWS, MAX_ROWS or CHECK_ROWS, int(ctx.n_batch)))
+        sizes = (self.check_rows, 2, 1)
         steps, pos = [], 0
         for n in sizes:
             steps.append((rng.integers(1, hi, n).astype(np.int32), pos))
