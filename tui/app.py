@@ -21,6 +21,7 @@ from textual import on
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
+from textual.css.query import NoMatches
 from textual.message import Message
 from textual.reactive import reactive
 from textual.screen import ModalScreen, Screen
@@ -487,9 +488,15 @@ class ChatApp(App):
         self._refresh_status(st)
 
     def _refresh_live(self) -> None:
+        """The 4 Hz timer: redraws the panel and status line when a turn changed them. A tick
+        that comes while the screen's widgets are being removed (the app closing) draws
+        nothing and leaves the redraw pending."""
         if self._stats_dirty:
+            try:
+                self._refresh_stats()
+            except NoMatches:
+                return
             self._stats_dirty = False
-            self._refresh_stats()
 
     def _refresh_status(self, st: PanelState | None = None) -> None:
         st = st or self._panel_state()
