@@ -12,10 +12,15 @@
 #include <cpuid.h>
 #include <immintrin.h>
 #define LS_HAVE_Q8_0_X86 1
+/* kernel 2 needs the compiler to know AVX-512 VNNI (GCC 8, clang 8) */
+#if (defined(__clang__) && __clang_major__ >= 8) || (!defined(__clang__) && __GNUC__ >= 8)
+#define LS_HAVE_Q8_0_AVX512 1
+#endif
 #endif
 
 #define LS_READOUT_BLOCK 64 /* weight rows per work item (680 B each for 640-wide Q8_0) */
 #define LS_READOUT_GROUP 16 /* activation rows per pass over a block: even, a multiple of LS_Q8_ROWS */
+_Static_assert(LS_READOUT_GROUP % 2 == 0 && LS_READOUT_GROUP % 4 == 0, "row groups hold whole pairs and whole 4-row sets");
 
 #ifdef LS_HAVE_Q8_0_X86
 /* ggml's block_q8_0: an fp16 scale and 32 int8 values */
@@ -80,6 +85,7 @@ LS_Q8_TARGET static void q8_scales(const ls_block_q8_0 *hq, int64_t n, float *dy
     for (int64_t i = 0; i < n; i++) dy[i] = _cvtsh_ss(hq[i].d);
 }
 
+#ifdef LS_HAVE_Q8_0_AVX512
 #define LS_Q8_TARGET512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define LS_Q8_PAIRS 8 /* kernel 2: activation row pairs per pass over a weight row (16 rows) */
 
@@ -93,11 +99,17 @@ typedef struct {
     float *dy;
 } ls_q8_pairs;
 
+static void q8_free_pairs(ls_q8_pairs *pk) {
+    if (pk->yy) _mm_free(pk->yy);
+    if (pk->corr) _mm_free(pk->corr);
+    if (pk->dy) _mm_free(pk->dy);
+}
+
 LS_Q8_TARGET static int q8_pack_pairs(const ls_block_q8_0 *hq, int64_t nr, int nb, ls_q8_pairs *pk) {
     const int64_t np = (nr + 1) / 2;
-    pk->yy = aligned_alloc(64, (size_t)(np * nb * 64));
-    pk->corr = aligned_alloc(64, (size_t)(np * nb * 64));
-    pk->dy = aligned_alloc(64, (size_t)(np * nb * 64));
+    pk->yy = _mm_malloc((size_t)(np * nb * 64), 64); /* freed with _mm_free (also on MinGW) */
+    pk->corr = _mm_malloc((size_t)(np * nb * 64), 64);
+    pk->dy = _mm_malloc((size_t)(np * nb * 64), 64);
     if (!pk->yy || !pk->corr || !pk->dy) return LS_ERR_NOMEM;
     for (int64_t p = 0; p < np; p++)
         for (int b = 0; b < nb; b++) {
@@ -122,7 +134,10 @@ LS_Q8_TARGET static int q8_pack_pairs(const ls_block_q8_0 *hq, int64_t nr, int n
  * register: each lane's 4-byte integer dot product is formed by VNNI on the weight bytes
  * offset to unsigned (x + 128) and corrected by -128 * (sum of the 4 activation bytes), which
  * is exact; then, lane by lane, the same conversion, scale product dx * dy, fused multiply-add
- * in block order and hsum_float_8 as ggml's AVX2 path, so the same bits. */
+ * in block order and hsum_float_8 as ggml's AVX2 path, so the same bits. One exception:
+ * ggml's path forms sign(y, x) in int8, which wraps for an activation byte of -128 (never
+ * produced by ggml's Q8_0 quantizer for finite rows; a NaN row may give it), so for such a
+ * row the two differ, both garbage. */
 LS_Q8_TARGET512 static inline __attribute__((always_inline)) void q8_pairs_n(const ls_block_q8_0 *x, int nb,
                                                                           const ls_q8_pairs *pk, int64_t p0,
                                                                           const int pp, int64_t nr, float *out,
@@ -171,6 +186,7 @@ LS_Q8_TARGET512 static void q8_pairs(const ls_block_q8_0 *x, int nb, const ls_q8
         break;
     }
 }
+#endif /* LS_HAVE_Q8_0_AVX512 */
 #endif
 
 #ifdef LS_HAVE_Q8_0_X86
@@ -182,6 +198,7 @@ static int32_t q8_probe(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
 }
 
+#ifdef LS_HAVE_Q8_0_AVX512
 /* AVX-512 F/BW/DQ/VL/VNNI, and the OS saves the 512-bit state (XCR0 bits 1, 2, 5, 6, 7) */
 static int32_t q8_probe512(void) {
     if (!q8_probe()) return 0;
@@ -194,6 +211,7 @@ static int32_t q8_probe512(void) {
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     return (lo & 0xE6u) == 0xE6u;
 }
+#endif
 #endif
 
 int32_t ls_lm_head_q8_0_available(void) {
@@ -211,7 +229,7 @@ int32_t ls_lm_head_q8_0_available(void) {
 int32_t ls_lm_head_kernel_available(int32_t kernel) {
     if (kernel == 0) return 1;
     if (kernel == 1) return ls_lm_head_q8_0_available();
-#ifdef LS_HAVE_Q8_0_X86
+#ifdef LS_HAVE_Q8_0_AVX512
     if (kernel == 2) {
         static volatile int32_t known = -1; /* probed once, as kernel 1's */
         if (known < 0) known = q8_probe512();
@@ -242,7 +260,11 @@ int32_t ls_lm_head(const void *w, int64_t n_vocab, int64_t row_bytes, int64_t n_
 #ifdef LS_HAVE_Q8_0_X86
     const int nb = (int)(n_embd / 32);
     const ls_block_q8_0 *hb = (const ls_block_q8_0 *)hq;
+#endif
+#ifdef LS_HAVE_Q8_0_AVX512
     ls_q8_pairs pk = {NULL, NULL, NULL}; /* kernel 2 */
+#endif
+#ifdef LS_HAVE_Q8_0_X86
     if (kernel == 1) {
         dy = malloc(sizeof(float) * (size_t)(nr * nb));
         if (!dy) {
@@ -250,10 +272,11 @@ int32_t ls_lm_head(const void *w, int64_t n_vocab, int64_t row_bytes, int64_t n_
             return LS_ERR_NOMEM;
         }
         q8_scales(hb, nr * nb, dy);
-    } else if (kernel == 2 && q8_pack_pairs(hb, nr, nb, &pk) != 0) {
-        free(pk.yy);
-        free(pk.corr);
-        free(pk.dy);
+    }
+#endif
+#ifdef LS_HAVE_Q8_0_AVX512
+    if (kernel == 2 && q8_pack_pairs(hb, nr, nb, &pk) != 0) {
+        q8_free_pairs(&pk);
         free(hq);
         return LS_ERR_NOMEM;
     }
@@ -279,6 +302,8 @@ int32_t ls_lm_head(const void *w, int64_t n_vocab, int64_t row_bytes, int64_t n_
                                 g0, LS_READOUT_BLOCK, v - v0);
                     continue;
                 }
+#endif
+#ifdef LS_HAVE_Q8_0_AVX512
                 if (pk.yy) {
                     const int64_t pg1 = (g1 + 1) / 2;
                     for (int64_t p0 = g0 / 2; p0 < pg1; p0 += LS_Q8_PAIRS)
@@ -294,10 +319,8 @@ int32_t ls_lm_head(const void *w, int64_t n_vocab, int64_t row_bytes, int64_t n_
                 memcpy(logits + r * n_vocab + v0, tile + (r - g0) * LS_READOUT_BLOCK, sizeof(float) * (size_t)(v1 - v0));
         }
     }
-#ifdef LS_HAVE_Q8_0_X86
-    free(pk.yy);
-    free(pk.corr);
-    free(pk.dy);
+#ifdef LS_HAVE_Q8_0_AVX512
+    q8_free_pairs(&pk);
 #endif
     free(dy);
     free(hq);

@@ -119,13 +119,18 @@ def test_written_out_kernels_equal_ggmls_vec_dot_for_every_row_count(model):
         c.close()
 
 
-def test_decodes_of_more_rows_than_checked_equal_llamas(model):
-    """A decode of more output rows than the check decoded (40 > ``CHECK_ROWS``: kernel 2's
-    limit is 64) gives llama.cpp's logits bit for bit, and the readout computed it where the
-    kernel's limit covers it."""
+@pytest.mark.parametrize("kernel", [0, 1, 2])
+def test_decodes_of_more_rows_than_checked_equal_llamas(model, kernel):
+    """A decode of more output rows than the check decoded (40 > ``CHECK_ROWS``; kernel 2's
+    own limit is 64) computed by the readout gives llama.cpp's logits bit for bit."""
+    from localspec import native
+
+    if not native.lib.ls_lm_head_kernel_available(kernel):
+        pytest.skip(f"kernel {kernel} does not run on this CPU")
     a, b = _pair(model, n_ctx=256, n_batch=64)
     try:
         assert a.readout is not None, a.readout_off_reason
+        a.readout.kernel, a.readout.max_rows = kernel, 64
         toks = model.tokenize(TEXT * 4)[:48]
         batch = Batch(64)
         out = []
@@ -136,10 +141,57 @@ def test_decodes_of_more_rows_than_checked_equal_llamas(model):
             c.decode(batch)
             out.append(c.logits().copy())
         np.testing.assert_array_equal(out[0], out[1])
-        assert a.readout.n_used == (2 if a.readout.max_rows >= 40 else 1)
+        assert a.readout.n_used == 2  # both decodes were the readout's
     finally:
         a.close()
         b.close()
+
+
+def test_kernels_equal_ggmls_vec_dot_on_a_synthetic_lm_head():
+    """``ls_lm_head`` on a made-up Q8_0 matrix whose row count is not a multiple of the
+    64-row block, with weight bytes of -128 and 127, scales of every size, 1 and 2 threads,
+    and 1-18, 33, 35, 63 and 64 rows: kernels 1 and 2 give kernel 0's (ggml's vec_dot)
+    logits bit for bit."""
+    from localspec import native
+    from localspec.native._lib import ERR_ARG
+
+    kernels = [k for k in (1, 2) if native.lib.ls_lm_head_kernel_available(k)]
+    if not kernels:
+        pytest.skip("no written-out kernel runs on this CPU")
+    g = ro._ggml()
+    tt = g.ggml_get_type_traits_cpu(ro.GGML_TYPE_Q8_0).contents
+    qt = g.ggml_get_type_traits_cpu(int(tt.vec_dot_type)).contents
+    n_vocab, n_embd = 100, 96
+    nb = n_embd // 32
+    rng = np.random.default_rng(3)
+    blocks = np.zeros((n_vocab, nb), dtype=[("d", "<f2"), ("qs", "i1", 32)])
+    blocks["d"] = (rng.uniform(0.5, 2.0, (n_vocab, nb)) * 10.0 ** rng.integers(-4, 2, (n_vocab, nb))).astype(np.float16)
+    blocks["qs"] = rng.integers(-128, 128, (n_vocab, nb, 32))
+    blocks["qs"][0] = -128
+    blocks["qs"][1] = 127
+    w = np.ascontiguousarray(blocks).view(np.uint8)
+    assert w.nbytes == n_vocab * nb * 34
+    row = int(g.ggml_row_size(ro.GGML_TYPE_Q8_0, n_embd))
+    qrow = int(g.ggml_row_size(int(tt.vec_dot_type), n_embd))
+    for nr in list(range(1, 19)) + [33, 35, 63, 64]:
+        h = (rng.standard_normal((nr, n_embd)) * rng.choice([1e-3, 1.0, 40.0], (nr, 1))).astype(np.float32)
+        for threads in (1, 2):
+            outs = {}
+            for k in [0] + kernels:
+                out = np.full((nr, n_vocab), np.nan, dtype=np.float32)
+                rc = native.lib.ls_lm_head(w.ctypes.data, n_vocab, row, n_embd, h.ctypes.data, nr, qt.from_float, qrow,
+                                           tt.vec_dot, out.ctypes.data, threads, k)  # fmt: skip
+                assert rc == 0, (k, rc)
+                outs[k] = out
+            assert np.isfinite(outs[0]).all()
+            for k in kernels:
+                np.testing.assert_array_equal(outs[k], outs[0], err_msg=f"kernel {k}, {nr} rows, {threads} threads")
+    # an unknown kernel, or one this CPU cannot run, is refused
+    out = np.zeros((1, n_vocab), dtype=np.float32)
+    h = np.zeros((1, n_embd), dtype=np.float32)
+    for k in [3] + [k for k in (1, 2) if k not in kernels]:
+        assert native.lib.ls_lm_head(w.ctypes.data, n_vocab, row, n_embd, h.ctypes.data, 1, qt.from_float, qrow,
+                                     tt.vec_dot, out.ctypes.data, 1, k) == ERR_ARG  # fmt: skip
 
 
 def test_drafter_taps_behind_the_readout_see_the_same_rows(model):
@@ -204,8 +256,9 @@ def test_a_readout_with_other_numbers_fails_its_check(model, monkeypatch):
 
 
 def test_the_verdict_is_checked_once_per_model(model, monkeypatch):
-    """The first context of a model runs the check; a later one takes its verdict (and a
-    context whose batch is smaller than the rows checked runs its own)."""
+    """The first context of a model runs the check; a later one takes its verdict, with its
+    own row limit, unless its own check would decode more rows than the verdict's (a small
+    context first): then it checks, and its verdict replaces the model's."""
     monkeypatch.setattr(model, "_readout_verdict", None, raising=False)
     calls = []
     real = ro.Readout.self_check
@@ -217,10 +270,18 @@ def test_the_verdict_is_checked_once_per_model(model, monkeypatch):
     monkeypatch.setattr(ro.Readout, "self_check", counted)
     for n_batch in (512, 64, 8, 32):
         c = Context(model, n_ctx=1024, n_batch=n_batch, readout=True)
-        assert c.readout is not None and c.readout.check_rows == min(16, n_batch)
+        assert c.readout is not None and c.readout.check_rows == 16  # the model's verdict
         assert c.readout.max_rows == min(ro.DEFAULT_MAX_ROWS[c.readout.kernel], n_batch)
         c.close()
-    assert calls == [512, 8]  # the 8-row context's own check did not replace the model's verdict
+    assert calls == [512]
+    # a small context first: a larger one checks again (16 rows), and its verdict replaces the 8-row one
+    monkeypatch.setattr(model, "_readout_verdict", None, raising=False)
+    calls.clear()
+    for n_batch in (8, 512, 64):
+        c = Context(model, n_ctx=1024, n_batch=n_batch, readout=True)
+        assert c.readout is not None and c.readout.check_rows == min(16, n_batch)
+        c.close()
+    assert calls == [8, 512] and model._readout_verdict["check_rows"] == 16
 
 
 def test_a_kernel_can_be_asked_for_where_the_check_proved_it(model, monkeypatch, caplog):
@@ -236,6 +297,14 @@ def test_a_kernel_can_be_asked_for_where_the_check_proved_it(model, monkeypatch,
         assert c.readout is not None and c.readout.kernel == 0 and 0 in c.readout.passed
     finally:
         c.close()
+    if all(native.lib.ls_lm_head_kernel_available(k) for k in (1, 2)):  # a proved kernel other than the choice
+        other = 1 if model._readout_verdict["kernel"] == 2 else 2
+        monkeypatch.setenv("LOCALSPEC_READOUT_KERNEL", str(other))
+        c = Context(model, n_ctx=256, n_batch=512, readout=True)
+        try:
+            assert c.readout.kernel == other and c.readout.max_rows == ro.DEFAULT_MAX_ROWS[other]
+        finally:
+            c.close()
     missing = [k for k in (1, 2) if not native.lib.ls_lm_head_kernel_available(k)]
     for raw in ["7"] + [str(k) for k in missing]:
         monkeypatch.setenv("LOCALSPEC_READOUT_KERNEL", raw)

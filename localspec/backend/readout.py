@@ -278,7 +278,9 @@ class Readout:
     def _compute(self, h: np.ndarray, n_threads: int) -> np.ndarray:
         n = h.shape[0]
         if self._buf.shape[0] < n:
-            self._buf = np.empty((max(n, min(self.max_rows, CHECK_ROWS)), self.n_vocab), dtype=np.float32)
+            # one reallocation up to the limit once a decode needs more than CHECK_ROWS rows
+            grow = self.max_rows if n > CHECK_ROWS else min(self.max_rows, CHECK_ROWS)
+            self._buf = np.empty((max(n, grow), self.n_vocab), dtype=np.float32)
         out = self._buf[:n]
         w = self.weights
         t0 = time.perf_counter()
@@ -295,19 +297,19 @@ class Readout:
     # -- the check ----------------------------------------------------------------------------
 
     def check(self, ctx) -> bool:
-        """``self_check`` once per model: a later context of the same model (whose batch holds
-        the rows the check decoded) takes the verdict, the weight and the kernel of the first
+        """``self_check`` once per model: a later context of the same model takes the verdict,
+        the weight and the kernel of the first when that check decoded as many rows as its own
+        would (a context of a larger batch after one of a small batch checks again)
         (what the check proves depends on the model, its weight and this process's ggml, not
         on the context). Returns ``active``."""
         model = ctx.model
         seen = getattr(model, "_readout_verdict", None)
-        if seen is not None and int(ctx.n_batch) >= seen["check_rows"]:
+        own_rows = max(1, min(CHECK_ROWS, MAX_ROWS or CHECK_ROWS, int(ctx.n_batch)))  # what self_check would decode
+        if seen is not None and seen["check_rows"] >= own_rows:
             self.weights, self.kernel, self.check_rows = seen["weights"], seen["kernel"], seen["check_rows"]
             self.active, self.off_reason, self.passed = seen["active"], seen["off_reason"], seen["passed"]
             return self._force(ctx)
-        ok = self.self_check(ctx)
-        if seen is not None and seen["check_rows"] >= self.check_rows:
-            return self._force(ctx)  # a small context's own check: the model keeps the verdict of more rows
+        ok = self.self_check(ctx)  # no verdict yet, or one of fewer rows than this context's check
         try:
             model._readout_verdict = {"weights": self.weights, "kernel": self.kernel, "check_rows": self.check_rows,
                                       "active": ok, "off_reason": self.off_reason, "passed": list(self.passed)}  # fmt: skip
@@ -324,8 +326,8 @@ class Readout:
             if k in self.passed:
                 self.kernel = k
             else:
-                log.warning("LOCALSPEC_READOUT_KERNEL=%d: that kernel did not pass the check here (%s); using kernel %d",
-                            k, "proved: " + ", ".join(map(str, self.passed)), self.kernel)  # fmt: skip
+                log.warning("LOCALSPEC_READOUT_KERNEL=%d: the check did not prove that kernel here (it proved %s); "
+                            "using kernel %d", k, ", ".join(map(str, self.passed)), self.kernel)  # fmt: skip
         limit = MAX_ROWS or DEFAULT_MAX_ROWS.get(self.kernel, CHECK_ROWS)
         self.max_rows = max(1, min(limit, int(ctx.n_batch)))
         return self.active
