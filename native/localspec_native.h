@@ -465,8 +465,6 @@ typedef void (*ls_vec_dot_fn)(int n, float *s, size_t bs, const void *x, size_t 
 LS_API int32_t ls_lm_head(const void *w, int64_t n_vocab, int64_t row_bytes, int64_t n_embd, const float *h, int64_t nr,
                           ls_from_float_fn from_float, int64_t q_row_bytes, ls_vec_dot_fn vec_dot, float *logits,
                           int32_t n_threads, int32_t kernel);
-/* 1 when kernel 1 of ls_lm_head can run on this CPU */
-LS_API int32_t ls_lm_head_q8_0_available(void);
 /* 1 when kernel `kernel` (0, 1, 2) of ls_lm_head can run on this CPU, else 0 */
 LS_API int32_t ls_lm_head_kernel_available(int32_t kernel);
 

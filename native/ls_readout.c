@@ -201,7 +201,6 @@ static int32_t q8_probe(void) {
 #ifdef LS_HAVE_Q8_0_AVX512
 /* AVX-512 F/BW/DQ/VL/VNNI, and the OS saves the 512-bit state (XCR0 bits 1, 2, 5, 6, 7) */
 static int32_t q8_probe512(void) {
-    if (!q8_probe()) return 0;
     if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")))
         return 0;
@@ -214,26 +213,20 @@ static int32_t q8_probe512(void) {
 #endif
 #endif
 
-int32_t ls_lm_head_q8_0_available(void) {
-#ifdef LS_HAVE_Q8_0_X86
-    /* probed once (CPUID traps to the hypervisor in a VM); every caller computes the same value,
-     * so a race between threads only repeats the probe */
-    static volatile int32_t known = -1;
-    if (known < 0) known = q8_probe();
-    return known;
-#else
-    return 0;
-#endif
-}
-
 int32_t ls_lm_head_kernel_available(int32_t kernel) {
     if (kernel == 0) return 1;
-    if (kernel == 1) return ls_lm_head_q8_0_available();
+#ifdef LS_HAVE_Q8_0_X86
+    /* probed once (CPUID traps to the hypervisor in a VM); every caller computes the same
+     * values, so a race between threads only repeats the probe */
+    static volatile int32_t known[3] = {1, -1, -1};
+    if (kernel == 1 || kernel == 2) {
+        if (known[1] < 0) known[1] = q8_probe();
 #ifdef LS_HAVE_Q8_0_AVX512
-    if (kernel == 2) {
-        static volatile int32_t known = -1; /* probed once, as kernel 1's */
-        if (known < 0) known = q8_probe512();
-        return known;
+        if (kernel == 2 && known[2] < 0) known[2] = known[1] && q8_probe512();
+#else
+        known[2] = 0;
+#endif
+        return known[kernel];
     }
 #endif
     return 0;

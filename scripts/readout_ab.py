@@ -43,7 +43,8 @@ def main() -> None:
             os.environ.pop("LOCALSPEC_READOUT_KERNEL", None)
         else:
             os.environ["LOCALSPEC_READOUT_KERNEL"] = kern
-        model._readout_verdict = None  # each engine's own check (one asked for kernel 0 also proves it)
+        if a.kernels is not None:
+            model._readout_verdict = None  # each engine's own check (one asked for kernel 0 also proves it)
         e = Engine(model, drafter=a.drafter, n_ctx=4096)
         engines[mode] = e
     for k, v in saved.items():

@@ -102,6 +102,12 @@ def wanted() -> bool:
     return v != "llama"
 
 
+def _check_rows(ctx) -> int:
+    """Rows of the check's first decode on ``ctx``: ``CHECK_ROWS``, fewer when
+    ``LOCALSPEC_READOUT_MAX_ROWS`` or the context's batch is smaller."""
+    return max(1, min(CHECK_ROWS, MAX_ROWS or CHECK_ROWS, int(ctx.n_batch)))
+
+
 def forced_kernel() -> int | None:
     """``LOCALSPEC_READOUT_KERNEL`` (0: ggml's vec_dot, 1: AVX2, 2: AVX-512 VNNI), the kernel
     to use where the check proved it, instead of the fastest that passed (e.g. to compare
@@ -304,8 +310,7 @@ class Readout:
         on the context). Returns ``active``."""
         model = ctx.model
         seen = getattr(model, "_readout_verdict", None)
-        own_rows = max(1, min(CHECK_ROWS, MAX_ROWS or CHECK_ROWS, int(ctx.n_batch)))  # what self_check would decode
-        if seen is not None and seen["check_rows"] >= own_rows:
+        if seen is not None and seen["check_rows"] >= _check_rows(ctx):
             self.weights, self.kernel, self.check_rows = seen["weights"], seen["kernel"], seen["check_rows"]
             self.active, self.off_reason, self.passed = seen["active"], seen["off_reason"], seen["passed"]
             return self._force(ctx)
@@ -372,7 +377,7 @@ class Readout:
             self._tap.set_next(None, None)  # the drafter tap sees none of the check's decodes
         rng = np.random.default_rng(0)
         hi = max(2, min(self.n_vocab, 30000))
-        self.check_rows = max(1, min(CHECK_ROWS, MAX_ROWS or CHECK_ROWS, int(ctx.n_batch)))
+        self.check_rows = _check_rows(ctx)
         sizes = (self.check_rows, 2, 1)
         steps, pos = [], 0
         for n in sizes:
@@ -435,7 +440,8 @@ class Readout:
                     why.append(f"kernel {kern}: max |diff| {diff:.3g}")
             self.passed = passed
             if passed:
-                self.kernel = self._fastest([k for k in passed if k or len(passed) == 1], [h for _, h in whole[:2]], ctx.n_threads_batch)
+                timed = [k for k in passed if k != 0] or passed  # kernel 0 is timed only when alone
+                self.kernel = self._fastest(timed, [h for _, h in whole[:2]], ctx.n_threads_batch)
                 self.active, self.off_reason = True, None
                 return True
             self.off_reason = f"logits differ from llama.cpp's lm_head ({'; '.join(why)}): a logit transform or other kernels"

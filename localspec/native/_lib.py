@@ -180,7 +180,6 @@ _SIGNATURES = {
     "ls_tap_watch": (c_int32, [c_void_p, ctypes.c_char_p, c_int64]),
     "ls_tap_watched_src": (c_void_p, [c_void_p, c_int32]),
     "ls_lm_head": (c_int32, [_P, c_int64, c_int64, c_int64, _P, c_int64, c_void_p, c_int64, c_void_p, _P, c_int32, c_int32]),
-    "ls_lm_head_q8_0_available": (c_int32, []),
     "ls_lm_head_kernel_available": (c_int32, [c_int32]),
 }  # fmt: skip
 
