@@ -403,6 +403,13 @@ class ModelDraftStats:
             ``plan`` as ``probe_us`` (``probe_reserved_us``) and settled by ``observe_draft``.
         last_probe_us: the measured cost of the last probe (µs, as charged), 0 before one.
         last_shape: the shape the last plan with this model priced (``needs_features``).
+        value / n_value: where the cheap drafts verify nothing (the step would be plain without
+            the model), what running the model was worth: the rate of the step it drafted, as
+            ``SpeculationPolicy.select_model_nodes`` verified it (only the nodes that pay by
+            their own scores, its drafting time spent) and the target accepted it, over the
+            rate of the plain step it replaced (> 1: it paid). A moving average over such steps
+            (``alpha``); a probe's replaces it, as it replaces the averages. ``n_value``: steps
+            observed.
         depth_tried / depth_ok: per depth d (index d - 1), decayed counts of the model's steps
             whose path reached depth d - 1 accepted with a node drafted at depth d, and of those
             whose depth-d node was accepted (``observe_accept`` with ``depth``; each count decays
@@ -434,6 +441,8 @@ class ModelDraftStats:
     depth_tried: list[float] = field(default_factory=lambda: [0.0] * MODEL_DEPTHS)
     depth_ok: list[float] = field(default_factory=lambda: [0.0] * MODEL_DEPTHS)
     depth_decay: float = 0.98
+    value: float = 0.0
+    n_value: int = 0
 
     def _ema(self, old: float, new: float) -> float:
         return new if self.n_steps <= 1 else old + self.alpha * (new - old)
@@ -473,6 +482,15 @@ class ModelDraftStats:
             return
         self.accept_length = self._ema(self.accept_length, float(n_accepted))
         self.gain_length = self._ema(self.gain_length, gain)
+
+    def observe_value(self, n_emitted: int, t_plain_us: float, t_model_us: float) -> None:
+        """A model step where the cheap drafts verified nothing, once verified: it emitted
+        ``n_emitted`` tokens in an expected ``t_model_us`` where the plain step it replaced
+        would have emitted one in ``t_plain_us`` (``SpeculationPolicy.select_model_nodes``);
+        their rates' ratio updates ``value``, a probe's replaces it (stale after the gap)."""
+        ratio = n_emitted * t_plain_us / max(t_model_us, 1e-9)
+        self.value = float(ratio) if self.probe or self.n_value == 0 else self.value + self.alpha * (ratio - self.value)
+        self.n_value += 1
 
     def skipped(self) -> None:
         self.steps_since_run += 1
@@ -528,11 +546,15 @@ class StepPlan:
         probe: the model drafts because a probe is due, not because it pays: the step's
             outcome is no evidence about the calibration of the request's drafts (a head that
             fails its probe must not make the request's n-gram trees look overconfident).
+        cheap_nodes: what the cheap drafts alone would verify (root included; 1: nothing, the
+            step would be plain): with a model step where it is 1, ``select_model_nodes``
+            decides ``n_nodes`` once the model has drafted.
     """
 
     n_nodes: int
     shape: TreeShape | None
     probe: bool = False
+    cheap_nodes: int = 1
 
 
 class SpeculationPolicy:
@@ -603,26 +625,73 @@ class SpeculationPolicy:
         max_nodes: int | None = None,
         t_draft_us: float = 0.0,
         calibration: "ScoreCalibration | None" = None,
+        raw: bool = False,
     ) -> Choice:
         """Best batch size for ``tree`` (the candidate tree from the drafter): ``allocate_nodes``
         for one request, within its calibration's trust region (``calibration``: the request's,
         default the policy's own).
 
         ``t_draft_us`` is what drafting this tree cost: already spent, it is part of this
-        step's time whatever size is verified.
+        step's time whatever size is verified. ``raw``: the scores as they are, no calibration
+        nor trust region (a model drafter's nodes: its acceptance tracker calibrated them).
         """
         calibration = calibration or self.calibration
-        limit = min(self.max_nodes, tree.n_nodes, max_nodes or self.max_nodes, calibration.trust_nodes())
+        limit = min(self.max_nodes, tree.n_nodes, max_nodes or self.max_nodes)
+        if not raw:
+            limit = min(limit, calibration.trust_nodes())
         a = allocate_nodes(
             [tree],
             self.step_us,
             max_nodes=[limit],
             t_extra_us=t_draft_us,
             min_gain=self.min_gain,
-            calibrations=[calibration],
+            calibrations=[None if raw else calibration],
             cost_floor=self._cost_floor,
         )
         return Choice(a.sizes[0], a.expected_tokens, a.expected_rate)
+
+    def select_model_nodes(self, tree: TokenTree, stats: ModelDraftStats, plan: "StepPlan", *, source: int,
+                           max_nodes: int, t_cheap_us: float, t_model_us: float) -> tuple[TokenTree, int, tuple[float, float] | None]:  # fmt: skip
+        """What a model step verifies, once the model has drafted: a tree and its node count.
+
+        Where the cheap drafts verify nothing (``plan.cheap_nodes == 1``: the step would be
+        plain without the model) only the model's nodes are candidates (the cheap drafts the
+        policy would not verify are dropped), and they compete on their own scores, which the
+        model's acceptance tracker calibrated per draft confidence and request
+        (``DraftCalibration``; EAGLE-2's observation that a draft's confidence predicts its
+        acceptance): ``choose`` with those scores and the drafting time as spent, so an
+        unsure draft is not verified (the step is plain, having paid only the drafting). Such
+        a step's worth is measured once the target has verified it (``observe_value``: the
+        tokens it emitted over the one of the plain step it replaced, in the ratio of their
+        times), so the model's ``value`` (``prefer_model``) rests on outcomes, not on the
+        scores it drafted with (a head sure of drafts that fail, e.g. a base model's
+        translations, scored 1.1-1.2 by its own scores while it got nothing accepted).
+        Elsewhere ``tree`` and the plan's size (the merged tree's best ``plan.n_nodes``, never
+        fewer than the cheap drafts alone would verify).
+
+        Args:
+            tree: the step's merged tree (model + cheap drafts), scores in [0, 1].
+            stats: the model's ``ModelDraftStats``.
+            plan: the step's ``StepPlan`` (a model step: ``plan.shape`` set).
+            source: the model's ``TokenSource`` value (its nodes in ``tree``, those both
+                drafted included: ``merge_trees`` keeps the model tree's source).
+            max_nodes: the most the request may verify (root included).
+            t_cheap_us / t_model_us: time spent on the cheap phase and on the model's drafts (µs).
+        Returns:
+            (tree, n, times): verify the best ``n`` nodes of ``tree`` (root included; 1: none);
+            ``times``: (plain, model) µs, the expected time of the plain step the model step
+            replaced and of the model step as verified (cost table, the time spent included),
+            for ``ModelDraftStats.observe_value`` once the step's tokens are known, or None
+            (the cheap drafts verify something: no such measure).
+        """
+        if plan.cheap_nodes > 1:
+            return tree, plan.n_nodes, None
+        own = tree.source == source
+        own[0] = True
+        if not own.all():
+            tree = tree.subtree(own)  # the model drafts from the root: its nodes' parents are its own
+        c = self.choose(tree, max_nodes=max_nodes, t_draft_us=t_cheap_us + t_model_us, raw=True)
+        return tree, c.n_nodes, (t_cheap_us + self.step_us(1), t_cheap_us + t_model_us + self.step_us(c.n_nodes))
 
     def keep_base_plan(
         self,
@@ -758,12 +827,21 @@ class SpeculationPolicy:
         step verifies only ``shape.max_nodes`` nodes, so it cannot count on the cheap tree's
         longer runs either. Like ``choose``, it must beat the cheap step by ``min_gain``.
         ``t_spent_us``: the time the step already spent on the cheap drafts (``model_rate``).
+
+        Where the cheap drafts verify nothing (``cheap.n_nodes == 1``) and the model has drafted
+        such a step before, the model's ``value`` decides (above 1: its steps beat the plain
+        steps they replaced): such a step verifies only the model's nodes that pay by their own
+        scores (``select_model_nodes``), so a model whose drafts are mostly unsure costs its
+        drafting time there and not the rows of drafts that fail, which ``model_rate``'s
+        verify-everything estimate would charge.
         (Measured 2026-12-01 on Spec-Bench: crediting the whole acceptance length gave
         ``auto`` 0.86x of ``ngram``; crediting the cheap tree's expected tokens plus the gain
         0.55x, because the head then ran, with its small budget, where the n-grams had long
         runs.)"""
         if stats.n_steps == 0:
             return False
+        if cheap.n_nodes <= 1 and stats.n_value > 0:  # its nodes only verified where they pay
+            return stats.value > 1.0
         if shape is not None:
             rate = self.model_rate(stats, shape, t_spent_us=t_spent_us)
         else:
@@ -876,7 +954,10 @@ class SpeculationPolicy:
         if model.explore_from_us is None:
             model.explore_from_us = self.t_steps_us
         if fixed_shape is None and not self.prefer_model(c, model, shape, t_spent_us=t_draft_us):
-            if not self.probe_due(model, shape):
+            # probes (after a new model's first try) only where the cheap drafts verify nothing:
+            # where a model that does not pay would come back (``value``), and where what it
+            # gets accepted is all its own
+            if (c.n_nodes > 1 and model.n_probes > 0) or not self.probe_due(model, shape):
                 return StepPlan(c.n_nodes, None)
             # a probe: a model step like any other (the target can only accept what it
             # verifies), whose cost is bounded: each probe that does not pay doubles the gap
@@ -895,7 +976,7 @@ class SpeculationPolicy:
             # it pays: a new exploration window; once it stops, probes start again at explore_every
             model.explore_gap, model.probe = 0, False
             model.explore_from_us, model.explore_spent_us, model.probe_reserved_us = self.t_steps_us, 0.0, 0.0
-        return StepPlan(n_nodes, shape, probe=model.probe)
+        return StepPlan(n_nodes, shape, probe=model.probe, cheap_nodes=c.n_nodes)
 
     def observe_draft_levels(self, level_us: Sequence[float], *, probe: bool = False) -> None:
         """Feed back the time of each level of a model-drafted step (µs, level 0 first) to the

@@ -110,6 +110,9 @@ class Proposal:
             request's score calibration does not learn from such a step: it calibrates the
             cheap drafts' scores, and the model's nodes carry their own (the model drafter's
             acceptance tracker).
+        value_stats / value_us: a model step where the cheap drafts verify nothing: the
+            model's ``ModelDraftStats`` and the (plain, model) step times that its
+            ``observe_value`` weighs the emitted tokens with (``select_model_nodes``); else None.
     """
 
     candidate: TokenTree | None
@@ -118,6 +121,8 @@ class Proposal:
     plan_nodes: int = 1
     max_nodes: int = 1
     model_step: bool = False
+    value_stats: object = None
+    value_us: tuple[float, float] | None = None
 
 
 @dataclass
@@ -321,6 +326,8 @@ class Step:
             if f_rows is not None and feature_layers(d):  # the committed rows: pending tokens, root, accepted path
                 keep = list(range(r.n_pending + 1)) + [r.n_pending + int(x) for x in res.path]
                 d.add_target_features(n_past0, f_rows[keep])
+            if p.value_us is not None:  # before observe: a probe's outcome replaces the model's averages there
+                p.value_stats.observe_value(len(res.tokens), *p.value_us)
             d.observe(p.candidate, res.tokens)
             d.accept(res.tokens)
             if h_rows is not None and reads_final_norm(d):
@@ -373,8 +380,9 @@ def propose_many(policy: SpeculationPolicy, reqs: Sequence[DraftRequest], *, ada
     verify), then the model's drafts of every request whose plan says so, together
     (``drafters.extend_together``: the model drafters that share a draft context or heads
     make one model call per tree level, or one head computation, for all of them), each cut
-    to its ``max_depth`` and ``limits`` (``DraftLimits``); each ``tree`` is what the request
-    would verify alone. The time of a shared model call is shared equally by its requests
+    to its ``max_depth`` and ``limits`` (``DraftLimits``) and, where the cheap drafts
+    verify nothing, to the model's nodes that pay (``SpeculationPolicy.select_model_nodes``);
+    each ``tree`` is what the request would verify alone. The time of a shared model call is shared equally by its requests
     (their ``t_draft_us``, and the per-level times the cost model learns)."""
     out: list[Proposal | None] = [None] * len(reqs)
     planned = []  # (index, cheap tree, plan, time of the cheap phase)
@@ -434,8 +442,14 @@ def propose_many(policy: SpeculationPolicy, reqs: Sequence[DraftRequest], *, ada
         if adaptive and r.calibration is not None:
             cap = min(cap, r.calibration.trust_nodes())
         n = min(plan.n_nodes, r.max_nodes)
-        out[i] = Proposal(cand, verified_tree(cand, n, r.root, r.n_scratch), t_cheap + (t_ext if i in trees else 0.0),
-                          n, cap, plan.shape is not None)  # fmt: skip
+        verify, value_us = cand, None
+        if i in trees and adaptive and getattr(r.drafter, "fixed_shape", None) is None:
+            source = int(getattr(r.drafter, "model_part", r.drafter).source)
+            verify, k, value_us = policy.select_model_nodes(cand, stats[i], plan, source=source, max_nodes=r.max_nodes,
+                                                            t_cheap_us=t_cheap, t_model_us=t_ext)  # fmt: skip
+            n = min(n, k)
+        out[i] = Proposal(cand, verified_tree(verify, n, r.root, r.n_scratch), t_cheap + (t_ext if i in trees else 0.0),
+                          n, cap, plan.shape is not None, stats[i] if value_us is not None else None, value_us)  # fmt: skip
     return out  # type: ignore[return-value]
 
 

@@ -163,3 +163,44 @@ def test_the_tap_pauses_while_a_head_that_never_pays_waits_for_its_probes(model,
         assert head.kv_first > 0  # the head's context restarted after a gap
     finally:
         e.close()
+
+
+def test_an_unsure_heads_drafts_are_not_verified_and_its_measured_worth_stops_it(model, random_head_path, monkeypatch):
+    """An untrained EAGLE-3 head drafting alone, on a nearly flat cost table (where every row
+    is cheap and the old rule verified the whole tree of a model step): its drafts are unsure
+    (its acceptance tracker scores them by their low confidence), so a model step verifies
+    only the root (``SpeculationPolicy.select_model_nodes``), having paid the drafting; that
+    step's measured worth (one token for more than a plain step's time: ``value`` below 1)
+    stops the head until its next probe. Outputs are plain decoding's. (With the plan's size
+    verified on every model step, its first step verified its whole tree of 9 nodes.)"""
+    import localspec.step as step_mod
+    from localspec.drafters.eagle3 import Eagle3Drafter
+
+    flat = frozen_cost_model({b: 11900.0 * (1.0 + 0.02 * (b - 1)) for b in (1, 2, 3, 4, 8, 16, 32, 64)})
+    e = Engine(model, drafter="none", n_ctx=2048, cost_model=flat)
+    verified = []  # (candidate nodes, verified nodes) of every step that drafted something
+    real = step_mod.verified_tree
+
+    def counted(cand, n, root, n_scratch=None):
+        tree = real(cand, n, root, n_scratch)
+        if cand is not None and cand.n_nodes > 1:
+            verified.append((cand.n_nodes, tree.n_nodes))
+        return tree
+
+    monkeypatch.setattr(step_mod, "verified_tree", counted)
+    try:
+        prompts = [e.tokenize(q) for q in QUESTIONS[:3]]
+        refs = [e.generate(p, max_tokens=40, sampling=GREEDY, speculative=False).token_ids for p in prompts]
+        head = Eagle3Drafter(random_head_path)
+        e.set_drafter(head)
+        for p, ref in zip(prompts, refs):
+            e.reset()
+            res = e.generate(p, max_tokens=40, sampling=GREEDY)
+            assert_same_as_plain(e, p, ref, res.token_ids)
+        st = head.stats
+        assert verified and all(v == 1 for _, v in verified), verified  # drafted, never verified
+        assert st.n_steps >= 1 and st.n_value >= 1, (st.n_steps, st.n_value)
+        assert st.value < 1.0, st.value  # one token a step, for the drafting on top of a plain step
+        assert st.n_steps == st.n_probes, (st.n_steps, st.n_probes)  # after that, only its probes
+    finally:
+        e.close()

@@ -426,6 +426,74 @@ def test_a_model_step_verifies_at_least_what_the_cheap_drafts_alone_would():
     assert weak.shape is not None and weak.n_nodes == weak.shape.max_nodes
 
 
+def test_where_the_cheap_drafts_verify_nothing_a_model_step_verifies_only_its_nodes_that_pay():
+    """Where the n-gram tree would verify nothing (weak drafts), a model step's candidates are
+    the model's own nodes alone (the weak n-gram nodes dropped) and they are verified only
+    where they pay by their own scores: an unsure head's chain not at all (the step is plain,
+    having paid the drafting), a sure one whole. The times it returns weigh the emitted
+    tokens against the plain step's. Where the n-gram tree verifies something, the plan's
+    size stands. (It failed when ``select_model_nodes`` kept the plan's size everywhere: the
+    unsure chain was verified whole; and when it applied the request's score calibration,
+    which is of the n-gram scores, to the head's: the sure chain was dropped.)"""
+    from localspec.drafters.auto import merge_trees
+
+    pol = SpeculationPolicy(fixed_cost_model(), max_nodes=64)
+    weak = chain_with(0.3, 5)  # tokens 10..14
+    assert pol.choose(weak).n_nodes == 1
+    stats = ModelDraftStats(t_draft_us=2000.0, n_steps=0, t_host_us=200.0)
+    plan = pol.plan(weak, stats, max_nodes=64, max_depth=8)
+    assert plan.shape is not None and plan.cheap_nodes == 1  # a new model's first try
+    for scores, want in (([0.1, 0.05, 0.02], 1), ([0.95, 0.92, 0.9], 4)):
+        head = TokenTree.chain(1, [20, 21, 22], TokenSource.EAGLE3, scores)
+        merged = merge_trees(head, weak)
+        tree, n, times = pol.select_model_nodes(merged, stats, plan, source=int(TokenSource.EAGLE3), max_nodes=64,
+                                                t_cheap_us=300.0, t_model_us=1500.0)  # fmt: skip
+        assert n == want, (scores, n)
+        assert tree.n_nodes == 4 and set(tree.source[1:].tolist()) == {int(TokenSource.EAGLE3)}
+        assert times == pytest.approx((300.0 + pol.step_us(1), 1800.0 + pol.step_us(n)))
+    # the head's scores are its own tracker's: n-gram trees that failed (the request's score
+    # calibration, of the n-gram scores, now far below them) do not shrink its sure chain
+    for _ in range(20):
+        pol.calibration.observe(np.array([0.9, 0.85, 0.8]), 0)
+    assert pol.calibration.exponent() > 3.0
+    head = TokenTree.chain(1, [20, 21, 22], TokenSource.EAGLE3, [0.9, 0.85, 0.8])
+    assert pol.select_model_nodes(head, stats, plan, source=int(TokenSource.EAGLE3), max_nodes=64, t_cheap_us=300.0,
+                                  t_model_us=1500.0)[1] == 4  # fmt: skip
+    strong = chain_with(0.99, 6)
+    plan = pol.plan(strong, ModelDraftStats(t_draft_us=2000.0, n_steps=0, t_host_us=200.0), max_nodes=64, max_depth=8)
+    assert plan.cheap_nodes > 1 and plan.shape is not None
+    merged = merge_trees(TokenTree.chain(1, [20], TokenSource.EAGLE3, [0.1]), strong)
+    assert pol.select_model_nodes(merged, stats, plan, source=int(TokenSource.EAGLE3), max_nodes=64, t_cheap_us=300.0,
+                                  t_model_us=1500.0) == (merged, plan.n_nodes, None)  # fmt: skip
+
+
+def test_where_the_cheap_drafts_verify_nothing_the_models_measured_value_decides():
+    """``prefer_model`` on a step the n-gram tree leaves plain follows the model's ``value``
+    (what its such steps emitted against the plain steps they replaced) once it has one, and
+    not the estimate from its acceptance, which charges every drafted row: a head whose
+    steps emitted one token for 10% more time stops there even though its acceptance says it
+    pays, and one whose steps paid comes back; a probe's outcome replaces the average. On a
+    step with n-gram drafts the acceptance estimate still decides. (It failed when
+    ``prefer_model`` ignored ``value``.)"""
+    pol = SpeculationPolicy(fixed_cost_model(), max_nodes=64)
+    shape = TreeShape(depth=4, width=1, max_nodes=5)
+    alone = Choice(1, 1.0, 1.0 / pol.step_us(1))
+    stats = ModelDraftStats(t_draft_us=2000.0, n_steps=10, t_host_us=200.0)
+    stats.accept_length = stats.gain_length = 3.0
+    assert pol.prefer_model(alone, stats, shape)  # no value yet: the acceptance estimate
+    stats.observe_value(1, 10000.0, 11000.0)  # one token in 10% more time
+    assert stats.value == pytest.approx(10000.0 / 11000.0) and not pol.prefer_model(alone, stats, shape)
+    for _ in range(8):
+        stats.observe_value(2, 10000.0, 14000.0)
+    assert stats.value > 1.0 and pol.prefer_model(alone, stats, shape)
+    stats.probe = True
+    stats.observe_value(1, 10000.0, 12500.0)
+    assert stats.value == pytest.approx(0.8) and not pol.prefer_model(alone, stats, shape)
+    t5 = pol.cost.t_decode_us(5) + pol.host_us(5)
+    stats.probe, stats.gain_length = False, 3.5
+    assert pol.prefer_model(Choice(5, 3.0, 3.0 / t5), stats, shape)  # n-gram drafts: the estimate decides
+
+
 def test_auto_records_the_heads_gain_beyond_the_ngram_tree():
     """``ModelDraftStats.observe_accept`` with a baseline: accept_length counts the model's
     tree, gain_length only what it got beyond the cheap drafts."""
