@@ -407,9 +407,9 @@ class ModelDraftStats:
             the model), what running the model was worth: the rate of the step it drafted, as
             ``SpeculationPolicy.select_model_nodes`` verified it (only the nodes that pay by
             their own scores, its drafting time spent) and the target accepted it, over the
-            rate of the plain step it replaced (> 1: it paid). A moving average over such steps
-            (``alpha``); a probe's replaces it, as it replaces the averages. ``n_value``: steps
-            observed.
+            rate of the plain step it replaced (> 1: it paid; ``observe_value``, from the
+            engine's step). A moving average over such steps (``alpha``); a probe's replaces
+            it, as it replaces the averages. ``n_value``: steps observed.
         depth_tried / depth_ok: per depth d (index d - 1), decayed counts of the model's steps
             whose path reached depth d - 1 accepted with a node drafted at depth d, and of those
             whose depth-d node was accepted (``observe_accept`` with ``depth``; each count decays
@@ -483,14 +483,26 @@ class ModelDraftStats:
         self.accept_length = self._ema(self.accept_length, float(n_accepted))
         self.gain_length = self._ema(self.gain_length, gain)
 
-    def observe_value(self, n_emitted: int, t_plain_us: float, t_model_us: float) -> None:
+    def observe_value(self, n_emitted: int, t_plain_us: float, t_model_us: float, *, probe: bool = False) -> None:
         """A model step where the cheap drafts verified nothing, once verified: it emitted
         ``n_emitted`` tokens in an expected ``t_model_us`` where the plain step it replaced
-        would have emitted one in ``t_plain_us`` (``SpeculationPolicy.select_model_nodes``);
-        their rates' ratio updates ``value``, a probe's replaces it (stale after the gap)."""
+        would have emitted one in ``t_plain_us`` (both from the cost table, with the step's
+        drafting time); their rates' ratio updates ``value``. ``probe``: the step's plan was a
+        probe (``StepPlan.probe``, not the shared ``probe`` flag, which another request's plan
+        of the same step may have changed): its outcome replaces the average, stale after the
+        gap."""
         ratio = n_emitted * t_plain_us / max(t_model_us, 1e-9)
-        self.value = float(ratio) if self.probe or self.n_value == 0 else self.value + self.alpha * (ratio - self.value)
+        self.value = float(ratio) if probe or self.n_value == 0 else self.value + self.alpha * (ratio - self.value)
         self.n_value += 1
+
+    def settle_probe_rows(self, rows_us: float) -> None:
+        """A probe verified rows costing ``rows_us`` (µs, beyond a plain step's) instead of the
+        ``probe_rows_us`` its plan charged (``select_model_nodes`` verified less of its tree):
+        its measured cost and the exploration window's spending follow."""
+        delta = float(rows_us) - self.probe_rows_us
+        self.probe_rows_us = float(rows_us)
+        self.last_probe_us += delta
+        self.explore_spent_us += delta
 
     def skipped(self) -> None:
         self.steps_since_run += 1
@@ -537,7 +549,9 @@ class Choice:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What a step verifies, decided once before any model call (``SpeculationPolicy.plan``).
+    """What a step verifies, decided once before any model call (``SpeculationPolicy.plan``),
+    but for a model step where the cheap drafts verify nothing: how much of the model's tree,
+    once it is drafted (``SpeculationPolicy.select_model_nodes``).
 
     Attributes:
         n_nodes: nodes to verify (root included; 1 = plain decode): the best ``n_nodes`` of
@@ -547,14 +561,15 @@ class StepPlan:
             outcome is no evidence about the calibration of the request's drafts (a head that
             fails its probe must not make the request's n-gram trees look overconfident).
         cheap_nodes: what the cheap drafts alone would verify (root included; 1: nothing, the
-            step would be plain): with a model step where it is 1, ``select_model_nodes``
-            decides ``n_nodes`` once the model has drafted.
+            step would be plain; None: not decided, as with ``adaptive=False``): with a model
+            step where it is 1, ``select_model_nodes`` decides how much of the model's tree to
+            verify once the model has drafted (``n_nodes`` is then its most).
     """
 
     n_nodes: int
     shape: TreeShape | None
     probe: bool = False
-    cheap_nodes: int = 1
+    cheap_nodes: int | None = None
 
 
 class SpeculationPolicy:
@@ -650,48 +665,40 @@ class SpeculationPolicy:
         )
         return Choice(a.sizes[0], a.expected_tokens, a.expected_rate)
 
-    def select_model_nodes(self, tree: TokenTree, stats: ModelDraftStats, plan: "StepPlan", *, source: int,
-                           max_nodes: int, t_cheap_us: float, t_model_us: float) -> tuple[TokenTree, int, tuple[float, float] | None]:  # fmt: skip
-        """What a model step verifies, once the model has drafted: a tree and its node count.
+    def select_model_nodes(self, tree: TokenTree, plan: "StepPlan", *, max_nodes: int, t_spent_us: float) -> int | None:
+        """How much of a model step's tree to verify where the cheap drafts verify nothing,
+        decided once the model has drafted; None elsewhere (the plan's size of the merged tree
+        stands, never fewer nodes than the cheap drafts alone would verify).
 
-        Where the cheap drafts verify nothing (``plan.cheap_nodes == 1``: the step would be
-        plain without the model) only the model's nodes are candidates (the cheap drafts the
-        policy would not verify are dropped), and they compete on their own scores, which the
-        model's acceptance tracker calibrated per draft confidence and request
-        (``DraftCalibration``; EAGLE-2's observation that a draft's confidence predicts its
-        acceptance): ``choose`` with those scores and the drafting time as spent, so an
-        unsure draft is not verified (the step is plain, having paid only the drafting). Such
-        a step's worth is measured once the target has verified it (``observe_value``: the
-        tokens it emitted over the one of the plain step it replaced, in the ratio of their
-        times), so the model's ``value`` (``prefer_model``) rests on outcomes, not on the
-        scores it drafted with (a head sure of drafts that fail, e.g. a base model's
-        translations, scored 1.1-1.2 by its own scores while it got nothing accepted).
-        Elsewhere ``tree`` and the plan's size (the merged tree's best ``plan.n_nodes``, never
-        fewer than the cheap drafts alone would verify).
+        Where the cheap drafts would verify nothing (``plan.cheap_nodes == 1``: the step would
+        be plain without the model) the step verifies the model's own tree only (the cheap
+        drafts the policy would not verify are dropped, also where both drafted a token: the
+        merged node would carry the cheap draft's uncalibrated score), and its nodes compete on
+        their own scores, which the model's acceptance tracker calibrated per draft confidence
+        and request (``DraftCalibration``; EAGLE-2's observation that a draft's confidence
+        predicts its acceptance): ``choose`` with those scores (not the request's calibration,
+        which is of the cheap drafts' scores) and the drafting time as spent, so an unsure
+        draft is not verified (the step is plain, having paid only the drafting). A tree of
+        sampled children (classic rejection sampling) is verified whole, as planned: its
+        tracker learns from every node it drafted, which is fair only for nodes verified under
+        that rule. The engine then measures the step's worth (``ModelDraftStats.observe_value``).
 
         Args:
-            tree: the step's merged tree (model + cheap drafts), scores in [0, 1].
-            stats: the model's ``ModelDraftStats``.
+            tree: the model's own tree this step (root included, cut to the request's limits).
             plan: the step's ``StepPlan`` (a model step: ``plan.shape`` set).
-            source: the model's ``TokenSource`` value (its nodes in ``tree``, those both
-                drafted included: ``merge_trees`` keeps the model tree's source).
             max_nodes: the most the request may verify (root included).
-            t_cheap_us / t_model_us: time spent on the cheap phase and on the model's drafts (µs).
+            t_spent_us: time the step has spent drafting (cheap drafts and model, µs).
         Returns:
-            (tree, n, times): verify the best ``n`` nodes of ``tree`` (root included; 1: none);
-            ``times``: (plain, model) µs, the expected time of the plain step the model step
-            replaced and of the model step as verified (cost table, the time spent included),
-            for ``ModelDraftStats.observe_value`` once the step's tokens are known, or None
-            (the cheap drafts verify something: no such measure).
+            nodes of ``tree`` to verify (root included; 1: none, also where the model drafted
+            nothing), or None.
         """
-        if plan.cheap_nodes > 1:
-            return tree, plan.n_nodes, None
-        own = tree.source == source
-        own[0] = True
-        if not own.all():
-            tree = tree.subtree(own)  # the model drafts from the root: its nodes' parents are its own
-        c = self.choose(tree, max_nodes=max_nodes, t_draft_us=t_cheap_us + t_model_us, raw=True)
-        return tree, c.n_nodes, (t_cheap_us + self.step_us(1), t_cheap_us + t_model_us + self.step_us(c.n_nodes))
+        if plan.cheap_nodes != 1:
+            return None
+        if tree.n_nodes <= 1:  # the model drafted nothing (cut to the limits): a plain step
+            return 1
+        if np.any(~np.isnan(tree.draft_probs[1:])):
+            return min(plan.n_nodes, max_nodes)
+        return self.choose(tree, max_nodes=max_nodes, t_draft_us=t_spent_us, raw=True).n_nodes
 
     def keep_base_plan(
         self,

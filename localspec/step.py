@@ -104,15 +104,19 @@ class Proposal:
             alone when nothing was drafted; None without a drafter.
         tree: the tree to verify (root included, best-first DFS order).
         t_draft_us: what drafting cost (µs).
-        plan_nodes: the size the request's own plan chose (root included).
+        plan_nodes: the size the request's own plan chose (root included), or for a model step
+            where the cheap drafts verify nothing, what ``select_model_nodes`` chose of the
+            model's tree.
         max_nodes: the largest tree it may verify.
-        model_step: True when a model drafted this step (its plan's size is kept). The
+        model_step: True when a model drafted this step (its size is kept in a batch). The
             request's score calibration does not learn from such a step: it calibrates the
             cheap drafts' scores, and the model's nodes carry their own (the model drafter's
             acceptance tracker).
-        value_stats / value_us: a model step where the cheap drafts verify nothing: the
-            model's ``ModelDraftStats`` and the (plain, model) step times that its
-            ``observe_value`` weighs the emitted tokens with (``select_model_nodes``); else None.
+        value_stats / value_us: a model step where the cheap drafts verify nothing
+            (``SpeculationPolicy.select_model_nodes``): the model's ``ModelDraftStats`` and the
+            expected (plain, model) step times, drafting included, that its ``observe_value``
+            weighs the emitted tokens with; else None.
+        probe: the step's plan was a probe of the model (``StepPlan.probe``).
     """
 
     candidate: TokenTree | None
@@ -123,6 +127,7 @@ class Proposal:
     model_step: bool = False
     value_stats: object = None
     value_us: tuple[float, float] | None = None
+    probe: bool = False
 
 
 @dataclass
@@ -327,7 +332,7 @@ class Step:
                 keep = list(range(r.n_pending + 1)) + [r.n_pending + int(x) for x in res.path]
                 d.add_target_features(n_past0, f_rows[keep])
             if p.value_us is not None:  # before observe: a probe's outcome replaces the model's averages there
-                p.value_stats.observe_value(len(res.tokens), *p.value_us)
+                p.value_stats.observe_value(len(res.tokens), *p.value_us, probe=p.probe)
             d.observe(p.candidate, res.tokens)
             d.accept(res.tokens)
             if h_rows is not None and reads_final_norm(d):
@@ -380,9 +385,10 @@ def propose_many(policy: SpeculationPolicy, reqs: Sequence[DraftRequest], *, ada
     verify), then the model's drafts of every request whose plan says so, together
     (``drafters.extend_together``: the model drafters that share a draft context or heads
     make one model call per tree level, or one head computation, for all of them), each cut
-    to its ``max_depth`` and ``limits`` (``DraftLimits``) and, where the cheap drafts
-    verify nothing, to the model's nodes that pay (``SpeculationPolicy.select_model_nodes``);
-    each ``tree`` is what the request would verify alone. The time of a shared model call is shared equally by its requests
+    to its ``max_depth`` and ``limits`` (``DraftLimits``); where the cheap drafts verify
+    nothing, the model's own tree, of which the nodes that pay
+    (``SpeculationPolicy.select_model_nodes``). Each ``tree`` is what the request would
+    verify alone. The time of a shared model call is shared equally by its requests
     (their ``t_draft_us``, and the per-level times the cost model learns)."""
     out: list[Proposal | None] = [None] * len(reqs)
     planned = []  # (index, cheap tree, plan, time of the cheap phase)
@@ -442,14 +448,25 @@ def propose_many(policy: SpeculationPolicy, reqs: Sequence[DraftRequest], *, ada
         if adaptive and r.calibration is not None:
             cap = min(cap, r.calibration.trust_nodes())
         n = min(plan.n_nodes, r.max_nodes)
-        verify, value_us = cand, None
+        verify, value_us, own = cand, None, None
         if i in trees and adaptive and getattr(r.drafter, "fixed_shape", None) is None:
-            source = int(getattr(r.drafter, "model_part", r.drafter).source)
-            verify, k, value_us = policy.select_model_nodes(cand, stats[i], plan, source=source, max_nodes=r.max_nodes,
-                                                            t_cheap_us=t_cheap, t_model_us=t_ext)  # fmt: skip
-            n = min(n, k)
-        out[i] = Proposal(cand, verified_tree(verify, n, r.root, r.n_scratch), t_cheap + (t_ext if i in trees else 0.0),
-                          n, cap, plan.shape is not None, stats[i] if value_us is not None else None, value_us)  # fmt: skip
+            own = getattr(r.drafter, "model_tree", None)  # auto: the model's tree before the merge
+            own = cand if own is None else _clip(r.drafter, own, r.root, r.max_depth, r.limits)
+            k = policy.select_model_nodes(own, plan, max_nodes=r.max_nodes, t_spent_us=t_cheap + t_ext)
+            if k is None:
+                own = None
+            else:
+                verify, n = own, k
+                if hasattr(r.drafter, "verify_model_only"):
+                    r.drafter.verify_model_only()
+        tree = verified_tree(verify, n, r.root, r.n_scratch)
+        if own is not None:
+            if plan.probe:  # the probe's plan charged the rows of the model's whole budget
+                stats[i].settle_probe_rows(policy.step_us(tree.n_nodes) - policy.step_us(1))
+            if own.n_nodes > 1:  # its worth, once verified: against the plain step it replaced
+                value_us = (t_cheap + policy.step_us(1), t_cheap + t_ext + policy.step_us(tree.n_nodes))
+        out[i] = Proposal(cand, tree, t_cheap + (t_ext if i in trees else 0.0), n, cap, plan.shape is not None,
+                          stats[i] if value_us is not None else None, value_us, plan.probe)  # fmt: skip
     return out  # type: ignore[return-value]
 
 

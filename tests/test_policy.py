@@ -427,44 +427,43 @@ def test_a_model_step_verifies_at_least_what_the_cheap_drafts_alone_would():
 
 
 def test_where_the_cheap_drafts_verify_nothing_a_model_step_verifies_only_its_nodes_that_pay():
-    """Where the n-gram tree would verify nothing (weak drafts), a model step's candidates are
-    the model's own nodes alone (the weak n-gram nodes dropped) and they are verified only
-    where they pay by their own scores: an unsure head's chain not at all (the step is plain,
-    having paid the drafting), a sure one whole. The times it returns weigh the emitted
-    tokens against the plain step's. Where the n-gram tree verifies something, the plan's
-    size stands. (It failed when ``select_model_nodes`` kept the plan's size everywhere: the
-    unsure chain was verified whole; and when it applied the request's score calibration,
-    which is of the n-gram scores, to the head's: the sure chain was dropped.)"""
-    from localspec.drafters.auto import merge_trees
-
+    """Where the n-gram tree would verify nothing (weak drafts), a model step's tree is
+    verified only where its nodes pay by their own scores: an unsure head's chain not at all
+    (the step is plain, having paid the drafting), a sure one whole, also when the request's
+    score calibration (of the n-gram scores) has learnt that its n-gram trees are far too
+    sure. Where the n-gram tree verifies something, or the plan is not adaptive, the plan's
+    size stands (None); a tree of sampled children is verified whole. (It failed when
+    ``select_model_nodes`` kept the plan's size everywhere: the unsure chain was verified
+    whole; and when it applied the request's score calibration to the head's scores: the
+    sure chain was dropped.)"""
     pol = SpeculationPolicy(fixed_cost_model(), max_nodes=64)
-    weak = chain_with(0.3, 5)  # tokens 10..14
+    weak = chain_with(0.3, 5)
     assert pol.choose(weak).n_nodes == 1
     stats = ModelDraftStats(t_draft_us=2000.0, n_steps=0, t_host_us=200.0)
     plan = pol.plan(weak, stats, max_nodes=64, max_depth=8)
     assert plan.shape is not None and plan.cheap_nodes == 1  # a new model's first try
     for scores, want in (([0.1, 0.05, 0.02], 1), ([0.95, 0.92, 0.9], 4)):
         head = TokenTree.chain(1, [20, 21, 22], TokenSource.EAGLE3, scores)
-        merged = merge_trees(head, weak)
-        tree, n, times = pol.select_model_nodes(merged, stats, plan, source=int(TokenSource.EAGLE3), max_nodes=64,
-                                                t_cheap_us=300.0, t_model_us=1500.0)  # fmt: skip
-        assert n == want, (scores, n)
-        assert tree.n_nodes == 4 and set(tree.source[1:].tolist()) == {int(TokenSource.EAGLE3)}
-        assert times == pytest.approx((300.0 + pol.step_us(1), 1800.0 + pol.step_us(n)))
-    # the head's scores are its own tracker's: n-gram trees that failed (the request's score
-    # calibration, of the n-gram scores, now far below them) do not shrink its sure chain
-    for _ in range(20):
+        assert pol.select_model_nodes(head, plan, max_nodes=64, t_spent_us=1800.0) == want, scores
+    assert pol.select_model_nodes(TokenTree.root_only(1), plan, max_nodes=64, t_spent_us=1800.0) == 1
+    for _ in range(20):  # n-gram trees that failed: the request's calibration far below their scores
         pol.calibration.observe(np.array([0.9, 0.85, 0.8]), 0)
     assert pol.calibration.exponent() > 3.0
     head = TokenTree.chain(1, [20, 21, 22], TokenSource.EAGLE3, [0.9, 0.85, 0.8])
-    assert pol.select_model_nodes(head, stats, plan, source=int(TokenSource.EAGLE3), max_nodes=64, t_cheap_us=300.0,
-                                  t_model_us=1500.0)[1] == 4  # fmt: skip
+    assert pol.select_model_nodes(head, plan, max_nodes=64, t_spent_us=1800.0) == 4
+    from localspec.tree import TreeBuilder
+
+    b = TreeBuilder(1)  # sampled children (classic rejection sampling), unsure by their depth bucket
+    for k, t in enumerate((20, 21)):
+        b.add(0, t, source=TokenSource.EAGLE3, score=0.05, draft_prob=0.3, draw_index=k)
+    sampled = b.build()
+    assert pol.select_model_nodes(sampled, plan, max_nodes=64, t_spent_us=1800.0) == plan.n_nodes
     strong = chain_with(0.99, 6)
     plan = pol.plan(strong, ModelDraftStats(t_draft_us=2000.0, n_steps=0, t_host_us=200.0), max_nodes=64, max_depth=8)
     assert plan.cheap_nodes > 1 and plan.shape is not None
-    merged = merge_trees(TokenTree.chain(1, [20], TokenSource.EAGLE3, [0.1]), strong)
-    assert pol.select_model_nodes(merged, stats, plan, source=int(TokenSource.EAGLE3), max_nodes=64, t_cheap_us=300.0,
-                                  t_model_us=1500.0) == (merged, plan.n_nodes, None)  # fmt: skip
+    assert pol.select_model_nodes(head, plan, max_nodes=64, t_spent_us=1800.0) is None
+    fixed = pol.plan(weak, stats, max_nodes=64, max_depth=8, adaptive=False)
+    assert fixed.cheap_nodes is None and pol.select_model_nodes(head, fixed, max_nodes=64, t_spent_us=1800.0) is None
 
 
 def test_where_the_cheap_drafts_verify_nothing_the_models_measured_value_decides():
@@ -486,11 +485,10 @@ def test_where_the_cheap_drafts_verify_nothing_the_models_measured_value_decides
     for _ in range(8):
         stats.observe_value(2, 10000.0, 14000.0)
     assert stats.value > 1.0 and pol.prefer_model(alone, stats, shape)
-    stats.probe = True
-    stats.observe_value(1, 10000.0, 12500.0)
+    stats.observe_value(1, 10000.0, 12500.0, probe=True)
     assert stats.value == pytest.approx(0.8) and not pol.prefer_model(alone, stats, shape)
     t5 = pol.cost.t_decode_us(5) + pol.host_us(5)
-    stats.probe, stats.gain_length = False, 3.5
+    stats.gain_length = 3.5
     assert pol.prefer_model(Choice(5, 3.0, 3.0 / t5), stats, shape)  # n-gram drafts: the estimate decides
 
 
@@ -890,3 +888,51 @@ def test_a_head_needs_features_only_where_it_may_draft_soon():
     assert not pol.needs_features(idle)
     paying = ModelDraftStats(t_draft_us=500.0, n_steps=3, accept_length=3.0, gain_length=3.0, last_shape=shape)
     assert pol.needs_features(paying)  # 4 tokens for about 1.5 plain steps
+
+
+class _SureNgrams:
+    """An n-gram part that proposes a fixed chain with high raw scores."""
+
+    def __init__(self, tokens, scores):
+        self.tokens, self.scores, self.history = list(tokens), list(scores), []
+
+    def begin(self, history, context=()):
+        self.history = list(history)
+
+    def propose(self, max_depth, max_nodes):
+        return TokenTree.chain(self.history[-1], self.tokens, TokenSource.NGRAM, self.scores)
+
+    def observe(self, tree, emitted):
+        pass
+
+    def accept(self, tokens):
+        self.history.extend(tokens)
+
+    def close(self):
+        pass
+
+
+def test_auto_verifies_the_models_own_tree_where_its_ngrams_would_verify_nothing():
+    """``auto`` on a step whose n-gram chain the request's calibration rejects (its n-gram trees
+    failed: exponent far above 1, the raw 0.95 worth about 0.6): the merged tree's node that
+    both drafted carries the n-gram's raw 0.95, the head's own score is 0.1. The step verifies
+    the head's own tree by its own scores, so nothing (not the merged node on the n-gram's
+    uncalibrated score), and the head's gain when its draft is then emitted is all of it (the
+    unverified n-gram match is no baseline). (It failed when the merged tree was verified: 2
+    nodes; and with the n-gram tree as the baseline: gain 0.)"""
+    from helpers import ScriptedModelDrafter
+    from localspec.drafters.auto import AutoDrafter
+    from localspec.step import propose_one
+
+    pol = SpeculationPolicy(fixed_cost_model(), max_nodes=64)
+    for _ in range(20):
+        pol.calibration.observe(np.array([0.9, 0.85, 0.8]), 0)
+    script = [5, 6, 7, 40, 41, 42]
+    model = ScriptedModelDrafter(script, right=True, score=0.1)
+    auto = AutoDrafter(model, _SureNgrams([40, 77], [0.95, 0.9]))
+    auto.begin(script[:3])
+    p = propose_one(pol, auto, 7, 8, 64, calibration=pol.calibration)
+    assert p.model_step and p.candidate.n_nodes > 2  # merged: the head's chain and the n-gram's 77
+    assert p.tree.n_nodes == 1, p.tree.n_nodes
+    auto.observe(p.candidate, [40])  # the target emitted the head's (and the n-grams') 40
+    assert model.stats.accept_length == 1.0 and model.stats.gain_length == 1.0

@@ -83,6 +83,7 @@ class AutoDrafter:
         self._ngram_tree: TokenTree | None = None
         self._cheap_tree: TokenTree | None = None
         self._model_tree: TokenTree | None = None
+        self._cheap_unverified = False
 
     @property
     def n_target_features(self) -> int:
@@ -140,6 +141,7 @@ class AutoDrafter:
         """The cheap phase: the n-gram tree (no model call)."""
         self._ngram_tree = self._cheap_tree = self.ngram.propose(max_depth, max_nodes)
         self._model_tree = None
+        self._cheap_unverified = False
         if self.model is not None:
             self.model.propose(max_depth, max_nodes)  # the model's (empty) cheap phase
         return self._ngram_tree
@@ -157,6 +159,18 @@ class AutoDrafter:
     def extend(self, shape) -> TokenTree:
         """The model's tree of ``shape`` merged with this step's n-gram tree."""
         return self.extended(self.model.extend(shape))
+
+    @property
+    def model_tree(self) -> TokenTree | None:
+        """This step's tree from the model alone (before the merge), or None: the model did
+        not draft this step."""
+        return self._model_tree
+
+    def verify_model_only(self) -> None:
+        """This step verifies none of the n-gram drafts (``SpeculationPolicy.select_model_nodes``):
+        the model's gain is all it gets accepted (the n-grams' unverified matches are no
+        baseline)."""
+        self._cheap_unverified = True
 
     def extended(self, model_tree: TokenTree) -> TokenTree:
         """This step's tree from the model's (``model_part``'s ``extend``): merged with the n-gram tree."""
@@ -176,7 +190,9 @@ class AutoDrafter:
             if self._model_tree is None:  # the plan did not run the model this step
                 self.model.observe(tree, emitted)
             else:  # its gain is what it got accepted beyond the n-gram tree
-                base = accepted_length(self._ngram_tree, emitted) if self._ngram_tree is not None else 0
+                base = 0
+                if self._ngram_tree is not None and not self._cheap_unverified:
+                    base = accepted_length(self._ngram_tree, emitted)
                 self.model.observe(self._model_tree, emitted, baseline=base)
 
     def close(self) -> None:
