@@ -81,10 +81,15 @@ def test_cli_derive_draft_refuses_bad_layer_counts(capsys, tmp_path):
 
 
 def test_cli_generate_with_a_draft_model(capsys, derived_draft_path):
+    """The CLI with a draft model: adaptive (the policy verifies what pays on this machine's
+    measured costs, possibly nothing of a 12-layer draft's unsure trees) and with
+    ``--no-adaptive`` (every drafted tree verified, so drafts reach the target), both equal to
+    plain decoding."""
     args = ["generate", "def add(a, b):", "-n", "24", "--temperature", "0", "--compare", "--json"]
-    assert main([*args, "--drafter", "draft", "--draft-model", str(derived_draft_path)]) == 0
-    d = json.loads(capsys.readouterr().out)
-    assert d["stats"]["drafter"] == "draft" and d["identical_to_plain"] is True
+    for extra in ([], ["--no-adaptive"]):
+        assert main([*args, "--drafter", "draft", "--draft-model", str(derived_draft_path), *extra]) == 0
+        d = json.loads(capsys.readouterr().out)
+        assert d["stats"]["drafter"] == "draft" and d["identical_to_plain"] is True
     assert d["stats"]["num_draft_tokens"] > 0
 
 
