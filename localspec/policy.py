@@ -696,7 +696,7 @@ class SpeculationPolicy:
             return None
         if tree.n_nodes <= 1:  # the model drafted nothing (cut to the limits): a plain step
             return 1
-        if np.any(~np.isnan(tree.draft_probs[1:])):
+        if tree.stochastic_nodes().size:
             return min(plan.n_nodes, max_nodes)
         return self.choose(tree, max_nodes=max_nodes, t_draft_us=t_spent_us, raw=True).n_nodes
 

@@ -448,19 +448,17 @@ def propose_many(policy: SpeculationPolicy, reqs: Sequence[DraftRequest], *, ada
         if adaptive and r.calibration is not None:
             cap = min(cap, r.calibration.trust_nodes())
         n = min(plan.n_nodes, r.max_nodes)
-        verify, value_us, own = cand, None, None
+        verify, value_us, k = cand, None, None
         if i in trees and adaptive and getattr(r.drafter, "fixed_shape", None) is None:
             own = getattr(r.drafter, "model_tree", None)  # auto: the model's tree before the merge
             own = cand if own is None else _clip(r.drafter, own, r.root, r.max_depth, r.limits)
             k = policy.select_model_nodes(own, plan, max_nodes=r.max_nodes, t_spent_us=t_cheap + t_ext)
-            if k is None:
-                own = None
-            else:
-                verify, n = own, k
-                if hasattr(r.drafter, "verify_model_only"):
-                    r.drafter.verify_model_only()
+        if k is not None:  # the model's own tree, of which what pays
+            verify, n = own, k
+            if hasattr(r.drafter, "verify_model_only"):
+                r.drafter.verify_model_only()
         tree = verified_tree(verify, n, r.root, r.n_scratch)
-        if own is not None:
+        if k is not None:
             if plan.probe:  # the probe's plan charged the rows of the model's whole budget
                 stats[i].settle_probe_rows(policy.step_us(tree.n_nodes) - policy.step_us(1))
             if own.n_nodes > 1:  # its worth, once verified: against the plain step it replaced

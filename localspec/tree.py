@@ -187,13 +187,17 @@ class TokenTree:
     def is_stochastic(self, node: int) -> bool:
         return not np.isnan(self.draft_probs[node])
 
+    def stochastic_nodes(self) -> np.ndarray:
+        """[k] int64 indices of the sampled nodes (``is_stochastic``), in index order."""
+        return np.flatnonzero(~np.isnan(self.draft_probs))
+
     def draws(self) -> np.ndarray:
         """[n] int32 ``draw_index``, computed from index order when the tree has none."""
         if self.draw_index is not None:
             return self.draw_index
         out = np.full(self.n_nodes, -1, dtype=np.int32)
         count: dict[int, int] = {}
-        for i in np.flatnonzero(~np.isnan(self.draft_probs)):
+        for i in self.stochastic_nodes():
             p = int(self.parents[i])
             out[i] = count.get(p, 0)
             count[p] = out[i] + 1
