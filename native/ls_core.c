@@ -11,6 +11,48 @@ int32_t ls_has_openmp(void) {
 #endif
 }
 
+/* ---- the CPU's instruction sets (ls_internal.h) ---------------------------------------- */
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+static int ls__cpu_probe(int set) {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    /* FMA (ECX 12), OSXSAVE (27), AVX (28), F16C (29) */
+    int fma = (c >> 12) & 1, osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, f16c = (c >> 29) & 1;
+    if (!osxsave || !avx || !fma) return 0;
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & 0x6u) != 0x6u) return 0; /* XMM and YMM state */
+    if (__get_cpuid_max(0, NULL) < 7) return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    int avx2 = (b >> 5) & 1;
+    if (!avx2) return 0;
+    if (set == LS_CPU_AVX2_FMA) return 1;
+    if (!f16c) return 0;
+    if (set == LS_CPU_AVX2_FMA_F16C) return 1;
+    /* AVX-512: F (EBX 16), DQ (17), BW (30), VL (31), VNNI (ECX 11); opmask, ZMM 0-15 upper, ZMM 16-31 */
+    int f = (b >> 16) & 1, dq = (b >> 17) & 1, bw = (b >> 30) & 1, vl = (b >> 31) & 1, vnni = (c >> 11) & 1;
+    if (!f || (lo & 0xE6u) != 0xE6u) return 0;
+    if (set == LS_CPU_AVX512F) return 1;
+    return set == LS_CPU_AVX512_VNNI && dq && bw && vl && vnni;
+}
+#else
+static int ls__cpu_probe(int set) {
+    (void)set;
+    return 0;
+}
+#endif
+
+int ls_cpu_has(int set) {
+    /* probed once per set (CPUID traps to the hypervisor in a VM); every caller computes the
+     * same value, so a race between threads only repeats the probe */
+    static volatile int known[5] = {0, -1, -1, -1, -1};
+    if (set < 1 || set > 4) return 0;
+    if (known[set] < 0) known[set] = ls__cpu_probe(set);
+    return known[set];
+}
+
 /* ---- random streams (localspec.sampling) ---------------------------------------------- */
 
 uint64_t ls_stream_key(uint64_t seed, int64_t pos, int32_t stream) {

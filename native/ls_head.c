@@ -95,6 +95,7 @@ __attribute__((target("avx2,fma"))) static void dot4_q8_avx2(const int8_t *w, co
     for (int r = 0; r < nr; r++) out[r] = ls__hsum256(acc[r]);
 }
 
+#ifdef LS_HAVE_AVX512_VNNI_TARGET
 /* the same with AVX-512 VNNI: two blocks per instruction. xs holds, per activation row, its
  * block scales each repeated 8 times ([nr, nb * 8]), so that a block pair's scales are one load. */
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) static void dot4_q8_vnni(
@@ -127,25 +128,24 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) static void dot4
         out[r] = t;
     }
 }
+#endif
+
+/* the AVX-512 paths, unless LS_HEAD_NO_AVX512 is set (the tests' way to run the AVX2 ones) */
+static int ls__no_avx512(void) {
+    static int v = -1;
+    if (v < 0) v = getenv("LS_HEAD_NO_AVX512") != NULL;
+    return v;
+}
 
 static int ls__has_vnni(void) {
-    static int v = -1;
-    if (v < 0) {
-        __builtin_cpu_init();
-        v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-            __builtin_cpu_supports("avx512vnni") && getenv("LS_HEAD_NO_AVX512") == NULL;
-    }
-    return v;
+#ifdef LS_HAVE_AVX512_VNNI_TARGET
+    return ls_cpu_has(LS_CPU_AVX512_VNNI) && !ls__no_avx512();
+#else
+    return 0;
+#endif
 }
 
-static int ls__has_avx2(void) {
-    static int v = -1;
-    if (v < 0) {
-        __builtin_cpu_init();
-        v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    }
-    return v;
-}
+static int ls__has_avx2(void) { return ls_cpu_has(LS_CPU_AVX2_FMA); }
 #endif
 
 int32_t ls_gemm_q8(const int8_t *w, const float *wd, int64_t m, int64_t k, const float *x, int64_t nr, float *y,
@@ -194,11 +194,13 @@ int32_t ls_gemm_q8(const int8_t *w, const float *wd, int64_t m, int64_t k, const
             for (int64_t r0 = 0; r0 < nr; r0 += 4) {
                 int rr = nr - r0 < 4 ? (int)(nr - r0) : 4;
 #ifdef LS_HEAD_X86
+#ifdef LS_HAVE_AVX512_VNNI_TARGET
                 if (use_vnni) {
                     dot4_q8_vnni(wi, wdi, xq + r0 * k, xs + r0 * nb * 8, xd + r0 * nb, nb, k, rr, o4);
                     for (int r = 0; r < rr; r++) y[(r0 + r) * m + i] = o4[r];
                     continue;
                 }
+#endif
                 if (use_avx2) {
                     dot4_q8_avx2(wi, wdi, xq + r0 * k, xd + r0 * nb, nb, k, rr, o4);
                     for (int r = 0; r < rr; r++) y[(r0 + r) * m + i] = o4[r];
@@ -404,23 +406,9 @@ __attribute__((target("avx2,fma,f16c"))) static void dot4_h16_avx2(const uint16_
     }
 }
 
-static int ls__has_f16c(void) {
-    static int v = -1;
-    if (v < 0) {
-        __builtin_cpu_init();
-        v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    }
-    return v;
-}
+static int ls__has_f16c(void) { return ls_cpu_has(LS_CPU_AVX2_FMA_F16C); }
 
-static int ls__has_avx512f(void) {
-    static int v = -1;
-    if (v < 0) {
-        __builtin_cpu_init();
-        v = __builtin_cpu_supports("avx512f") && getenv("LS_HEAD_NO_AVX512") == NULL;
-    }
-    return v;
-}
+static int ls__has_avx512f(void) { return ls_cpu_has(LS_CPU_AVX512F) && !ls__no_avx512(); }
 #endif
 
 static void dot4_h16_plain(const uint16_t *w, int bf16, const float *x, int64_t k, int nr, float *out) {

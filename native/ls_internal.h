@@ -78,6 +78,21 @@ static inline ls_v4i ls__finite4(ls_v4f v) {
 #define LS_HOT
 #endif
 
+/* x86 instruction sets the kernels pick at run time: what the CPU reports (CPUID) and the OS
+ * saves on a context switch (XCR0: the YMM state for AVX2, the ZMM and mask state too for
+ * AVX-512), probed once (ls_cpu_has, ls_core.c). 0 everywhere else. */
+enum {
+    LS_CPU_AVX2_FMA = 1,      /* AVX2 and FMA */
+    LS_CPU_AVX2_FMA_F16C = 2, /* and F16C */
+    LS_CPU_AVX512F = 3,       /* AVX-512 F (with AVX2, FMA, F16C) */
+    LS_CPU_AVX512_VNNI = 4,   /* AVX-512 F/BW/DQ/VL/VNNI (with AVX2, FMA, F16C) */
+};
+int ls_cpu_has(int set);
+#if (defined(__x86_64__) || defined(__i386__)) && \
+    ((defined(__clang__) && __clang_major__ >= 8) || (defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 8))
+#define LS_HAVE_AVX512_VNNI_TARGET 1 /* the compiler knows AVX-512 VNNI as a target (GCC 8, clang 8) */
+#endif
+
 /* exp(r) for r <= ~700 in double, branch-free (vectorisable), within ~2 ulp of libm;
  * exactly 0 below -708 (where libm gives subnormals). */
 static inline double ls__exp(double r) {

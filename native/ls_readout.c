@@ -9,11 +9,10 @@
 #include "ls_internal.h"
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-#include <cpuid.h>
 #include <immintrin.h>
 #define LS_HAVE_Q8_0_X86 1
-/* kernel 2 needs the compiler to know AVX-512 VNNI (GCC 8, clang 8) */
-#if (defined(__clang__) && __clang_major__ >= 8) || (!defined(__clang__) && __GNUC__ >= 8)
+/* kernel 2 needs the compiler to know AVX-512 VNNI */
+#ifdef LS_HAVE_AVX512_VNNI_TARGET
 #define LS_HAVE_Q8_0_AVX512 1
 #endif
 #endif
@@ -189,44 +188,16 @@ LS_Q8_TARGET512 static void q8_pairs(const ls_block_q8_0 *x, int nb, const ls_q8
 #endif /* LS_HAVE_Q8_0_AVX512 */
 #endif
 
-#ifdef LS_HAVE_Q8_0_X86
-static int32_t q8_probe(void) {
-    __builtin_cpu_init();
-    /* F16C from CPUID leaf 1 (ECX bit 29): older compilers do not know "f16c" as a feature name */
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    int f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29));
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
-}
-
-#ifdef LS_HAVE_Q8_0_AVX512
-/* AVX-512 F/BW/DQ/VL/VNNI, and the OS saves the 512-bit state (XCR0 bits 1, 2, 5, 6, 7) */
-static int32_t q8_probe512(void) {
-    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")))
-        return 0;
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return 0; /* OSXSAVE */
-    unsigned lo, hi;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    return (lo & 0xE6u) == 0xE6u;
-}
-#endif
-#endif
-
 int32_t ls_lm_head_kernel_available(int32_t kernel) {
     if (kernel == 0) return 1;
 #ifdef LS_HAVE_Q8_0_X86
-    /* probed once (CPUID traps to the hypervisor in a VM); every caller computes the same
-     * values, so a race between threads only repeats the probe */
-    static volatile int32_t known[3] = {1, -1, -1};
     if (kernel == 1 || kernel == 2) {
-        if (known[1] < 0) known[1] = q8_probe();
+        if (kernel == 1) return ls_cpu_has(LS_CPU_AVX2_FMA_F16C);
 #ifdef LS_HAVE_Q8_0_AVX512
-        if (kernel == 2 && known[2] < 0) known[2] = known[1] && q8_probe512();
+        return ls_cpu_has(LS_CPU_AVX512_VNNI);
 #else
-        known[2] = 0;
+        return 0;
 #endif
-        return known[kernel];
     }
 #endif
     return 0;

@@ -162,9 +162,7 @@ static int64_t argmax_sse2(const float *x, int64_t n) {
 int64_t ls_argmax(const float *x, int64_t n) {
     if (n < 1) return -1;
 #if LS_ARGMAX_AVX2
-    static int have_avx2 = -1;
-    if (have_avx2 < 0) have_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
-    if (have_avx2) return argmax_avx2(x, n);
+    if (ls_cpu_has(LS_CPU_AVX2_FMA)) return argmax_avx2(x, n);
 #endif
 #if LS_SSE2
     return argmax_sse2(x, n);
