@@ -27,9 +27,9 @@ model's per-depth acceptance) and the size to verify. The model's
 drafting time is the cost model's measured time per draft level (``CostModel.t_draft_us``),
 weighed like the target's ``t(b)``. A plan without the model makes no model call. A model
 that does not pay is probed (a model step) after gaps that double from ``explore_every``
-steps, each long enough that the probe costs at most ``explore_budget`` of the time since
-the last (drafting time and rows: ``paid_explore_gap``), up to where probes take at most
-``explore_budget`` of the steps and of their time (``max_explore_gap``), and only while the
+steps up to where probes take at most ``explore_budget`` of the steps, each long enough that
+the probe, priced at the last probe's measured cost (drafting time and rows), costs at most
+``explore_budget`` of the time since the last (``explore_gap_due``), and only while the
 measured cost of all its probes since it last paid (their drafting time, the catch-up they
 forced included, and the rows they added) stays within ``explore_budget`` of the measured
 step time since then, over the drafter's life across requests (``probe_due``: a request
@@ -402,6 +402,8 @@ class ModelDraftStats:
             rows it added to the verified tree (``probe_rows_us``, cost table); reserved at
             ``plan`` as ``probe_us`` (``probe_reserved_us``) and settled by ``observe_draft``.
         last_probe_us: the measured cost of the last probe (µs, as charged), 0 before one.
+        request_probe: a request began since the model last drafted (``begin_request``): a
+            probe may come before the step gap is out (``SpeculationPolicy.probe_due``).
         last_shape: the shape the last plan with this model priced (``needs_features``).
         value / n_value: where the cheap drafts verify nothing (the step would be plain without
             the model), what running the model was worth: the rate of the step it drafted, as
@@ -437,6 +439,7 @@ class ModelDraftStats:
     probe_reserved_us: float = 0.0
     probe_rows_us: float = 0.0
     last_probe_us: float = 0.0
+    request_probe: bool = False
     last_shape: "TreeShape | None" = None
     depth_tried: list[float] = field(default_factory=lambda: [0.0] * MODEL_DEPTHS)
     depth_ok: list[float] = field(default_factory=lambda: [0.0] * MODEL_DEPTHS)
@@ -447,11 +450,21 @@ class ModelDraftStats:
     def _ema(self, old: float, new: float) -> float:
         return new if self.n_steps <= 1 else old + self.alpha * (new - old)
 
+    def begin_request(self) -> None:
+        """A new request: a model that does not pay may be probed on its first step where it
+        would verify alone, before the step gap since its last probe is out, within the same
+        budget of the time (``SpeculationPolicy.probe_due``). Requests differ (a head weak on
+        one may be strong on the next, as user turns of Spec-Bench measured), and the gap,
+        counted in steps over the drafter's life, would otherwise keep it off for most of a
+        request."""
+        self.request_probe = True
+
     def observe_draft(self, t_draft_us: float, n_nodes: int, level_us: Sequence[float] = ()) -> None:
         """One drafted step: its total time (µs), tree size and the time of each level's
         model call (µs, level 0 first: the cost model's ``observe_draft_levels`` input)."""
         self.n_steps += 1
         self.steps_since_run = 0
+        self.request_probe = False
         self.t_draft_us = self._ema(self.t_draft_us, t_draft_us)
         self.n_nodes = self._ema(self.n_nodes, float(n_nodes))
         self.last_level_us = [float(t) for t in level_us]
@@ -862,10 +875,17 @@ class SpeculationPolicy:
         the ``shape.max_nodes`` nodes it verifies (the cost table)."""
         return self.model_step_us(stats, shape) + self.step_us(max(1, shape.max_nodes)) - self.step_us(1)
 
+    def probe_cost_us(self, stats: ModelDraftStats, shape: TreeShape) -> float:
+        """What the next probe is expected to cost beyond a plain step (µs): the last probe's
+        measured cost (``ModelDraftStats.last_probe_us``: its drafting time with the catch-up
+        it forced, and the rows it verified, which ``select_model_nodes`` keeps to the nodes
+        that pay), or before any, ``probe_us`` (every planned node verified)."""
+        return stats.last_probe_us if stats.last_probe_us > 0.0 else self.probe_us(stats, shape)
+
     def paid_explore_gap(self, stats: ModelDraftStats, shape: TreeShape) -> int:
-        """Shortest gap (steps) after which a probe's cost (``probe_us``) is at most
+        """Shortest gap (steps) after which a probe's cost (``probe_cost_us``) is at most
         ``explore_budget`` of the time of the plain steps before it."""
-        return math.ceil(self.probe_us(stats, shape) / (self.explore_budget * self.step_us(1)))
+        return math.ceil(self.probe_cost_us(stats, shape) / (self.explore_budget * self.step_us(1)))
 
     def max_explore_gap(self, stats: ModelDraftStats, shape: TreeShape) -> int:
         """Longest gap (steps) between probes of a model drafter that does not pay: probes on
@@ -873,12 +893,21 @@ class SpeculationPolicy:
         the time (``paid_explore_gap``). Never below ``explore_every``."""
         return max(self.explore_every, math.ceil(1.0 / self.explore_budget), self.paid_explore_gap(stats, shape))
 
-    def next_explore_gap(self, stats: ModelDraftStats, shape: TreeShape) -> int:
-        """The gap after a probe: twice the last one (``explore_every`` at first), never one
-        that the probe's cost does not fit in (``paid_explore_gap``: a probe that costs a few
-        decodes waits hundreds of steps from the start), at most ``max_explore_gap``."""
+    def next_explore_gap(self, stats: ModelDraftStats) -> int:
+        """The gap (steps) stored after a probe: twice the last one (``explore_every`` at
+        first), at most what keeps probes on ``explore_budget`` of the steps. What a probe
+        costs is not stored in it: ``explore_gap_due`` adds that when the next probe is
+        weighed, with the cost as measured then (a first try priced as verifying its whole
+        tree, before its cost is known, would otherwise set every later gap)."""
         gap = 2 * stats.explore_gap if stats.explore_gap else self.explore_every
-        return min(max(gap, self.paid_explore_gap(stats, shape)), self.max_explore_gap(stats, shape))
+        return min(gap, max(self.explore_every, math.ceil(1.0 / self.explore_budget)))
+
+    def explore_gap_due(self, stats: ModelDraftStats, shape: TreeShape) -> int:
+        """Steps without the model before it is due a probe: the stored gap (``explore_every``
+        before the first probe), and never one that the probe's cost, as measured now, does
+        not fit in (``paid_explore_gap``: a probe that costs a few decodes waits hundreds of
+        steps from the start); at most ``max_explore_gap``."""
+        return max(stats.explore_gap or self.explore_every, self.paid_explore_gap(stats, shape))
 
     def needs_features(self, stats: ModelDraftStats) -> bool:
         """Whether a model drafter that reads the target's features (an EAGLE-3 head in
@@ -900,19 +929,19 @@ class SpeculationPolicy:
 
     def probe_due(self, stats: ModelDraftStats, shape: TreeShape, *, ahead: int = 0) -> bool:
         """Whether a model drafter that does not pay is due a probe: never probed nor run (a
-        new model is tried once), or ``stats.explore_gap`` steps (``explore_every`` before the
-        first probe) without it, at least ``paid_explore_gap`` with the cost as measured now,
-        and within the budget of the drafter's life across requests: the measured cost of the
-        probes since the model last paid (``stats.explore_spent_us``) plus this one's
-        (``probe_us``) at most ``explore_budget`` of the measured step time since then
-        (``t_steps_us - stats.explore_from_us``). ``ahead``: whether it is due within that
-        many more steps (each priced a plain step)."""
+        new model is tried once), or ``explore_gap_due`` steps without it (or a request began
+        since it last drafted: ``ModelDraftStats.request_probe``), and within the budget of
+        the drafter's life across requests: the measured cost of the probes since the model
+        last paid (``stats.explore_spent_us``) plus this one's (``probe_cost_us``) at most
+        ``explore_budget`` of the measured step time since then (``t_steps_us -
+        stats.explore_from_us``). ``ahead``: whether it is due within that many more steps
+        (each priced a plain step)."""
         if stats.n_steps == 0 and stats.n_probes == 0:
             return True
-        if stats.steps_since_run + ahead < max(stats.explore_gap or self.explore_every, self.paid_explore_gap(stats, shape)):
+        if not stats.request_probe and stats.steps_since_run + ahead < self.explore_gap_due(stats, shape):
             return False
         start = self.t_steps_us if stats.explore_from_us is None else stats.explore_from_us
-        cost = max(self.probe_us(stats, shape), stats.last_probe_us)  # the last one measured its catch-up
+        cost = self.probe_cost_us(stats, shape)
         clock = self.t_steps_us + ahead * self.step_us(1)
         return stats.explore_spent_us + cost <= self.explore_budget * (clock - start)
 
@@ -973,7 +1002,7 @@ class SpeculationPolicy:
             # replaced by the measured cost in ``observe_draft``); its outcome replaces the
             # model's averages (``ModelDraftStats.probe``), so one probe that pays brings the
             # model back
-            model.explore_gap = self.next_explore_gap(model, shape)
+            model.explore_gap = self.next_explore_gap(model)
             model.probe = True
             model.n_probes += 1
             model.probe_rows_us = self.step_us(n_nodes) - self.step_us(c.n_nodes)

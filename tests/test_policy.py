@@ -1,4 +1,5 @@
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -852,14 +853,60 @@ def test_probes_cost_at_most_the_exploration_budget_of_the_time():
         probe_us = pol.probe_us(stats, shape)
         assert probe_us > pol.step_us(1)
         assert probe_us / (gap * pol.step_us(1)) <= pol.explore_budget < probe_us / ((gap - 1) * pol.step_us(1))
-        assert pol.next_explore_gap(stats, shape) == gap  # the first gap already pays for the probe
+        assert pol.explore_gap_due(stats, shape) == gap  # the first gap already pays for the probe
     fresh = ModelDraftStats(t_draft_us=500.0, n_steps=5)
     flat = SpeculationPolicy(CostModel(dict(FLAT_COSTS_US)), max_nodes=16)
     gaps = []
     for _ in range(5):  # a probe of one node, about 0.15 of a step
-        fresh.explore_gap = flat.next_explore_gap(fresh, TreeShape(1, 1, 2))
+        fresh.explore_gap = flat.next_explore_gap(fresh)
         gaps.append(fresh.explore_gap)
     assert gaps == [32, 64, 100, 100, 100]
+
+
+def test_the_gap_before_a_probe_follows_its_measured_cost_not_the_first_tries_estimate():
+    """A first try is priced as verifying its whole planned tree (``probe_us``: 16 nodes and
+    two 30 ms levels, several plain steps: hundreds of steps of gap at a 1% budget); where
+    ``select_model_nodes`` verified only the root and the drafting cost 4 ms, the next probe
+    is due after the gap that cost fits in (``explore_gap_due``), not the first estimate's;
+    and a later probe measured dear lengthens the gap again."""
+    from localspec.costmodel import CostModel
+
+    pol = SpeculationPolicy(CostModel(dict(FLAT_COSTS_US)), max_nodes=16)
+    pol.cost.observe_draft_levels([30000.0, 30000.0])
+    stats, shape = ModelDraftStats(t_draft_us=60000.0, n_steps=1), TreeShape(2, 8, 16)
+    estimate = pol.explore_gap_due(stats, shape)
+    assert estimate == math.ceil(pol.probe_us(stats, shape) / (pol.explore_budget * pol.step_us(1))) > 500
+    stats.explore_gap = pol.next_explore_gap(stats)  # stored at the try: the doubling alone
+    stats.last_probe_us = 4000.0  # measured: drafting only, no row beyond the plain step's
+    assert pol.explore_gap_due(stats, shape) == max(pol.explore_every, math.ceil(4000.0 / (pol.explore_budget * pol.step_us(1))))
+    assert pol.explore_gap_due(stats, shape) < estimate / 10
+    stats.steps_since_run = pol.explore_gap_due(stats, shape)
+    stats.explore_from_us, pol.t_steps_us = 0.0, stats.steps_since_run * pol.step_us(1)
+    assert pol.probe_due(stats, shape) and not pol.probe_due(replace(stats, steps_since_run=stats.steps_since_run - 1), shape)
+    stats.last_probe_us = 90000.0
+    assert pol.explore_gap_due(stats, shape) == math.ceil(90000.0 / (pol.explore_budget * pol.step_us(1)))
+
+
+def test_a_new_request_may_probe_before_the_step_gap_is_out_but_not_beyond_the_budget():
+    """A head whose last probe failed waits out the step gap within a request; a new request
+    (``ModelDraftStats.begin_request``) may probe it on its first step, if the probes'
+    measured cost since the model last paid plus this one's stays within the budget of the
+    time since; a model step clears the request's claim."""
+    from localspec.costmodel import CostModel
+
+    pol = SpeculationPolicy(CostModel(dict(FLAT_COSTS_US)), max_nodes=16)
+    pol.cost.observe_draft_levels([1000.0, 1000.0])
+    stats, shape = ModelDraftStats(n_steps=3, n_probes=3, explore_gap=64), TreeShape(2, 1, 3)
+    stats.last_probe_us, stats.explore_from_us, stats.explore_spent_us = 3000.0, 0.0, 3000.0
+    stats.steps_since_run, pol.t_steps_us = 10, 1_000_000.0  # 1% of it: 10 ms, room for 2 more
+    assert not pol.probe_due(stats, shape)  # 10 steps of a 64-step gap
+    stats.begin_request()
+    assert pol.probe_due(stats, shape)
+    stats.explore_spent_us = 8000.0  # 8 ms spent: a 3 ms probe would pass the 10 ms budget
+    assert not pol.probe_due(stats, shape)
+    stats.explore_spent_us = 3000.0
+    stats.observe_draft(3000.0, 2)  # the model drafted: the claim is spent
+    assert not stats.request_probe and not pol.probe_due(stats, shape)
 
 
 def test_a_head_needs_features_only_where_it_may_draft_soon():
