@@ -295,10 +295,36 @@ def compare_drafters(model, prompts, drafters=("ngram", "auto"), *, max_tokens: 
             e.close()
 
 
+def ratio_interval(n_a, t_a, n_b, t_b, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval, over prompts, of the speed ratio of engine B over engine
+    A (tokens per second of the summed times: ``sum(n_b) / sum(t_b)`` over ``sum(n_a) /
+    sum(t_a)``), resampling whole prompts with replacement (Efron & Tibshirani, *An
+    Introduction to the Bootstrap*, 1993, ch. 13). It says how far the ratio could move on
+    another draw of prompts like these; not the timing noise of one prompt's runs, which an
+    A/A pair of the same drafter shows.
+
+    Args:
+        n_a, t_a, n_b, t_b: [P] per-prompt tokens and decode times (any unit, the same for both).
+        n_boot: resamples; level: the interval's coverage; seed: the resampling's RNG seed.
+    Returns:
+        (low, high); both the ratio itself for a single prompt.
+    """
+    n_a, t_a, n_b, t_b = (np.asarray(x, dtype=np.float64) for x in (n_a, t_a, n_b, t_b))
+    p = n_a.size
+    if p < 2:
+        r = float(n_b.sum() / t_b.sum() / (n_a.sum() / t_a.sum()))
+        return r, r
+    idx = np.random.default_rng(seed).integers(0, p, size=(n_boot, p))
+    ratios = (n_b[idx].sum(1) / t_b[idx].sum(1)) / (n_a[idx].sum(1) / t_a[idx].sum(1))
+    lo, hi = np.quantile(ratios, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
+    return float(lo), float(hi)
+
+
 def summarize_versus(rows: list[dict], drafters) -> list[dict]:
     """Per category: each drafter's decode speed ratio over plain (tokens/s ratio of the
     summed times), its MAL, identical outputs, its emitted tokens per source (summed:
-    ``token_sources``), and the ratio of the last drafter over the first."""
+    ``token_sources``), and the ratio of the last drafter over the first with its 95%
+    bootstrap interval over the category's prompts (``last_over_first_ci``: ``ratio_interval``)."""
     out = []
     cats = sorted({r["category"] for r in rows})
     for cat in cats + ["all"]:
@@ -317,5 +343,10 @@ def summarize_versus(rows: list[dict], drafters) -> list[dict]:
                 "token_sources": dict(sum((Counter(r[name]["token_sources"]) for r in rs), Counter())),
             }
         entry["last_over_first"] = tps[drafters[-1]] / tps[drafters[0]] if tps[drafters[0]] else 0.0
+        first, last = drafters[0], drafters[-1]
+        entry["last_over_first_ci"] = list(ratio_interval(
+            [r[first]["n_generated_tokens"] for r in rs], [r[first]["t_decode_us"] for r in rs],
+            [r[last]["n_generated_tokens"] for r in rs], [r[last]["t_decode_us"] for r in rs],
+        ))  # fmt: skip
         out.append(entry)
     return out

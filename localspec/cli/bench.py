@@ -579,10 +579,12 @@ def _run_versus(a: argparse.Namespace) -> int:
         return 0
     print(f"load average (1 min): {load0:.1f} at the start, {load1:.1f} at the end, on {os.cpu_count()} CPUs; greedy, {a.max_tokens} tokens")
     head = " | ".join(f"{n} vs plain / MAL / identical" for n in names)
-    print(f"| category | prompts | {head} | {names[-1]} over {names[0]} |\n|---|---|" + "---|" * (len(names) + 1))
+    print(f"| category | prompts | {head} | {names[-1]} over {names[0]} (95% bootstrap interval over prompts) |\n|---|---|"
+          + "---|" * (len(names) + 1))  # fmt: skip
     for e in summary:
         cells = " | ".join(f"{e[n]['speed_vs_plain']:.2f}x / {e[n]['mal']:.2f} / {e[n]['identical']}/{e['prompts']}" for n in names)
-        print(f"| {e['category']} | {e['prompts']} | {cells} | {e['last_over_first']:.2f}x |")
+        lo, hi = e["last_over_first_ci"]
+        print(f"| {e['category']} | {e['prompts']} | {cells} | {e['last_over_first']:.3f}x ({lo:.3f}-{hi:.3f}) |")
     total = summary[-1]
     for n in names:
         src = total[n]["token_sources"]
