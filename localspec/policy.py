@@ -400,10 +400,8 @@ class ModelDraftStats:
         explore_spent_us: what the probes in that window cost (µs): each probe's measured
             drafting time (level 0 with the catch-up it forced, and the deeper levels) plus the
             rows it added to the verified tree (``probe_rows_us``, cost table); reserved at
-            ``plan`` as ``probe_us`` (``probe_reserved_us``) and settled by ``observe_draft``.
+            ``plan`` as ``probe_cost_us`` (``probe_reserved_us``) and settled by ``observe_draft``.
         last_probe_us: the measured cost of the last probe (µs, as charged), 0 before one.
-        request_probe: a request began since the model last drafted (``begin_request``): a
-            probe may come before the step gap is out (``SpeculationPolicy.probe_due``).
         last_shape: the shape the last plan with this model priced (``needs_features``).
         value / n_value: where the cheap drafts verify nothing (the step would be plain without
             the model), what running the model was worth: the rate of the step it drafted, as
@@ -439,7 +437,6 @@ class ModelDraftStats:
     probe_reserved_us: float = 0.0
     probe_rows_us: float = 0.0
     last_probe_us: float = 0.0
-    request_probe: bool = False
     last_shape: "TreeShape | None" = None
     depth_tried: list[float] = field(default_factory=lambda: [0.0] * MODEL_DEPTHS)
     depth_ok: list[float] = field(default_factory=lambda: [0.0] * MODEL_DEPTHS)
@@ -450,21 +447,11 @@ class ModelDraftStats:
     def _ema(self, old: float, new: float) -> float:
         return new if self.n_steps <= 1 else old + self.alpha * (new - old)
 
-    def begin_request(self) -> None:
-        """A new request: a model that does not pay may be probed on its first step where it
-        would verify alone, before the step gap since its last probe is out, within the same
-        budget of the time (``SpeculationPolicy.probe_due``). Requests differ (a head weak on
-        one may be strong on the next, as user turns of Spec-Bench measured), and the gap,
-        counted in steps over the drafter's life, would otherwise keep it off for most of a
-        request."""
-        self.request_probe = True
-
     def observe_draft(self, t_draft_us: float, n_nodes: int, level_us: Sequence[float] = ()) -> None:
         """One drafted step: its total time (µs), tree size and the time of each level's
         model call (µs, level 0 first: the cost model's ``observe_draft_levels`` input)."""
         self.n_steps += 1
         self.steps_since_run = 0
-        self.request_probe = False
         self.t_draft_us = self._ema(self.t_draft_us, t_draft_us)
         self.n_nodes = self._ema(self.n_nodes, float(n_nodes))
         self.last_level_us = [float(t) for t in level_us]
@@ -929,16 +916,15 @@ class SpeculationPolicy:
 
     def probe_due(self, stats: ModelDraftStats, shape: TreeShape, *, ahead: int = 0) -> bool:
         """Whether a model drafter that does not pay is due a probe: never probed nor run (a
-        new model is tried once), or ``explore_gap_due`` steps without it (or a request began
-        since it last drafted: ``ModelDraftStats.request_probe``), and within the budget of
-        the drafter's life across requests: the measured cost of the probes since the model
+        new model is tried once), or ``explore_gap_due`` steps without it, and within the
+        budget of the drafter's life across requests: the measured cost of the probes since the model
         last paid (``stats.explore_spent_us``) plus this one's (``probe_cost_us``) at most
         ``explore_budget`` of the measured step time since then (``t_steps_us -
         stats.explore_from_us``). ``ahead``: whether it is due within that many more steps
         (each priced a plain step)."""
         if stats.n_steps == 0 and stats.n_probes == 0:
             return True
-        if not stats.request_probe and stats.steps_since_run + ahead < self.explore_gap_due(stats, shape):
+        if stats.steps_since_run + ahead < self.explore_gap_due(stats, shape):
             return False
         start = self.t_steps_us if stats.explore_from_us is None else stats.explore_from_us
         cost = self.probe_cost_us(stats, shape)
@@ -1006,7 +992,7 @@ class SpeculationPolicy:
             model.probe = True
             model.n_probes += 1
             model.probe_rows_us = self.step_us(n_nodes) - self.step_us(c.n_nodes)
-            model.probe_reserved_us = self.probe_us(model, shape)
+            model.probe_reserved_us = self.probe_cost_us(model, shape)
             model.explore_spent_us += model.probe_reserved_us
         else:
             # it pays: a new exploration window; once it stops, probes start again at explore_every

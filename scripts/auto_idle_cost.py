@@ -44,7 +44,7 @@ def main() -> None:
     qs = {q["question_id"]: q for q in map(json.loads, Path(a.dataset).read_text().splitlines()) if q}
     ids = [int(x) for x in a.ids.split(",")]
     if a.idle:
-        P.SpeculationPolicy.probe_due = lambda self, stats, shape: False
+        P.SpeculationPolicy.probe_due = lambda self, stats, shape, **kw: False
     base = Engine(drafter="none", n_threads=a.threads)
     cost = calibrate(base.ctx)
     engines = {"plain": base, "ngram": Engine(drafter="ngram", n_threads=a.threads, cost_model=cost),

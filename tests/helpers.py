@@ -142,7 +142,6 @@ class ScriptedModelDrafter:
     def begin(self, history, context=()):
         self.history = [int(t) for t in history]
         self._seen = 0
-        self.stats.begin_request()  # as ModelDrafter.begin
 
     def accept(self, tokens):
         self.history.extend(int(t) for t in tokens)

@@ -98,9 +98,7 @@ def test_a_head_that_never_pays_is_probed_within_the_budget_over_requests_not_on
     request, and then only when the measured cost of its probes (drafting with the catch-up
     of its level 0, and the rows they add) stays within ``explore_budget`` of the engine's
     measured step time since: a request whose probe is not due makes no call at all on the
-    head's context (no catch-up, no level 0). A new request may be probed before the step gap
-    is out, but not beyond the budget: at a budget of 0.2% (this tiny head's probe costs about
-    a tenth of a step, a request about 24 steps) fewer probes than requests (a per-request
+    head's context (no catch-up, no level 0). Fewer probes than requests (a per-request
     reset of the exploration state probes each one), every output plain decoding's."""
     from localspec.drafters.eagle3 import Eagle3Drafter
 
@@ -110,7 +108,6 @@ def test_a_head_that_never_pays_is_probed_within_the_budget_over_requests_not_on
         refs = [e.generate(p, max_tokens=24, sampling=GREEDY, speculative=False).token_ids for p in prompts]
         head = Eagle3Drafter(random_head_path, runtime=runtime)
         e.set_drafter(AutoDrafter(head, NgramDrafter(max_occurrences=0)))
-        e.policy.explore_budget = 0.002
         assert head.runtime == runtime, head.runtime_reason
         host_work = _count_head_work(head)
 
@@ -130,8 +127,8 @@ def test_a_head_that_never_pays_is_probed_within_the_budget_over_requests_not_on
         assert touched[0][0] > 0 and touched[0][1] == 1, touched  # a new head is tried
         assert all((calls > 0) == (probes > 0) for calls, probes in touched), touched  # no probe: no head call
         assert st.n_steps == st.n_probes < len(prompts), touched  # it never paid; fewer probes than requests
-        # the probes after the first (measured: drafting with the catch-up, and rows) within the
-        # budget of the steps' measured time since the head was first planned with
+        # the probes after the first (measured: drafting with the catch-up, and rows) within 1%
+        # of the steps' measured time since the head was first planned with
         assert st.explore_spent_us - first_us <= e.policy.explore_budget * (e.policy.t_steps_us - st.explore_from_us)
     finally:
         e.close()

@@ -25,6 +25,7 @@ def test_a_drafter_named_twice_runs_on_two_engines(model):
     (cat, total) = summarize_versus(rows, labels)
     assert cat["category"] == "qa" and set(labels) <= set(cat) and total["category"] == "all"
     assert total["ngram"]["token_sources"] == row["ngram"]["token_sources"]
+    assert cat["last_over_first_ci"] == pytest.approx([cat["last_over_first"]] * 2)  # one prompt: no spread
 
 
 def test_repeats_time_every_engine_in_every_round(model):

@@ -887,28 +887,6 @@ def test_the_gap_before_a_probe_follows_its_measured_cost_not_the_first_tries_es
     assert pol.explore_gap_due(stats, shape) == math.ceil(90000.0 / (pol.explore_budget * pol.step_us(1)))
 
 
-def test_a_new_request_may_probe_before_the_step_gap_is_out_but_not_beyond_the_budget():
-    """A head whose last probe failed waits out the step gap within a request; a new request
-    (``ModelDraftStats.begin_request``) may probe it on its first step, if the probes'
-    measured cost since the model last paid plus this one's stays within the budget of the
-    time since; a model step clears the request's claim."""
-    from localspec.costmodel import CostModel
-
-    pol = SpeculationPolicy(CostModel(dict(FLAT_COSTS_US)), max_nodes=16)
-    pol.cost.observe_draft_levels([1000.0, 1000.0])
-    stats, shape = ModelDraftStats(n_steps=3, n_probes=3, explore_gap=64), TreeShape(2, 1, 3)
-    stats.last_probe_us, stats.explore_from_us, stats.explore_spent_us = 3000.0, 0.0, 3000.0
-    stats.steps_since_run, pol.t_steps_us = 10, 1_000_000.0  # 1% of it: 10 ms, room for 2 more
-    assert not pol.probe_due(stats, shape)  # 10 steps of a 64-step gap
-    stats.begin_request()
-    assert pol.probe_due(stats, shape)
-    stats.explore_spent_us = 8000.0  # 8 ms spent: a 3 ms probe would pass the 10 ms budget
-    assert not pol.probe_due(stats, shape)
-    stats.explore_spent_us = 3000.0
-    stats.observe_draft(3000.0, 2)  # the model drafted: the claim is spent
-    assert not stats.request_probe and not pol.probe_due(stats, shape)
-
-
 def test_a_head_needs_features_only_where_it_may_draft_soon():
     """``needs_features``: the step pauses the feature tap for a head that pays on no step (not
     even against a plain one) while its next probe is more than ``feature_lead`` steps away;

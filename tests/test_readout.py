@@ -4,6 +4,8 @@ engine decodes, and the decodes it stops at ``result_norm`` must leave the KV ca
 decodes do; drafter taps chained behind it see the same rows; a readout that would compute
 other numbers is refused by its check."""
 
+import os
+import platform
 
 import numpy as np
 import pytest
@@ -396,3 +398,26 @@ def test_bad_settings_are_named_not_raised(monkeypatch, caplog):
     assert "LOCALSPEC_READOUT='fast'" in caplog.text
     monkeypatch.setenv("LOCALSPEC_READOUT", "LLAMA")
     assert ro.wanted() is False
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not os.path.exists("/proc/cpuinfo"),
+                    reason="reads the x86 feature flags that Linux reports")  # fmt: skip
+def test_the_written_out_kernels_are_offered_exactly_where_the_cpu_has_their_instructions():
+    """``ls_cpu_has`` (one CPUID / XCR0 probe for every kernel) against the flags Linux
+    reports for the same CPU (which it lists only where the OS saves their state): kernel 1
+    needs AVX2, FMA and F16C; kernel 2 AVX-512 F/BW/DQ/VL/VNNI too (and a compiler that knows
+    VNNI: GCC or clang 8 or later, which every supported toolchain is)."""
+    from localspec import native
+
+    if not native.enabled():
+        pytest.skip("the C kernels are not built")
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    k1 = {"avx2", "fma", "f16c"} <= flags
+    k2 = k1 and {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"} <= flags
+    assert bool(native.lib.ls_lm_head_kernel_available(1)) == k1
+    assert bool(native.lib.ls_lm_head_kernel_available(2)) == k2

@@ -307,10 +307,13 @@ def ratio_interval(n_a, t_a, n_b, t_b, *, n_boot: int = 2000, level: float = 0.9
         n_a, t_a, n_b, t_b: [P] per-prompt tokens and decode times (any unit, the same for both).
         n_boot: resamples; level: the interval's coverage; seed: the resampling's RNG seed.
     Returns:
-        (low, high); both the ratio itself for a single prompt.
+        (low, high); both the ratio itself for a single prompt, both 0.0 where engine A
+        emitted nothing or a time is 0.
     """
     n_a, t_a, n_b, t_b = (np.asarray(x, dtype=np.float64) for x in (n_a, t_a, n_b, t_b))
     p = n_a.size
+    if not (n_a.sum() > 0 and t_a.sum() > 0 and t_b.sum() > 0):  # no speed to compare (as ``last_over_first``)
+        return 0.0, 0.0
     if p < 2:
         r = float(n_b.sum() / t_b.sum() / (n_a.sum() / t_a.sum()))
         return r, r

@@ -313,7 +313,6 @@ class ModelDrafter(abc.ABC):
     def begin(self, history: Sequence[int], context: Sequence[Sequence[int]] = ()) -> None:
         self.history = [int(t) for t in history]
         self.calib.reset_request()
-        self.stats.begin_request()
 
     def accept(self, tokens: Sequence[int]) -> None:
         self.history.extend(int(t) for t in tokens)

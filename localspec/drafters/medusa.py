@@ -349,7 +349,6 @@ class MedusaDrafter:
         self.history = [int(t) for t in history]
         self._h, self._h_pos = None, -1
         self.calib.reset_request()
-        self.stats.begin_request()
 
     def accept(self, tokens: Sequence[int]) -> None:
         self.history.extend(int(t) for t in tokens)
