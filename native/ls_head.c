@@ -132,7 +132,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) static void dot4
 
 /* the AVX-512 paths, unless LS_HEAD_NO_AVX512 is set (the tests' way to run the AVX2 ones) */
 static int ls__no_avx512(void) {
-    static int v = -1;
+    static volatile int v = -1; /* every thread computes the same value: a race only repeats getenv */
     if (v < 0) v = getenv("LS_HEAD_NO_AVX512") != NULL;
     return v;
 }

@@ -88,9 +88,16 @@ enum {
     LS_CPU_AVX512_VNNI = 4,   /* AVX-512 F/BW/DQ/VL/VNNI (with AVX2, FMA, F16C) */
 };
 int ls_cpu_has(int set);
+/* the compiler knows AVX-512 VNNI as a target: GCC 8, LLVM clang 8, Apple clang 11 (Apple's
+ * own version numbers run ahead of LLVM's) */
+#if defined(__apple_build_version__)
+#define LS_CLANG_VNNI (__clang_major__ >= 11)
+#else
+#define LS_CLANG_VNNI (__clang_major__ >= 8)
+#endif
 #if (defined(__x86_64__) || defined(__i386__)) && \
-    ((defined(__clang__) && __clang_major__ >= 8) || (defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 8))
-#define LS_HAVE_AVX512_VNNI_TARGET 1 /* the compiler knows AVX-512 VNNI as a target (GCC 8, clang 8) */
+    ((defined(__clang__) && LS_CLANG_VNNI) || (defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 8))
+#define LS_HAVE_AVX512_VNNI_TARGET 1
 #endif
 
 /* exp(r) for r <= ~700 in double, branch-free (vectorisable), within ~2 ulp of libm;
