@@ -461,17 +461,24 @@ class ModelDraftStats:
             self.explore_spent_us += self.last_probe_us - self.probe_reserved_us
             self.probe_reserved_us = 0.0
 
-    def observe_accept(self, n_accepted: int, gain: int | None = None, depth: int | None = None) -> None:
+    def observe_accept(self, n_accepted: int, gain: int | None = None, depth: int | None = None,
+                       n_emitted: int | None = None) -> None:  # fmt: skip
         """A drafted step: ``n_accepted`` tokens along the model's tree, ``gain`` of them beyond
         what the cheap drafts got (None: the model drafted alone, gain = ``n_accepted``); a
         probe's outcome replaces the averages. ``depth``: the depth of the model's tree, for the
-        per-depth counts (a path accepted to the tree's depth says nothing of deeper ones)."""
+        per-depth counts (a path accepted to the tree's depth says nothing of deeper ones).
+        ``n_emitted``: the tokens the step emitted (None: more than ``n_accepted``). A depth
+        counts as tried only where an emitted token tested it: where the policy verified part
+        of the tree (``select_model_nodes``), every emitted token (the target's own next one
+        included) can follow the model's path, and its nodes below were never tested, not
+        rejected."""
         if depth is not None and depth > 0:
             keep = 0.0 if self.probe else self.depth_decay  # a probe's outcome replaces the counts too
             for d in range(MODEL_DEPTHS):
                 self.depth_tried[d] *= keep
                 self.depth_ok[d] *= keep
-            for d in range(min(depth, n_accepted + 1, MODEL_DEPTHS)):
+            tried = n_accepted + 1 if n_emitted is None else min(n_accepted + 1, n_emitted)
+            for d in range(min(depth, tried, MODEL_DEPTHS)):
                 self.depth_tried[d] += 1.0
                 if d < n_accepted:
                     self.depth_ok[d] += 1.0
@@ -835,20 +842,25 @@ class SpeculationPolicy:
         longer runs either. Like ``choose``, it must beat the cheap step by ``min_gain``.
         ``t_spent_us``: the time the step already spent on the cheap drafts (``model_rate``).
 
-        Where the cheap drafts verify nothing (``cheap.n_nodes == 1``) and the model has drafted
-        such a step before, the model's ``value`` decides (above 1: its steps beat the plain
-        steps they replaced): such a step verifies only the model's nodes that pay by their own
-        scores (``select_model_nodes``), so a model whose drafts are mostly unsure costs its
-        drafting time there and not the rows of drafts that fail, which ``model_rate``'s
-        verify-everything estimate would charge.
+        Where the cheap drafts verify nothing (``cheap.n_nodes == 1``) the model also runs
+        where its ``value`` is above 1 (its such steps beat the plain steps they replaced),
+        even if the estimate does not pay: such a step verifies only the model's nodes that pay
+        by their own scores (``select_model_nodes``), so a model whose drafts are mostly unsure
+        costs its drafting time there and not the rows of drafts that fail, which
+        ``model_rate``'s verify-everything estimate charges; by the same token, where that
+        estimate pays, such a step does too, and a value below 1 (a short average, or one
+        probe's outcome) does not overrule it. (Measured 2026-12-05, the head alone against
+        the rule before the measured worth: with the value alone deciding, 1.07x on bare
+        Spec-Bench prompts but 0.91-0.97x as user turns, where the head is strong and a few
+        failing steps switched it off; with either, 1.07x and 1.05x.)
         (Measured 2026-12-01 on Spec-Bench: crediting the whole acceptance length gave
         ``auto`` 0.86x of ``ngram``; crediting the cheap tree's expected tokens plus the gain
         0.55x, because the head then ran, with its small budget, where the n-grams had long
         runs.)"""
         if stats.n_steps == 0:
             return False
-        if cheap.n_nodes <= 1 and stats.n_value > 0:  # its nodes only verified where they pay
-            return stats.value > 1.0
+        if cheap.n_nodes <= 1 and stats.n_value > 0 and stats.value > 1.0:  # its nodes only verified where they pay
+            return True
         if shape is not None:
             rate = self.model_rate(stats, shape, t_spent_us=t_spent_us)
         else:

@@ -467,14 +467,17 @@ def test_where_the_cheap_drafts_verify_nothing_a_model_step_verifies_only_its_no
     assert fixed.cheap_nodes is None and pol.select_model_nodes(head, fixed, max_nodes=64, t_spent_us=1800.0) is None
 
 
-def test_where_the_cheap_drafts_verify_nothing_the_models_measured_value_decides():
-    """``prefer_model`` on a step the n-gram tree leaves plain follows the model's ``value``
-    (what its such steps emitted against the plain steps they replaced) once it has one, and
-    not the estimate from its acceptance, which charges every drafted row: a head whose
-    steps emitted one token for 10% more time stops there even though its acceptance says it
-    pays, and one whose steps paid comes back; a probe's outcome replaces the average. On a
-    step with n-gram drafts the acceptance estimate still decides. (It failed when
-    ``prefer_model`` ignored ``value``.)"""
+def test_where_the_cheap_drafts_verify_nothing_the_model_runs_where_its_value_or_its_acceptance_pays():
+    """``prefer_model`` on a step the n-gram tree leaves plain runs the model where its measured
+    ``value`` (what its such steps emitted against the plain steps they replaced) is above 1,
+    or where the estimate from its acceptance pays, which charges every drafted row (such a
+    step verifies only the nodes that pay, so it costs at most that): a head whose steps
+    emitted one token in 10% more time runs while its acceptance says it pays and stops when
+    that falls too; one whose steps paid runs on a poor acceptance estimate; a probe's outcome
+    replaces the average. On a step with n-gram drafts the acceptance estimate alone decides.
+    (It failed when ``prefer_model`` ignored ``value``, and when a value below 1 overruled the
+    estimate: measured as user turns, the head alone then ran 0.91-0.97x of the rule before
+    the measured worth, and 1.05x with both.)"""
     pol = SpeculationPolicy(fixed_cost_model(), max_nodes=64)
     shape = TreeShape(depth=4, width=1, max_nodes=5)
     alone = Choice(1, 1.0, 1.0 / pol.step_us(1))
@@ -482,15 +485,20 @@ def test_where_the_cheap_drafts_verify_nothing_the_models_measured_value_decides
     stats.accept_length = stats.gain_length = 3.0
     assert pol.prefer_model(alone, stats, shape)  # no value yet: the acceptance estimate
     stats.observe_value(1, 10000.0, 11000.0)  # one token in 10% more time
-    assert stats.value == pytest.approx(10000.0 / 11000.0) and not pol.prefer_model(alone, stats, shape)
+    assert stats.value == pytest.approx(10000.0 / 11000.0)
+    assert pol.prefer_model(alone, stats, shape)  # its acceptance still pays
+    stats.accept_length = stats.gain_length = 0.1
+    assert not pol.prefer_model(alone, stats, shape)  # neither pays
     for _ in range(8):
         stats.observe_value(2, 10000.0, 14000.0)
-    assert stats.value > 1.0 and pol.prefer_model(alone, stats, shape)
+    assert stats.value > 1.0 and pol.prefer_model(alone, stats, shape)  # its worth pays
     stats.observe_value(1, 10000.0, 12500.0, probe=True)
     assert stats.value == pytest.approx(0.8) and not pol.prefer_model(alone, stats, shape)
     t5 = pol.cost.t_decode_us(5) + pol.host_us(5)
+    stats.value, stats.accept_length, stats.gain_length = 2.0, 3.0, 0.1
+    assert not pol.prefer_model(Choice(5, 3.0, 3.0 / t5), stats, shape)  # n-gram drafts: the estimate decides
     stats.gain_length = 3.5
-    assert pol.prefer_model(Choice(5, 3.0, 3.0 / t5), stats, shape)  # n-gram drafts: the estimate decides
+    assert pol.prefer_model(Choice(5, 3.0, 3.0 / t5), stats, shape)
 
 
 def test_auto_records_the_heads_gain_beyond_the_ngram_tree():
@@ -885,6 +893,22 @@ def test_the_gap_before_a_probe_follows_its_measured_cost_not_the_first_tries_es
     assert pol.probe_due(stats, shape) and not pol.probe_due(replace(stats, steps_since_run=stats.steps_since_run - 1), shape)
     stats.last_probe_us = 90000.0
     assert pol.explore_gap_due(stats, shape) == math.ceil(90000.0 / (pol.explore_budget * pol.step_us(1)))
+
+
+def test_depths_below_what_the_emitted_tokens_tested_are_not_counted_as_rejected():
+    """A chain of 6 of which the policy verified one node: the target accepted it and its own
+    next token is the model's second node (2 emitted, both along the chain). Depths 1 and 2
+    were tried and accepted; depths 3-6 were never tested, so they count neither way. A step
+    whose second emitted token left the chain tried depth 2 and rejected it."""
+    st = ModelDraftStats()
+    st.observe_accept(2, depth=6, n_emitted=2)
+    assert st.depth_tried[:3] == [1.0, 1.0, 0.0] and st.depth_ok[:3] == [1.0, 1.0, 0.0]
+    st = ModelDraftStats()
+    st.observe_accept(1, depth=6, n_emitted=2)
+    assert st.depth_tried[:3] == [1.0, 1.0, 0.0] and st.depth_ok[:3] == [1.0, 0.0, 0.0]
+    st = ModelDraftStats()
+    st.observe_accept(6, depth=6, n_emitted=7)  # the whole chain verified and accepted
+    assert st.depth_tried[:7] == [1.0] * 6 + [0.0] and st.depth_ok[:6] == [1.0] * 6
 
 
 def test_a_head_needs_features_only_where_it_may_draft_soon():

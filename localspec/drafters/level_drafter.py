@@ -449,7 +449,8 @@ class ModelDrafter(abc.ABC):
         self._ran = False
         if tree.n_nodes > 1:
             n = accepted_length(tree, emitted)
-            self.stats.observe_accept(n, None if baseline is None else max(0, n - baseline), depth=int(tree.depth.max()))
+            self.stats.observe_accept(n, None if baseline is None else max(0, n - baseline), depth=int(tree.depth.max()),
+                                      n_emitted=len(emitted))  # fmt: skip
         self.calib.observe(tree, emitted)
 
     # -- provided by subclasses ---------------------------------------------------------------
