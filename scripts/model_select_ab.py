@@ -24,6 +24,13 @@ from localspec.costmodel import calibrate
 
 
 def main() -> None:
+    run_ab(lambda old: setattr(old.policy, "select_model_nodes", lambda *a, **k: None))
+
+
+def run_ab(patch_old) -> None:
+    """The A/B run on the command line's arguments: plain decoding, and two engines of the
+    drafter, the "old" one changed by ``patch_old(engine)`` (shared by the scripts that set a
+    policy rule back against the one in place: ``probe_gap_ab.py``)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--dataset", required=True)
     ap.add_argument("--per-category", type=int, default=5)
@@ -40,7 +47,7 @@ def main() -> None:
     engines = {"plain": base}
     for name in ("old", "new"):
         engines[name] = Engine(None, drafter=args.drafter, n_ctx=4096, cost_model=calibrate(base.ctx))
-    engines["old"].policy.select_model_nodes = lambda *a, **k: None
+    patch_old(engines["old"])
     greedy = SamplingParams.greedy()
     names, rows = list(engines), []
     try:
