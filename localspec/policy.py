@@ -859,7 +859,7 @@ class SpeculationPolicy:
         runs.)"""
         if stats.n_steps == 0:
             return False
-        if cheap.n_nodes <= 1 and stats.n_value > 0 and stats.value > 1.0:  # its nodes only verified where they pay
+        if cheap.n_nodes <= 1 and stats.value > 1.0:  # its nodes only verified where they pay (0 before any)
             return True
         if shape is not None:
             rate = self.model_rate(stats, shape, t_spent_us=t_spent_us)
@@ -890,16 +890,21 @@ class SpeculationPolicy:
         """Longest gap (steps) between probes of a model drafter that does not pay: probes on
         at most ``explore_budget`` of the steps, and their cost at most ``explore_budget`` of
         the time (``paid_explore_gap``). Never below ``explore_every``."""
-        return max(self.explore_every, math.ceil(1.0 / self.explore_budget), self.paid_explore_gap(stats, shape))
+        return max(self.steps_explore_gap(), self.paid_explore_gap(stats, shape))
+
+    def steps_explore_gap(self) -> int:
+        """Longest gap (steps) that keeps probes on ``explore_budget`` of the steps, never
+        below ``explore_every``."""
+        return max(self.explore_every, math.ceil(1.0 / self.explore_budget))
 
     def next_explore_gap(self, stats: ModelDraftStats) -> int:
         """The gap (steps) stored after a probe: twice the last one (``explore_every`` at
-        first), at most what keeps probes on ``explore_budget`` of the steps. What a probe
+        first), at most ``steps_explore_gap``. What a probe
         costs is not stored in it: ``explore_gap_due`` adds that when the next probe is
         weighed, with the cost as measured then (a first try priced as verifying its whole
         tree, before its cost is known, would otherwise set every later gap)."""
         gap = 2 * stats.explore_gap if stats.explore_gap else self.explore_every
-        return min(gap, max(self.explore_every, math.ceil(1.0 / self.explore_budget)))
+        return min(gap, self.steps_explore_gap())
 
     def explore_gap_due(self, stats: ModelDraftStats, shape: TreeShape) -> int:
         """Steps without the model before it is due a probe: the stored gap (``explore_every``
@@ -929,8 +934,8 @@ class SpeculationPolicy:
     def probe_due(self, stats: ModelDraftStats, shape: TreeShape, *, ahead: int = 0) -> bool:
         """Whether a model drafter that does not pay is due a probe: never probed nor run (a
         new model is tried once), or ``explore_gap_due`` steps without it, and within the
-        budget of the drafter's life across requests: the measured cost of the probes since the model
-        last paid (``stats.explore_spent_us``) plus this one's (``probe_cost_us``) at most
+        budget of the drafter's life across requests: the measured cost of the probes since
+        the model last paid (``stats.explore_spent_us``) plus this one's (``probe_cost_us``) at most
         ``explore_budget`` of the measured step time since then (``t_steps_us -
         stats.explore_from_us``). ``ahead``: whether it is due within that many more steps
         (each priced a plain step)."""

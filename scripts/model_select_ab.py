@@ -4,7 +4,8 @@ EAGLE-3 head alone), one of whose policies never selects (``select_model_nodes``
 every model step verifies the plan's size, and no step's worth is measured, so the acceptance
 estimate decides as before the rule). Engines alternate prompt by prompt, each round in the
 reverse order of the one before; greedy. Prints per category each engine's speed over plain,
-new over old, the head's emitted tokens and MAL, and whether every output equals plain's.
+new over old with its 95% bootstrap interval over prompts, the head's emitted tokens and MAL,
+and how many prompts' outputs equal plain's in every round.
 
     python scripts/model_select_ab.py --dataset question.jsonl --per-category 5 --repeats 2 [--chat-format] [--json out.json]
 
@@ -18,9 +19,10 @@ import argparse
 import json
 import sys
 
-from localspec import Engine, SamplingParams
+from localspec.backend import Model
 from localspec.bench.dataset import as_chat, load_questions, resolve_dataset, select_prompts
-from localspec.costmodel import calibrate
+from localspec.bench.drafters import compare_drafters, summarize_versus
+from localspec.models import resolve_model
 
 
 def main() -> None:
@@ -28,9 +30,11 @@ def main() -> None:
 
 
 def run_ab(patch_old) -> None:
-    """The A/B run on the command line's arguments: plain decoding, and two engines of the
-    drafter, the "old" one changed by ``patch_old(engine)`` (shared by the scripts that set a
-    policy rule back against the one in place: ``probe_gap_ab.py``)."""
+    """The A/B run on the command line's arguments (``bench.drafters.compare_drafters``: plain
+    decoding and two engines of the drafter, alternating, greedy), the "old" one changed by
+    ``patch_old(engine)`` (shared by the scripts that set a policy rule back against the one
+    in place: ``probe_gap_ab.py``). ``--json`` writes ``compare_drafters``' rows and
+    ``summarize_versus``' summary, with the engines labelled ``D`` (old) and ``D#2`` (new)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--dataset", required=True)
     ap.add_argument("--per-category", type=int, default=5)
@@ -41,51 +45,27 @@ def run_ab(patch_old) -> None:
     ap.add_argument("--json", default=None, help="also write the per-prompt numbers here")
     args = ap.parse_args()
     prompts = select_prompts(load_questions(resolve_dataset(args.dataset)), None, args.per_category)
-    base = Engine(None, drafter="none", n_ctx=4096)
-    if args.chat_format:
-        prompts = as_chat(prompts, base.model)
-    engines = {"plain": base}
-    for name in ("old", "new"):
-        engines[name] = Engine(None, drafter=args.drafter, n_ctx=4096, cost_model=calibrate(base.ctx))
-    patch_old(engines["old"])
-    greedy = SamplingParams.greedy()
-    names, rows = list(engines), []
+    model = Model(resolve_model(None))
     try:
-        for i, bp in enumerate(prompts):
-            order = names[i % 3 :] + names[: i % 3]
-            row = {"category": bp.category, "question_id": bp.question_id}
-            ids = {}
-            for k in range(args.repeats):
-                for n in order if k % 2 == 0 else order[::-1]:
-                    e = engines[n]
-                    e.reset()
-                    r = e.generate(bp.text if bp.tokens is None else bp.tokens, max_tokens=args.max_tokens, sampling=greedy, speculative=n != "plain")
-                    d = row.setdefault(n, {"t": [], "n": r.stats.n_generated_tokens, "src": dict(r.stats.token_sources),
-                                           "mal": r.stats.mean_acceptance_length})  # fmt: skip
-                    d["t"].append(r.stats.t_generate_us)
-                    ids.setdefault(n, []).append(r.token_ids)
-            for n in ("old", "new"):
-                row[n]["identical"] = all(x == ids["plain"][0] for x in ids[n])
-            rows.append(row)
-            print(f"{i + 1}/{len(prompts)}", file=sys.stderr)
+        if args.chat_format:
+            prompts = as_chat(prompts, model)
+        old, new = args.drafter, f"{args.drafter}#2"
+        rows = compare_drafters(model, prompts, [old, new], max_tokens=args.max_tokens, repeats=args.repeats,
+                                configure={old: patch_old}, progress=lambda i, n, _r: print(f"{i}/{n}", file=sys.stderr))  # fmt: skip
     finally:
-        for e in engines.values():
-            e.close()
+        model.close()
+    summary = summarize_versus(rows, [old, new])
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"prompts": rows, "drafter": args.drafter}, f)
-
-    def tps(rs, n):
-        return sum(r[n]["n"] for r in rs) / sum(sum(r[n]["t"]) / len(r[n]["t"]) for r in rs)
-
-    src = "eagle3" if args.drafter == "eagle3" else args.drafter
-    print("category        old/plain new/plain new/old  model tokens old/new  MAL old/new  identical")
-    for c in sorted({r["category"] for r in rows}) + ["all"]:
-        rs = [r for r in rows if c == "all" or r["category"] == c]
-        print(f"{c:15s} {tps(rs, 'old') / tps(rs, 'plain'):9.3f} {tps(rs, 'new') / tps(rs, 'plain'):9.3f} "
-              f"{tps(rs, 'new') / tps(rs, 'old'):7.3f}  {sum(r['old']['src'].get(src, 0) for r in rs):9d}/"
-              f"{sum(r['new']['src'].get(src, 0) for r in rs):<9d} {sum(r['old']['mal'] for r in rs) / len(rs):5.2f}/"
-              f"{sum(r['new']['mal'] for r in rs) / len(rs):<5.2f}  {sum(r['old']['identical'] and r['new']['identical'] for r in rs)}/{len(rs)}")  # fmt: skip
+            json.dump({"prompts": rows, "summary": summary, "drafter": args.drafter, "old": old, "new": new}, f)
+    src = "eagle3" if args.drafter in ("eagle3", "auto") else args.drafter
+    print("category        old/plain new/plain new/old (95% interval)  model tokens old/new  MAL old/new  identical old/new")
+    for e in summary:
+        o, w = e[old], e[new]
+        lo, hi = e["last_over_first_ci"]
+        print(f"{e['category']:15s} {o['speed_vs_plain']:9.3f} {w['speed_vs_plain']:9.3f} {e['last_over_first']:7.3f} ({lo:.3f}-{hi:.3f})  "
+              f"{o['token_sources'].get(src, 0):9d}/{w['token_sources'].get(src, 0):<9d} {o['mal']:5.2f}/{w['mal']:<5.2f}  "
+              f"{o['identical']}/{w['identical']} of {e['prompts']}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ def test_labels_number_the_repeats():
 def test_a_drafter_named_twice_runs_on_two_engines(model):
     prompts = [BenchPrompt("qa", "qa", 1, "Question: Name three rivers in Europe.\nAnswer:")]
     labels = versus_labels(["ngram", "ngram"])
-    rows = compare_drafters(model, prompts, labels, max_tokens=12)
+    configured = []
+    rows = compare_drafters(model, prompts, labels, max_tokens=12, configure={"ngram#2": lambda e: configured.append(e.drafter_name)})
+    assert configured == ["ngram"]  # the second engine only, once
     (row,) = rows
     assert row["ngram"]["identical"] and row["ngram#2"]["identical"]
     assert row["ngram"]["n_generated_tokens"] == row["ngram#2"]["n_generated_tokens"] > 0

@@ -226,7 +226,7 @@ def versus_labels(names: Sequence[str]) -> list[str]:
 
 
 def compare_drafters(model, prompts, drafters=("ngram", "auto"), *, max_tokens: int = 128, n_threads=None,
-                     progress=None, repeats: int = 1) -> list[dict]:  # fmt: skip
+                     progress=None, repeats: int = 1, configure=None) -> list[dict]:  # fmt: skip
     """Spec-Bench-style prompts decoded plainly and with each drafter, in one run: per prompt
     the runs alternate (the order rotates prompt by prompt) so load bursts spread over all of
     them, each from an empty KV cache, greedy.
@@ -238,6 +238,8 @@ def compare_drafters(model, prompts, drafters=("ngram", "auto"), *, max_tokens: 
         repeats: rounds per prompt, each running every engine once; the order of a round is the
             reverse of the round before (A B C, C B A, ...: with an even count a drift in the
             machine's speed that is linear over the prompt adds the same time to every engine).
+        configure: {label: fn(engine)} called on that label's engine once made (experiments
+            that set a policy rule back on one engine: ``scripts/model_select_ab.py``).
     Returns:
         one dict per prompt: ``category``, ``question_id``, and per drafter name (and
         ``"plain"``) ``t_decode_us`` (the mean over the rounds), ``t_decode_us_rounds``,
@@ -262,6 +264,8 @@ def compare_drafters(model, prompts, drafters=("ngram", "auto"), *, max_tokens: 
         for name in drafters:
             engines[name] = Engine(model, drafter=name.split("#")[0], n_ctx=4096, n_threads=n_threads,
                                    cost_model=calibrate(base.ctx))  # fmt: skip
+            if configure and name in configure:
+                configure[name](engines[name])
         names = list(engines)
         rows = []
         for i, bp in enumerate(prompts):
