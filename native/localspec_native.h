@@ -317,12 +317,13 @@ LS_API int32_t ls_gemm_q8(const int8_t *w, const float *wd, int64_t m, int64_t k
 
 /* Softmax attention of n entries, each over its own keys: q [n, n_head * head_dim] (roped),
  * kpool / vpool [*, n_head_kv * head_dim] float32, the keys of entry e are rows
- * key_idx[key_off[e] .. key_off[e + 1]) (at least one); query head h reads kv head
- * h / (n_head / n_head_kv). out [n, n_head * head_dim] = softmax(scale q k^T) v.
+ * key_idx[key_off[e] .. key_off[e + 1]) (key_off[0] = 0; at least one each); query head h reads
+ * kv head h / (n_head / n_head_kv). out [n, n_head * head_dim] = softmax(scale q k^T) v.
+ * Threads split keys, (entry, head) pairs and head slices and never change a result.
  * returns: 0, LS_ERR_ARG or LS_ERR_NOMEM. */
 LS_API int32_t ls_head_attn(const float *q, int64_t n, int32_t n_head, int32_t n_head_kv, int32_t head_dim,
                             const float *kpool, const float *vpool, const int64_t *key_off, const int64_t *key_idx,
-                            float scale, float *out);
+                            float scale, float *out, int32_t n_threads);
 
 /* out = x / sqrt(mean(x^2) + eps) * w per row (ggml_rms_norm times w; the sum in double).
  * x, out [nr, k] (may alias). returns: 0, or LS_ERR_ARG. */

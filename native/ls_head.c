@@ -75,6 +75,16 @@ static inline float ls__hsum256(__m256 acc) {
     return _mm_cvtss_f32(s);
 }
 
+/* the 16 lanes summed, halves first (what _mm512_reduce_add_ps does; that one needs GCC 7) */
+static inline float ls__hsum512(__m512 a) __attribute__((target("avx512f")));
+static inline float ls__hsum512(__m512 a) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
 /* one matrix row against up to 4 activation rows: the block of the matrix loaded once */
 __attribute__((target("avx2,fma"))) static void dot4_q8_avx2(const int8_t *w, const float *wd, const int8_t *x,
                                                             const float *xd, int64_t nb, int64_t k, int nr,
@@ -96,29 +106,30 @@ __attribute__((target("avx2,fma"))) static void dot4_q8_avx2(const int8_t *w, co
 }
 
 #ifdef LS_HAVE_AVX512_VNNI_TARGET
-/* the same with AVX-512 VNNI: two blocks per instruction. xs holds, per activation row, its
- * block scales each repeated 8 times ([nr, nb * 8]), so that a block pair's scales are one load. */
+/* the same with AVX-512 VNNI: two blocks per instruction. VNNI multiplies unsigned by signed
+ * bytes, so the activations come offset by 128 (xu = x + 128, [nr, k] uint8) and the offset's
+ * share, 128 * (sum of each 4 weights), is computed once per weight pair of blocks and starts
+ * every row's sum: -128 sum w + sum (x + 128) w = sum x w, the same integers as x times w.
+ * xs holds, per activation row, its block scales each repeated 8 times ([nr, nb * 8]), so that
+ * a block pair's scales are one load. x (signed) serves an odd last block. */
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) static void dot4_q8_vnni(
-    const int8_t *w, const float *wd, const int8_t *x, const float *xs, const float *xd, int64_t nb, int64_t k,
-    int nr, float *out) {
+    const int8_t *w, const float *wd, const uint8_t *xu, const int8_t *x, const float *xs, const float *xd, int64_t nb,
+    int64_t k, int nr, float *out) {
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    const __m512i zero = _mm512_setzero_si512();
+    const __m512i zero = _mm512_setzero_si512(), c128 = _mm512_set1_epi8((char)0x80);
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
-        __m512i wv = _mm512_loadu_si512((const void *)(w + b * LS_Q8_BLOCK));
-        __m512i aw = _mm512_abs_epi8(wv);
-        __mmask64 neg = _mm512_movepi8_mask(wv);
-        __m512 ws = _mm512_insertf32x8(_mm512_set1_ps(wd[b]), _mm256_set1_ps(wd[b + 1]), 1);
+        const __m512i wv = _mm512_loadu_si512((const void *)(w + b * LS_Q8_BLOCK));
+        const __m512i start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, c128, wv));
+        const __m512 ws = _mm512_insertf32x8(_mm512_set1_ps(wd[b]), _mm256_set1_ps(wd[b + 1]), 1);
         for (int r = 0; r < nr; r++) {
-            __m512i xv = _mm512_loadu_si512((const void *)(x + r * k + b * LS_Q8_BLOCK));
-            __m512i sx = _mm512_mask_sub_epi8(xv, neg, zero, xv);
-            __m512 p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, aw, sx));
-            __m512 sc = _mm512_mul_ps(ws, _mm512_loadu_ps(xs + (r * nb + b) * 8));
-            acc[r] = _mm512_fmadd_ps(sc, p, acc[r]);
+            const __m512i xv = _mm512_loadu_si512((const void *)(xu + r * k + b * LS_Q8_BLOCK));
+            const __m512 p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, xv, wv));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(ws, _mm512_loadu_ps(xs + (r * nb + b) * 8)), p, acc[r]);
         }
     }
     for (int r = 0; r < nr; r++) {
-        float t = _mm512_reduce_add_ps(acc[r]);
+        float t = ls__hsum512(acc[r]);
         for (int64_t bb = b; bb < nb; bb++) { /* an odd last block */
             int32_t si = 0;
             for (int j = 0; j < LS_Q8_BLOCK; j++)
@@ -146,6 +157,8 @@ static int ls__has_vnni(void) {
 }
 
 static int ls__has_avx2(void) { return ls_cpu_has(LS_CPU_AVX2_FMA); }
+
+static int ls__has_avx512f(void) { return ls_cpu_has(LS_CPU_AVX512F) && !ls__no_avx512(); }
 #endif
 
 int32_t ls_gemm_q8(const int8_t *w, const float *wd, int64_t m, int64_t k, const float *x, int64_t nr, float *y,
@@ -163,18 +176,23 @@ int32_t ls_gemm_q8(const int8_t *w, const float *wd, int64_t m, int64_t k, const
     ls_q8_quantize_rows(x, nr, k, xq, xd);
     int use_avx2 = 0, use_vnni = 0;
     float *xs = NULL;
+    uint8_t *xu = NULL;
 #ifdef LS_HEAD_X86
     use_avx2 = ls__has_avx2();
     use_vnni = ls__has_vnni();
     if (use_vnni) {
         xs = (float *)malloc(sizeof(float) * (size_t)(nr * nb * 8 + 1));
-        if (!xs) {
+        xu = (uint8_t *)malloc((size_t)(nr * k) + 64);
+        if (!xs || !xu) {
             free(xq);
             free(xd);
+            free(xs);
+            free(xu);
             return LS_ERR_NOMEM;
         }
         for (int64_t i = 0; i < nr * nb; i++)
             for (int j = 0; j < 8; j++) xs[i * 8 + j] = xd[i];
+        for (int64_t i = 0; i < nr * k; i++) xu[i] = (uint8_t)((int)xq[i] + 128);
     }
 #endif
     (void)use_avx2;
@@ -196,7 +214,7 @@ int32_t ls_gemm_q8(const int8_t *w, const float *wd, int64_t m, int64_t k, const
 #ifdef LS_HEAD_X86
 #ifdef LS_HAVE_AVX512_VNNI_TARGET
                 if (use_vnni) {
-                    dot4_q8_vnni(wi, wdi, xq + r0 * k, xs + r0 * nb * 8, xd + r0 * nb, nb, k, rr, o4);
+                    dot4_q8_vnni(wi, wdi, xu + r0 * k, xq + r0 * k, xs + r0 * nb * 8, xd + r0 * nb, nb, k, rr, o4);
                     for (int r = 0; r < rr; r++) y[(r0 + r) * m + i] = o4[r];
                     continue;
                 }
@@ -214,67 +232,250 @@ int32_t ls_gemm_q8(const int8_t *w, const float *wd, int64_t m, int64_t k, const
     free(xq);
     free(xd);
     free(xs);
+    free(xu);
     return 0;
 }
 
+/* ---- attention --------------------------------------------------------------------------- */
+
+/* The attention's two inner loops, written out per instruction set. Key and value rows are
+ * found through key_idx: index r < n0 is row r of (k0, v0), a larger one row r - n0 of (k1, v1).
+ *
+ * ls_scores: s[h * sc + j] = scale * q_h . k_{ix[j]}[kv head of h] for keys j in [j0, j1)
+ * ls_wsum:   o[0:len] = sum_j p[j] v_{ix[j]}[off : off + len] over j in [0, c), summed in key
+ *            order per element (len <= 64). */
+typedef struct {
+    const float *k0, *v0, *k1, *v1;
+    int64_t n0, kv_w;
+} ls_pools_t;
+
+static inline const float *ls__krow(const ls_pools_t *pl, int64_t r) {
+    return r < pl->n0 ? pl->k0 + r * pl->kv_w : pl->k1 + (r - pl->n0) * pl->kv_w;
+}
+
+static inline const float *ls__vrow(const ls_pools_t *pl, int64_t r) {
+    return r < pl->n0 ? pl->v0 + r * pl->kv_w : pl->v1 + (r - pl->n0) * pl->kv_w;
+}
+
+static void ls_scores_plain(const ls_pools_t *pl, const float *q, int n_head, int rep, int64_t head_dim,
+                            const int64_t *ix, int64_t j0, int64_t j1, float scale, float *s, int64_t sc) {
+    for (int64_t j = j0; j < j1; j++) {
+        const float *kr = ls__krow(pl, ix[j]);
+        for (int h = 0; h < n_head; h++) {
+            const float *qh = q + h * head_dim, *kh = kr + (int64_t)(h / rep) * head_dim;
+            float t = 0.0f;
+            for (int64_t i = 0; i < head_dim; i++) t += qh[i] * kh[i];
+            s[h * sc + j] = t * scale;
+        }
+    }
+}
+
+static void ls_wsum_plain(const ls_pools_t *pl, const float *p, const int64_t *ix, int64_t c, int64_t off, int64_t len,
+                          float *o) {
+    float acc[64];
+    for (int64_t i = 0; i < len; i++) acc[i] = 0.0f;
+    for (int64_t j = 0; j < c; j++) {
+        const float *v = ls__vrow(pl, ix[j]) + off;
+        for (int64_t i = 0; i < len; i++) acc[i] += p[j] * v[i];
+    }
+    memcpy(o, acc, sizeof(float) * (size_t)len);
+}
+
+#ifdef LS_HEAD_X86
+__attribute__((target("avx512f"))) static void ls_scores_avx512(const ls_pools_t *pl, const float *q, int n_head,
+                                                                int rep, int64_t head_dim, const int64_t *ix,
+                                                                int64_t j0, int64_t j1, float scale, float *s,
+                                                                int64_t sc) {
+    for (int64_t j = j0; j < j1; j++) {
+        const float *kr = ls__krow(pl, ix[j]);
+        for (int h = 0; h < n_head; h++) {
+            const float *qh = q + h * head_dim, *kh = kr + (int64_t)(h / rep) * head_dim;
+            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+            int64_t i = 0;
+            for (; i + 32 <= head_dim; i += 32) {
+                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + i), _mm512_loadu_ps(kh + i), a0);
+                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + i + 16), _mm512_loadu_ps(kh + i + 16), a1);
+            }
+            if (i + 16 <= head_dim) {
+                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + i), _mm512_loadu_ps(kh + i), a0);
+                i += 16;
+            }
+            float t = ls__hsum512(_mm512_add_ps(a0, a1));
+            for (; i < head_dim; i++) t += qh[i] * kh[i];
+            s[h * sc + j] = t * scale;
+        }
+    }
+}
+
+__attribute__((target("avx512f"))) static void ls_wsum_avx512(const ls_pools_t *pl, const float *p, const int64_t *ix,
+                                                              int64_t c, int64_t off, int64_t len, float *o) {
+    if (len != 64) {
+        ls_wsum_plain(pl, p, ix, c, off, len, o);
+        return;
+    }
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    for (int64_t j = 0; j < c; j++) {
+        const float *v = ls__vrow(pl, ix[j]) + off;
+        const __m512 pj = _mm512_set1_ps(p[j]);
+        a0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v), a0);
+        a1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 16), a1);
+        a2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 32), a2);
+        a3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 48), a3);
+    }
+    _mm512_storeu_ps(o, a0);
+    _mm512_storeu_ps(o + 16, a1);
+    _mm512_storeu_ps(o + 32, a2);
+    _mm512_storeu_ps(o + 48, a3);
+}
+
+__attribute__((target("avx2,fma"))) static void ls_scores_avx2(const ls_pools_t *pl, const float *q, int n_head, int rep,
+                                                               int64_t head_dim, const int64_t *ix, int64_t j0,
+                                                               int64_t j1, float scale, float *s, int64_t sc) {
+    for (int64_t j = j0; j < j1; j++) {
+        const float *kr = ls__krow(pl, ix[j]);
+        for (int h = 0; h < n_head; h++) {
+            const float *qh = q + h * head_dim, *kh = kr + (int64_t)(h / rep) * head_dim;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            int64_t i = 0;
+            for (; i + 16 <= head_dim; i += 16) {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(kh + i), a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i + 8), _mm256_loadu_ps(kh + i + 8), a1);
+            }
+            if (i + 8 <= head_dim) {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(kh + i), a0);
+                i += 8;
+            }
+            float t = ls__hsum256(_mm256_add_ps(a0, a1));
+            for (; i < head_dim; i++) t += qh[i] * kh[i];
+            s[h * sc + j] = t * scale;
+        }
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void ls_wsum_avx2(const ls_pools_t *pl, const float *p, const int64_t *ix,
+                                                             int64_t c, int64_t off, int64_t len, float *o) {
+    if (len != 64) {
+        ls_wsum_plain(pl, p, ix, c, off, len, o);
+        return;
+    }
+    __m256 a[8];
+    for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < c; j++) {
+        const float *v = ls__vrow(pl, ix[j]) + off;
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * u), a[u]);
+    }
+    for (int u = 0; u < 8; u++) _mm256_storeu_ps(o + 8 * u, a[u]);
+}
+#endif
+
+typedef void (*ls_scores_fn)(const ls_pools_t *, const float *, int, int, int64_t, const int64_t *, int64_t, int64_t,
+                             float, float *, int64_t);
+typedef void (*ls_wsum_fn)(const ls_pools_t *, const float *, const int64_t *, int64_t, int64_t, int64_t, float *);
+
 /* ls_head_attn over two key pools: key index j < n0 reads row j of (k0, v0), a larger one row
- * j - n0 of (k1, v1) (a request's committed entries, then the level's new entries) */
+ * j - n0 of (k1, v1) (a request's committed entries, then the level's new entries).
+ *
+ * Three passes, each split over threads without changing a single sum (so every thread count
+ * gives the same bits): the scores of every (entry, head, key), split by key; each (entry,
+ * head)'s softmax in place, split by pair; the weighted sums of value rows, split by (pair,
+ * 32-dim slice), each slice summed over its keys in order. Work: 2 n * n_head * c * head_dim
+ * multiply-adds for c keys an entry, vectorised over head_dim. */
 static int32_t head_attn2(const float *q, int64_t n, int32_t n_head, int32_t n_head_kv, int32_t head_dim,
                           const float *k0, const float *v0, int64_t n0, const float *k1, const float *v1,
-                          int64_t n1, const int64_t *key_off, const int64_t *key_idx, float scale, float *out) {
+                          int64_t n1, const int64_t *key_off, const int64_t *key_idx, float scale, float *out,
+                          int32_t n_threads) {
     if (!q || !key_off || !key_idx || !out || n < 0 || n_head < 1 || n_head_kv < 1 || head_dim < 1 ||
-        n_head % n_head_kv)
+        n_head % n_head_kv || key_off[0] != 0)
         return LS_ERR_ARG;
     const int64_t kv_w = (int64_t)n_head_kv * head_dim, q_w = (int64_t)n_head * head_dim;
     const int rep = n_head / n_head_kv;
-    int64_t most = 0;
     for (int64_t e = 0; e < n; e++) {
-        int64_t c = key_off[e + 1] - key_off[e];
-        if (c < 1) return LS_ERR_ARG;
-        if (c > most) most = c;
+        if (key_off[e + 1] - key_off[e] < 1) return LS_ERR_ARG;
         for (int64_t j = key_off[e]; j < key_off[e + 1]; j++)
             if (key_idx[j] < 0 || key_idx[j] >= n0 + n1 || (key_idx[j] < n0 && !k0) || (key_idx[j] >= n0 && !k1))
                 return LS_ERR_ARG;
     }
-    float *s = (float *)malloc(sizeof(float) * (size_t)(most + 1));
-    if (!s) return LS_ERR_NOMEM;
-    for (int64_t e = 0; e < n; e++) {
-        const int64_t *ix = key_idx + key_off[e];
-        const int64_t c = key_off[e + 1] - key_off[e];
-        for (int h = 0; h < n_head; h++) {
-            const float *qh = q + e * q_w + (int64_t)h * head_dim;
-            const int64_t kh = (int64_t)(h / rep) * head_dim;
-            float mx = -INFINITY;
+    const ls_pools_t pl = {k0, v0, k1, v1, n0, kv_w};
+    const int64_t n_keys = key_off[n], n_pairs = n * n_head;
+    const int64_t chunk = 64, slice = 64, n_slices = (head_dim + slice - 1) / slice;
+    /* tasks of the score pass: (entry, 64 keys); task_off[e] is entry e's first */
+    int64_t *task_off = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n + 1));
+    /* s: per entry e, [n_head, c_e] scores (then probabilities) from n_head * key_off[e]; then 1 / z per pair */
+    float *s = (float *)malloc(sizeof(float) * (size_t)(n_head * n_keys + n_pairs + 1));
+    if (!s || !task_off) {
+        free(s);
+        free(task_off);
+        return LS_ERR_NOMEM;
+    }
+    float *zinv = s + n_head * n_keys;
+    task_off[0] = 0;
+    for (int64_t e = 0; e < n; e++) task_off[e + 1] = task_off[e] + (key_off[e + 1] - key_off[e] + chunk - 1) / chunk;
+    const int64_t n_tasks = task_off[n];
+    ls_scores_fn scores = ls_scores_plain;
+    ls_wsum_fn wsum = ls_wsum_plain;
+#ifdef LS_HEAD_X86
+    if (ls__has_avx512f()) {
+        scores = ls_scores_avx512;
+        wsum = ls_wsum_avx512;
+    } else if (ls__has_avx2()) {
+        scores = ls_scores_avx2;
+        wsum = ls_wsum_avx2;
+    }
+#endif
+    int nt = n_threads < 1 ? 1 : n_threads;
+    if (n_keys * q_w < 65536) nt = 1; /* a few µs of work: a parallel region would cost more than it saves */
+    (void)nt;
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(nt) if (nt > 1)
+#endif
+    {
+        int64_t e_t = 0;
+#if defined(_OPENMP)
+#pragma omp for schedule(static)
+#endif
+        for (int64_t t = 0; t < n_tasks; t++) { /* scores of 64 keys of one entry */
+            while (task_off[e_t + 1] <= t) e_t++;
+            const int64_t c = key_off[e_t + 1] - key_off[e_t], j0 = (t - task_off[e_t]) * chunk;
+            scores(&pl, q + e_t * q_w, n_head, rep, head_dim, key_idx + key_off[e_t], j0, j0 + chunk < c ? j0 + chunk : c,
+                   scale, s + n_head * key_off[e_t], c);
+        }
+#if defined(_OPENMP)
+#pragma omp for schedule(static)
+#endif
+        for (int64_t ph = 0; ph < n_pairs; ph++) { /* softmax of each (entry, head) in place */
+            const int64_t e = ph / n_head, h = ph % n_head, c = key_off[e + 1] - key_off[e];
+            float *se = s + n_head * key_off[e] + h * c;
+            float mx = -INFINITY, z = 0.0f;
+            for (int64_t j = 0; j < c; j++) mx = fmaxf(mx, se[j]);
             for (int64_t j = 0; j < c; j++) {
-                const float *kr = (ix[j] < n0 ? k0 + ix[j] * kv_w : k1 + (ix[j] - n0) * kv_w) + kh;
-                float a = 0.0f;
-                for (int i = 0; i < head_dim; i++) a += qh[i] * kr[i];
-                s[j] = a * scale;
-                mx = fmaxf(mx, s[j]);
+                se[j] = expf(se[j] - mx);
+                z += se[j];
             }
-            float z = 0.0f;
-            for (int64_t j = 0; j < c; j++) {
-                s[j] = expf(s[j] - mx);
-                z += s[j];
-            }
-            float *o = out + e * q_w + (int64_t)h * head_dim;
-            for (int i = 0; i < head_dim; i++) o[i] = 0.0f;
-            for (int64_t j = 0; j < c; j++) {
-                const float *vr = (ix[j] < n0 ? v0 + ix[j] * kv_w : v1 + (ix[j] - n0) * kv_w) + kh;
-                const float p = s[j] / z;
-                for (int i = 0; i < head_dim; i++) o[i] += p * vr[i];
-            }
+            zinv[ph] = 1.0f / z;
+        }
+#if defined(_OPENMP)
+#pragma omp for schedule(static)
+#endif
+        for (int64_t t = 0; t < n_pairs * n_slices; t++) { /* one 64-wide slice of a head's weighted sum */
+            const int64_t ph = t / n_slices, e = ph / n_head, h = ph % n_head, c = key_off[e + 1] - key_off[e];
+            const int64_t d0 = (t % n_slices) * slice, len = head_dim - d0 < slice ? head_dim - d0 : slice;
+            float *o = out + e * q_w + h * head_dim + d0;
+            wsum(&pl, s + n_head * key_off[e] + h * c, key_idx + key_off[e], c, (int64_t)(h / rep) * head_dim + d0, len, o);
+            for (int64_t i = 0; i < len; i++) o[i] *= zinv[ph];
         }
     }
     free(s);
+    free(task_off);
     return 0;
 }
 
 int32_t ls_head_attn(const float *q, int64_t n, int32_t n_head, int32_t n_head_kv, int32_t head_dim, const float *kpool,
-                     const float *vpool, const int64_t *key_off, const int64_t *key_idx, float scale, float *out) {
+                     const float *vpool, const int64_t *key_off, const int64_t *key_idx, float scale, float *out,
+                     int32_t n_threads) {
     if (!kpool || !vpool) return LS_ERR_ARG;
     return head_attn2(q, n, n_head, n_head_kv, head_dim, kpool, vpool, INT64_MAX, NULL, NULL, 0, key_off, key_idx, scale,
-                      out);
+                      out, n_threads);
 }
 
 int32_t ls_rms_norm_rows(const float *x, int64_t nr, int64_t k, const float *w, float eps, float *out) {
@@ -373,7 +574,7 @@ __attribute__((target("avx512f"))) static void dot4_h16_avx512(const uint16_t *w
         }
     }
     for (int r = 0; r < nr; r++) {
-        float t = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+        float t = ls__hsum512(_mm512_add_ps(a0[r], a1[r]));
         for (int64_t jj = j; jj < k; jj++) t += ls__h16(w[jj], bf16) * x[r * k + jj];
         out[r] = t;
     }
@@ -408,7 +609,6 @@ __attribute__((target("avx2,fma,f16c"))) static void dot4_h16_avx2(const uint16_
 
 static int ls__has_f16c(void) { return ls_cpu_has(LS_CPU_AVX2_FMA_F16C); }
 
-static int ls__has_avx512f(void) { return ls_cpu_has(LS_CPU_AVX512F) && !ls__no_avx512(); }
 #endif
 
 static void dot4_h16_plain(const uint16_t *w, int bf16, const float *x, int64_t k, int nr, float *out) {
@@ -541,7 +741,7 @@ int32_t ls_head_level(const ls_head_t *hd, int64_t n, const float *e, const floa
     if ((rc = ls_rope_norm(q, n_out, hd->n_head, hd->head_dim, hd->n_rot, qpos, hd->rope_inv)) < 0) goto done;
     for (int64_t j = 0; j < n_out * nq; j++) q[j] = ls__round_bf16(q[j]);
     if ((rc = head_attn2(q, n_out, hd->n_head, hd->n_head_kv, hd->head_dim, ctx_k, ctx_v, n_ctx, k_out, v_out, n,
-                         key_off, key_idx, (float)pow((double)hd->head_dim, -0.5), att)) < 0)
+                         key_off, key_idx, (float)pow((double)hd->head_dim, -0.5), att, n_threads)) < 0)
         goto done;
     /* r = a Wo^T + residual; h = r + Wdown(silu(Wgate n) * Wup n), n = rmsnorm(r) ffn_norm */
     if ((rc = ls_mat_apply(&hd->wo, att, n_out, r, n_threads)) < 0) goto done;

@@ -73,27 +73,38 @@ def test_q8_kernels_match_numpy(rng):
         Q8Matrix(np.zeros((2, 40), np.int8), np.zeros((2, 1), np.float32))
 
 
+def _check_attention(rng, attention):
+    """``attention`` against numpy: head sizes with and without a whole 64-wide slice, grouped
+    query heads, entries of 1 to 300 keys (long enough to split over threads), keys in any
+    order; every thread count gives the same bits."""
+    for H, Hkv, hd, pool, lens in [(4, 2, 16, 11, [1, 3, 11, 2]), (4, 1, 128, 300, [300, 1, 65, 130]),
+                                   (2, 2, 80, 200, [200, 7])]:  # fmt: skip
+        kpool = rng.standard_normal((pool, Hkv * hd)).astype(np.float32)
+        vpool = rng.standard_normal((pool, Hkv * hd)).astype(np.float32)
+        keys = [rng.permutation(pool)[:c] for c in lens]
+        q = rng.standard_normal((len(keys), H * hd)).astype(np.float32)
+        off = np.cumsum([0] + lens)
+        got = attention(q, H, Hkv, hd, kpool, vpool, off, np.concatenate(keys), 0.25)
+        for e, ks in enumerate(keys):
+            for h in range(H):
+                kh = slice(h // (H // Hkv) * hd, (h // (H // Hkv) + 1) * hd)
+                sc = kpool[ks, kh].astype(np.float64) @ q[e, h * hd : (h + 1) * hd] * 0.25
+                p = np.exp(sc - sc.max())
+                p /= p.sum()
+                np.testing.assert_allclose(got[e, h * hd : (h + 1) * hd], p @ vpool[ks, kh], rtol=1e-4, atol=1e-5)
+        for threads in (2, 3):
+            assert np.array_equal(attention(q, H, Hkv, hd, kpool, vpool, off, np.concatenate(keys), 0.25, threads), got)
+
+
 def test_attention_kernel_matches_numpy(rng):
     """``ls_head_attn``: each entry's softmax over its own key rows, query head h reading kv
-    head h // (H / Hkv)."""
+    head h // (H / Hkv), the same for any thread count; a key outside the pool is refused."""
     from localspec.native.head import attention
 
-    H, Hkv, hd, pool = 4, 2, 16, 11
-    kpool = rng.standard_normal((pool, Hkv * hd)).astype(np.float32)
-    vpool = rng.standard_normal((pool, Hkv * hd)).astype(np.float32)
-    keys = [[0], [3, 1, 2], list(range(pool)), [10, 4]]
-    q = rng.standard_normal((len(keys), H * hd)).astype(np.float32)
-    off = np.cumsum([0] + [len(k) for k in keys])
-    got = attention(q, H, Hkv, hd, kpool, vpool, off, np.concatenate(keys), 0.25)
-    for e, ks in enumerate(keys):
-        for h in range(H):
-            kh = slice(h // 2 * hd, (h // 2 + 1) * hd)
-            s = kpool[ks, kh] @ q[e, h * hd : (h + 1) * hd] * 0.25
-            p = np.exp(s - s.max())
-            p /= p.sum()
-            np.testing.assert_allclose(got[e, h * hd : (h + 1) * hd], p @ vpool[ks, kh], rtol=1e-5, atol=1e-6)
+    _check_attention(rng, attention)
+    kpool = vpool = np.zeros((3, 16), np.float32)
     with pytest.raises(ValueError):
-        attention(q, H, Hkv, hd, kpool, vpool, off, np.concatenate(keys) + 1, 0.25)  # a row past the pool
+        attention(np.zeros((1, 16), np.float32), 1, 1, 16, kpool, vpool, np.array([0, 2]), np.array([0, 3]), 0.25)
 
 
 # -- host rows vs the graph's rows -------------------------------------------------------------
@@ -315,7 +326,8 @@ def test_half_kernel_matches_numpy(rng):
 
 def test_products_without_avx512_match_numpy():
     """The AVX2 paths (``LS_HEAD_NO_AVX512=1``: ``ls_gemm_q8`` without VNNI, ``ls_gemm_h16``
-    with F16C) give the same products, in a fresh process (the kernels pick their path once)."""
+    with F16C, ``ls_head_attn``) give the same products, in a fresh process (the kernels pick
+    their path once)."""
     import subprocess
     import sys
 
@@ -332,9 +344,15 @@ for m, k, nr in [(9, 47, 1), (70, 640, 5)]:
     if k % 32 == 0:
         q = Q8Matrix(rng.integers(-127, 128, (m, k)).astype(np.int8), rng.uniform(1e-4, 1e-2, (m, k // 32)).astype(np.float32))
         np.testing.assert_allclose(q.apply(x, 2), x @ q.dense().T, atol=0.02 * np.abs(x @ q.dense().T).max())
+import sys
+sys.path.insert(0, TESTS)
+from localspec.native.head import attention
+from test_eagle3_host import _check_attention
+_check_attention(rng, attention)
 print("ok")
 """
     env = {**os.environ, "LS_HEAD_NO_AVX512": "1"}
+    code = code.replace("TESTS", repr(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 

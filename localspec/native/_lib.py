@@ -161,7 +161,7 @@ _SIGNATURES = {
         c_int32,
         [POINTER(HeadT), c_int64, _P, _P, _P, _P, _P, c_int64, c_int64, _P, _P, _P, _P, _P, _P, _P, c_int32],
     ),
-    "ls_head_attn": (c_int32, [_P, c_int64, c_int32, c_int32, c_int32, _P, _P, _P, _P, c_float, _P]),
+    "ls_head_attn": (c_int32, [_P, c_int64, c_int32, c_int32, c_int32, _P, _P, _P, _P, c_float, _P, c_int32]),
     "ls_rms_norm_rows": (c_int32, [_P, c_int64, c_int64, _P, c_float, _P]),
     "ls_rope_norm": (c_int32, [_P, c_int64, c_int32, c_int32, c_int32, _P, _P]),
     "ls_swiglu_rows": (c_int32, [_P, c_int64, c_int64, _P]),

@@ -151,12 +151,13 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def attention(q: np.ndarray, n_head: int, n_head_kv: int, head_dim: int, kpool: np.ndarray, vpool: np.ndarray,
-              key_off: np.ndarray, key_idx: np.ndarray, scale: float) -> np.ndarray:  # fmt: skip
+              key_off: np.ndarray, key_idx: np.ndarray, scale: float, n_threads: int = 1) -> np.ndarray:  # fmt: skip
     """``ls_head_attn``: softmax(scale q k^T) v of each entry over its own keys.
 
     Args:
         q: [n, n_head * head_dim] float32; kpool, vpool: [c, n_head_kv * head_dim] float32;
-        key_off: [n + 1] int64; key_idx: int64 rows of kpool (entry e: key_idx[key_off[e]:key_off[e + 1]]).
+        key_off: [n + 1] int64 from 0; key_idx: int64 rows of kpool (entry e: key_idx[key_off[e]:key_off[e + 1]]).
+        n_threads: threads (every count gives the same bits).
     Returns:
         [n, n_head * head_dim] float32.
     """
@@ -169,7 +170,8 @@ def attention(q: np.ndarray, n_head: int, n_head_kv: int, head_dim: int, kpool: 
         raise ValueError("key index outside the key pool")
     out = np.empty_like(q)
     rc = lib.ls_head_attn(q.ctypes.data, q.shape[0], n_head, n_head_kv, head_dim, kpool.ctypes.data,
-                          vpool.ctypes.data, key_off.ctypes.data, key_idx.ctypes.data, float(scale), out.ctypes.data)  # fmt: skip
+                          vpool.ctypes.data, key_off.ctypes.data, key_idx.ctypes.data, float(scale), out.ctypes.data,
+                          int(n_threads))  # fmt: skip
     if rc < 0:
         raise_for(rc)
     return out
