@@ -89,7 +89,10 @@ def test_bench_versus_refuses_bad_input_before_loading(capsys, tmp_path, monkeyp
         ([*versus, "ngram,bogus", "--dataset", str(good)], "'bogus' is not a drafter to compare"),
         ([*versus, "ngram,ngram#2", "--dataset", str(good)], "'ngram#2' is not a drafter to compare"),
         ([*versus, "none,ngram", "--dataset", str(good)], "plain decoding always runs"),
-        (["bench", "drafters", "--dataset", str(good), "--repeats", "2"], "--dataset, --repeats go with --versus"),
+        (["bench", "drafters", "--dataset", str(good), "--repeats", "2"], "--repeats goes with --versus"),
+        (["bench", "drafters", "--chat-format"], "--per-category and --chat-format choose prompts of --dataset"),
+        (["bench", "drafters", "--per-category", "2"], "--per-category and --chat-format choose prompts of --dataset"),
+        (["bench", "drafters", "--dataset", str(bad)], "bad.jsonl:1: not a Spec-Bench question"),
     ]:
         assert want in cli_error(capsys, argv), argv
     for flag, value in (("--per-category", "0"), ("--per-category", "-1"), ("-n", "0")):

@@ -174,7 +174,7 @@ def bench_drafters(model, head_path, *, shapes=(TreeShape(6, 1, 7, 0.0), TreeSha
         model: the loaded target ``Model``.
         head_path: the EAGLE-3 head GGUF.
         shapes: fixed tree shapes to draft with (every step drafts).
-        prompts: prompts (text); default: four short built-in ones (prose, code, Q&A, summary).
+        prompts: prompts (text, or token ids); default: four short built-in ones (prose, code, Q&A, summary).
         max_tokens: tokens generated per prompt.
         rounds: passes over the prompts.
         runtimes: head runtimes to measure.

@@ -174,7 +174,7 @@ def register(sub) -> None:
     dr.add_argument("--eagle", default=None, metavar="PATH", help="EAGLE-3 head GGUF (default: the head shipped for the model)")
     dr.add_argument("--shapes", default="6x1x7,4x3x16", help="tree shapes depth x width x nodes (default 6x1x7,4x3x16)")
     dr.add_argument("-n", "--max-tokens", type=positive, default=48, help="tokens per prompt (default 48)")
-    dr.add_argument("--rounds", type=int, default=2, help="passes over the built-in prompts (default 2)")
+    dr.add_argument("--rounds", type=int, default=2, help="passes over the prompts (default 2)")
     dr.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all this process may use)")
     dr.add_argument("-m", "--model", default=None, help="target GGUF (default: the embedded model)")
     dr.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
@@ -184,10 +184,12 @@ def register(sub) -> None:
                     "run (e.g. ngram,auto); per category speed over plain, MAL, identical outputs, and B over A; "
                     "a name given twice runs two engines of it (ngram,ngram,auto: the spread of a drafter against "
                     "itself beside B)")  # fmt: skip
-    dr.add_argument("--dataset", default=None, help="Spec-Bench question.jsonl (with --versus)")
-    dr.add_argument("--per-category", type=positive, default=None, help="prompts per category (with --versus; default 3)")
+    dr.add_argument("--dataset", default=None,
+                    help="Spec-Bench question.jsonl: its prompts instead of the four short built-in ones (the head's "
+                    "attention grows with the context); needed by --versus")  # fmt: skip
+    dr.add_argument("--per-category", type=positive, default=None, help="prompts per category of --dataset (default 3)")
     dr.add_argument("--chat-format", action="store_true",
-                    help="(with --versus) each question as one user turn of a conversation, as chat and serve give it")
+                    help="(with --dataset) each question as one user turn of a conversation, as chat and serve give it")
     dr.add_argument("--repeats", type=int, default=None, metavar="R",
                     help="(with --versus) rounds per prompt, each running every engine once, in reversed order "
                     "round by round (A B, B A, ...); a prompt's time per engine is the mean (default 1)")  # fmt: skip
@@ -484,6 +486,7 @@ def run_drafters(a: argparse.Namespace) -> int:
     import os
 
     from ..backend import Model
+    from ..bench.dataset import as_chat
     from ..bench.drafters import bench_drafters
     from ..models import resolve_model
     from ..models.eagle3_heads import shipped_head
@@ -491,12 +494,18 @@ def run_drafters(a: argparse.Namespace) -> int:
 
     if a.versus:
         return _run_versus(a)
-    given = [f for f, v in (("--dataset", a.dataset), ("--per-category", a.per_category), ("--repeats", a.repeats),
-                            ("--chat-format", a.chat_format or None)) if v is not None]  # fmt: skip
-    if given:
-        raise SystemExit(f"localspec: error: {', '.join(given)} go with --versus A,B (the head's cost per level runs on built-in prompts)")
+    if a.repeats is not None:
+        raise SystemExit("localspec: error: --repeats goes with --versus A,B (the head's cost per level: --rounds)")
+    if a.dataset is None and (a.per_category is not None or a.chat_format):
+        raise SystemExit("localspec: error: --per-category and --chat-format choose prompts of --dataset FILE")
+    prompts = None
+    if a.dataset is not None:
+        prompts = _load_prompts(a.dataset, None, 3 if a.per_category is None else a.per_category)
     model = Model(resolve_model(a.model), n_gpu_layers=a.n_gpu_layers)
     try:
+        if prompts is not None:
+            prompts = [bp.text if bp.tokens is None else bp.tokens
+                       for bp in (as_chat(prompts, model) if a.chat_format else prompts)]  # fmt: skip
         head = a.eagle or shipped_head(model.path)
         if head is None:
             raise SystemExit("localspec: error: no EAGLE-3 head ships for this model: give one with --eagle PATH")
@@ -508,8 +517,8 @@ def run_drafters(a: argparse.Namespace) -> int:
         bad = [x for x in runtimes if x not in ("host", "llama")]
         if bad or not runtimes:
             raise SystemExit(f"localspec: error: --runtimes {a.runtimes!r}: expected host, llama or both (comma-separated)")
-        rows = bench_drafters(model, head, shapes=shapes, max_tokens=a.max_tokens, rounds=a.rounds, n_threads=a.threads,
-                              runtimes=runtimes)  # fmt: skip
+        rows = bench_drafters(model, head, shapes=shapes, prompts=prompts, max_tokens=a.max_tokens, rounds=a.rounds,
+                              n_threads=a.threads, runtimes=runtimes)  # fmt: skip
     finally:
         model.close()
     if a.json:
