@@ -379,8 +379,10 @@ typedef void (*ls_wsum_fn)(const ls_pools_t *, const float *, const int64_t *, i
  * Three passes, each split over threads without changing a single sum (so every thread count
  * gives the same bits): the scores of every (entry, head, key), split by key; each (entry,
  * head)'s softmax in place, split by pair; the weighted sums of value rows, split by (pair,
- * 32-dim slice), each slice summed over its keys in order. Work: 2 n * n_head * c * head_dim
- * multiply-adds for c keys an entry, vectorised over head_dim. */
+ * 64-wide slice), each slice summed over its keys in order, then divided by the pair's sum of
+ * weights (the weights are exp(s - max) <= 1: the sums overflow only where values near
+ * float32's largest add up, which the head's float16-rounded values never reach). Work:
+ * 2 n * n_head * c * head_dim multiply-adds for c keys an entry, vectorised over head_dim. */
 static int32_t head_attn2(const float *q, int64_t n, int32_t n_head, int32_t n_head_kv, int32_t head_dim,
                           const float *k0, const float *v0, int64_t n0, const float *k1, const float *v1,
                           int64_t n1, const int64_t *key_off, const int64_t *key_idx, float scale, float *out,
@@ -435,7 +437,7 @@ static int32_t head_attn2(const float *q, int64_t n, int32_t n_head, int32_t n_h
 #pragma omp for schedule(static)
 #endif
         for (int64_t t = 0; t < n_tasks; t++) { /* scores of 64 keys of one entry */
-            while (task_off[e_t + 1] <= t) e_t++;
+            while (task_off[e_t + 1] <= t) e_t++; /* a thread's tasks rise (static schedule) */
             const int64_t c = key_off[e_t + 1] - key_off[e_t], j0 = (t - task_off[e_t]) * chunk;
             scores(&pl, q + e_t * q_w, n_head, rep, head_dim, key_idx + key_off[e_t], j0, j0 + chunk < c ? j0 + chunk : c,
                    scale, s + n_head * key_off[e_t], c);

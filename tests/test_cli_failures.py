@@ -99,6 +99,9 @@ def test_bench_versus_refuses_bad_input_before_loading(capsys, tmp_path, monkeyp
         with pytest.raises(SystemExit) as e:  # argparse: usage and one error line, exit 2
             main([*versus, "ngram,auto", "--dataset", str(good), flag, value])
         assert e.value.code == 2 and "must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # the head's levels: at least one pass over the prompts
+        main(["bench", "drafters", "--rounds", "0"])
+    assert e.value.code == 2 and "must be >= 1" in capsys.readouterr().err
 
 
 def test_complete_serve_off_loopback_needs_an_api_key(capsys):

@@ -74,15 +74,17 @@ def test_q8_kernels_match_numpy(rng):
 
 
 def _check_attention(rng, attention):
-    """``attention`` against numpy: head sizes with and without a whole 64-wide slice, grouped
-    query heads, entries of 1 to 300 keys (long enough to split over threads), keys in any
-    order; every thread count gives the same bits."""
-    for H, Hkv, hd, pool, lens in [(4, 2, 16, 11, [1, 3, 11, 2]), (4, 1, 128, 300, [300, 1, 65, 130]),
-                                   (2, 2, 80, 200, [200, 7])]:  # fmt: skip
+    """``attention`` against numpy: head sizes with and without a whole 64-wide slice or a
+    whole vector (20: a scalar remainder after the 16- and 8-wide steps), grouped query heads,
+    entries of 1 to 400 keys (the last two cases long enough to split over threads), keys in
+    any order, scores far beyond exp's float32 range (the softmax must subtract the maximum);
+    every thread count gives the same bits."""
+    for H, Hkv, hd, pool, lens, q_scale in [(4, 2, 16, 11, [1, 3, 11, 2], 1.0), (4, 1, 128, 300, [300, 1, 65, 130], 1.0),
+                                            (2, 2, 80, 200, [200, 7], 1.0), (4, 2, 20, 400, [400, 300, 250], 30.0)]:  # fmt: skip
         kpool = rng.standard_normal((pool, Hkv * hd)).astype(np.float32)
         vpool = rng.standard_normal((pool, Hkv * hd)).astype(np.float32)
         keys = [rng.permutation(pool)[:c] for c in lens]
-        q = rng.standard_normal((len(keys), H * hd)).astype(np.float32)
+        q = (rng.standard_normal((len(keys), H * hd)) * q_scale).astype(np.float32)
         off = np.cumsum([0] + lens)
         got = attention(q, H, Hkv, hd, kpool, vpool, off, np.concatenate(keys), 0.25)
         for e, ks in enumerate(keys):
@@ -411,3 +413,28 @@ def test_bench_drafters_reports_both_runtimes_in_one_run(model):
         assert all(lv.t_median_us > 0 and lv.fraction_of_decode > 0 for lv in r.levels)
         assert r.head_calls_outside_drafting == 0
     assert [lv.calls_per_step for lv in out[0].levels] == [1.0, 1.0]
+
+
+def test_bench_drafters_takes_its_prompts_from_a_dataset(model, tmp_path, monkeypatch, capsys):
+    """``localspec bench drafters --dataset FILE`` measures the levels on the dataset's
+    questions (``--per-category`` of each category), as text, or as the token ids of one user
+    turn with ``--chat-format``; without ``--dataset`` on the built-in prompts."""
+    import json
+
+    import localspec.bench.drafters as bd
+    from localspec.cli.main import main
+
+    seen = []
+    monkeypatch.setattr(bd, "bench_drafters", lambda model, head, **kw: seen.append(kw["prompts"]) or [])
+    qs = tmp_path / "q.jsonl"
+    qs.write_text("".join(json.dumps({"category": c, "turns": [t]}) + "\n" for c, t in
+                          [("qa", "Name a river."), ("qa", "Name a lake."), ("math", "What is 2 + 2?")]))  # fmt: skip
+    for argv in ([], ["--dataset", str(qs), "--per-category", "1"], ["--dataset", str(qs), "--per-category", "1", "--chat-format"]):
+        assert main(["bench", "drafters", "-m", str(model.path), *argv]) == 0
+    capsys.readouterr()
+    assert seen[0] is None  # bench_drafters' default: the built-in prompts
+    assert sorted(seen[1]) == ["Name a river.", "What is 2 + 2?"]
+    assert all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in seen[2]) and len(seen[2]) == 2
+    chat = sorted(model.detokenize(p) for p in seen[2])
+    assert chat != sorted(seen[1]) and [q in c for q, c in zip(sorted(seen[1]), chat)] == [True, True]  # wrapped as a user turn
+

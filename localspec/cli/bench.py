@@ -174,7 +174,7 @@ def register(sub) -> None:
     dr.add_argument("--eagle", default=None, metavar="PATH", help="EAGLE-3 head GGUF (default: the head shipped for the model)")
     dr.add_argument("--shapes", default="6x1x7,4x3x16", help="tree shapes depth x width x nodes (default 6x1x7,4x3x16)")
     dr.add_argument("-n", "--max-tokens", type=positive, default=48, help="tokens per prompt (default 48)")
-    dr.add_argument("--rounds", type=int, default=2, help="passes over the prompts (default 2)")
+    dr.add_argument("--rounds", type=positive, default=2, help="passes over the prompts (default 2)")
     dr.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all this process may use)")
     dr.add_argument("-m", "--model", default=None, help="target GGUF (default: the embedded model)")
     dr.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,

@@ -9,7 +9,7 @@ import os
 from ctypes import POINTER, c_double, c_float, c_int8, c_int32, c_int64, c_uint64, c_void_p
 from pathlib import Path
 
-ABI_VERSION = 11
+ABI_VERSION = 12
 
 # error codes (LS_ERR_*)
 ERR_BANNED = -1
