@@ -241,9 +241,10 @@ int32_t ls_gemm_q8(const int8_t *w, const float *wd, int64_t m, int64_t k, const
 /* The attention's two inner loops, written out per instruction set. Key and value rows are
  * found through key_idx: index r < n0 is row r of (k0, v0), a larger one row r - n0 of (k1, v1).
  *
- * ls_scores: s[h * sc + j] = scale * q_h . k_{ix[j]}[kv head of h] for keys j in [j0, j1)
- * ls_wsum:   o[0:len] = sum_j p[j] v_{ix[j]}[off : off + len] over j in [0, c), summed in key
- *            order per element (len <= 64). */
+ * ls_dot:  a . b over len floats (lanes summed at the end, a scalar remainder in order)
+ * ls_wsum: o[0:len] = sum_j p[j] v_{ix[j]}[off : off + len] over j in [0, c), summed in key
+ *          order per element (len <= 64). Written out because the plain loop's LS_HOT clones
+ *          keep the sums in memory: 1.2-1.3x the attention's time at 200-1,000 keys. */
 typedef struct {
     const float *k0, *v0, *k1, *v1;
     int64_t n0, kv_w;
@@ -257,17 +258,10 @@ static inline const float *ls__vrow(const ls_pools_t *pl, int64_t r) {
     return r < pl->n0 ? pl->v0 + r * pl->kv_w : pl->v1 + (r - pl->n0) * pl->kv_w;
 }
 
-static void ls_scores_plain(const ls_pools_t *pl, const float *q, int n_head, int rep, int64_t head_dim,
-                            const int64_t *ix, int64_t j0, int64_t j1, float scale, float *s, int64_t sc) {
-    for (int64_t j = j0; j < j1; j++) {
-        const float *kr = ls__krow(pl, ix[j]);
-        for (int h = 0; h < n_head; h++) {
-            const float *qh = q + h * head_dim, *kh = kr + (int64_t)(h / rep) * head_dim;
-            float t = 0.0f;
-            for (int64_t i = 0; i < head_dim; i++) t += qh[i] * kh[i];
-            s[h * sc + j] = t * scale;
-        }
-    }
+static float ls_dot_plain(const float *a, const float *b, int64_t len) {
+    float t = 0.0f;
+    for (int64_t i = 0; i < len; i++) t += a[i] * b[i];
+    return t;
 }
 
 static void ls_wsum_plain(const ls_pools_t *pl, const float *p, const int64_t *ix, int64_t c, int64_t off, int64_t len,
@@ -282,29 +276,20 @@ static void ls_wsum_plain(const ls_pools_t *pl, const float *p, const int64_t *i
 }
 
 #ifdef LS_HEAD_X86
-__attribute__((target("avx512f"))) static void ls_scores_avx512(const ls_pools_t *pl, const float *q, int n_head,
-                                                                int rep, int64_t head_dim, const int64_t *ix,
-                                                                int64_t j0, int64_t j1, float scale, float *s,
-                                                                int64_t sc) {
-    for (int64_t j = j0; j < j1; j++) {
-        const float *kr = ls__krow(pl, ix[j]);
-        for (int h = 0; h < n_head; h++) {
-            const float *qh = q + h * head_dim, *kh = kr + (int64_t)(h / rep) * head_dim;
-            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-            int64_t i = 0;
-            for (; i + 32 <= head_dim; i += 32) {
-                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + i), _mm512_loadu_ps(kh + i), a0);
-                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + i + 16), _mm512_loadu_ps(kh + i + 16), a1);
-            }
-            if (i + 16 <= head_dim) {
-                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + i), _mm512_loadu_ps(kh + i), a0);
-                i += 16;
-            }
-            float t = ls__hsum512(_mm512_add_ps(a0, a1));
-            for (; i < head_dim; i++) t += qh[i] * kh[i];
-            s[h * sc + j] = t * scale;
-        }
+__attribute__((target("avx512f"))) static float ls_dot_avx512(const float *a, const float *b, int64_t len) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= len; i += 32) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), a1);
     }
+    if (i + 16 <= len) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), a0);
+        i += 16;
+    }
+    float t = ls__hsum512(_mm512_add_ps(a0, a1));
+    for (; i < len; i++) t += a[i] * b[i];
+    return t;
 }
 
 __attribute__((target("avx512f"))) static void ls_wsum_avx512(const ls_pools_t *pl, const float *p, const int64_t *ix,
@@ -328,28 +313,20 @@ __attribute__((target("avx512f"))) static void ls_wsum_avx512(const ls_pools_t *
     _mm512_storeu_ps(o + 48, a3);
 }
 
-__attribute__((target("avx2,fma"))) static void ls_scores_avx2(const ls_pools_t *pl, const float *q, int n_head, int rep,
-                                                               int64_t head_dim, const int64_t *ix, int64_t j0,
-                                                               int64_t j1, float scale, float *s, int64_t sc) {
-    for (int64_t j = j0; j < j1; j++) {
-        const float *kr = ls__krow(pl, ix[j]);
-        for (int h = 0; h < n_head; h++) {
-            const float *qh = q + h * head_dim, *kh = kr + (int64_t)(h / rep) * head_dim;
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-            int64_t i = 0;
-            for (; i + 16 <= head_dim; i += 16) {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(kh + i), a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i + 8), _mm256_loadu_ps(kh + i + 8), a1);
-            }
-            if (i + 8 <= head_dim) {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(kh + i), a0);
-                i += 8;
-            }
-            float t = ls__hsum256(_mm256_add_ps(a0, a1));
-            for (; i < head_dim; i++) t += qh[i] * kh[i];
-            s[h * sc + j] = t * scale;
-        }
+__attribute__((target("avx2,fma"))) static float ls_dot_avx2(const float *a, const float *b, int64_t len) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= len; i += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
     }
+    if (i + 8 <= len) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+        i += 8;
+    }
+    float t = ls__hsum256(_mm256_add_ps(a0, a1));
+    for (; i < len; i++) t += a[i] * b[i];
+    return t;
 }
 
 __attribute__((target("avx2,fma"))) static void ls_wsum_avx2(const ls_pools_t *pl, const float *p, const int64_t *ix,
@@ -369,8 +346,7 @@ __attribute__((target("avx2,fma"))) static void ls_wsum_avx2(const ls_pools_t *p
 }
 #endif
 
-typedef void (*ls_scores_fn)(const ls_pools_t *, const float *, int, int, int64_t, const int64_t *, int64_t, int64_t,
-                             float, float *, int64_t);
+typedef float (*ls_dot_fn)(const float *, const float *, int64_t);
 typedef void (*ls_wsum_fn)(const ls_pools_t *, const float *, const int64_t *, int64_t, int64_t, int64_t, float *);
 
 /* ls_head_attn over two key pools: key index j < n0 reads row j of (k0, v0), a larger one row
@@ -414,14 +390,14 @@ static int32_t head_attn2(const float *q, int64_t n, int32_t n_head, int32_t n_h
     task_off[0] = 0;
     for (int64_t e = 0; e < n; e++) task_off[e + 1] = task_off[e] + (key_off[e + 1] - key_off[e] + chunk - 1) / chunk;
     const int64_t n_tasks = task_off[n];
-    ls_scores_fn scores = ls_scores_plain;
+    ls_dot_fn dot = ls_dot_plain;
     ls_wsum_fn wsum = ls_wsum_plain;
 #ifdef LS_HEAD_X86
     if (ls__has_avx512f()) {
-        scores = ls_scores_avx512;
+        dot = ls_dot_avx512;
         wsum = ls_wsum_avx512;
     } else if (ls__has_avx2()) {
-        scores = ls_scores_avx2;
+        dot = ls_dot_avx2;
         wsum = ls_wsum_avx2;
     }
 #endif
@@ -439,8 +415,14 @@ static int32_t head_attn2(const float *q, int64_t n, int32_t n_head, int32_t n_h
         for (int64_t t = 0; t < n_tasks; t++) { /* scores of 64 keys of one entry */
             while (task_off[e_t + 1] <= t) e_t++; /* a thread's tasks rise (static schedule) */
             const int64_t c = key_off[e_t + 1] - key_off[e_t], j0 = (t - task_off[e_t]) * chunk;
-            scores(&pl, q + e_t * q_w, n_head, rep, head_dim, key_idx + key_off[e_t], j0, j0 + chunk < c ? j0 + chunk : c,
-                   scale, s + n_head * key_off[e_t], c);
+            const int64_t j1 = j0 + chunk < c ? j0 + chunk : c, *ix = key_idx + key_off[e_t];
+            const float *qe = q + e_t * q_w;
+            float *se = s + n_head * key_off[e_t]; /* [n_head, c] */
+            for (int64_t j = j0; j < j1; j++) {
+                const float *kr = ls__krow(&pl, ix[j]);
+                for (int h = 0; h < n_head; h++)
+                    se[h * c + j] = dot(qe + (int64_t)h * head_dim, kr + (int64_t)(h / rep) * head_dim, head_dim) * scale;
+            }
         }
 #if defined(_OPENMP)
 #pragma omp for schedule(static)

@@ -33,6 +33,11 @@ class BenchPrompt:
     text: str
     tokens: list[int] | None = None  # the prompt as given to the model (None: ``text`` tokenised as it is)
 
+    @property
+    def model_input(self) -> str | list[int]:
+        """What ``Engine.generate`` is given: ``tokens`` when set, else ``text``."""
+        return self.text if self.tokens is None else self.tokens
+
 
 def as_chat(prompts: list[BenchPrompt], model) -> list[BenchPrompt]:
     """The prompts as one user turn of a conversation, as ``chat`` / ``serve`` give them to

@@ -275,7 +275,7 @@ def compare_drafters(model, prompts, drafters=("ngram", "auto"), *, max_tokens: 
                 for name in order if k % 2 == 0 else order[::-1]:
                     e = engines[name]
                     e.reset()
-                    runs[name].append(e.generate(bp.text if bp.tokens is None else bp.tokens, max_tokens=max_tokens,
+                    runs[name].append(e.generate(bp.model_input, max_tokens=max_tokens,
                                                  sampling=greedy, speculative=name != "plain"))  # fmt: skip
             plain_ids = runs["plain"][0].token_ids
             row = {"category": bp.category, "question_id": bp.question_id}

@@ -500,12 +500,11 @@ def run_drafters(a: argparse.Namespace) -> int:
         raise SystemExit("localspec: error: --per-category and --chat-format choose prompts of --dataset FILE")
     prompts = None
     if a.dataset is not None:
-        prompts = _load_prompts(a.dataset, None, 3 if a.per_category is None else a.per_category)
+        prompts = _drafters_prompts(a)
     model = Model(resolve_model(a.model), n_gpu_layers=a.n_gpu_layers)
     try:
         if prompts is not None:
-            prompts = [bp.text if bp.tokens is None else bp.tokens
-                       for bp in (as_chat(prompts, model) if a.chat_format else prompts)]  # fmt: skip
+            prompts = [bp.model_input for bp in (as_chat(prompts, model) if a.chat_format else prompts)]
         head = a.eagle or shipped_head(model.path)
         if head is None:
             raise SystemExit("localspec: error: no EAGLE-3 head ships for this model: give one with --eagle PATH")
@@ -554,6 +553,11 @@ def _load_prompts(dataset: str, categories: list[str] | None, per_category: int)
         raise SystemExit(f"localspec: error: {e}") from None
 
 
+def _drafters_prompts(a: argparse.Namespace) -> list:
+    """``bench drafters``' prompts: ``--per-category`` (default 3) of each category of ``--dataset``."""
+    return _load_prompts(a.dataset, None, 3 if a.per_category is None else a.per_category)
+
+
 def _run_versus(a: argparse.Namespace) -> int:
     import os
 
@@ -571,7 +575,7 @@ def _run_versus(a: argparse.Namespace) -> int:
     repeats = 1 if a.repeats is None else a.repeats
     if repeats < 1:
         raise SystemExit(f"localspec: error: --repeats must be at least 1, got {repeats}")
-    prompts = _load_prompts(a.dataset, None, 3 if a.per_category is None else a.per_category)
+    prompts = _drafters_prompts(a)
     model = Model(resolve_model(a.model), n_gpu_layers=a.n_gpu_layers)
     if a.chat_format:
         prompts = as_chat(prompts, model)
