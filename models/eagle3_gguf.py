@@ -266,6 +266,52 @@ def frequent_draft_vocab(target, size: int) -> np.ndarray:
     return ids[:size].astype(np.int64)
 
 
+def prune_draft_vocab(head: str | os.PathLike, out: str | os.PathLike, target, counts: np.ndarray, size: int) -> Path:
+    """Write ``head`` with its draft vocabulary cut to the ``size`` tokens that ``counts``
+    ranks highest (ties: the lower draft id), keeping the target's end-of-generation tokens
+    that the head has; every other weight unchanged (Q8_0 and float16 matrices are stored
+    again in their type: Q8_0 blocks re-quantise to the same bytes).
+
+    The cut head's greedy draft equals the whole head's wherever the whole head's argmax
+    is kept, and a level's readout reads ``size / n_draft`` of the bytes (the readout is
+    most of a level's weights: docs/drafters.md). ``counts`` should come from data like
+    what the head drafts in use (the recipe: the target's top-1 on its answers).
+
+    Args:
+        head / out: the head GGUF to read (``read_eagle3_gguf``) and the one to write.
+        target: the target GGUF (path or ``GGUFIndex``): tokenizer entries and eog ids.
+        counts: ``[n_vocab]`` int or float, how often each target id is worth drafting.
+        size: draft tokens to keep, at most the head's.
+    Returns:
+        ``out`` as a ``Path``.
+    Raises:
+        ValueError: ``size`` outside 1..n_draft, ``counts`` not over the target's vocabulary,
+            or a head ``read_eagle3_gguf`` refuses or whose matrices mix storage types.
+    """
+    from gguf import GGMLQuantizationType
+
+    cfg, w = read_eagle3_gguf(head)
+    r = _target_reader(target)
+    n_vocab = r.array_len("tokenizer.ggml.tokens")
+    counts = np.asarray(counts)
+    if counts.shape != (n_vocab,):
+        raise ValueError(f"counts must have one entry per target token ({n_vocab}), got shape {counts.shape}")
+    if not 1 <= size <= w.d2t.size:
+        raise ValueError(f"the draft vocabulary can be cut to 1..{w.d2t.size} tokens, not {size}")
+    score = counts[w.d2t].astype(np.float64)
+    eog = [int(r.values[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in r.values]
+    score[np.isin(w.d2t, eog)] = np.inf
+    keep = np.sort(np.argsort(-score, kind="stable")[:size])
+    w.d2t, w.output = w.d2t[keep], w.output[keep]
+    idx = GGUFIndex(head)
+    qtypes = {idx.tensors[n].qtype for a, n in _TENSOR_NAMES.items() if a != "fc" and len(idx.tensors[n].shape) == 2}
+    if len(qtypes) != 1:
+        raise ValueError(f"{head}: its matrices are stored in {len(qtypes)} types; only heads with one type can be cut")
+    dtype = {GGMLQuantizationType.Q8_0: "q8_0", GGMLQuantizationType.F32: "f32"}.get(qtypes.pop(), "f16")
+    name = idx.values.get("general.name", "EAGLE-3 head")
+    return write_eagle3_gguf(out, r, cfg, w, matrix_dtype=dtype, name=f"{name}, draft vocabulary cut to {size}")
+
+
 def default_target_layers(n_layer: int) -> tuple[int, int, int]:
     """EAGLE-3's usual feature layers (low, middle, high): ``(2, n_layer // 2, n_layer - 3)``."""
     return (2, n_layer // 2, n_layer - 3)

@@ -438,3 +438,86 @@ def test_bench_drafters_takes_its_prompts_from_a_dataset(model, tmp_path, monkey
     chat = sorted(model.detokenize(p) for p in seen[2])
     assert chat != sorted(seen[1]) and [q in c for q, c in zip(sorted(seen[1]), chat)] == [True, True]  # wrapped as a user turn
 
+
+
+# -- a draft vocabulary cut to its frequent tokens -------------------------------------------
+
+
+def test_a_cut_draft_vocabulary_keeps_the_kept_rows(model, tmp_path):
+    """``prune_draft_vocab``: the cut head keeps the ``size`` draft tokens that the counts rank
+    highest (and the eos token, whatever its count), its ``output.weight`` rows are the whole
+    head's Q8_0 rows byte for byte, and on the host runtime its rows at every level of a tree
+    3 wide are the whole head's kept columns, bit for bit; llama.cpp's graph loads it and
+    gives the same rows to ``ROW_TOL``. Checked by mutation: cutting ``d2t`` but not the
+    readout's rows, or the rows in another order, fails here."""
+    from localspec.drafters.eagle3 import Eagle3Drafter
+    from localspec.models.eagle3_gguf import prune_draft_vocab, read_eagle3_gguf
+    from localspec.models.eagle3_heads import shipped_head
+    from localspec.models.gguf_index import GGUFIndex
+
+    head = shipped_head(model.path)
+    _, w = read_eagle3_gguf(head)
+    rng = np.random.default_rng(7)
+    counts = np.zeros(model.n_vocab)
+    counts[w.d2t] = rng.random(w.d2t.size)
+    counts[1] = 0.0  # eos: kept anyway
+    size = 1000
+    cut = prune_draft_vocab(head, tmp_path / "cut.gguf", model.path, counts, size)
+    _, wc = read_eagle3_gguf(cut)
+    keep = np.searchsorted(w.d2t, wc.d2t)
+    assert wc.d2t.size == size and np.array_equal(w.d2t[keep], wc.d2t) and 1 in wc.d2t
+    top = set(np.argsort(-counts[w.d2t], kind="stable")[: size - 1].tolist())
+    assert set(keep.tolist()) == top | {int(np.searchsorted(w.d2t, 1))}
+
+    def raw_rows(path):
+        t = GGUFIndex(path).tensors["output.weight"]
+        row = t.shape[0] // 32 * 34  # Q8_0: 32 weights in 34 bytes
+        with open(path, "rb") as f:
+            f.seek(t.offset)
+            return np.frombuffer(f.read(row * t.shape[1]), dtype=np.uint8).reshape(t.shape[1], row)
+
+    assert np.array_equal(raw_rows(cut), raw_rows(head)[keep])
+
+    whole = Eagle3Drafter(head, runtime="host")
+    e = Engine(model, drafter=whole, n_ctx=1024, cost_model=frozen_cost_model())
+    part = Eagle3Drafter(cut, runtime="host")
+    part.attach(TargetHandle(model, n_ctx=e.ctx.n_ctx, n_threads=e.ctx.n_threads, tensor_source=e.ctx, features=e._tap))
+    try:
+        prompt = e.tokenize(TEXT * 2)[:40]
+        _start(e, (whole, part), prompt)
+        tee = _Tee(whole, part)
+        _grow(whole, prompt, TreeShape(4, 3, 12, 0.0), tee)
+        _done(whole, part)
+        assert len(tee.levels) == 4
+        for nodes, a, b in tee.levels:
+            assert b.shape == (len(nodes), size)
+            assert np.array_equal(b, a[:, keep])
+    finally:
+        part.close()
+        e.close()
+    e, ref, host = _pair(model, cut)
+    try:
+        _start(e, (ref, host), prompt)
+        tee = _Tee(ref, host)
+        _grow(ref, prompt, TreeShape(2, 3, 6, 0.0), tee)
+        _done(ref, host)
+        for nodes, a, b in tee.levels:
+            err = np.abs(a - b).max(axis=1) / np.abs(a).max(axis=1)
+            assert a.shape == b.shape == (len(nodes), size) and err.max() < ROW_TOL
+    finally:
+        host.close()
+        e.close()
+
+
+def test_cutting_a_draft_vocabulary_refuses_bad_arguments(model, tmp_path):
+    from localspec.models.eagle3_gguf import prune_draft_vocab
+    from localspec.models.eagle3_heads import shipped_head
+
+    head = shipped_head(model.path)
+    counts = np.ones(model.n_vocab)
+    for size in (0, 8193):
+        with pytest.raises(ValueError, match="can be cut to 1..8192 tokens"):
+            prune_draft_vocab(head, tmp_path / "x.gguf", model.path, counts, size)
+    with pytest.raises(ValueError, match="one entry per target token"):
+        prune_draft_vocab(head, tmp_path / "x.gguf", model.path, counts[:10], 100)
+    assert not (tmp_path / "x.gguf").exists()

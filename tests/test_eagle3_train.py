@@ -308,3 +308,39 @@ def test_answer_accuracy_scores_the_answers_only(model_path, tmp_path):
         np.savez(tmp_path / "text.npz", **{k: z[k] for k in z.files if k != "n_prompt"})
     with pytest.raises(ValueError, match="no recorded answers"):
         answer_accuracy(model_path, [tmp_path / "text.npz"], [head], cfg)
+
+
+def _answer_shard(path, seqs):
+    """A recorded shard of ``(tokens' top-1 ids, n_prompt)`` sequences (no features needed)."""
+    top1 = np.concatenate([np.asarray(s, dtype=np.int32) for s, _ in seqs])
+    ids = np.zeros((top1.size, 8), dtype=np.int32)
+    ids[:, 0] = top1
+    np.savez(path, lengths=np.array([len(s) for s, _ in seqs]), n_prompt=np.array([k for _, k in seqs]),
+             topk_ids=ids, restricted=np.array(False))  # fmt: skip
+    return path
+
+
+def test_the_recipe_draft_vocabulary_ranks_the_answers_first(tmp_path):
+    """``answer_top1_counts`` counts the target's top-1 from each sequence's ``n_prompt`` on
+    (answers), skipping restricted shards and text (no answer positions); the recipe's
+    ``draft_vocab`` takes the tokens most frequent there, then the text plan's, always the
+    eog ids. Counting prompt positions, or ranking by the text counts as before, fails here."""
+    import sys
+    from pathlib import Path
+
+    from localspec.models.training.eagle3_data import answer_top1_counts
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from train_default_head import draft_vocab
+
+    a = _answer_shard(tmp_path / "a.npz", [([9, 9, 9, 5, 5, 7], 3), ([9, 9, 6], 2)])
+    text = _answer_shard(tmp_path / "t.npz", [([4, 4, 4, 4], 4)])  # text: n_prompt = its length
+    r = _answer_shard(tmp_path / "r.npz", [([3, 3, 3], 0)])
+    with np.load(r) as z:
+        np.savez(r, **{**{k: z[k] for k in z.files}, "restricted": np.array(True)})
+    counts = answer_top1_counts([a, text, r], 12)
+    assert counts.tolist() == [0, 0, 0, 0, 0, 2, 1, 1, 0, 0, 0, 0]
+    text_counts = np.zeros(12, dtype=np.int64)
+    text_counts[[2, 8, 11]] = [1000, 500, 10]
+    assert draft_vocab([a, text, r], text_counts, 5, eog=[1]).tolist() == [1, 2, 5, 6, 7]
+    assert draft_vocab([a, text, r], text_counts, 6, eog=[1]).tolist() == [1, 2, 5, 6, 7, 8]

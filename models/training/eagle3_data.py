@@ -182,6 +182,29 @@ def load_shard(path: str | os.PathLike) -> Shard:
         )  # fmt: skip
 
 
+def answer_top1_counts(shard_files, n_vocab: int) -> np.ndarray:
+    """How often each target id is the target's top-1 on the **answers** of recorded prompt +
+    greedy-answer shards (positions from each sequence's ``n_prompt`` on; shards restricted
+    to a draft vocabulary or without ``n_prompt`` are skipped): the tokens a drafter is asked
+    for in use (``eagle3_gguf.prune_draft_vocab``'s counts).
+
+    Returns:
+        ``[n_vocab]`` int64.
+    """
+    counts = np.zeros(n_vocab, dtype=np.int64)
+    for p in shard_files:
+        with np.load(p) as z:
+            if "n_prompt" not in z.files or ("restricted" in z.files and bool(z["restricted"])):
+                continue
+            lengths, n_prompt, top1 = z["lengths"], z["n_prompt"], z["topk_ids"][:, 0]
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        answer = np.zeros(top1.size, dtype=bool)
+        for lo, hi, k in zip(starts[:-1], starts[1:], n_prompt):
+            answer[lo + int(k) : hi] = True
+        counts += np.bincount(top1[answer].astype(np.int64), minlength=n_vocab)[:n_vocab]
+    return counts
+
+
 def shard_paths(data_dir: str | os.PathLike) -> list[Path]:
     """Finished shards of a data directory, in order."""
     return sorted(Path(data_dir).glob("shard-[0-9][0-9][0-9][0-9][0-9].npz"))
