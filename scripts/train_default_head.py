@@ -78,7 +78,7 @@ SHARES = dict(gen=0.30, text=0.25, train=0.40)
 # the shipped head), so they get most of the recording time
 CHAT_SHARES = dict(gen=0.45, text=0.08, train=0.45)
 CHAT_WINDOW = 0.8  # of the gen share: harvest and answers; the document prompts get the rest
-CUT_VOCAB = 0  # draft tokens kept after training (--cut-vocab)
+CUT_VOCAB = 4096  # draft tokens kept after training (--cut-vocab; docs/eagle3-training.md)
 GATE_PROMPTS = 48  # the ship gate's self-written prompts (about a minute to record here)
 GATE_SEED = 97  # not the chat stage's (13) nor the documents' (11, 12)
 
