@@ -26,10 +26,12 @@ TEXT = (
 ORDER_GAP = 0.01
 """Candidates further apart than 1% of the row's largest magnitude keep their order on both
 runtimes (the shipped head's rows differ by 0.4-1.1%)."""
-ROW_TOL = 0.02
-"""Host rows match the graph's to 2% of the row's largest magnitude (measured 0.3-1.0% on the
-shipped head: both quantise the activations to Q8_0 the same way; the rest is the order of
-float sums and llama.cpp's flash attention, which accumulates V in float16)."""
+ROW_TOL = 0.03
+"""Host rows match the graph's to 3% of the row's largest magnitude (measured on this test's
+trees: 0.5-1.3% on the head shipped until 2026-12-05, 0.6-2.1% on the head of 2026-12-05,
+whole or cut; both runtimes quantise the activations to Q8_0 the same way, the rest is the
+order of float sums and llama.cpp's flash attention, which accumulates V in float16). The
+faults the tests were checked against are off by far more (11% and 49%)."""
 
 
 # -- kernels ---------------------------------------------------------------------------------
