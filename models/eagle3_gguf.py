@@ -257,7 +257,7 @@ def frequent_draft_vocab(target, size: int) -> np.ndarray:
     r = _target_reader(target)
     scores = np.asarray(r.values["tokenizer.ggml.scores"], dtype=np.float64)
     types = np.asarray(r.values["tokenizer.ggml.token_type"])
-    eog = [int(r.values[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in r.values]
+    eog = r.eog_ids()
     normal = np.flatnonzero(types == 1)
     if normal.size + len(eog) < size:
         raise ValueError(f"the target has only {normal.size} normal tokens; choose a smaller draft vocabulary")
@@ -299,7 +299,7 @@ def prune_draft_vocab(head: str | os.PathLike, out: str | os.PathLike, target, c
     if not 1 <= size <= w.d2t.size:
         raise ValueError(f"the draft vocabulary can be cut to 1..{w.d2t.size} tokens, not {size}")
     score = counts[w.d2t].astype(np.float64)
-    eog = [int(r.values[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in r.values]
+    eog = r.eog_ids()
     score[np.isin(w.d2t, eog)] = np.inf
     keep = np.sort(np.argsort(-score, kind="stable")[:size])
     w.d2t, w.output = w.d2t[keep], w.output[keep]

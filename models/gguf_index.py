@@ -177,6 +177,12 @@ class GGUFIndex:
         count = self.nbytes(name) // dtype.itemsize
         return np.frombuffer(self._mm, dtype=dtype, count=count, offset=t.offset).reshape(shape)
 
+    def eog_ids(self) -> list[int]:
+        """The end-of-generation ids the file names (``tokenizer.ggml.eos_token_id`` and
+        ``eot_token_id``, those present), sorted, without repeats."""
+        keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+        return sorted({int(self.values[k]) for k in keys if k in self.values})
+
     def array_len(self, key: str) -> int:
         """Number of items of an array entry (e.g. ``tokenizer.ggml.tokens``)."""
         return struct.unpack_from("<IIQ", self.raw[key])[2]

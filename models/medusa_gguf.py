@@ -240,7 +240,7 @@ def read_target_readout(target) -> TargetReadout:
     v = idx.values
     arch = v["general.architecture"]
     name = "output.weight" if "output.weight" in idx.tensors else "token_embd.weight"
-    eog = sorted({int(v[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in v})
+    eog = idx.eog_ids()
     return TargetReadout(idx, name, idx.array_len("tokenizer.ggml.tokens"), int(v[f"{arch}.embedding_length"]),
                          float(v.get(f"{arch}.final_logit_softcapping", 0.0) or 0.0), eog)  # fmt: skip
 

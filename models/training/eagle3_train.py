@@ -123,7 +123,7 @@ def read_target(target: str | os.PathLike) -> TargetTensors:
     r = GGUFIndex(target)
     v = r.values
     arch = v["general.architecture"]
-    eog = [int(v[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in v]
+    eog = r.eog_ids()
     return TargetTensors(
         index=r, output_norm=r.rows("output_norm.weight"), n_vocab=r.array_len("tokenizer.ggml.tokens"),
         n_layer=int(v[f"{arch}.block_count"]), n_embd=int(v[f"{arch}.embedding_length"]),
