@@ -38,7 +38,7 @@
 extern "C" {
 #endif
 
-#define LS_ABI_VERSION 12
+#define LS_ABI_VERSION 13
 
 /* error codes (negative returns) */
 #define LS_ERR_BANNED (-1)         /* every token is banned (-inf) by logit bias */
@@ -315,6 +315,14 @@ LS_API int32_t ls_q8_quantize_rows(const float *x, int64_t nr, int64_t k, int8_t
 LS_API int32_t ls_gemm_q8(const int8_t *w, const float *wd, int64_t m, int64_t k, const float *x, int64_t nr,
                           float *y, int32_t n_threads);
 
+/* The first m / 4 * 4 rows of a Q8_0 matrix (ls_gemm_q8's w, wd) again, four rows side by side,
+ * so that a product over four rows at once reads memory in order: for group g (rows 4g..4g+3)
+ * w4[g] = for each block pair p: the 64 bytes of pair p of rows 4g..4g+3, then an odd last
+ * block of the four rows (32 bytes each); d4[g] = for each pair: 2 scales of each row, then
+ * the odd block's scale of each row. w4 [m / 4, 4 k] int8, d4 [m / 4, 4 k / 32] float32.
+ * returns: 0, or LS_ERR_ARG. */
+LS_API int32_t ls_q8_pack4(const int8_t *w, const float *wd, int64_t m, int64_t k, int8_t *w4, float *d4);
+
 /* Softmax attention of n entries, each over its own keys: q [n, n_head * head_dim] (roped),
  * kpool / vpool [*, n_head_kv * head_dim] float32, the keys of entry e are rows
  * key_idx[key_off[e] .. key_off[e + 1]) (key_off[0] = 0; at least one each); query head h reads
@@ -358,6 +366,8 @@ typedef struct {
     int64_t m, k;
     const void *w;
     const void *d;
+    const void *w4, *d4; /* LS_MAT_Q8: its rows packed by ls_q8_pack4 (read where the CPU has
+                          * AVX-512 VNNI), or NULL */
 } ls_mat_t;
 
 /* y [nr, m] = x [nr, k] W^T for any kind above. returns: 0, LS_ERR_ARG or LS_ERR_NOMEM. */

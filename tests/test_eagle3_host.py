@@ -75,6 +75,42 @@ def test_q8_kernels_match_numpy(rng):
         Q8Matrix(np.zeros((2, 40), np.int8), np.zeros((2, 1), np.float32))
 
 
+def _ref_pack4(q, d):
+    """``ls_q8_pack4`` in numpy: per group of four rows, each block pair's 64 bytes of the four
+    rows side by side, then an odd last block of the four rows; the scales in the same order."""
+    m, k = q.shape
+    nb, g = k // 32, m // 4
+    qb, db = q[: 4 * g].reshape(g, 4, nb, 32), d[: 4 * g].reshape(g, 4, nb)
+    npair = nb // 2
+    pairs = qb[:, :, : 2 * npair].reshape(g, 4, npair, 64).transpose(0, 2, 1, 3).reshape(g, -1)
+    odd = qb[:, :, 2 * npair :].reshape(g, -1)
+    dpairs = db[:, :, : 2 * npair].reshape(g, 4, npair, 2).transpose(0, 2, 1, 3).reshape(g, -1)
+    return np.concatenate([pairs, odd], 1), np.concatenate([dpairs, db[:, :, 2 * npair :].reshape(g, -1)], 1)
+
+
+def test_q8_products_are_the_same_bits_packed_alone_or_batched(rng):
+    """The packed copy (``ls_q8_pack4``) holds the rows in the documented order, and the product
+    that reads it (four rows at once, where the CPU has AVX-512 VNNI) gives every output bit
+    for bit what the row-by-row product (``ls_gemm_q8``, unpacked) gives; and an activation row
+    gets the same bits alone as among others (a request's draft does not depend on the
+    requests drafting beside it), for any thread count. Shapes: tail rows (m % 4), an odd last
+    block after pairs (k = 96), a lone block (k = 32), more than four activation rows."""
+    from localspec.native import lib
+    from localspec.native.head import Q8Matrix
+
+    for m, k, nr in [(70, 64, 1), (13, 96, 6), (8, 32, 5), (257, 640, 9), (4, 1280, 3)]:
+        w = Q8Matrix(rng.integers(-127, 128, (m, k)).astype(np.int8), rng.uniform(1e-4, 1e-2, (m, k // 32)).astype(np.float32))
+        q4, d4 = _ref_pack4(w.q, w.d)
+        assert np.array_equal(w.q4, q4) and np.array_equal(w.d4, d4)
+        x = (rng.standard_normal((nr, k)) * rng.uniform(0.1, 30, (nr, 1))).astype(np.float32)
+        for threads in (1, 2, 3):
+            y = w.apply(x, threads)
+            rows = np.empty_like(y)
+            assert lib.ls_gemm_q8(w.q.ctypes.data, w.d.ctypes.data, m, k, x.ctypes.data, nr, rows.ctypes.data, threads) == 0
+            assert np.array_equal(y, rows)
+            assert np.array_equal(y, np.concatenate([w.apply(x[r : r + 1], threads) for r in range(nr)]))
+
+
 def _check_attention(rng, attention):
     """``attention`` against numpy: head sizes with and without a whole 64-wide slice or a
     whole vector (20: a scalar remainder after the 16- and 8-wide steps), grouped query heads,

@@ -194,7 +194,7 @@ class HeadWeights:
         import mmap
 
         mats = [self.fc, self.wq, self.kv, self.wo, self.gate_up, self.down, self.output]
-        arrays = [(m, name) for m in mats for name in ("q", "d", "w", "wt") if isinstance(getattr(m, name, None), np.ndarray)]
+        arrays = [(m, name) for m in mats for name in ("q", "d", "q4", "d4", "w", "wt") if isinstance(getattr(m, name, None), np.ndarray)]
         huge = 2 << 20
         sizes = [(getattr(m, name).nbytes + 63) // 64 * 64 for m, name in arrays]
         total = (sum(sizes) + huge - 1) // huge * huge

@@ -9,7 +9,7 @@ import os
 from ctypes import POINTER, c_double, c_float, c_int8, c_int32, c_int64, c_uint64, c_void_p
 from pathlib import Path
 
-ABI_VERSION = 12
+ABI_VERSION = 13
 
 # error codes (LS_ERR_*)
 ERR_BANNED = -1
@@ -88,7 +88,8 @@ class DraftParams(ctypes.Structure):
 class MatT(ctypes.Structure):
     """``ls_mat_t``: one weight matrix of a head (kind ``LS_MAT_*``, sizes, data addresses)."""
 
-    _fields_ = [("kind", c_int32), ("out_scale", c_float), ("m", c_int64), ("k", c_int64), ("w", c_void_p), ("d", c_void_p)]
+    _fields_ = [("kind", c_int32), ("out_scale", c_float), ("m", c_int64), ("k", c_int64), ("w", c_void_p), ("d", c_void_p),
+                ("w4", c_void_p), ("d4", c_void_p)]
 
 
 LS_MAT_Q8, LS_MAT_F32T, LS_MAT_F16, LS_MAT_BF16 = 0, 1, 2, 3
@@ -155,6 +156,7 @@ _SIGNATURES = {
     "ls_gemm_t": (c_int32, [_P, c_int64, c_int64, _P, c_int64, _P, c_int32]),
     "ls_q8_quantize_rows": (c_int32, [_P, c_int64, c_int64, _P, _P]),
     "ls_gemm_q8": (c_int32, [_P, _P, c_int64, c_int64, _P, c_int64, _P, c_int32]),
+    "ls_q8_pack4": (c_int32, [_P, _P, c_int64, c_int64, _P, _P]),
     "ls_gemm_h16": (c_int32, [_P, c_int32, c_int64, c_int64, _P, c_int64, _P, c_int32]),
     "ls_mat_apply": (c_int32, [POINTER(MatT), _P, c_int64, _P, c_int32]),
     "ls_head_level": (

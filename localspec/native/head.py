@@ -44,6 +44,14 @@ class Q8Matrix:
         if k % 32 or self.d.shape != (m, k // 32):
             raise ValueError(f"a Q8_0 matrix needs [m, k] int8 with k % 32 == 0 and [m, k / 32] scales, got {self.q.shape}, {self.d.shape}")
         self.shape = (m, k)
+        # the first m // 4 * 4 rows again, four side by side (ls_q8_pack4): what the AVX-512
+        # VNNI product reads
+        self.q4 = np.empty((m // 4, 4 * k), dtype=np.int8)
+        self.d4 = np.empty((m // 4, 4 * k // 32), dtype=np.float32)
+        if m >= 4:
+            rc = lib.ls_q8_pack4(self.q.ctypes.data, self.d.ctypes.data, m, k, self.q4.ctypes.data, self.d4.ctypes.data)
+            if rc < 0:
+                raise_for(rc)
 
     @classmethod
     def from_gguf_bytes(cls, raw: np.ndarray, k: int) -> "Q8Matrix":
@@ -68,7 +76,8 @@ class Q8Matrix:
     def c_mat(self) -> MatT:
         """The ``ls_mat_t`` of this matrix (valid while the matrix lives)."""
         m, k = self.shape
-        return MatT(LS_MAT_Q8, 1.0, m, k, self.q.ctypes.data, self.d.ctypes.data)
+        return MatT(LS_MAT_Q8, 1.0, m, k, self.q.ctypes.data, self.d.ctypes.data, self.q4.ctypes.data if m >= 4 else None,
+                    self.d4.ctypes.data if m >= 4 else None)  # fmt: skip
 
     def apply(self, x: np.ndarray, n_threads: int = 1) -> np.ndarray:
         """``x W^T``: [r, k] float32 -> [r, m] float32 (``ls_gemm_q8``: x quantised per block
