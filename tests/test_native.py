@@ -33,6 +33,24 @@ def test_native_library_is_built():
     assert native.enabled()
 
 
+def test_a_library_older_than_its_sources_is_named(tmp_path):
+    """``stale_sources``: the sources and headers written after the library, by name (a
+    failed compile keeps the previous library, and ``load`` warns with these); none when the
+    library is newer."""
+    from localspec.native._lib import stale_sources
+
+    lib, old_c, new_h, other = (tmp_path / n for n in ("lib.so", "a.c", "b.h", "notes.txt"))
+    for p in (lib, old_c, new_h, other):
+        p.write_text("x")
+    os.utime(old_c, (1_000, 1_000))
+    os.utime(lib, (2_000, 2_000))
+    os.utime(new_h, (3_000, 3_000))
+    os.utime(other, (3_000, 3_000))
+    assert stale_sources(lib, tmp_path) == ["b.h"]
+    os.utime(lib, (4_000, 4_000))
+    assert stale_sources(lib, tmp_path) == []
+
+
 # -- streams and row kernels ----------------------------------------------------------------
 
 

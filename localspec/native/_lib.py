@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import os
+import warnings
 from ctypes import POINTER, c_double, c_float, c_int8, c_int32, c_int64, c_uint64, c_void_p
 from pathlib import Path
 
@@ -196,6 +197,15 @@ def library_candidates() -> list[Path]:
     return [here / (_LIB_STEM + s) for s in importlib.machinery.EXTENSION_SUFFIXES]
 
 
+def stale_sources(library: Path, src_dir: Path) -> list[str]:
+    """Names of the C sources and headers in ``src_dir`` modified after ``library`` was
+    written, sorted: a library built before them. A compile error does not fail
+    ``pip install -e .`` (the extension is optional, so that a machine without a compiler
+    still installs), and it leaves the previous library in place."""
+    t = library.stat().st_mtime
+    return sorted(p.name for p in src_dir.glob("*.[ch]") if p.stat().st_mtime > t)
+
+
 def load() -> ctypes.CDLL:
     """Load the library and declare its functions.
 
@@ -215,6 +225,13 @@ def load() -> ctypes.CDLL:
         version = lib.ls_abi_version()
         if version != ABI_VERSION:
             raise OSError(f"{path} has ABI version {version}, expected {ABI_VERSION}: rebuild with `pip install -e .`")
+        src = Path(__file__).resolve().parents[2] / "native"  # a source checkout's native/ (editable installs)
+        if not os.environ.get("LOCALSPEC_NATIVE_LIB") and (src / "localspec_native.h").is_file():
+            stale = stale_sources(path, src)
+            if stale:
+                warnings.warn(f"{path.name} is older than native/{', native/'.join(stale[:3])}: rebuild with "
+                              "`pip install -e . -v` (a compile error keeps the previous library)", RuntimeWarning,
+                              stacklevel=2)  # fmt: skip
         return lib
     raise OSError("the native library is not built (looked for " + ", ".join(tried) + "); `pip install -e .` builds it")
 
