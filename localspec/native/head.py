@@ -47,8 +47,6 @@ class Q8Matrix:
         if k % 32 or self.d.shape != (m, k // 32):
             raise ValueError(f"a Q8_0 matrix needs [m, k] int8 with k % 32 == 0 and [m, k / 32] scales, got {self.q.shape}, {self.d.shape}")
         self.shape = (m, k)
-        # the first m // 4 * 4 rows again, four side by side (ls_q8_pack4): what the AVX-512
-        # VNNI product reads
         self.q4 = np.empty((m // 4, 4 * k), dtype=np.int8)
         self.d4 = np.empty((m // 4, 4 * k // 32), dtype=np.float32)
         if m >= 4:
