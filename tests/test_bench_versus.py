@@ -37,7 +37,7 @@ def test_repeats_time_every_engine_in_every_round(model):
     for name in ("plain", "ngram"):
         times = row[name]["t_decode_us_rounds"]
         assert len(times) == 3 and all(t > 0 for t in times)
-        assert row[name]["t_decode_us"] == pytest.approx(sum(times) / 3)
+        assert row[name]["t_decode_us"] == pytest.approx(sorted(times)[1])  # the median round
     assert row["ngram"]["identical"]
     with pytest.raises(ValueError, match="repeats"):
         compare_drafters(model, prompts, ["ngram"], max_tokens=8, repeats=0)

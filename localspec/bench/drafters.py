@@ -242,7 +242,9 @@ def compare_drafters(model, prompts, drafters=("ngram", "auto"), *, max_tokens: 
             that set a policy rule back on one engine: ``scripts/model_select_ab.py``).
     Returns:
         one dict per prompt: ``category``, ``question_id``, and per drafter name (and
-        ``"plain"``) ``t_decode_us`` (the mean over the rounds), ``t_decode_us_rounds``,
+        ``"plain"``) ``t_decode_us`` (the median over the rounds: with three or more, a round
+        slowed by a burst on the machine does not move it; with two, their mean),
+        ``t_decode_us_rounds``,
         ``n_generated_tokens``, ``mean_acceptance_length``, ``n_steps`` (target calls) and
         ``token_sources`` (emitted tokens per ``TokenSource`` name: which drafter supplied
         them), all the first round's, and ``identical`` (token ids equal to the plain run's in
@@ -282,7 +284,7 @@ def compare_drafters(model, prompts, drafters=("ngram", "auto"), *, max_tokens: 
             for name, rs in runs.items():
                 times = [r.stats.t_generate_us for r in rs]
                 row[name] = {
-                    "t_decode_us": float(np.mean(times)),
+                    "t_decode_us": float(np.median(times)),
                     "t_decode_us_rounds": times,
                     "n_generated_tokens": rs[0].stats.n_generated_tokens,
                     "mean_acceptance_length": rs[0].stats.mean_acceptance_length,

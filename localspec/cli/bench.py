@@ -192,7 +192,7 @@ def register(sub) -> None:
                     help="(with --dataset) each question as one user turn of a conversation, as chat and serve give it")
     dr.add_argument("--repeats", type=int, default=None, metavar="R",
                     help="(with --versus) rounds per prompt, each running every engine once, in reversed order "
-                    "round by round (A B, B A, ...); a prompt's time per engine is the mean (default 1)")  # fmt: skip
+                    "round by round (A B, B A, ...); a prompt's time per engine is the median (with 2, the mean; default 1)")  # fmt: skip
     dr.add_argument("--json", action="store_true")
     dr.set_defaults(func=run_drafters)
 
