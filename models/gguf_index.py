@@ -48,6 +48,7 @@ class GGUFIndex:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = str(path)
+        self._eog: list[int] | None = None
         with open(self.path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < 24:
@@ -178,10 +179,20 @@ class GGUFIndex:
         return np.frombuffer(self._mm, dtype=dtype, count=count, offset=t.offset).reshape(shape)
 
     def eog_ids(self) -> list[int]:
-        """The end-of-generation ids the file names (``tokenizer.ggml.eos_token_id`` and
-        ``eot_token_id``, those present), sorted, without repeats."""
-        keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-        return sorted({int(self.values[k]) for k in keys if k in self.values})
+        """The vocabulary's end-of-generation ids as llama.cpp gives them (``llama_vocab_is_eog``,
+        from a vocabulary-only load: the file's ``eos``/``eot`` ids and the end-of-turn tokens
+        llama.cpp recognises by their text, such as Gemma's ``<end_of_turn>``, which the keys
+        alone miss), sorted, without repeats; read once.
+
+        Raises:
+            ModelLoadError: llama.cpp cannot read the file's vocabulary.
+        """
+        if self._eog is None:
+            from localspec.backend import Model
+
+            with Model(self.path, vocab_only=True) as vocab:
+                self._eog = sorted(vocab.eog_ids)
+        return list(self._eog)
 
     def array_len(self, key: str) -> int:
         """Number of items of an array entry (e.g. ``tokenizer.ggml.tokens``)."""

@@ -90,7 +90,7 @@ def _ref_pack4(q, d):
 
 def test_q8_products_are_the_same_bits_packed_alone_or_batched(rng):
     """The packed copy (``ls_q8_pack4``) holds the rows in the documented order, and the product
-    that reads it (four rows at once, where the CPU has AVX-512 VNNI) gives every output bit
+    that reads it (four rows at once, where the CPU has AVX-512 VNNI or AVX2) gives every output bit
     for bit what the row-by-row product (``ls_gemm_q8``, unpacked) gives; and an activation row
     gets the same bits alone as among others (a request's draft does not depend on the
     requests drafting beside it), for any thread count. Shapes: tail rows (m % 4), an odd last
@@ -367,7 +367,9 @@ def test_half_kernel_matches_numpy(rng):
 def test_products_without_avx512_match_numpy():
     """The AVX2 paths (``LS_HEAD_NO_AVX512=1``: ``ls_gemm_q8`` without VNNI, ``ls_gemm_h16``
     with F16C, ``ls_head_attn``) give the same products, in a fresh process (the kernels pick
-    their path once)."""
+    their path once); the packed Q8_0 product (four rows at once) the same bits as the
+    row-by-row one, alone or batched
+    (``test_q8_products_are_the_same_bits_packed_alone_or_batched``)."""
     import subprocess
     import sys
 
@@ -387,8 +389,9 @@ for m, k, nr in [(9, 47, 1), (70, 640, 5)]:
 import sys
 sys.path.insert(0, TESTS)
 from localspec.native.head import attention
-from test_eagle3_host import _check_attention
+from test_eagle3_host import _check_attention, test_q8_products_are_the_same_bits_packed_alone_or_batched
 _check_attention(rng, attention)
+test_q8_products_are_the_same_bits_packed_alone_or_batched(rng)
 print("ok")
 """
     env = {**os.environ, "LS_HEAD_NO_AVX512": "1"}
@@ -539,6 +542,23 @@ def test_a_cut_draft_vocabulary_keeps_the_kept_rows(model, tmp_path):
     finally:
         host.close()
         e.close()
+
+
+def test_draft_vocabularies_keep_llama_cpps_end_of_generation_ids(model):
+    """The end-of-generation ids that every draft vocabulary keeps (``frequent_draft_vocab``,
+    the trainers' ``read_target``, ``prune_draft_vocab``) are llama.cpp's
+    (``GGUFIndex.eog_ids``), among them Gemma's ``<end_of_turn>``, which ends every chat
+    answer and which the file's eos/eot keys do not name. Reading only those keys (the rule
+    before) fails here."""
+    from localspec.models.eagle3_gguf import frequent_draft_vocab
+    from localspec.models.gguf_index import GGUFIndex
+    from localspec.models.training.eagle3_train import read_target
+
+    (end_of_turn,) = model.tokenize("<end_of_turn>", add_special=False, parse_special=True)
+    eog = GGUFIndex(model.path).eog_ids()
+    assert eog == sorted(model.eog_ids) and end_of_turn in eog and len(eog) >= 2
+    assert read_target(model.path).eog == eog
+    assert set(eog) <= set(frequent_draft_vocab(model.path, 64).tolist())
 
 
 def test_cutting_a_draft_vocabulary_refuses_bad_arguments(model, tmp_path):
