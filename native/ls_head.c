@@ -139,6 +139,51 @@ __attribute__((target("avx2,fma"))) static void dot4_q8_avx2(const int8_t *w, co
     for (int r = 0; r < nr; r++) out[r] = ls__hsum256(acc[r]);
 }
 
+/* four matrix rows against NR (1 or 2) activation rows, AVX2, the rows packed by ls_q8_pack4
+ * (w4g, d4g: their group; see rows4_q8_vnni_n): every output bit for bit what dot4_q8_avx2
+ * gives row by row (each row's blocks added in order into its own accumulator, the same
+ * products), with 4 * NR independent accumulators instead of NR; NR stops at 2 so that they
+ * stay in the 16 registers. out[r * ldo + j] = row j . activation row r. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+rows4_q8_avx2_n(const int8_t *w4g, const float *d4g, const int8_t *x, const float *xd, int64_t nb, int64_t k,
+                const int nr, float *out, int64_t ldo) {
+    __m256 acc[4][2];
+    for (int j = 0; j < 4; j++)
+        for (int r = 0; r < 2; r++) acc[j][r] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int64_t np = nb / 2;
+    for (int64_t b = 0; b < nb; b++) {
+        /* block b of row j: in its pair's 64 bytes, or after the pairs (an odd last block) */
+        const int8_t *wb = b < 2 * np ? w4g + (b / 2) * 4 * 64 + (b % 2) * LS_Q8_BLOCK : w4g + np * 4 * 64;
+        const int64_t wstride = b < 2 * np ? 64 : LS_Q8_BLOCK;
+        const float *db = b < 2 * np ? d4g + (b / 2) * 8 + b % 2 : d4g + np * 8;
+        const int64_t dstride = b < 2 * np ? 2 : 1;
+        __m256i xv[2];
+        for (int r = 0; r < nr; r++) xv[r] = _mm256_loadu_si256((const __m256i *)(x + r * k + b * LS_Q8_BLOCK));
+        for (int j = 0; j < 4; j++) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(wb + j * wstride));
+            const __m256i aw = _mm256_sign_epi8(wv, wv);
+            const float dw = db[j * dstride];
+            for (int r = 0; r < nr; r++) {
+                const __m256i p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[r], wv));
+                const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+                acc[j][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[r * nb + b]), p, acc[j][r]);
+            }
+        }
+    }
+    for (int j = 0; j < 4; j++)
+        for (int r = 0; r < nr; r++) out[r * ldo + j] = ls__hsum256(acc[j][r]);
+}
+
+__attribute__((target("avx2,fma"))) static void rows4_q8_avx2(const int8_t *w4g, const float *d4g, const int8_t *x,
+                                                             const float *xd, int64_t nb, int64_t k, int nr,
+                                                             float *out, int64_t ldo) {
+    if (nr == 1)
+        rows4_q8_avx2_n(w4g, d4g, x, xd, nb, k, 1, out, ldo);
+    else
+        rows4_q8_avx2_n(w4g, d4g, x, xd, nb, k, 2, out, ldo);
+}
+
 #ifdef LS_HAVE_AVX512_VNNI_TARGET
 /* the same with AVX-512 VNNI: two blocks per instruction. VNNI multiplies unsigned by signed
  * bytes, so the activations come offset by 128 (xu = x + 128, [nr, k] uint8) and the offset's
@@ -278,7 +323,7 @@ int32_t ls_q8_pack4(const int8_t *w, const float *wd, int64_t m, int64_t k, int8
 }
 
 /* ls_gemm_q8, reading the first m / 4 * 4 rows from their ls_q8_pack4 copy (w4, d4) where the
- * CPU has AVX-512 VNNI (w4 NULL: every row from w, wd) */
+ * CPU has AVX-512 VNNI or AVX2 (w4 NULL: every row from w, wd) */
 static int32_t gemm_q8(const int8_t *w, const float *wd, const int8_t *w4, const float *d4, int64_t m, int64_t k,
                        const float *x, int64_t nr, float *y, int32_t n_threads) {
     if (!w || !wd || !x || !y || m < 0 || k < 0 || nr < 0 || k % LS_Q8_BLOCK || (w4 && !d4)) return LS_ERR_ARG;
@@ -315,7 +360,7 @@ static int32_t gemm_q8(const int8_t *w, const float *wd, const int8_t *w4, const
 #endif
     (void)use_avx2;
     (void)use_vnni;
-    (void)w4; /* read only by the VNNI path */
+    (void)w4; /* read only by the x86 paths */
     (void)d4;
     int nt = n_threads < 1 ? 1 : n_threads;
     if (nt > m) nt = (int)m;
@@ -335,6 +380,13 @@ static int32_t gemm_q8(const int8_t *w, const float *wd, const int8_t *w4, const
                 for (int64_t r0 = 0; r0 < nr; r0 += 4)
                     rows4_q8_vnni(w4 + i * k, d4 + i * nb, xu + r0 * k, xq + r0 * k, xs + r0 * nb * 8, xd + r0 * nb, nb,
                                   k, nr - r0 < 4 ? (int)(nr - r0) : 4, y + r0 * m + i, m);
+#endif
+#ifdef LS_HEAD_X86
+        if (!use_vnni && use_avx2 && w4)
+            for (; i + 4 <= hi; i += 4)
+                for (int64_t r0 = 0; r0 < nr; r0 += 2)
+                    rows4_q8_avx2(w4 + i * k, d4 + i * nb, xq + r0 * k, xd + r0 * nb, nb, k, nr - r0 < 2 ? 1 : 2,
+                                  y + r0 * m + i, m);
 #endif
         for (; i < hi; i++) { /* the matrix row once, against every activation row */
             const int8_t *wi = w + i * k;
