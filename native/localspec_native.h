@@ -367,7 +367,7 @@ typedef struct {
     const void *w;
     const void *d;
     const void *w4, *d4; /* LS_MAT_Q8: its rows packed by ls_q8_pack4 (read where the CPU has
-                          * AVX-512 VNNI), or NULL */
+                          * AVX-512 VNNI or AVX2), or NULL */
 } ls_mat_t;
 
 /* y [nr, m] = x [nr, k] W^T for any kind above. returns: 0, LS_ERR_ARG or LS_ERR_NOMEM. */

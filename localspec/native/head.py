@@ -33,8 +33,8 @@ class Q8Matrix:
     """A weight matrix ``W`` [m, k] in Q8_0: ``q`` [m, k] int8 and ``d`` [m, k / 32] float32
     block scales (``W[i, 32 b + j] = d[i, b] * q[i, 32 b + j]``), as llama.cpp stores it;
     ``q4`` [m // 4, 4 k] int8 and ``d4`` [m // 4, 4 k / 32] float32 hold the first m // 4 * 4
-    rows again, packed four by four (``ls_q8_pack4``), for the AVX-512 VNNI product. Read-only
-    once made: the packed copy is not updated.
+    rows again, packed four by four (``ls_q8_pack4``), for the AVX-512 VNNI and AVX2 products.
+    Read-only once made: the packed copy is not updated.
 
     Raises:
         ValueError: k not a multiple of 32, or shapes that do not match.
