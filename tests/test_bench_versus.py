@@ -70,3 +70,7 @@ def test_the_ratio_interval_covers_the_ratio_of_the_prompts_population():
     n, t = np.full(5, 100.0), np.array([1.0, 2.0, 3.0, 4.0, 5.0])
     assert ratio_interval(n, t, n, t / 1.2) == pytest.approx((1.2, 1.2))
     assert ratio_interval(n[:1], t[:1], n[:1], t[:1] / 1.2) == pytest.approx((1.2, 1.2))
+    # a prompt that ends at once (no tokens, a few ms: Spec-Bench question 243 on the default
+    # model) among others: resamples of it alone have no ratio and are left out, not NaN
+    n0, t0 = np.array([0.0, 100.0, 100.0]), np.array([0.02, 1.0, 2.0])
+    assert ratio_interval(n0, t0, n0, t0 / 1.2, n_boot=500) == pytest.approx((1.2, 1.2))

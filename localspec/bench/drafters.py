@@ -314,7 +314,8 @@ def ratio_interval(n_a, t_a, n_b, t_b, *, n_boot: int = 2000, level: float = 0.9
         n_boot: resamples; level: the interval's coverage; seed: the resampling's RNG seed.
     Returns:
         (low, high); both the ratio itself for a single prompt, both 0.0 where engine A
-        emitted nothing or a time is 0.
+        emitted nothing or a time is 0 (over all prompts; resamples of only such prompts are
+        left out).
     """
     n_a, t_a, n_b, t_b = (np.asarray(x, dtype=np.float64) for x in (n_a, t_a, n_b, t_b))
     p = n_a.size
@@ -324,6 +325,9 @@ def ratio_interval(n_a, t_a, n_b, t_b, *, n_boot: int = 2000, level: float = 0.9
         r = float(n_b.sum() / t_b.sum() / (n_a.sum() / t_a.sum()))
         return r, r
     idx = np.random.default_rng(seed).integers(0, p, size=(n_boot, p))
+    # a resample of prompts that emitted nothing (a prompt that ends at once) has no speed
+    # ratio: it is left out, else one such 0/0 makes the whole interval NaN
+    idx = idx[(n_a[idx].sum(1) > 0) & (t_a[idx].sum(1) > 0) & (t_b[idx].sum(1) > 0)]
     ratios = (n_b[idx].sum(1) / t_b[idx].sum(1)) / (n_a[idx].sum(1) / t_a[idx].sum(1))
     lo, hi = np.quantile(ratios, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
     return float(lo), float(hi)
