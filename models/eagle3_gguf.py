@@ -193,8 +193,8 @@ def write_eagle3_gguf(
     n_layer = int(r.values[f"{arch}.block_count"])
     if int(w.d2t.max()) >= n_vocab:
         raise ValueError(f"d2t holds id {int(w.d2t.max())} but the target vocabulary has {n_vocab} tokens")
-    if not all(1 <= k < n_layer for k in cfg.target_layers):
-        raise ValueError(f"target layers must be in 1..{n_layer - 1}, got {cfg.target_layers}")
+    if not all(1 <= k < n_layer for k in cfg.target_layers) or len(set(cfg.target_layers)) != 3:
+        raise ValueError(f"target layers must be three distinct layers of 1..{n_layer - 1}, got {cfg.target_layers}")
     wr = _writer(out, ARCH)
     wr.add_name(name)
     wr.add_uint32(f"{ARCH}.context_length", cfg.n_ctx_train)
@@ -313,8 +313,20 @@ def prune_draft_vocab(head: str | os.PathLike, out: str | os.PathLike, target, c
 
 
 def default_target_layers(n_layer: int) -> tuple[int, int, int]:
-    """EAGLE-3's usual feature layers (low, middle, high): ``(2, n_layer // 2, n_layer - 3)``."""
-    return (2, n_layer // 2, n_layer - 3)
+    """EAGLE-3's usual feature layers (low, middle, high): ``(2, n_layer // 2, n_layer - 3)``
+    (the EAGLE repository's and SpecForge's choice). Where those are not three distinct
+    readable layers (targets of fewer than 8 layers: 6 gives ``(2, 3, 3)``), the first, the
+    middle and the last readable one, ``(1, n_layer // 2, n_layer - 1)``.
+
+    Raises:
+        ValueError: fewer than 4 layers (three distinct inputs of layers ``1 .. n_layer - 1``).
+    """
+    if n_layer < 4:
+        raise ValueError(f"an EAGLE-3 head reads three distinct layers of 1..n_layer - 1: the target has {n_layer} layers, it needs 4 or more")
+    usual = (2, n_layer // 2, n_layer - 3)
+    if len(set(usual)) == 3 and all(1 <= k < n_layer for k in usual):
+        return usual
+    return (1, n_layer // 2, n_layer - 1)
 
 
 def random_eagle3(

@@ -222,3 +222,27 @@ class GGUFIndex:
             out = np.asarray(dequantize(np.ascontiguousarray(sel), qt), dtype=np.float32)
         out = out.reshape(-1, ne0)
         return out[0] if len(t.shape) == 1 else out
+
+
+def gguf_architecture(path: str | os.PathLike) -> str | None:
+    """``general.architecture`` of a GGUF file, reading only the key/value entries up to it
+    (by convention the first): a cheap look at what a file is before loading it. None when
+    the file has no such key or is not a readable GGUF (missing, truncated, another format)."""
+    idx = GGUFIndex.__new__(GGUFIndex)
+    idx.path = str(path)
+    try:
+        with open(idx.path, "rb") as f:
+            idx._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if idx._mm[:4] != b"GGUF" or len(idx._mm) < 24:
+            return None
+        _, _, n_kv = struct.unpack_from("<IQQ", idx._mm, 4)
+        off = 24
+        for _ in range(n_kv):
+            key, off = idx._str(off)
+            (vtype,) = struct.unpack_from("<I", idx._mm, off)
+            value, off = idx._value(vtype, off + 4)
+            if key == "general.architecture":
+                return value if isinstance(value, str) else None
+    except (OSError, ValueError, struct.error, OverflowError):
+        return None
+    return None

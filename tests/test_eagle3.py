@@ -43,6 +43,73 @@ def test_random_head_gguf_is_an_eagle3_model(head, model):
         Eagle3Drafter(model)
 
 
+def test_head_files_that_cannot_draft_are_refused_at_load_in_one_line(model_path, random_head_path, tmp_path):
+    """Found by a new user's run (2026-12-06): a head whose ``d2t`` repeats a target id loaded
+    and failed mid-generation with a traceback (``SparseDist``), one with negative ids failed
+    in the decode with an error blaming the batch, one whose ``eagle3.target_layers`` repeat a
+    layer crashed every speculative path ("feature layers captured different row counts"), a
+    missing head was "model file not found", and a Medusa heads file given as the head, or a
+    head given as the model, got llama.cpp's "truncated or corrupt file" message. Each is now
+    one ``ModelLoadError`` at load that says what the file is or what is wrong in it."""
+    import shutil
+
+    from gguf import GGUFValueType
+
+    from localspec.models.gguf_edit import copy_gguf
+    from localspec.models.gguf_index import GGUFIndex
+
+    def with_d2t(name, edit):
+        dst = tmp_path / name
+        shutil.copy(random_head_path, dst)
+        t = GGUFIndex(dst).tensors["d2t"]
+        d2t = np.memmap(dst, dtype="<i8", mode="r+", offset=t.offset, shape=(t.shape[0],))
+        edit(d2t)
+        d2t.flush()
+        del d2t
+        return dst
+
+    def refused(path, match):
+        with pytest.raises(ModelLoadError, match=match) as e:
+            Eagle3Drafter(path).close()
+        assert "\n" not in str(e.value)
+
+    refused(with_d2t("dup.gguf", lambda d: d.__setitem__(1, d[0])), r"\(d2t\) holds 1 target ids twice")
+    refused(with_d2t("neg.gguf", lambda d: d.__setitem__(5, -5)), r"\(d2t\) holds negative target ids \(-5\)")
+    layers = copy_gguf(random_head_path, tmp_path / "layers.gguf",
+                       set_kv={"eagle3.target_layers": ([2, 9, 9], GGUFValueType.ARRAY, GGUFValueType.INT32)})  # fmt: skip
+    refused(layers, r"reads target layers \[2, 9, 9\]: a layer twice")
+    medusa = copy_gguf(random_head_path, tmp_path / "medusa.gguf", set_kv={"general.architecture": "medusa"})
+    refused(medusa, "is a Medusa heads file, not an EAGLE-3 head: use it with --drafter medusa --medusa")
+    refused(model_path, "is a gemma3 model, not an EAGLE-3 head .*--drafter draft --draft-model")
+    refused(tmp_path / "nope.gguf", "EAGLE-3 head file not found")
+    with pytest.raises(ModelLoadError, match="is an EAGLE-3 head, not a model to generate with: .*--eagle"):
+        Engine(random_head_path, drafter="none", n_ctx=256, cost_model=frozen_cost_model())
+    with pytest.raises(ModelLoadError, match="is a Medusa heads file, not a model to generate with"):
+        Engine(medusa, drafter="none", n_ctx=256, cost_model=frozen_cost_model())
+
+
+def test_the_default_feature_layers_are_three_distinct_readable_layers(model_path, tmp_path):
+    """``default_target_layers``: the usual ``(2, n // 2, n - 3)`` where those are distinct
+    (the default model's 18 layers: ``(2, 9, 15)``), else the first, middle and last readable
+    layer (a 6-layer target got ``(2, 3, 3)``, whose head crashed every speculative path); a
+    target of fewer than 4 layers has no three, and the writer refuses repeated layers."""
+    from localspec.models.eagle3_gguf import default_target_layers, random_eagle3, read_eagle3_gguf, write_eagle3_gguf
+
+    assert default_target_layers(18) == (2, 9, 15) and default_target_layers(8) == (2, 4, 5)
+    assert default_target_layers(6) == (1, 3, 5) and default_target_layers(4) == (1, 2, 3)
+    for n in range(4, 64):
+        ks = default_target_layers(n)
+        assert len(set(ks)) == 3 and all(1 <= k < n for k in ks), (n, ks)
+    with pytest.raises(ValueError, match="needs 4 or more"):
+        default_target_layers(3)
+    head = random_eagle3(model_path, tmp_path / "h.gguf", draft_vocab=256)
+    cfg, w = read_eagle3_gguf(head)
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="three distinct layers"):
+        write_eagle3_gguf(tmp_path / "bad.gguf", model_path, replace(cfg, target_layers=(2, 9, 9)), w)
+
+
 def test_feature_rows_equal_an_independent_computation(model, derived_draft):
     """The input of layer 12 captured from the full model equals the final hidden state of the
     model truncated to 12 layers (computed by llama.cpp on its own, with embeddings=true,

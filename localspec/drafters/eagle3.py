@@ -73,7 +73,7 @@ from .base import TargetHandle
 from ..backend.kv import common_prefix
 from .level_drafter import LevelPart, ModelDrafter, StateFedLevels
 from .target_features import TargetFeatureBuffer
-from .vocab_check import check_vocab
+from .vocab_check import check_draft_map, check_vocab
 
 
 def head_target_layers(model: Model) -> tuple[int, ...]:
@@ -83,6 +83,30 @@ def head_target_layers(model: Model) -> tuple[int, ...]:
     n = int(model_target_layer_ids_n(model.handle))
     ptr = model_target_layer_ids(model.handle)
     return tuple(int(ptr[i]) for i in range(n))
+
+
+def _check_head_file(path: str | os.PathLike) -> None:
+    """Before llama.cpp loads ``path`` as an EAGLE-3 head: a missing file, or a GGUF of another
+    kind (a Medusa heads file, a model), named as such in one line with the option it belongs
+    to. A file that cannot be read as a GGUF is left to the loader, which says why.
+
+    Raises:
+        ModelLoadError: no such file, or a GGUF whose architecture is not ``eagle3``.
+    """
+    from ..models.gguf_index import gguf_architecture
+
+    p = os.path.expanduser(os.fspath(path))
+    if not os.path.exists(p):
+        raise ModelLoadError(f"EAGLE-3 head file not found: {p} (give the path of a head .gguf with --eagle)")
+    arch = gguf_architecture(p)  # None for a file that is no readable GGUF: the loader names the problem
+    if arch is None or arch == "eagle3":
+        return
+    if arch == "medusa":
+        raise ModelLoadError(f"{p} is a Medusa heads file, not an EAGLE-3 head: use it with --drafter medusa --medusa {p}")
+    raise ModelLoadError(
+        f"{p} is a {arch} model, not an EAGLE-3 head (architecture eagle3): a model drafts with --drafter draft "
+        f"--draft-model {p}"
+    )
 
 
 _RECONVERT = (
@@ -157,6 +181,8 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
         if context_window is not None and context_window < 1:
             raise ValueError(f"context_window must be at least 1 (or None: the whole context), got {context_window}")
         self.context_window = context_window
+        if not isinstance(head, Model):
+            _check_head_file(head)
         super().__init__(
             head, n_gpu_layers=n_gpu_layers, max_depth=max_depth, max_width=max_width, shape=shape, n_threads=n_threads
         )
@@ -165,10 +191,22 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
             self.close()
             raise ModelLoadError(f"{head} is a {arch} model, not an EAGLE-3 head (architecture eagle3)")
         self.target_feature_layers = head_target_layers(self.model)
+        if len(set(self.target_feature_layers)) != len(self.target_feature_layers):
+            self.close()
+            raise ModelLoadError(
+                f"the EAGLE-3 head {head} reads target layers {list(self.target_feature_layers)}: a layer twice "
+                f"(EAGLE-3 reads three distinct layers). {_RECONVERT}"
+            )
         self.n_embd_target = int(self.model.meta("eagle3.target_hidden_size") or self.model.n_embd)
         self.n_embd = self.model.n_embd
         d2t = gguf_tensor(self.model.path, "d2t")
         self.d2t = None if d2t is None else np.ascontiguousarray(d2t, dtype=np.int64).reshape(-1)
+        if self.d2t is not None:
+            try:
+                check_draft_map(self.d2t, f"the EAGLE-3 head {head}", _RECONVERT)
+            except ModelLoadError:
+                self.close()
+                raise
         # llama.cpp's converter writes the head's config vocab_size (the target's); the
         # project's writer does not
         vocab = self.model.meta("eagle3.vocab_size")

@@ -76,6 +76,7 @@ from ..sampling import SamplingParams
 from ..tree import TokenSource, TokenTree
 from .base import TargetHandle
 from .level_drafter import ModelDrafter
+from .vocab_check import check_draft_map
 from .tree_expand import _N_CONF, _N_STOCH_DEPTH, CONF_EDGES, DraftChildSelector, DraftMode, _conf_prior, expand_tree
 
 DEFAULT_WIDTH = 6
@@ -165,8 +166,7 @@ class MedusaHeads:
         self.n_heads = weights.n_heads if max_depth is None else max(1, min(int(max_depth), weights.n_heads))
         self.n_embd = weights.n_embd
         self.d2t = np.ascontiguousarray(weights.d2t, dtype=np.int64)
-        if self.d2t.size == 0 or np.unique(self.d2t).size != self.d2t.size or self.d2t.min() < 0:
-            raise ModelLoadError(f"{where}: d2t must hold distinct non-negative target ids")
+        check_draft_map(self.d2t, str(where), "Write the heads again (localspec train-medusa).")
         # transposed, float32, C-contiguous: what the gemm kernel reads ([n_in, n_out])
         self.w_t = [np.ascontiguousarray(weights.w[k].T, dtype=np.float32) for k in range(self.n_heads)]
         self.b = [np.ascontiguousarray(weights.b[k], dtype=np.float32) for k in range(self.n_heads)]

@@ -149,3 +149,28 @@ def check_vocab(target: Model, draft: Model, advice: str = _ADVICE) -> VocabChec
     if draft.n_vocab > n_common:
         res.n_padded_draft = _check_tail(draft, n_common, "draft", advice)
     return res
+
+
+def check_draft_map(d2t, where: str, advice: str = "") -> None:
+    """Check a head's draft-vocabulary map (``d2t``: [V] target id of each draft id, EAGLE-3
+    and Medusa heads): at least one id, every id non-negative and none twice (the draft
+    distributions over it are kept by ascending target id, and the target verifies those
+    ids). The ids' upper bound is the target's, checked against it when the head is attached.
+
+    Raises:
+        ModelLoadError: one line naming the file (``where``), what is wrong, and ``advice``.
+    """
+    import numpy as np
+
+    from ..errors import ModelLoadError
+
+    d2t = np.asarray(d2t, dtype=np.int64).reshape(-1)
+    if d2t.size == 0:
+        bad = "is empty"
+    elif int(d2t.min()) < 0:
+        bad = f"holds negative target ids ({int(d2t.min())})"
+    elif np.unique(d2t).size != d2t.size:
+        bad = f"holds {d2t.size - np.unique(d2t).size} target ids twice"
+    else:
+        return
+    raise ModelLoadError(f"{where}: its draft vocabulary map (d2t) {bad}; it must hold distinct non-negative target ids. {advice}".rstrip())
