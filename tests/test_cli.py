@@ -137,6 +137,10 @@ def test_arguments_are_checked_before_the_model_loads(tmp_path, command):
     assert r.returncode == 1, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("localspec: error: model file not found:"), r.stderr
     assert "loading model" not in r.stderr
+    if command == "generate":  # a missing head is named as the head, with its flag (it was "model file not found")
+        r = run_cli(*first, "--drafter", "eagle3", "--eagle", str(tmp_path / "nohead.gguf"))
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 1 and last.startswith("localspec: error: EAGLE-3 head file not found:") and "--eagle" in last, r.stderr
     r = run_cli(*first, "--max-tokens", "-5")
     least = 1 if command == "bench" else 0  # a bench of no tokens times nothing
     assert r.returncode == 2 and f"argument -n/--max-tokens: must be >= {least}, got -5" in r.stderr, r.stderr

@@ -143,6 +143,15 @@ def test_drafter_options_are_checked(model):
         Engine(model, drafter="draft", n_ctx=256, cost_model=frozen_cost_model())
     with pytest.raises(InvalidRequestError, match="does not take"):
         Engine(model, drafter="ngram", draft_model="x.gguf", n_ctx=256, cost_model=frozen_cost_model())
+    # only the options it does not take, as the command line spells them (it named every
+    # option given, the shipped head's path the engine adds for `auto` among them: "does not
+    # take draft_shape, eagle")
+    from localspec.drafters import make_drafter
+
+    with pytest.raises(InvalidRequestError, match=r"^drafter 'auto' does not take --draft-shape \(see"):
+        make_drafter("auto", draft_shape=TreeShape(6, 1, 7), eagle="head.gguf")
+    with pytest.raises(InvalidRequestError, match=r"^--draft-shape needs a drafter \(not 'none'\): choose one with --drafter$"):
+        make_drafter("none", draft_shape=TreeShape(6, 1, 7))
 
 
 # -- classic rejection sampling with the draft's own probabilities, on fixed real rows --------

@@ -30,14 +30,16 @@ _load_count = itertools.count(1)
 _reload_lock = threading.Lock()  # one reload at a time (an engine and a scheduler may share a model)
 
 
-def check_gguf_file(path: str | os.PathLike) -> Path:
+def check_gguf_file(path: str | os.PathLike, what: str = "model file", flag: str | None = None) -> Path:
     """Check that ``path`` exists and starts with the GGUF magic.
 
-    Returns the path as a ``Path``. Raises ``ModelLoadError`` with an actionable message.
+    ``what`` names the file in messages (``"EAGLE-3 head file"``), ``flag`` the option that
+    gave it. Returns the path as a ``Path``. Raises ``ModelLoadError`` with an actionable
+    message.
     """
     p = Path(path).expanduser()
     if not p.exists():
-        raise ModelLoadError(f"model file not found: {p} (give the path of a .gguf file)")
+        raise ModelLoadError(f"{what} not found: {p} (give the path of a .gguf file{' with ' + flag if flag else ''})")
     if p.is_dir():
         raise ModelLoadError(f"{p} is a directory; give the path of a .gguf file")
     try:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import (add_drafter_args, add_memory_args, add_model_args, add_sampling_args, add_usage_args, count,
-                     make_engine, sampling_from_args, usage_log_from_args)
+from .common import (add_drafter_args, add_memory_args, add_model_args, add_sampling_args, add_usage_args,
+                     check_model_files, count, make_engine, sampling_from_args, usage_log_from_args)
 
 
 def register(sub) -> None:
@@ -45,6 +45,7 @@ def run(a: argparse.Namespace) -> int:
         raise SystemExit(f"localspec: error: localspec chat needs the [tui] extra: pip install 'localspec[tui]' ({e})") from None
     sampling = sampling_from_args(a)
     usage = usage_log_from_args(a)  # a bad --record-usage before the app starts
+    check_model_files(a)  # a missing or non-GGUF file given on the command line: one line, before the app starts
 
     def factory(path: str | None, drafter: str, **options):
         a.model = path

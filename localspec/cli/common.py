@@ -412,10 +412,11 @@ def check_model_files(a: argparse.Namespace) -> None:
     exist and are GGUF files; else ``ModelLoadError`` (one line), before any model loads."""
     from ..backend.model import check_gguf_file
 
-    for name in ("model", "draft_model", "eagle", "medusa"):
+    kinds = {"model": "model file", "draft_model": "draft model file", "eagle": "EAGLE-3 head file", "medusa": "Medusa heads file"}
+    for name, what in kinds.items():
         path = getattr(a, name, None)
         if path:
-            check_gguf_file(path)
+            check_gguf_file(path, what, "--" + name.replace("_", "-"))
 
 
 def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = True, drafter_flags: bool = True):

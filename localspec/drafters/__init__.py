@@ -126,6 +126,11 @@ def drafter_option_names(name: str) -> frozenset[str]:
     return frozenset(inspect.signature(factory).parameters)
 
 
+def _flags(names) -> str:
+    """Drafter options as the command line spells them: ``draft_shape`` -> ``--draft-shape``."""
+    return ", ".join("--" + k.replace("_", "-") for k in sorted(names))
+
+
 def make_drafter(name: str | None, *, memory=None, **options) -> Drafter | None:
     """A new drafter by name (``None`` / ``"none"`` -> no drafter).
 
@@ -138,19 +143,21 @@ def make_drafter(name: str | None, *, memory=None, **options) -> Drafter | None:
     """
     if name is None or name == "none":
         if options:
-            raise InvalidRequestError(f"options {', '.join(sorted(options))} need a drafter (not 'none')")
+            raise InvalidRequestError(f"{_flags(options)} need{'s' if len(options) == 1 else ''} a drafter (not 'none'): choose one with --drafter")
         return None
     try:
         factory = _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(drafter_names())}") from None
+    params = inspect.signature(factory).parameters
     try:
         inspect.signature(factory).bind(**options)
     except TypeError:
-        raise InvalidRequestError(
-            f"drafter {name!r} does not take {', '.join(sorted(options))} (see `localspec generate --help`)"
-        ) from None
-    if memory is not None and "memory" in inspect.signature(factory).parameters:
+        rejected = [k for k in options if k not in params]  # only those, not every option given
+        if rejected:
+            raise InvalidRequestError(f"drafter {name!r} does not take {_flags(rejected)} (see `localspec generate --help`)") from None
+        raise InvalidRequestError(f"drafter {name!r}: options {_flags(options)} do not fit it (see `localspec generate --help`)") from None
+    if memory is not None and "memory" in params:
         options["memory"] = memory
     return factory(**options)
 
