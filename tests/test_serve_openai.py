@@ -4,6 +4,7 @@ disconnects. The server keeps serving after each."""
 
 import json
 import socket
+import threading
 import time
 
 import httpx
@@ -196,6 +197,56 @@ def test_stop_accepting_cancels_what_was_submitted_and_refuses_more(model):
         sched.run_until_idle()
         assert len(done) == 2 and {id(j) for j in done} == {id(j) for j in jobs}  # each answered once
         assert all(j.result.finish_reason == "cancelled" for j in jobs)
+    finally:
+        sched.close()
+
+
+def test_a_shutdown_cuts_off_the_requests_in_flight_with_an_error_not_a_finished_answer(model):
+    # `localspec serve` stops on SIGINT / SIGTERM through stop_accepting (cli/serve.py's
+    # on_shutdown); the requests it cancels were answered 200 with the partial text and
+    # finish_reason "stop", as if finished. Now: 503 for the plain one, an error event for the
+    # stream, each raised by the official client; two slots, so both run when it stops
+    sched = BatchScheduler(model, parallel=2, n_ctx=4096, cost_model=frozen_cost_model()).start()
+    oai = OpenAIService(sched, model_name="m", sampling=SamplingParams.greedy())
+    body = {"model": "m", "prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0,
+            "extra_body": {"logit_bias": {str(t): False for t in model.eog_ids}}}  # fmt: skip  (no end of text: runs on)
+    try:
+        with AppThread(create_serve_app(oai, max_body_bytes=MAX_BODY)) as srv:
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+            once: dict = {}
+
+            def not_streamed() -> None:
+                try:
+                    once["answer"] = client.completions.create(**body)
+                except openai.APIError as e:
+                    once["error"] = e
+
+            t = threading.Thread(target=not_streamed)
+            t.start()
+            chunks, streamed = [], None
+            try:
+                for ch in client.completions.create(**body, stream=True):
+                    chunks.append(ch)
+                    if len(chunks) == 1:  # the stream's first token is out
+                        wait_until(lambda: sched.n_active == 2)  # and the other request runs too
+                        oai.stop_accepting()
+            except openai.APIError as e:
+                streamed = e
+            t.join(600)
+            assert not t.is_alive()
+            finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+            assert streamed is not None, f"the stream ended without an error, finish reasons {set(finishes)}"
+            assert not isinstance(streamed, openai.APIStatusError)  # 200 headers, then the error event
+            assert streamed.code == "server_shutdown" and streamed.type == "server_error"
+            assert "cut off" in streamed.message and "retry" in streamed.message and "\n" not in streamed.message
+            assert chunks and set(finishes) == {None}  # no chunk says the answer finished
+            assert "answer" not in once, once["answer"].choices[0].finish_reason
+            e = once["error"]
+            assert isinstance(e, openai.InternalServerError) and e.status_code == 503
+            assert e.body["code"] == "server_shutdown" and "cut off" in e.body["message"]
+            with pytest.raises(openai.InternalServerError) as new:  # and nothing more is taken
+                client.completions.create(model="m", prompt=PROMPT, max_tokens=2)
+            assert new.value.status_code == 503 and "shutting down" in new.value.message
     finally:
         sched.close()
 

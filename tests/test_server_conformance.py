@@ -351,35 +351,52 @@ def test_serve_cli_logs_each_request_and_stops_on_sigterm(model_path):
 
 
 @pytest.mark.parametrize("sig_name", ["SIGINT", "SIGTERM"])
-def test_serve_cli_stopped_while_a_stream_runs_ends_the_stream_and_exits_cleanly(model, model_path, sig_name):
-    # Ctrl-C (or SIGTERM) with an OpenAI stream in flight: the stream gets its last chunk and
-    # [DONE], the server exits 0 without uvicorn's 'timeout graceful shutdown exceeded' traceback
+def test_serve_cli_stopped_while_requests_run_cuts_them_off_with_an_error_and_exits_cleanly(model, model_path, sig_name):
+    # Ctrl-C (or SIGTERM) with two OpenAI requests in flight, one streamed: neither passes for a
+    # finished answer (they were 200 / a last chunk with finish_reason "stop"): the plain one is
+    # a 503, the stream ends on an error event and [DONE]; the server exits 0 without uvicorn's
+    # 'timeout graceful shutdown exceeded' traceback
     import os
     import signal
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "localspec", "serve", "--port", "0", "--drafter", "none", "--parallel", "1",
+    cmd = [sys.executable, "-m", "localspec", "serve", "--port", "0", "--drafter", "none", "--parallel", "2",
            "--ctx-per-request", "4096", "-m", str(model_path), "-t", "1", "--no-editor"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
     watchdog = threading.Timer(900, proc.kill)  # a hung process fails the test instead of the run
     watchdog.start()
+    once: dict = {}
     try:
         line = proc.stdout.readline()
         assert "listening on " in line, line
         url = line.split("listening on ", 1)[1].split()[0]
-        body = {"prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0, "stream": True,
+        body = {"prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0,
                 "logit_bias": {str(t): False for t in model.eog_ids}}  # fmt: skip  (no end of text: runs on)
+
+        def not_streamed() -> None:
+            with httpx.Client(base_url=url, timeout=600) as h:
+                once["response"] = h.post("/v1/completions", json=body)
+
+        t = threading.Thread(target=not_streamed)
+        t.start()
         frames = []
-        with httpx.Client(base_url=url, timeout=600) as h, h.stream("POST", "/v1/completions", json=body) as r:
+        with httpx.Client(base_url=url, timeout=600) as h, h.stream("POST", "/v1/completions",
+                                                                    json={**body, "stream": True}) as r:  # fmt: skip
             assert r.status_code == 200
             for ln in r.iter_lines():
                 if not ln:
                     continue
-                if not frames:  # the first token is out: stop the server
+                if not frames:  # the first token is out; once the other request runs too, stop the server
+                    with httpx.Client(base_url=url, timeout=600) as c:
+                        deadline = time.monotonic() + 600
+                        while c.get("/health").json()["slots_processing"] < 2:
+                            assert time.monotonic() < deadline, "the second request never started"
+                            time.sleep(0.05)
                     proc.send_signal(getattr(signal, sig_name))
                 frames.append(ln)
+        t.join(600)
         _out, err = proc.communicate(timeout=120)
     finally:
         watchdog.cancel()
@@ -387,7 +404,12 @@ def test_serve_cli_stopped_while_a_stream_runs_ends_the_stream_and_exits_cleanly
             proc.kill()
             proc.wait()
     assert frames[-1] == "data: [DONE]", frames[-3:]
-    last = json.loads(frames[-2][len("data: "):])
-    assert last["choices"][0]["finish_reason"] is not None and last["timings"]["predicted_n"] < 4000
+    events = [json.loads(f[len("data: "):]) for f in frames[:-1]]
+    assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1]), events[-2:]
+    error = events[-1].get("error")
+    assert error is not None and error["code"] == "server_shutdown" and "cut off" in error["message"], events[-1]
+    r = once["response"]
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "server_shutdown" and "retry" in r.json()["error"]["message"]
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "ASGI" not in err and "localspec serve: stopped" in err, err

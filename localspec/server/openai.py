@@ -19,7 +19,10 @@ Responses carry ``usage`` and llama.cpp's ``timings`` (``prompt_n``, ``predicted
 thresholds when they were in effect). Streaming sends
 server-sent events, the last ``data: [DONE]``. Every error is an OpenAI error object
 ``{"error": {"message", "type", "param", "code"}}`` with its HTTP status; a client that
-disconnects cancels its request and frees its slot at once.
+disconnects cancels its request and frees its slot at once. A request the server's shutdown
+cuts off is an error, never a finished answer (``OpenAIService.cut_off``): 503 ``code:
+"server_shutdown"``, or that error object as the stream's last event (in place of the chunk
+with ``finish_reason``), which the official ``openai`` client raises as ``APIError``.
 
 Chat prompts: the model's chat template from its GGUF (rendered as ``localspec chat`` does).
 A model without one (the default Gemma 3 270M is a base model) gets the chat app's documented
@@ -57,6 +60,7 @@ log = logging.getLogger("localspec.server")
 
 MAX_LOGPROBS = 20
 MAX_STOPS = 4
+SHUTDOWN_CODE = "server_shutdown"  # the error code of an answer cut off by the server's shutdown
 
 
 def oai_error(status: int, message: str, *, type: str | None = None, param: str | None = None, code=None) -> dict:
@@ -336,8 +340,9 @@ class OpenAIService:
 
     def stop_accepting(self) -> None:
         """Refuse new requests (503 ``the server is shutting down``) and cancel every queued or
-        running one: each still gets its answer (a stream its last chunk and ``[DONE]``), so a
-        shutdown need not wait for long generations. Thread-safe; idempotent."""
+        running one: each is answered at once with the ``cut_off`` error (a stream gets it as its
+        last event, then ``[DONE]``), so a shutdown need not wait for long generations.
+        Thread-safe; idempotent."""
         with self._lock:
             self._closing = True
             jobs = list(self._live)
@@ -491,7 +496,23 @@ class OpenAIService:
 
     @staticmethod
     def finish_reason(result) -> str:
+        """The OpenAI ``finish_reason`` of a finished ``result`` (a cancelled one is no finished
+        answer: ``cut_off`` answers it)."""
         return "length" if result.finish_reason in ("length", "time") else "stop"
+
+    @staticmethod
+    def cut_off(job) -> OAIError | None:
+        """The error that answers ``job`` when it was cancelled before its answer finished, else
+        None. A client that disconnects cancels its job too, but its response has stopped by
+        then (nobody reads it): a cancelled job whose answer is still sent was cut off by the
+        server's shutdown (``stop_accepting``, or the scheduler closing), and a partial answer
+        with ``finish_reason: "stop"`` would pass for a finished one."""
+        r = job.result
+        if job.error is not None or r is None or r.finish_reason != "cancelled":
+            return None
+        n = r.stats.n_generated_tokens
+        return OAIError(f"the answer was cut off after {n} token{'s' * (n != 1)}: the server shut down before it "
+                        "finished; retry the request", 503, code=SHUTDOWN_CODE)  # fmt: skip
 
     def final(self, req: OAIRequest, rid: str, job, text: str) -> dict:
         r = job.result
@@ -617,6 +638,10 @@ class OAIResponse:
             status = 503 if isinstance(job.error, RPCError) else 400 if isinstance(job.error, LocalSpecError) else 500
             await _send_json(send, status, oai_error(status, f"generation failed: {job.error}"))
             return
+        cut = self.service.cut_off(job)
+        if cut is not None:
+            await _send_json(send, cut.status, cut.body())
+            return
         await _send_json(send, 200, self.service.final(self.req, rid, job, strip("".join(parts))))
 
     async def _stream(self, send, q, job, rid, strip) -> None:
@@ -648,12 +673,15 @@ class OAIResponse:
             text = strip(item.text)
             if text or (want and out):
                 await event(lp_chunk(text, out))
-        if job.error is None:
+        cut = svc.cut_off(job)
+        if job.error is None and cut is None:
             out = track.flush(len(job.result.token_ids))
             if want and out:
                 await event(lp_chunk("", out))
         if job.error is not None:
             await event(oai_error(500, f"generation failed: {job.error}"))
+        elif cut is not None:  # no finish_reason: the headers (200) are out, the error event says it
+            await event(cut.body())
         else:
             last = svc.chunk(req, rid, finish=svc.finish_reason(job.result))
             if req.kind == "chat":
