@@ -35,17 +35,24 @@ def test_batch_matches_generate_and_resumes(tmp_path, engine, capsys):
     assert len(out.read_text().splitlines()) == 5
 
 
-def test_a_bad_field_on_one_line_is_that_lines_error_and_the_run_goes_on(tmp_path, engine):
+def test_a_bad_field_on_one_line_is_that_lines_error_and_the_run_goes_on(tmp_path, engine, capsys):
+    """Each bad line is its own error record; a prompt longer than the context fails alone,
+    its record the error's own message (it was prefixed with the class name), and the summary
+    line counts it (it counted only the input errors)."""
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     bad = {"mt": {"max_tokens": "abc"}, "null": {"max_tokens": None}, "frac": {"max_tokens": 1.5},
            "neg": {"max_tokens": -1}, "temp": {"temperature": "hot"}, "cold": {"temperature": -1},
            "seed": {"seed": "x"}, "bool": {"seed": True}}  # fmt: skip
     lines = [json.dumps({"id": k, "prompt": "Hi", **v}) for k, v in bad.items()]
     lines.append(json.dumps({"id": "ok", "prompt": PROMPTS["a"], "max_tokens": 4, "temperature": 0, "seed": 3}))
+    lines.append(json.dumps({"id": "long", "prompt": "word " * 600, "max_tokens": 4}))
     inp.write_text("\n".join(lines) + "\n")
+    capsys.readouterr()
     assert main(["batch", str(inp), "--out", str(out), "--no-progress", "--n-ctx", "512"]) == 0
+    assert f"wrote {len(bad) + 2} results to {out} ({len(bad)} input errors, 1 failed to generate)" in capsys.readouterr().err
     by_id = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert set(by_id) == {*bad, "ok"}
+    assert set(by_id) == {*bad, "ok", "long"}
+    assert by_id["long"]["error"].startswith("the prompt has ") and "--n-ctx" in by_id["long"]["error"], by_id["long"]
     for n, k in enumerate(bad, start=1):
         field = next(iter(bad[k]))
         assert by_id[k]["error"].startswith(f"line {n}: ") and f'"{field}"' in by_id[k]["error"], by_id[k]

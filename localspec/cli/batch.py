@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..errors import LocalSpecError
 from .common import add_drafter_args, add_memory_args, add_model_args, add_sampling_args, count, make_engine, sampling_from_args
 
 
@@ -108,8 +109,8 @@ def done_ids(path: Path) -> set[str]:
 
 
 def result_record(job_id: str, r) -> dict:
-    if isinstance(r, BaseException):
-        return {"id": job_id, "error": f"{type(r).__name__}: {r}"}
+    if isinstance(r, BaseException):  # the project's errors say what to do; anything else names its type
+        return {"id": job_id, "error": str(r) if isinstance(r, LocalSpecError) else f"{type(r).__name__}: {r}"}
     s = r.stats
     rec = {
         "id": job_id,
@@ -180,6 +181,13 @@ def run(a) -> int:
         prompts.append(x["prompt"])
         max_tokens.append(mt)
         samplings.append(sp)
+    n_failed = 0
+
+    def on_result(i: int, r) -> None:
+        nonlocal n_failed
+        n_failed += isinstance(r, BaseException)
+        write(result_record(good[i]["id"], r))
+
     try:
         engine.generate_batch(
             prompts,
@@ -189,11 +197,14 @@ def run(a) -> int:
             stop=a.stop,
             speculative=not a.no_spec,
             return_exceptions=True,
-            on_result=lambda i, r: write(result_record(good[i]["id"], r)),
+            on_result=on_result,
         )
     finally:
         bar.close()
         f.close()
         engine.close()
-    print(f"localspec: wrote {len(written)} results to {out_path} ({n_err} input errors)", file=sys.stderr)
+    errors = f"{n_err} input error{'s' * (n_err != 1)}"
+    if n_failed:  # e.g. a prompt longer than the context: an error record like the input's
+        errors += f", {n_failed} failed to generate"
+    print(f"localspec: wrote {len(written)} results to {out_path} ({errors})", file=sys.stderr)
     return 0
