@@ -163,7 +163,7 @@ class SamplingParams:
             if not math.isfinite(getattr(self, name)):
                 raise InvalidRequestError(f"{name} must be finite, got {getattr(self, name)}")
         if self.seed is not None and not 0 <= int(self.seed) <= MASK64:
-            raise InvalidRequestError("seed must be a non-negative 64-bit integer")
+            raise InvalidRequestError(f"seed must be an integer in 0..{MASK64}, got {self.seed}")
 
     @classmethod
     def greedy(cls, **kw) -> "SamplingParams":

@@ -141,6 +141,16 @@ def test_seed_minus_one_draws_a_seed_and_reports_it(capsys):
     assert all(isinstance(s, int) and s >= 0 for s in seeds) and seeds[0] != seeds[1]
     msg = cli_error(capsys, ["generate", PROMPT, "--seed", "-2"])
     assert "-1 for a random seed" in msg
+    msg = cli_error(capsys, ["generate", PROMPT, "--seed", str(1 << 64)])  # said "non-negative", -1 being fine
+    assert f"--seed must be in 0..{(1 << 64) - 1}, or -1 for a random seed; got {1 << 64}" in msg
+
+
+def test_a_draft_shape_below_one_names_the_value(capsys):
+    """``--draft-shape 0,1,7`` said only "takes DEPTH,WIDTH,NODES", as for text that is no shape."""
+    msg = cli_error(capsys, ["generate", PROMPT, "--drafter", "eagle3", "--draft-shape", "0,1,0"])
+    assert msg.endswith("--draft-shape 0,1,0: depth 0, nodes 0; each must be at least 1 (e.g. 6,1,7)"), msg
+    msg = cli_error(capsys, ["generate", PROMPT, "--drafter", "eagle3", "--draft-shape", "6,x"])
+    assert "takes DEPTH,WIDTH,NODES" in msg
 
 
 def test_logprobs_without_json_are_printed(capsys):

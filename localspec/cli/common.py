@@ -274,9 +274,9 @@ def sampling_from_args(a: argparse.Namespace, logprobs: int | None = None) -> Sa
     if a.grammar_file:
         grammar = read_text_file(a.grammar_file, "--grammar-file")
     seed = a.seed
-    if seed is not None and seed < 0:
-        if seed != -1:
-            raise SystemExit(f"localspec: error: --seed must be >= 0, or -1 for a random seed; got {seed}")
+    if seed is not None and (seed < -1 or seed >= 1 << 64):
+        raise SystemExit(f"localspec: error: --seed must be in 0..{(1 << 64) - 1}, or -1 for a random seed; got {seed}")
+    if seed == -1:
         seed = None
     return SamplingParams(
         temperature=a.temperature,
@@ -318,9 +318,12 @@ def _draft_shape(text: str | None):
 
     try:
         d, w, n = (int(x) for x in text.split(","))
-        return TreeShape(d, w, n, min_score=0.0)
     except ValueError:
         raise SystemExit(f"localspec: error: --draft-shape takes DEPTH,WIDTH,NODES (e.g. 6,1,7), not {text!r}") from None
+    low = [f"{k} {v}" for k, v in (("depth", d), ("width", w), ("nodes", n)) if v < 1]
+    if low:  # each at least 1: a chain of 6 is 6,1,7 (the root is a node)
+        raise SystemExit(f"localspec: error: --draft-shape {text}: {', '.join(low)}; each must be at least 1 (e.g. 6,1,7)")
+    return TreeShape(d, w, n, min_score=0.0)
 
 
 def _tensor_split(text: str | None) -> list[float] | None:
