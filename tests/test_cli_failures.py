@@ -373,3 +373,14 @@ def test_ctrl_c_during_decode_cost_measurement(fresh_cache):
     finally:
         p.kill()
     shutil.rmtree(env["LOCALSPEC_CACHE_DIR"], ignore_errors=True)
+
+
+def test_generate_says_when_the_context_filled_before_max_tokens(capsys):
+    """A generation that stops because the context is full (finish reason "length" before
+    ``-n``) says so and what to do; it ended without a word, like one that reached ``-n``."""
+    prompt = " ".join(str(i) for i in range(1, 80))  # most of a 256-token context
+    assert main(["generate", prompt, "-n", "64", "--n-ctx", "256", "--drafter", "none", "--temperature", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "tokens: the context of 256 tokens is full (give a larger --n-ctx)" in err, err
+    assert main(["generate", PROMPT, "-n", "4", "--drafter", "none", "--temperature", "0"]) == 0
+    assert "is full" not in capsys.readouterr().err

@@ -166,6 +166,9 @@ def run(a: argparse.Namespace) -> int:
             out.write("\n")
             result = stream.result
             print("\n" + _summary(result.stats), file=sys.stderr)
+            if result.finish_reason == "length" and len(result.token_ids) < a.max_tokens:
+                print(f"localspec: stopped after {len(result.token_ids)} of {a.max_tokens} tokens: the context of "
+                      f"{engine.n_ctx} tokens is full (give a larger --n-ctx)", file=sys.stderr)  # fmt: skip
             if a.logprobs is not None:
                 print(_logprob_lines(engine.model, result.logprobs), file=sys.stderr)
         cmp = _compare(engine, prompt, kw, sampling, result) if a.compare else None
