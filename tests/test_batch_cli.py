@@ -46,12 +46,14 @@ def test_a_bad_field_on_one_line_is_that_lines_error_and_the_run_goes_on(tmp_pat
     lines = [json.dumps({"id": k, "prompt": "Hi", **v}) for k, v in bad.items()]
     lines.append(json.dumps({"id": "ok", "prompt": PROMPTS["a"], "max_tokens": 4, "temperature": 0, "seed": 3}))
     lines.append(json.dumps({"id": "long", "prompt": "word " * 600, "max_tokens": 4}))
+    lines.append(json.dumps({"id": "chat", "messages": [{"role": "user", "content": "Hi"}]}))
     inp.write_text("\n".join(lines) + "\n")
     capsys.readouterr()
     assert main(["batch", str(inp), "--out", str(out), "--no-progress", "--n-ctx", "512"]) == 0
-    assert f"wrote {len(bad) + 2} results to {out} ({len(bad)} input errors, 1 failed to generate)" in capsys.readouterr().err
+    assert f"wrote {len(bad) + 3} results to {out} ({len(bad) + 1} input errors, 1 failed to generate)" in capsys.readouterr().err
     by_id = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert set(by_id) == {*bad, "ok", "long"}
+    assert set(by_id) == {*bad, "ok", "long", "chat"}
+    assert 'not chat "messages"' in by_id["chat"]["error"], by_id["chat"]
     assert by_id["long"]["error"].startswith("the prompt has ") and "--n-ctx" in by_id["long"]["error"], by_id["long"]
     for n, k in enumerate(bad, start=1):
         field = next(iter(bad[k]))

@@ -59,7 +59,10 @@ def read_jobs(path: str) -> list[dict]:
             continue
         obj["id"] = str(obj.get("id", n))
         obj["_line"] = n
-        if not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
+        if "prompt" not in obj and "messages" in obj:  # a chat-format line: batch completes text
+            obj["_error"] = (f'line {n}: batch takes a "prompt" (text to continue), not chat "messages"; '
+                             "for chat turns use localspec serve's /v1/chat/completions")  # fmt: skip
+        elif not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
             obj["_error"] = f'line {n}: "prompt" must be a non-empty string'
         out.append(obj)
     return out
