@@ -114,7 +114,6 @@ class _EngineLock:
         self.release()
 
 
-
 def _refuse_head_as_target(path: str | os.PathLike) -> None:
     """A drafting head given as the model to generate with (an EAGLE-3 head, Medusa heads):
     one line saying what the file is and where it goes, before llama.cpp fails on it (it
@@ -133,6 +132,7 @@ def _refuse_head_as_target(path: str | os.PathLike) -> None:
     if arch == "medusa":
         raise ModelLoadError(f"{path} is a Medusa heads file, not a model to generate with: give the target model with -m "
                              f"and the heads with --drafter medusa --medusa {path}")  # fmt: skip
+
 
 class Engine:
     """A target model with an optional drafter, ready to generate.

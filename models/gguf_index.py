@@ -233,6 +233,9 @@ def gguf_architecture(path: str | os.PathLike) -> str | None:
     try:
         with open(idx.path, "rb") as f:
             idx._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):  # missing, a directory, an empty file
+        return None
+    try:
         if idx._mm[:4] != b"GGUF" or len(idx._mm) < 24:
             return None
         _, _, n_kv = struct.unpack_from("<IQQ", idx._mm, 4)
@@ -243,6 +246,8 @@ def gguf_architecture(path: str | os.PathLike) -> str | None:
             value, off = idx._value(vtype, off + 4)
             if key == "general.architecture":
                 return value if isinstance(value, str) else None
-    except (OSError, ValueError, struct.error, OverflowError):
+    except (ValueError, struct.error, OverflowError):
         return None
+    finally:
+        idx._mm.close()
     return None
