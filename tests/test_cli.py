@@ -282,3 +282,16 @@ def test_a_cost_table_measured_under_contention_is_one_note_line(tmp_path):
     assert notes[0].startswith("localspec: note: the decode cost table was measured while other work loaded")
     assert "not cached" in notes[0] and "on a quiet machine" in notes[0]
     assert not (tmp_path / "costs.json").exists()
+
+
+def test_a_file_llama_cpp_cannot_load_is_one_error_line(tmp_path, random_head_path):
+    """A head cut in half: llama.cpp's own error lines are in the one-line error, and not
+    printed before it as well (they were: two ``localspec.llama:`` lines, then the error)."""
+    cut = tmp_path / "half.gguf"
+    data = random_head_path.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    r = run_cli("generate", "Hi", "-n", "2", "--drafter", "eagle3", "--eagle", str(cut))
+    assert r.returncode == 1, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert "localspec.llama" not in r.stderr, r.stderr
+    assert lines[-1].startswith(f"localspec: error: llama.cpp could not load {cut}: ") and "not within the file bounds" in lines[-1]

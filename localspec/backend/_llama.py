@@ -9,6 +9,7 @@ are kept so that a failed model load can say *why* it failed.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import logging
 import os
@@ -82,8 +83,33 @@ def _on_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
         return
     if level >= 4 and msg:
         _recent_errors.append(msg)
+        held = getattr(_held, "lines", None)
+        if held is not None:  # inside ``held_errors``: the caller's error will carry it
+            held.append(msg)
+            return
     if level >= _min_level and msg:
         log.log(_PY_LEVEL.get(level, logging.INFO), "%s", msg)
+
+
+_held = threading.local()
+
+
+@contextlib.contextmanager
+def held_errors():
+    """Around a llama.cpp call (a model load, a context's creation) whose failure raises an
+    error that quotes ``recent_errors()``: the error lines llama.cpp logs on this thread meanwhile
+    are held back, dropped when the block raises (its one-line message repeats them) and logged
+    as usual when it does not. Without it a failed load printed each line twice."""
+    _held.lines = lines = []
+    try:
+        yield
+    except BaseException:
+        _held.lines = None
+        raise
+    _held.lines = None
+    if _min_level <= 4:
+        for msg in lines:
+            log.error("%s", msg)
 
 
 _log_callback = lib.llama_log_callback(_on_log)  # keep a reference: C holds the pointer

@@ -18,7 +18,7 @@ import threading
 import numpy as np
 
 from ..errors import ContextOverflowError, DecodeError, InvalidRequestError, KVCacheError, ModelLoadError
-from ._llama import exact_kernels, lib, recent_errors
+from ._llama import exact_kernels, held_errors, lib, recent_errors
 from .batch import Batch
 from .model import Model
 
@@ -153,16 +153,17 @@ class Context:
         self._abort = threading.Event()
         self._abort_cb = lib.ggml_abort_callback(lambda _data: self._abort.is_set())
         recent_errors(clear=True)
-        ctx = lib.llama_init_from_model(model.handle, params)
-        # the guards of the model's workers as of now: after a reload the model has new ones,
-        # and this context's decodes (on the old model) must keep failing
-        self._rpc_guards = list(model._rpc_guards)
-        if ctx and model._rpc_guards and model.lost_worker() is not None:
-            lib.llama_free(ctx)
-            model.check_workers()  # raises WorkerLostError naming the worker
-        if not ctx:
-            why = "; ".join(recent_errors()) or "no reason logged"
-            raise ModelLoadError(f"llama.cpp could not create a context (n_ctx={n_ctx}): {why}")
+        with held_errors():  # a failure's lines are in its one-line error, not printed before it
+            ctx = lib.llama_init_from_model(model.handle, params)
+            # the guards of the model's workers as of now: after a reload the model has new ones,
+            # and this context's decodes (on the old model) must keep failing
+            self._rpc_guards = list(model._rpc_guards)
+            if ctx and model._rpc_guards and model.lost_worker() is not None:
+                lib.llama_free(ctx)
+                model.check_workers()  # raises WorkerLostError naming the worker
+            if not ctx:
+                why = "; ".join(recent_errors()) or "no reason logged"
+                raise ModelLoadError(f"llama.cpp could not create a context (n_ctx={n_ctx}): {why}")
         self._ctx = ctx
         self._mem = lib.llama_get_memory(ctx)
         # llama.cpp rounds the KV cache up (to a multiple of 256); the context holds to the size

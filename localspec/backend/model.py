@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ModelLoadError
-from ._llama import cpu_amx, ensure_backend, exact_kernels, lib, recent_errors
+from ._llama import cpu_amx, ensure_backend, exact_kernels, held_errors, lib, recent_errors
 
 GGUF_MAGIC = b"GGUF"
 
@@ -158,18 +158,19 @@ class Model:
         params.load_mtp = bool(load_mtp)
         self.load_mtp = bool(load_mtp)
         recent_errors(clear=True)
-        model = lib.llama_model_load_from_file(str(self.path).encode("utf-8"), params)
-        if self._rpc_guards and self.lost_worker() is not None:
-            if model:
-                lib.llama_model_free(model)
-            self.check_workers()  # raises WorkerLostError naming the worker
-        if not model:
-            why = "; ".join(recent_errors()) or "no reason logged"
-            raise ModelLoadError(
-                f"llama.cpp could not load {self.path}: {why}. The file may be truncated or "
-                "corrupt (re-download it), or its architecture may be newer than the llama.cpp "
-                f"in llama-cpp-python {lib.__version__}."
-            )
+        with held_errors():  # a failed load's lines are in its one-line error, not printed before it
+            model = lib.llama_model_load_from_file(str(self.path).encode("utf-8"), params)
+            if self._rpc_guards and self.lost_worker() is not None:
+                if model:
+                    lib.llama_model_free(model)
+                self.check_workers()  # raises WorkerLostError naming the worker
+            if not model:
+                why = "; ".join(recent_errors()) or "no reason logged"
+                raise ModelLoadError(
+                    f"llama.cpp could not load {self.path}: {why}. The file may be truncated or "
+                    "corrupt (re-download it), or its architecture may be newer than the llama.cpp "
+                    f"in llama-cpp-python {lib.__version__}."
+                )
         self._model = model
         self.vocab = lib.llama_model_get_vocab(model)
         self.n_gpu_layers = n_gpu_layers
