@@ -128,8 +128,25 @@ class Eagle3Weights:
             got = tuple(getattr(self, f.name).shape)
             if got != want[f.name]:
                 raise ValueError(f"EAGLE-3 tensor {f.name}: shape {got}, expected {want[f.name]}")
-        if np.unique(self.d2t).size != n_draft or self.d2t.min() < 0:
-            raise ValueError("d2t must hold distinct, non-negative target token ids")
+        bad = d2t_problem(self.d2t)
+        if bad is not None:
+            raise ValueError(f"d2t {bad}; it must hold distinct, non-negative target token ids")
+
+
+def d2t_problem(d2t) -> str | None:
+    """What is wrong with a head's draft-vocabulary map (``d2t``: [V] target id of each draft
+    id, EAGLE-3 and Medusa heads), or None: it must hold at least one id, every id non-negative
+    and none twice (the draft distributions over it are kept by ascending target id, and the
+    target verifies those ids). The ids' upper bound is the target's, checked against it.
+    Writers raise ``ValueError`` with it, loaders ``ModelLoadError``
+    (``drafters.vocab_check.check_draft_map``)."""
+    d2t = np.asarray(d2t, dtype=np.int64).reshape(-1)
+    if d2t.size == 0:
+        return "is empty"
+    if int(d2t.min()) < 0:
+        return f"holds negative target ids ({int(d2t.min())})"
+    n_twice = d2t.size - np.unique(d2t).size
+    return f"holds {n_twice} target ids twice" if n_twice else None
 
 
 _TENSOR_NAMES = {
@@ -193,7 +210,7 @@ def write_eagle3_gguf(
     n_layer = int(r.values[f"{arch}.block_count"])
     if int(w.d2t.max()) >= n_vocab:
         raise ValueError(f"d2t holds id {int(w.d2t.max())} but the target vocabulary has {n_vocab} tokens")
-    if not all(1 <= k < n_layer for k in cfg.target_layers) or len(set(cfg.target_layers)) != 3:
+    if not _distinct_readable(cfg.target_layers, n_layer):
         raise ValueError(f"target layers must be three distinct layers of 1..{n_layer - 1}, got {cfg.target_layers}")
     wr = _writer(out, ARCH)
     wr.add_name(name)
@@ -324,9 +341,12 @@ def default_target_layers(n_layer: int) -> tuple[int, int, int]:
     if n_layer < 4:
         raise ValueError(f"an EAGLE-3 head reads three distinct layers of 1..n_layer - 1: the target has {n_layer} layers, it needs 4 or more")
     usual = (2, n_layer // 2, n_layer - 3)
-    if len(set(usual)) == 3 and all(1 <= k < n_layer for k in usual):
-        return usual
-    return (1, n_layer // 2, n_layer - 1)
+    return usual if _distinct_readable(usual, n_layer) else (1, n_layer // 2, n_layer - 1)
+
+
+def _distinct_readable(layers, n_layer: int) -> bool:
+    """Three distinct layer ids whose inputs can be read (``1 .. n_layer - 1``)."""
+    return len(set(layers)) == 3 and all(1 <= k < n_layer for k in layers)
 
 
 def random_eagle3(

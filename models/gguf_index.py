@@ -67,11 +67,7 @@ class GGUFIndex:
         off = 24
         self.values: dict[str, object] = {}
         self.raw: dict[str, bytes] = {}
-        for _ in range(n_kv):
-            key, off = self._str(off)
-            start = off
-            (vtype,) = struct.unpack_from("<I", mm, off)
-            value, off = self._value(vtype, off + 4)
+        for key, value, start, off in self._entries(n_kv):
             if value is not None:
                 self.values[key] = value
             self.raw[key] = bytes(mm[start:off])
@@ -93,6 +89,17 @@ class GGUFIndex:
             # a type this gguf version does not know has no size here: only rows() would fail
             if t.qtype in known and t.offset + self.nbytes(name) > len(mm):
                 raise ValueError(f"the data of tensor {name!r} ends past the end of the file")
+
+    def _entries(self, n_kv: int):
+        """The ``n_kv`` key/value entries from the end of the header on, one at a time:
+        ``(key, value, start, end)``, the value's bytes (type tag included) at ``start:end``
+        (``_value``: None for string arrays)."""
+        off = 24
+        for _ in range(n_kv):
+            key, start = self._str(off)
+            (vtype,) = struct.unpack_from("<I", self._mm, start)
+            value, off = self._value(vtype, start + 4)
+            yield key, value, start, off
 
     def _str(self, off: int) -> tuple[str, int]:
         (n,) = struct.unpack_from("<Q", self._mm, off)
@@ -239,11 +246,7 @@ def gguf_architecture(path: str | os.PathLike) -> str | None:
         if idx._mm[:4] != b"GGUF" or len(idx._mm) < 24:
             return None
         _, _, n_kv = struct.unpack_from("<IQQ", idx._mm, 4)
-        off = 24
-        for _ in range(n_kv):
-            key, off = idx._str(off)
-            (vtype,) = struct.unpack_from("<I", idx._mm, off)
-            value, off = idx._value(vtype, off + 4)
+        for key, value, _start, _end in idx._entries(n_kv):  # stops at the key: the rest is not read
             if key == "general.architecture":
                 return value if isinstance(value, str) else None
     except (ValueError, struct.error, OverflowError):

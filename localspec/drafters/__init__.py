@@ -149,9 +149,10 @@ def make_drafter(name: str | None, *, memory=None, **options) -> Drafter | None:
         factory = _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(drafter_names())}") from None
-    params = inspect.signature(factory).parameters
+    sig = inspect.signature(factory)
+    params = sig.parameters
     try:
-        inspect.signature(factory).bind(**options)
+        sig.bind(**options)
     except TypeError:
         rejected = [k for k in options if k not in params]  # only those, not every option given
         if rejected:

@@ -63,7 +63,7 @@ import numpy as np
 
 from .. import native
 from ..backend import Model
-from ..backend.model import gguf_tensor
+from ..backend.model import check_gguf_file, gguf_tensor
 from ..backend._llama import ext, model_target_layer_ids, model_target_layer_ids_n
 from ..backend.batch_ext import ExtBatch
 from ..errors import ModelLoadError
@@ -86,19 +86,18 @@ def head_target_layers(model: Model) -> tuple[int, ...]:
 
 
 def _check_head_file(path: str | os.PathLike) -> None:
-    """Before llama.cpp loads ``path`` as an EAGLE-3 head: a missing file, or a GGUF of another
-    kind (a Medusa heads file, a model), named as such in one line with the option it belongs
-    to. A file that cannot be read as a GGUF is left to the loader, which says why.
+    """Before llama.cpp loads ``path`` as an EAGLE-3 head: a missing or non-GGUF file
+    (``check_gguf_file``), or a GGUF of another kind (a Medusa heads file, a model), named as
+    such in one line with the option it belongs to. A GGUF whose header cannot be read is left
+    to the loader, which says why.
 
     Raises:
-        ModelLoadError: no such file, or a GGUF whose architecture is not ``eagle3``.
+        ModelLoadError: no such file, not a GGUF, or a GGUF whose architecture is not ``eagle3``.
     """
     from ..models.gguf_index import gguf_architecture
 
-    p = os.path.expanduser(os.fspath(path))
-    if not os.path.exists(p):
-        raise ModelLoadError(f"EAGLE-3 head file not found: {p} (give the path of a head .gguf with --eagle)")
-    arch = gguf_architecture(p)  # None for a file that is no readable GGUF: the loader names the problem
+    p = check_gguf_file(path, "EAGLE-3 head file", "--eagle")
+    arch = gguf_architecture(p)  # None for a header that cannot be read: the loader names the problem
     if arch is None or arch == "eagle3":
         return
     if arch == "medusa":
@@ -186,27 +185,24 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
         super().__init__(
             head, n_gpu_layers=n_gpu_layers, max_depth=max_depth, max_width=max_width, shape=shape, n_threads=n_threads
         )
-        if self.model.architecture != "eagle3":
-            arch = self.model.architecture
+        try:  # a head that cannot draft is refused here, in one line, and closed
+            if self.model.architecture != "eagle3":
+                raise ModelLoadError(f"{head} is a {self.model.architecture} model, not an EAGLE-3 head (architecture eagle3)")
+            self.target_feature_layers = head_target_layers(self.model)
+            if len(set(self.target_feature_layers)) != len(self.target_feature_layers):
+                raise ModelLoadError(
+                    f"the EAGLE-3 head {head} reads target layers {list(self.target_feature_layers)}: a layer twice "
+                    f"(EAGLE-3 reads three distinct layers). {_RECONVERT}"
+                )
+            d2t = gguf_tensor(self.model.path, "d2t")
+            self.d2t = None if d2t is None else np.ascontiguousarray(d2t, dtype=np.int64).reshape(-1)
+            if self.d2t is not None:
+                check_draft_map(self.d2t, f"the EAGLE-3 head {head}", _RECONVERT)
+        except ModelLoadError:
             self.close()
-            raise ModelLoadError(f"{head} is a {arch} model, not an EAGLE-3 head (architecture eagle3)")
-        self.target_feature_layers = head_target_layers(self.model)
-        if len(set(self.target_feature_layers)) != len(self.target_feature_layers):
-            self.close()
-            raise ModelLoadError(
-                f"the EAGLE-3 head {head} reads target layers {list(self.target_feature_layers)}: a layer twice "
-                f"(EAGLE-3 reads three distinct layers). {_RECONVERT}"
-            )
+            raise
         self.n_embd_target = int(self.model.meta("eagle3.target_hidden_size") or self.model.n_embd)
         self.n_embd = self.model.n_embd
-        d2t = gguf_tensor(self.model.path, "d2t")
-        self.d2t = None if d2t is None else np.ascontiguousarray(d2t, dtype=np.int64).reshape(-1)
-        if self.d2t is not None:
-            try:
-                check_draft_map(self.d2t, f"the EAGLE-3 head {head}", _RECONVERT)
-            except ModelLoadError:
-                self.close()
-                raise
         # llama.cpp's converter writes the head's config vocab_size (the target's); the
         # project's writer does not
         vocab = self.model.meta("eagle3.vocab_size")

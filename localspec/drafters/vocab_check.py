@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ..backend._llama import lib
 from ..backend.model import Model
-from ..errors import VocabMismatchError
+from ..errors import ModelLoadError, VocabMismatchError
 
 TOKEN_ATTR_UNUSED = 1 << 1
 _SPECIAL_GETTERS = ("bos", "eos", "eot", "sep", "nl", "pad", "mask", "fim_pre", "fim_suf", "fim_mid", "fim_pad", "fim_rep", "fim_sep")
@@ -152,25 +152,14 @@ def check_vocab(target: Model, draft: Model, advice: str = _ADVICE) -> VocabChec
 
 
 def check_draft_map(d2t, where: str, advice: str = "") -> None:
-    """Check a head's draft-vocabulary map (``d2t``: [V] target id of each draft id, EAGLE-3
-    and Medusa heads): at least one id, every id non-negative and none twice (the draft
-    distributions over it are kept by ascending target id, and the target verifies those
-    ids). The ids' upper bound is the target's, checked against it when the head is attached.
+    """Check a head's draft-vocabulary map as it loads (``models.eagle3_gguf.d2t_problem``:
+    distinct non-negative target ids).
 
     Raises:
         ModelLoadError: one line naming the file (``where``), what is wrong, and ``advice``.
     """
-    import numpy as np
+    from ..models.eagle3_gguf import d2t_problem  # the writers' module: loaded only when a head loads
 
-    from ..errors import ModelLoadError
-
-    d2t = np.asarray(d2t, dtype=np.int64).reshape(-1)
-    if d2t.size == 0:
-        bad = "is empty"
-    elif int(d2t.min()) < 0:
-        bad = f"holds negative target ids ({int(d2t.min())})"
-    elif np.unique(d2t).size != d2t.size:
-        bad = f"holds {d2t.size - np.unique(d2t).size} target ids twice"
-    else:
-        return
-    raise ModelLoadError(f"{where}: its draft vocabulary map (d2t) {bad}; it must hold distinct non-negative target ids. {advice}".rstrip())
+    bad = d2t_problem(d2t)
+    if bad is not None:
+        raise ModelLoadError(f"{where}: its draft vocabulary map (d2t) {bad}; it must hold distinct non-negative target ids. {advice}".rstrip())
