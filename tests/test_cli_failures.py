@@ -151,6 +151,13 @@ def test_a_draft_shape_below_one_names_the_value(capsys):
     assert msg.endswith("--draft-shape 0,1,0: depth 0, nodes 0; each must be at least 1 (e.g. 6,1,7)"), msg
     msg = cli_error(capsys, ["generate", PROMPT, "--drafter", "eagle3", "--draft-shape", "6,x"])
     assert "takes DEPTH,WIDTH,NODES" in msg
+    # a value with a leading minus sign reaches the same check (argparse took it for an option
+    # and said only "expected one argument"); a real option after the flag is still an option
+    msg = cli_error(capsys, ["generate", PROMPT, "--drafter", "eagle3", "--draft-shape", "-1,1,2"])
+    assert msg.endswith("--draft-shape -1,1,2: depth -1; each must be at least 1 (e.g. 6,1,7)"), msg
+    with pytest.raises(SystemExit) as e:
+        main(["generate", PROMPT, "--draft-shape", "-n", "3"])
+    assert e.value.code == 2 and "--draft-shape: expected one argument" in capsys.readouterr().err
 
 
 def test_logprobs_without_json_are_printed(capsys):

@@ -13,11 +13,15 @@ import itertools
 import os
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import ModelLoadError
 from ._llama import cpu_amx, ensure_backend, exact_kernels, held_errors, lib, recent_errors
+
+if TYPE_CHECKING:
+    from ..models.gguf_index import GGUFIndex
 
 GGUF_MAGIC = b"GGUF"
 
@@ -419,7 +423,7 @@ class Model:
         return f"Model({str(self.path)!r}, {self.describe() if self._model else 'closed'})"
 
 
-def gguf_tensor(path: str | os.PathLike, name: str, *, float_only: bool = False) -> np.ndarray | None:
+def gguf_tensor(path: str | os.PathLike | GGUFIndex, name: str, *, float_only: bool = False) -> np.ndarray | None:
     """One tensor of a GGUF file in numpy order (ggml's ``ne`` reversed: a ``[n_in, n_out]``
     ggml matrix comes back as ``[n_out, n_in]``).
 
@@ -428,6 +432,8 @@ def gguf_tensor(path: str | os.PathLike, name: str, *, float_only: bool = False)
     head or model that carries a 262k-token vocabulary.
 
     Args:
+        path: the file (str or path), or a ``GGUFIndex`` already open on it (a caller that
+            reads several tensors walks the header once).
         float_only: return only F32 / F16 tensors (as float32); None for anything else.
     Returns:
         a copy of the tensor's data (integer and float tensors in their own dtype, F16 as
@@ -438,7 +444,7 @@ def gguf_tensor(path: str | os.PathLike, name: str, *, float_only: bool = False)
 
     from ..models.gguf_index import GGUFIndex
 
-    ix = GGUFIndex(path)
+    ix = path if isinstance(path, GGUFIndex) else GGUFIndex(path)
     t = ix.tensors.get(name)
     if t is None:
         return None

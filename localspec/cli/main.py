@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -49,9 +50,31 @@ def _exit_now_on_sigint(_signum, _frame) -> None:
     os._exit(130)
 
 
+# options whose value is a list of numbers that may start with a minus sign ("-1,1,2"), which
+# argparse takes for an option and answers "expected one argument"; glued to the option, the
+# value reaches the option's own check, which says what is wrong with it
+_NUMBER_LIST_OPTIONS = ("--draft-shape",)
+_NUMBER_LIST = re.compile(r"^-[0-9][0-9,.\s-]*$")
+
+
+def _glue_number_lists(argv: list[str]) -> list[str]:
+    """``argv`` with each ``OPTION VALUE`` of ``_NUMBER_LIST_OPTIONS`` whose value starts with a
+    minus sign written ``OPTION=VALUE``."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in _NUMBER_LIST_OPTIONS and i + 1 < len(argv) and _NUMBER_LIST.match(argv[i + 1]):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    a = parser.parse_args(argv)
+    a = parser.parse_args(_glue_number_lists(sys.argv[1:] if argv is None else list(argv)))
     if not getattr(a, "func", None):
         parser.print_help()
         return 2

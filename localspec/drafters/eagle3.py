@@ -194,7 +194,10 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
                     f"the EAGLE-3 head {head} reads target layers {list(self.target_feature_layers)}: a layer twice "
                     f"(EAGLE-3 reads three distinct layers). {_RECONVERT}"
                 )
-            d2t = gguf_tensor(self.model.path, "d2t")
+            from ..models.gguf_index import GGUFIndex
+
+            index = GGUFIndex(self.model.path)  # one walk of the header (it may carry a 262k-token vocabulary: ~65 ms)
+            d2t = gguf_tensor(index, "d2t")
             self.d2t = None if d2t is None else np.ascontiguousarray(d2t, dtype=np.int64).reshape(-1)
             if self.d2t is not None:
                 check_draft_map(self.d2t, f"the EAGLE-3 head {head}", _RECONVERT)
@@ -207,24 +210,22 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
         # project's writer does not
         vocab = self.model.meta("eagle3.vocab_size")
         self.target_vocab_size = int(vocab) if vocab is not None else None
-        from ..models.gguf_index import GGUFIndex
-
-        tensors = GGUFIndex(self.model.path).tensors
+        tensors = index.tensors
         self.own_token_embd = "token_embd.weight" in tensors  # else it borrows the target's
         self.own_output = "output.weight" in tensors  # else it borrows the target's lm_head
-        self.fc = self._host_fc()
+        self.fc = self._host_fc(index)
         self._checked_for: Model | None = None  # the target check_target passed for
         self._reset_state()
 
-    def _host_fc(self) -> np.ndarray | None:
+    def _host_fc(self, index) -> np.ndarray | None:
         """The encoder's ``fc`` as float32 when the host can apply it exactly as the graph
         does (an unquantised matrix and no norm before it); else None (the encoder then runs
         in llama.cpp: one more call per level 0). Kept transposed, [3 * n_embd_target,
-        n_embd], the layout of the C kernel ``gemm_t``."""
+        n_embd], the layout of the C kernel ``gemm_t``. ``index``: the head's ``GGUFIndex``."""
         norm = (self.model.meta("eagle3.norm_before_fc") or "false").lower()
         if norm not in ("false", "0"):
             return None
-        w = gguf_tensor(self.model.path, "fc.weight", float_only=True)
+        w = gguf_tensor(index, "fc.weight", float_only=True)
         if w is None or w.shape != (self.n_embd, 3 * self.n_embd_target):
             return None
         return np.ascontiguousarray(w.T, dtype=np.float32)  # [3 * n_embd_target, n_embd]
