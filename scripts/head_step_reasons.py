@@ -73,7 +73,8 @@ def main() -> None:
     pol.prefer_model, pol.plan, pol.observe_step, pol.needs_features = prefer, planned, observed, needs
     g = SamplingParams.greedy()
     for p in order:
-        why.clear(), rows.clear(), times.clear(), tap.clear()
+        for c in (why, rows, times, tap):
+            c.clear()
         e.reset()
         s = e.generate(p.model_input, max_tokens=a.max_tokens, sampling=g).stats
         print(p.question_id, p.category,
