@@ -103,11 +103,9 @@ def held_errors():
     _held.lines = lines = []
     try:
         yield
-    except BaseException:
+    finally:
         _held.lines = None
-        raise
-    _held.lines = None
-    if _min_level <= 4:
+    if _min_level <= 4:  # reached only when the block did not raise
         for msg in lines:
             log.error("%s", msg)
 
