@@ -210,6 +210,7 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
         # project's writer does not
         vocab = self.model.meta("eagle3.vocab_size")
         self.target_vocab_size = int(vocab) if vocab is not None else None
+        self._index = index  # the host runtime's weights read from it too (``_host_weights``)
         tensors = index.tensors
         self.own_token_embd = "token_embd.weight" in tensors  # else it borrows the target's
         self.own_output = "output.weight" in tensors  # else it borrows the target's lm_head
@@ -336,7 +337,7 @@ class Eagle3Drafter(StateFedLevels, ModelDrafter):
             try:
                 if not native.enabled():
                     raise HeadUnsupported(f"the native library is not in use ({native.LOAD_ERROR or 'switched off'})")
-                weights = HeadWeights(str(self.model.path), embd_path, self.d2t)
+                weights = HeadWeights(self._index, embd_path, self.d2t)
             except HeadUnsupported as e:
                 weights = e
             fam.host_weights = (embd_path, weights)

@@ -39,11 +39,15 @@ matrix: the target's lm_head; YaRN RoPE); ``Eagle3Drafter`` then runs the graph.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import ModelLoadError
 from .level_drafter import DraftHub
+
+if TYPE_CHECKING:
+    from ..models.gguf_index import GGUFIndex
 
 
 class HeadUnsupported(ModelLoadError):
@@ -100,7 +104,8 @@ class HeadWeights:
     drafter and its ``spawn``).
 
     Args:
-        path: the head GGUF (architecture ``eagle3``).
+        path: the head GGUF (architecture ``eagle3``), or a ``GGUFIndex`` already open on it
+            (the drafter's: its header, with the target's vocabulary, is walked once).
         embd_path: the GGUF whose ``token_embd.weight`` the head reads (the head's own path
             when it has one, else the target's).
         d2t: [n_draft] int64 target ids of the draft vocabulary (None: the whole vocabulary).
@@ -109,10 +114,11 @@ class HeadWeights:
             RoPE scaling other than none / linear, or heads of unequal key and value sizes.
     """
 
-    def __init__(self, path: str, embd_path: str, d2t: np.ndarray | None) -> None:
+    def __init__(self, path: str | GGUFIndex, embd_path: str, d2t: np.ndarray | None) -> None:
         from ..models.gguf_index import GGUFIndex
 
-        ix = GGUFIndex(path)
+        ix = path if isinstance(path, GGUFIndex) else GGUFIndex(path)
+        path = ix.path
         self.ix = ix
         v = ix.values
         arch = "eagle3"
