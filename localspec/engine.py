@@ -17,12 +17,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from .backend import Context, Model, SequenceCache
+from .backend.model import refuse_head_file
 from .backend.kv import common_prefix
 from .costmodel import CostModel, calibrate
 from .backend.features import FeatureTap, FinalNormTap
 from .drafters import Drafter, DraftMemory, TargetHandle, resolve_drafter
 from .errors import ContextOverflowError, DecodeError, InvalidRequestError, LocalSpecError, ModelLoadError
-from .generation import Generation, now_us
+from .generation import Generation, check_max_tokens, now_us
 from .policy import SpeculationPolicy, TreeShape
 from .request_state import RequestState
 from .results import GenerationResult, StreamChunk, TokenLogprob
@@ -114,26 +115,6 @@ class _EngineLock:
         self.release()
 
 
-def _refuse_head_as_target(path: str | os.PathLike) -> None:
-    """A drafting head given as the model to generate with (an EAGLE-3 head, Medusa heads):
-    one line saying what the file is and where it goes, before llama.cpp fails on it (it
-    cannot make a context for a head without its target, and does not know Medusa files).
-    Files that are not readable GGUFs are left to the loader, which names the problem.
-
-    Raises:
-        ModelLoadError: ``path`` is a GGUF of architecture ``eagle3`` or ``medusa``.
-    """
-    from .models.gguf_index import gguf_architecture
-
-    arch = gguf_architecture(path)
-    if arch == "eagle3":
-        raise ModelLoadError(f"{path} is an EAGLE-3 head, not a model to generate with: give the target model with -m "
-                             f"and the head with --drafter eagle3 --eagle {path}")  # fmt: skip
-    if arch == "medusa":
-        raise ModelLoadError(f"{path} is a Medusa heads file, not a model to generate with: give the target model with -m "
-                             f"and the heads with --drafter medusa --medusa {path}")  # fmt: skip
-
-
 class Engine:
     """A target model with an optional drafter, ready to generate.
 
@@ -219,7 +200,7 @@ class Engine:
                 raise InvalidRequestError("rpc= applies when the engine loads the model (give a path, not a Model)")
             self.model = model
         else:
-            _refuse_head_as_target(model)
+            refuse_head_file(model, "a model to generate with")
             rpc_args = dict(rpc=rpc, rpc_local_gpu=rpc_local_gpu, tensor_split=tensor_split) if rpc else {}
             self.model = Model(model, n_gpu_layers=n_gpu_layers, **rpc_args)
         if n_ctx is None:
@@ -451,8 +432,7 @@ class Engine:
             InvalidRequestError: bad parameters or an empty prompt.
             ContextOverflowError: the prompt does not leave room for one generated token.
         """
-        if max_tokens < 0:
-            raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
+        max_tokens = check_max_tokens(max_tokens)
         self.reconnect_if_lost()
         sampling = self.with_thresholds(sampling or SamplingParams())
         t_start = now_us()

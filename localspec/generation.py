@@ -11,16 +11,19 @@ list of them; this module holds the per-request rules:
 * ``limits`` - the largest tree the next step may verify for it;
 * ``emit`` - the tokens a step produced, cut at an end-of-generation token, a stop string or
   ``max_tokens``;
-* ``finish`` - the result, everything cut at the same point, statistics finalised.
+* ``finish`` - the result, everything cut at the same point, statistics finalised;
+* ``check_max_tokens`` - the token budget a request may ask for.
 """
 
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 from collections.abc import Callable, Sequence
 
 from .drafters import Drafter
+from .errors import InvalidRequestError
 from .policy import ScoreCalibration
 from .request_state import RequestState
 from .results import GenerationResult, StreamChunk, TokenLogprob
@@ -28,6 +31,17 @@ from .stats import GenerationStats
 from .text import TextAssembler
 from .tree import TokenSource, TokenTree
 from .verify import VerifyResult
+
+
+def check_max_tokens(max_tokens) -> int:
+    """``max_tokens`` as an ``int`` (a whole number >= 0; numpy integers too).
+
+    Raises:
+        InvalidRequestError: anything else (None, a float, a bool, a negative number).
+    """
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 0:
+        raise InvalidRequestError(f"max_tokens must be a whole number >= 0, got {max_tokens!r}")
+    return int(max_tokens)
 
 
 def now_us() -> float:

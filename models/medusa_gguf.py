@@ -180,7 +180,10 @@ def read_medusa_gguf(path: str | os.PathLike) -> MedusaWeights:
         raise MedusaFormatError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
     arch = _field(reader, "general.architecture", path, str)
     if arch != ARCH:
-        raise MedusaFormatError(f"{path} is a {arch} model, not Medusa heads (general.architecture = medusa)")
+        if arch == "eagle3":
+            raise MedusaFormatError(f"{path} is an EAGLE-3 head, not Medusa heads: use it with --drafter eagle3 --eagle {path}")
+        raise MedusaFormatError(f"{path} is a {arch} model, not Medusa heads (their architecture is medusa): "
+                                f"a model drafts with --drafter draft --draft-model {path}")  # fmt: skip
     k = _field(reader, f"{ARCH}.head_count", path)
     e = _field(reader, f"{ARCH}.embedding_length", path)
     v = _field(reader, f"{ARCH}.vocab_size", path)

@@ -11,6 +11,7 @@ from helpers import (
 from localspec import Engine, SamplingParams, native
 from localspec.backend import Batch, Context, Model, SequenceCache
 from localspec.backend.features import FeatureTap
+from localspec.drafters.draft_model import DraftModelDrafter
 from localspec.drafters.eagle3 import Eagle3Drafter, head_target_layers
 from localspec.errors import ModelLoadError
 from localspec.policy import TreeShape
@@ -86,6 +87,11 @@ def test_head_files_that_cannot_draft_are_refused_at_load_in_one_line(model_path
         Engine(random_head_path, drafter="none", n_ctx=256, cost_model=frozen_cost_model())
     with pytest.raises(ModelLoadError, match="is a Medusa heads file, not a model to generate with"):
         Engine(medusa, drafter="none", n_ctx=256, cost_model=frozen_cost_model())
+    # given as a draft model: the same line, before llama.cpp's "eagle3 requires ctx_other"
+    with pytest.raises(ModelLoadError, match="is an EAGLE-3 head, not a draft model: .*--drafter eagle3 --eagle"):
+        DraftModelDrafter(random_head_path)
+    with pytest.raises(ModelLoadError, match="is a Medusa heads file, not a draft model: .*--drafter medusa --medusa"):
+        DraftModelDrafter(medusa)
 
 
 def test_the_default_feature_layers_are_three_distinct_readable_layers(model_path, tmp_path):

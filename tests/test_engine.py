@@ -216,6 +216,12 @@ def test_prompt_longer_than_context_is_a_clear_error(eng):
 def test_bad_requests(eng):
     with pytest.raises(InvalidRequestError):
         eng.generate("x", max_tokens=-1)
+    for bad in (None, 2.5, True, "8"):  # not a TypeError from a comparison deep inside
+        with pytest.raises(InvalidRequestError, match="max_tokens must be a whole number >= 0, got"):
+            eng.generate("x", max_tokens=bad)
+        with pytest.raises(InvalidRequestError, match="max_tokens must be a whole number"):
+            list(eng.stream("x", max_tokens=bad))
+    assert len(eng.generate("x", max_tokens=np.int64(2), sampling=GREEDY).token_ids) == 2
     with pytest.raises(InvalidRequestError):
         eng.generate([10**9], max_tokens=1)
     with pytest.raises(InvalidRequestError):

@@ -122,7 +122,7 @@ def test_gguf_round_trip(tmp_path, rng):
     assert (r.target_vocab_size, r.target_vocab_sha256, r.target, r.training) == (99, "ab" * 32, "t.gguf", wts.training)
 
 
-def test_bad_files_are_one_line_errors(tmp_path, rng, random_head_path):
+def test_bad_files_are_one_line_errors(tmp_path, rng, random_head_path, model_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         MedusaDrafter(tmp_path / "nope.gguf")
     junk = tmp_path / "junk.gguf"
@@ -130,8 +130,10 @@ def test_bad_files_are_one_line_errors(tmp_path, rng, random_head_path):
     with pytest.raises(ModelLoadError, match="not a readable GGUF") as e:
         MedusaDrafter(junk)
     assert "\n" not in str(e.value)
-    with pytest.raises(ModelLoadError, match="is a eagle3 model, not Medusa heads"):
+    with pytest.raises(ModelLoadError, match="is an EAGLE-3 head, not Medusa heads: use it with --drafter eagle3 --eagle"):
         MedusaDrafter(random_head_path)
+    with pytest.raises(ModelLoadError, match="is a gemma3 model, not Medusa heads .*--drafter draft --draft-model"):
+        MedusaDrafter(model_path)
     good = write_medusa_gguf(tmp_path / "ok.gguf", _synthetic_weights(rng))
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(good.read_bytes()[:-40])  # truncated tensor data

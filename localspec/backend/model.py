@@ -59,6 +59,29 @@ def check_gguf_file(path: str | os.PathLike, what: str = "model file", flag: str
     return p
 
 
+def refuse_head_file(path: str | os.PathLike, role: str) -> None:
+    """A drafting head (an EAGLE-3 head, Medusa heads) given where a model is expected: one
+    line saying what the file is and where it goes, before llama.cpp fails on it (it cannot
+    make a context for an EAGLE-3 head without its target, and does not know Medusa files).
+    Files that are not readable GGUFs are left to the loader, which names the problem.
+
+    Args:
+        path: the file given.
+        role: what the file was given as (``"a model to generate with"``, ``"a draft model"``).
+    Raises:
+        ModelLoadError: ``path`` is a GGUF of architecture ``eagle3`` or ``medusa``.
+    """
+    from ..models.gguf_index import gguf_architecture
+
+    arch = gguf_architecture(path)
+    if arch == "eagle3":
+        raise ModelLoadError(f"{path} is an EAGLE-3 head, not {role}: give the target model with -m "
+                             f"and the head with --drafter eagle3 --eagle {path}")  # fmt: skip
+    if arch == "medusa":
+        raise ModelLoadError(f"{path} is a Medusa heads file, not {role}: give the target model with -m "
+                             f"and the heads with --drafter medusa --medusa {path}")  # fmt: skip
+
+
 class Model:
     """A GGUF model loaded by llama.cpp.
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..backend import Batch, Model, SequenceCache
 from ..backend.kv import common_prefix
+from ..backend.model import refuse_head_file
 from ..errors import InvalidRequestError
 from ..policy import TreeShape
 from ..tree import TokenSource, TokenTree, TreeBuilder
@@ -68,6 +69,8 @@ class DraftModelDrafter(ModelDrafter):
         shape: TreeShape | None = None,
     ) -> None:
         self.n_ctx_request = n_ctx
+        if not isinstance(model, Model):
+            refuse_head_file(model, "a draft model")
         super().__init__(model, n_gpu_layers=n_gpu_layers, max_depth=max_depth, max_width=max_width, shape=shape)
 
     def attach(self, target: TargetHandle) -> None:
