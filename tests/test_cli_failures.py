@@ -49,6 +49,14 @@ def test_binary_prompt_file(capsys, tmp_path):
     assert "not UTF-8" in msg and "p.bin" in msg
 
 
+def test_a_prompt_argument_and_a_prompt_file_are_refused_together(capsys, tmp_path):
+    """Both a prompt and ``--file``: one line naming both, not the argument silently dropped."""
+    f = tmp_path / "p.txt"
+    f.write_text("a longer prompt from the file")
+    msg = cli_error(capsys, ["generate", "hi", "-f", str(f), "-n", "2"])
+    assert "not both" in msg and "'hi'" in msg and "p.txt" in msg, msg
+
+
 def test_binary_prompt_on_stdin():
     r = subprocess.run([sys.executable, "-m", "localspec", "generate", "-n", "2"], input=b"\xff\xfe", capture_output=True, timeout=300)
     err = r.stderr.decode()

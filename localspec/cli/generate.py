@@ -42,6 +42,8 @@ def register(sub) -> None:
 
 def read_prompt(a: argparse.Namespace) -> str:
     if a.file:
+        if a.prompt is not None:
+            raise SystemExit(f"localspec: error: give the prompt as an argument or with --file, not both (got {a.prompt!r:.40} and --file {a.file})")
         text = read_text_file(a.file, "the prompt file")
     elif a.prompt is None or a.prompt == "-":
         if sys.stdin.isatty() and a.prompt is None:
