@@ -214,6 +214,38 @@ def test_small_n_ctx_holds_the_size_asked_for(model, capsys):
     assert d["stats"]["n_prompt_tokens"] + len(d["token_ids"]) == 21
 
 
+def test_serve_refuses_a_request_context_beyond_the_training_context_before_loading(capsys):
+    # was: "loading model..." and then the kernel's OOM killer, with no message
+    msg = cli_error(capsys, ["serve", "--port", "0", "--ctx-per-request", "1000000", "--parallel", "8"])
+    assert msg == ("localspec: error: --ctx-per-request 1000000 is more than the model's training context of "
+                   "32768 tokens: give at most 32768"), msg  # fmt: skip
+
+
+def test_a_kv_cache_larger_than_the_memory_available_is_refused_before_it_is_allocated(model, capsys):
+    from localspec.backend.context import available_memory, kv_bytes_per_token
+
+    avail, per_token = available_memory(), kv_bytes_per_token(model, 30)
+    if avail is None:
+        pytest.skip("no MemAvailable in /proc/meminfo: the check is skipped")
+    assert per_token == 18 * 256 * 2 * 2  # layers x (K + V of one KV head of 256) x 2 bytes
+    # any surface, through the one context creation: generate's --n-ctx ...
+    assert main(["generate", PROMPT, "--n-ctx", "2000000000", "-n", "1", "--drafter", "none"]) == 1
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("localspec: error: a KV cache of 2000000000 tokens would need 34332.3 GiB (18.0 KiB a "
+                           "token for gemma-3-270m-q4_k_m.gguf), more than the ") and "use a smaller context" in last, err
+    assert "Traceback" not in err
+    # ... and serve's --parallel x --ctx-per-request, within the training context
+    if per_token * 254 * 32768 <= avail:
+        pytest.skip("this machine could hold serve's largest KV cache")
+    assert main(["serve", "--port", "0", "--parallel", "254", "--prompt-cache", "0", "--ctx-per-request", "32768",
+                 "--drafter", "none"]) == 1  # fmt: skip
+    out, err = capsys.readouterr()
+    assert "listening" not in out + err and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("localspec: error: a KV cache of ") and "--ctx-per-request or --parallel" in last, err
+
+
 # -- mean acceptance length counts the end-of-generation step ----------------------------------------
 
 
@@ -367,11 +399,34 @@ def test_ctrl_c_while_generating():
 
 
 def test_ctrl_c_while_complete_serve_starts(fresh_cache):
+    """As ``serve``: Ctrl-C during the load stops it there (the load's last line, the note
+    that the default model has no fill-in-the-middle tokens, never comes) and nothing says it
+    listens."""
     env, m = fresh_cache
     p = Proc(["-v", "complete", "--serve", "--port", "0", "-m", m], env=env)
     try:
         p.wait_for(lambda name, line: "loading model" in line)
-        assert_clean_interrupt(*p.interrupt())
+        rc, err = p.interrupt()
+        assert_clean_interrupt(rc, err)
+        assert "listening" not in "".join(p.out) + err and "fill-in-the-middle" not in err, err
+    finally:
+        p.kill()
+
+
+@pytest.mark.parametrize("args,started", [
+    ([], "loading model"),  # the first line: the signal may come before uvicorn takes the signals
+    (["-v"], "llama_context"),  # llama.cpp logs through a callback; uvicorn holds the signals
+])
+def test_ctrl_c_while_serve_starts(fresh_cache, args, started):
+    """Ctrl-C while `serve` loads stops it there: the load is not waited for (its last line,
+    the chat-template note of the default model, never comes) and nothing says it listens."""
+    env, m = fresh_cache
+    p = Proc([*args, "serve", "--port", "0", "-m", m], env=env)
+    try:
+        p.wait_for(lambda name, line: name == "err" and started in line)
+        rc, err = p.interrupt()
+        assert_clean_interrupt(rc, err)
+        assert "listening" not in "".join(p.out) + err and "chat template" not in err, err
     finally:
         p.kill()
 

@@ -6,6 +6,7 @@ import json
 import socket
 import threading
 import time
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -112,6 +113,7 @@ def test_json_schema_response_parses(client):
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"extra_body": {"cache_prompt": "yes"}}, "cache_prompt"),
+    ({"seed": -7}, "seed"),
 ])
 def test_error_objects(client, kw, param):
     args = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kw}
@@ -119,6 +121,28 @@ def test_error_objects(client, kw, param):
         client.chat.completions.create(**args)
     assert e.value.status_code == 400
     assert e.value.body["param"] == param and e.value.body["type"] == "invalid_request_error"
+
+
+SEED_PROMPT = "Here is a list of unusual words:"
+
+
+def test_a_64_bit_seed_is_kept_whole_and_gives_the_python_apis_text(client, engine):
+    seed = 2**32 + 5  # cut to 32 bits it would be seed 5
+    r = client.completions.create(model="x", prompt=SEED_PROMPT, max_tokens=24, temperature=1.0, seed=seed)
+    cut = client.completions.create(model="x", prompt=SEED_PROMPT, max_tokens=24, temperature=1.0, seed=seed & 0xFFFFFFFF)
+    engine.reset()
+    sampling = replace(SamplingParams.greedy(), temperature=1.0)  # the server's defaults, the request's temperature
+    ref = engine.generate(SEED_PROMPT, max_tokens=24, sampling=sampling.with_seed(seed))
+    assert r.choices[0].text == ref.text != cut.choices[0].text
+    chat = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Say a word."}],
+                                          max_tokens=8, temperature=1.0, seed=2**64 - 1)  # the largest seed
+    assert chat.choices[0].finish_reason
+
+
+def test_seed_minus_one_draws_a_fresh_seed_per_request(client):
+    texts = {client.completions.create(model="x", prompt=SEED_PROMPT, max_tokens=24, temperature=1.0,
+                                       seed=-1).choices[0].text for _ in range(2)}  # fmt: skip
+    assert len(texts) == 2
 
 
 def test_logit_bias_is_applied_as_in_llama_cpp(client, engine):

@@ -320,6 +320,49 @@ def test_health_says_loading_model_until_the_model_is_loaded(server):
         serve_while_loading(bind_socket("127.0.0.1", 0), broken)
 
 
+def test_stopped_while_loading_it_never_serves_nor_says_it_is_ready():
+    """A stop (a signal) while ``load()`` runs: the load is let end, then nothing is served,
+    ``on_ready`` (the "listening" line) is not called, and it raises KeyboardInterrupt."""
+    from localspec.server.http import address_of, bind_socket, serve_while_loading
+
+    async def app(scope, receive, send):  # never reached
+        raise AssertionError("served after the stop")
+
+    go, stop, ready, outcome = threading.Event(), threading.Event(), [], []
+
+    def load():
+        go.wait()
+        return app, None
+
+    def run():
+        try:
+            serve_while_loading(sock, load, on_ready=ready.append, stop=stop)
+        except KeyboardInterrupt:
+            outcome.append("interrupted")
+
+    sock = bind_socket("127.0.0.1", 0)
+    url = address_of(sock)
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        with httpx.Client(base_url=url, timeout=60) as h:
+            assert h.get("/health").status_code == 503  # serving the loading gate
+        stop.set()
+        deadline = time.monotonic() + 60
+        while True:  # until the listening socket is closed: the server has stopped
+            try:
+                httpx.get(url + "/health", timeout=5)
+            except httpx.TransportError:
+                break
+            assert time.monotonic() < deadline, "the server did not stop"
+            time.sleep(0.05)
+        assert t.is_alive()  # waiting for the load to end
+    finally:
+        go.set()
+        t.join(60)
+    assert not t.is_alive() and outcome == ["interrupted"] and ready == []
+
+
 def test_serve_cli_logs_each_request_and_stops_on_sigterm(model_path):
     import os
     import signal

@@ -199,6 +199,12 @@ def test_json_schema_becomes_a_grammar():
 def test_seed_minus_one_is_random():
     assert resolve({"seed": -1}).params.seed is None
     assert resolve({"seed": 5}).params.seed == 5
+    fixed = SamplingParams(seed=5)  # the server's --seed: a request's -1 still draws a random seed
+    assert resolve({"seed": -1}, fixed).params.seed is None and resolve({}, fixed).params.seed == 5
+    assert resolve({"seed": 2**64 - 1}).params.seed == 2**64 - 1  # kept whole, not cut to 32 bits
+    for bad in (-7, 2**64):
+        with pytest.raises(RequestError, match=r'"seed" must be in 0\.\.18446744073709551615, or -1'):
+            resolve({"seed": bad})
 
 
 # -- the candidate filter in the sampling pipeline -------------------------------------------

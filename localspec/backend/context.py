@@ -25,7 +25,11 @@ from .model import Model
 
 log = logging.getLogger("localspec.readout")
 
+GGML_TYPE_F16 = 1
 GGML_TYPE_BF16 = 30
+# bytes per element of KV cache types (ggml_type: F32, F16, Q4_0, Q8_0, BF16); another type
+# counts as 4-bit, so that an estimate stays at or below what llama.cpp allocates
+_KV_TYPE_BYTES = {0: 4.0, GGML_TYPE_F16: 2.0, 2: 18 / 32, 8: 34 / 32, GGML_TYPE_BF16: 2.0}
 
 
 def default_threads() -> int:
@@ -35,6 +39,76 @@ def default_threads() -> int:
     except AttributeError:  # macOS / Windows
         n = os.cpu_count() or 4
     return max(1, min(n, 16))
+
+
+def kv_bytes_per_token(model: Model, type_k: int | None = None, type_v: int | None = None) -> float | None:
+    """Bytes one token takes in a context's KV cache, from the model's GGUF metadata: layers x
+    KV heads x (key size x K type's bytes + value size x V type's bytes), F16 where no type is
+    given (llama.cpp's default). None where the metadata does not say it plainly: per-layer
+    head counts, MLA's compressed cache (``kv_lora_rank``), layers sharing another's cache."""
+    arch = model.architecture
+
+    def number(key: str, default: int | None) -> int | None:
+        v = model.meta(f"{arch}.{key}")
+        if v is None:
+            return default
+        try:
+            return int(v)
+        except ValueError:  # an array: one value per layer
+            return None
+
+    if any(model.meta(f"{arch}.attention.{k}") is not None for k in ("kv_lora_rank", "shared_kv_layers")):
+        return None
+    n_head = number("attention.head_count", None)
+    if not n_head:
+        return None
+    n_head_kv = number("attention.head_count_kv", n_head)
+    k = number("attention.key_length", model.n_embd // n_head)
+    v = number("attention.value_length", model.n_embd // n_head)
+    if n_head_kv is None or k is None or v is None:
+        return None
+
+    def size(t: int | None) -> float:
+        return _KV_TYPE_BYTES.get(GGML_TYPE_F16 if t is None else int(t), 0.5)
+
+    return model.n_layer * n_head_kv * (k * size(type_k) + v * size(type_v))
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available for new allocations (``MemAvailable`` in /proc/meminfo);
+    None where the system does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_kv_memory(model: Model, n_ctx: int, type_k: int | None = None, type_v: int | None = None) -> None:
+    """Refuse a context whose KV cache cannot fit in the memory available, before llama.cpp
+    allocates it (there, a cache larger than memory gets the process killed without a word).
+    Checked where the cache is in this machine's memory (not on a GPU or RPC workers) and both
+    ``kv_bytes_per_token`` and ``available_memory`` are known.
+
+    Raises:
+        ModelLoadError: the estimate exceeds the memory available; says what to lower.
+    """
+    if model.on_local_gpu or model.rpc_workers:
+        return
+    per_token, avail = kv_bytes_per_token(model, type_k, type_v), available_memory()
+    if not per_token or avail is None:
+        return
+    n = int(n_ctx) if n_ctx > 0 else model.n_ctx_train
+    need = per_token * n
+    if need > avail:
+        raise ModelLoadError(
+            f"a KV cache of {n} tokens would need {need / 2**30:.1f} GiB ({per_token / 1024:.1f} KiB a token for "
+            f"{model.path.name}), more than the {avail / 2**30:.1f} GiB of memory available: use a smaller context "
+            "(n_ctx / --n-ctx; serve: a smaller --ctx-per-request or --parallel)"
+        )
 
 
 class Context:
@@ -63,7 +137,8 @@ class Context:
             check on this context; else llama.cpp's lm_head (``readout_off_reason`` says why).
 
     Raises:
-        ModelLoadError: llama.cpp could not create the context (e.g. out of memory).
+        ModelLoadError: the KV cache would not fit in the memory available
+            (``check_kv_memory``), or llama.cpp could not create the context.
     """
 
     def __init__(
@@ -127,6 +202,8 @@ class Context:
             params.type_k = int(type_k)
         if type_v is not None:
             params.type_v = int(type_v)
+        if not mtp:  # an MTP context caches only the MTP blocks' layers
+            check_kv_memory(model, n_ctx, type_k, type_v)
         rd = None
         if readout:
             from .readout import Readout, unavailable

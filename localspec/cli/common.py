@@ -12,14 +12,13 @@ from pathlib import Path
 from ..sampling import SamplingParams
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+N_CTX_HELP = "context size in tokens (default 8192); held to exactly this size, although llama.cpp allocates a multiple of 256"
+
+
+def add_model_args(p: argparse.ArgumentParser, *, n_ctx_help: str = N_CTX_HELP) -> None:
     g = p.add_argument_group("model and runtime")
     g.add_argument("-m", "--model", default=None, help="target GGUF path (default: the embedded Gemma 3 270M)")
-    g.add_argument(
-        "--n-ctx", type=int, default=None,
-        help="context size in tokens (default 8192); held to exactly this size, although llama.cpp "
-        "allocates a multiple of 256",
-    )
+    g.add_argument("--n-ctx", type=int, default=None, help=n_ctx_help)
     g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all available)")
     g.add_argument(
         "-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload on CUDA/Metal builds (-1 = all)"
@@ -461,3 +460,21 @@ def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = 
         attach_memory_file(mem, a.draft_memory, engine.model)
     engine.usage_log = usage_log_from_args(a)
     return engine
+
+
+def server_interrupt(state: dict):
+    """The SIGINT / SIGTERM handler of a server command (``serve``, ``complete --serve``;
+    uvicorn passes the signals on once it has stopped). Until ``state["serving"]`` is set (its
+    ``on_ready``), the process ends at once with "localspec: interrupted" and status 130, as
+    ``generate`` does: the load runs native llama.cpp calls on another thread that nothing
+    can cancel, and waiting for it can take minutes. Once serving, uvicorn's graceful shutdown
+    is done and ``serve_while_loading`` returns (KeyboardInterrupt)."""
+
+    def interrupt(signum, frame) -> None:
+        if not state.get("serving"):
+            from .main import _exit_now_on_sigint
+
+            _exit_now_on_sigint(signum, frame)
+        raise KeyboardInterrupt
+
+    return interrupt

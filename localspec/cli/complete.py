@@ -8,7 +8,7 @@ import signal
 import sys
 
 from .common import (add_drafter_args, add_memory_args, add_model_args, add_sampling_args, check_listen_address,
-                     make_engine, sampling_from_args)
+                     make_engine, sampling_from_args, server_interrupt)
 
 
 def register(sub) -> None:
@@ -41,10 +41,6 @@ def register(sub) -> None:
     add_model_args(p)
     add_memory_args(p)
     p.set_defaults(func=run)
-
-
-def _raise_interrupt(_signum, _frame) -> None:
-    raise KeyboardInterrupt
 
 
 def run(a: argparse.Namespace) -> int:
@@ -106,12 +102,15 @@ def run(a: argparse.Namespace) -> int:
             return app, service.stop_accepting
 
         def on_ready(addr: str) -> None:
+            made["serving"] = True
             print(f"localspec complete: listening on {addr}", flush=True)
 
         # until the model is loaded /health answers 503 "loading model" (as llama-server);
-        # uvicorn handles SIGINT / SIGTERM and re-raises them after a graceful shutdown
-        old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
-        old_int = signal.signal(signal.SIGINT, _raise_interrupt)
+        # a signal ends the load at once (server_interrupt), and once serving uvicorn handles
+        # SIGINT / SIGTERM and re-raises them after a graceful shutdown
+        interrupt = server_interrupt(made)
+        old_term = signal.signal(signal.SIGTERM, interrupt)
+        old_int = signal.signal(signal.SIGINT, interrupt)
         try:
             serve_while_loading(sock, load_app, log_level="info" if a.verbose else "warning", on_ready=on_ready)
         finally:

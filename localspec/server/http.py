@@ -292,13 +292,13 @@ def serve_while_loading(sock: socket.socket, load, *, log_level: str = "warning"
 
     Raises:
         whatever ``load()`` raised (the server stops at once); KeyboardInterrupt when
-        interrupted before ``load()`` returned (after it has returned: what it built is the
-        caller's to close). ``stop``: setting it ends serving as a signal does (tests).
+        interrupted before ``app`` served (``on_ready`` is then not called; what ``load()``
+        built is the caller's to close). ``stop``: setting it ends serving as a signal does (tests).
     """
     addr = address_of(sock)
     gate = LoadingGate()
     state: dict = {}
-    loaded = threading.Event()
+    opening = threading.Lock()  # the loader opens the gate, or not, wholly before or after the check below
 
     def shutdown() -> None:
         if state.get("on_shutdown") is not None:
@@ -313,11 +313,13 @@ def serve_while_loading(sock: socket.socket, load, *, log_level: str = "warning"
             state["error"] = e
             server.should_exit = True
             return
-        finally:
-            loaded.set()
-        gate.open(app)
-        if on_ready is not None:
-            on_ready(addr)
+        with opening:
+            if server.should_exit:  # interrupted while loading: nothing is served, no "listening" line
+                return
+            gate.open(app)
+            state["served"] = True
+            if on_ready is not None:
+                on_ready(addr)
 
     t = threading.Thread(target=loader, name="localspec-load", daemon=True)
     t.start()
@@ -329,11 +331,13 @@ def serve_while_loading(sock: socket.socket, load, *, log_level: str = "warning"
         pass
     finally:
         sock.close()
-    if not loaded.is_set():  # stopped while loading: let the load end, so its owner can close it
+    with opening:
+        served = state.get("served", False)
+    if not served:  # stopped while loading: let the load end, so its owner can close it
         t.join()
+        if "error" in state:
+            raise state["error"]
         raise KeyboardInterrupt
-    if "error" in state:
-        raise state["error"]
 
 
 class AppThread:

@@ -53,7 +53,7 @@ from ..text import ReleaseTracker, token_offsets
 from ..draft_limits import DraftLimits
 from .fields import RequestError, get_speculation, lone_surrogate_at
 from .prompt import PromptTooLongError, tokenize_bounded
-from .sampling_fields import parse_logit_bias, resolve_logit_bias
+from .sampling_fields import get_seed, parse_logit_bias, resolve_logit_bias, seed_param
 from .response import HEALTH_STALL_S, dumps, request_log_line, stall_error
 
 log = logging.getLogger("localspec.server")
@@ -247,9 +247,10 @@ def parse_oai(kind: str, body: Any, defaults: SamplingParams) -> OAIRequest:
         v = _num(body, key, -2, 2)
         if v is not None:
             kw[key] = float(v)
-    seed = _num(body, "seed", -(1 << 63), (1 << 64) - 1, integer=True)
-    if seed is not None:
-        kw["seed"] = int(seed) & 0xFFFFFFFF
+    try:
+        kw["seed"] = seed_param(get_seed(body), defaults.seed)
+    except RequestError as e:
+        raise OAIError(e.message, param="seed") from None
     g = _grammar(body)
     if g is not None:
         kw["grammar"] = g

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidRequestError
-from ..sampling import SamplingParams
+from ..sampling import MASK64, SamplingParams
 from .fields import RequestError, get_bool, get_float, get_int, get_str
 
 # localspec's fixed order of the samplers it applies (llama.cpp's default order, infill
@@ -72,7 +72,7 @@ class SamplerFields:
     repeat_last_n: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    seed: int | None = None
+    seed: int | None = None  # -1: a fresh random seed (see get_seed)
     logit_bias: list[tuple[int | str, float]] = field(default_factory=list)
     ignore_eos: bool = False
     grammar: str | None = None
@@ -100,6 +100,28 @@ def get_threshold(body: Mapping[str, Any], key: str) -> float | None:
     if v is not None and not 0.0 < v <= 1.0:
         raise RequestError(f'"{key}" must be in (0, 1] (1 = lossless), got {v}')
     return v
+
+
+def get_seed(body: Mapping[str, Any]) -> int | None:
+    """A request's ``seed`` field: None when absent, -1 for a fresh random seed per request
+    (llama.cpp's -1), else a seed in 0..2**64-1, kept whole so that it gives the same text as
+    the same seed anywhere else (``localspec generate --seed``, ``Engine.generate``).
+
+    Raises:
+        RequestError: not an integer, or outside -1..2**64-1.
+    """
+    seed = get_int(body, "seed", None)
+    if seed is not None and not -1 <= seed <= MASK64:
+        raise RequestError(f'"seed" must be in 0..{MASK64}, or -1 for a random seed; got {seed}')
+    return seed
+
+
+def seed_param(seed: int | None, default: int | None) -> int | None:
+    """``SamplingParams.seed`` of a ``get_seed`` value: ``default`` (the server's ``--seed``)
+    when absent, None (a random seed drawn for the request) for -1."""
+    if seed is None:
+        return default
+    return None if seed < 0 else seed
 
 
 def parse_sampler_fields(body: Mapping[str, Any]) -> SamplerFields:
@@ -139,8 +161,7 @@ def parse_sampler_fields(body: Mapping[str, Any]) -> SamplerFields:
     f.repeat_last_n = opt_int("repeat_last_n", -1)
     f.frequency_penalty = opt_float("frequency_penalty")
     f.presence_penalty = opt_float("presence_penalty")
-    seed = opt_int("seed", -1, 2**64 - 1)
-    f.seed = None if seed is None or seed < 0 else seed
+    f.seed = get_seed(body)
     f.logit_bias = parse_logit_bias(body.get("logit_bias"))
     f.ignore_eos = get_bool(body, "ignore_eos", False)
     f.grammar = get_str(body, "grammar", None) or None
@@ -249,7 +270,7 @@ def resolve_sampling(f: SamplerFields, defaults: SamplingParams, model) -> Sampl
         kw["penalty_last_n"] = pick(f.repeat_last_n, defaults.penalty_last_n)
     else:
         kw.update(repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
-    kw["seed"] = f.seed if f.seed is not None else defaults.seed
+    kw["seed"] = seed_param(f.seed, defaults.seed)
     kw["verify"] = defaults.verify
     kw["accept_threshold_single"] = pick(f.accept_threshold_single, defaults.accept_threshold_single)
     kw["accept_threshold_acc"] = pick(f.accept_threshold_acc, defaults.accept_threshold_acc)
