@@ -64,7 +64,7 @@ from .costmodel import CostModel, calibrate
 from .drafters import TargetHandle, resolve_drafter
 from .draft_limits import DraftLimits
 from .errors import ContextOverflowError, InvalidRequestError
-from .generation import Generation, now_us
+from .generation import Generation, check_max_tokens, now_us
 from .policy import SpeculationPolicy
 from .request_state import RequestState
 from .results import GenerationResult, StreamChunk
@@ -322,7 +322,7 @@ class BatchScheduler:
         the whole prompt, reusing no cached prefix.
 
         Raises:
-            InvalidRequestError: empty prompt, bad token ids, negative ``max_tokens``, closed.
+            InvalidRequestError: empty prompt, bad token ids, a ``max_tokens`` that is not a whole number >= 0, closed.
             ContextOverflowError: the prompt leaves no room in a request's context.
             GrammarError: the sampling grammar does not parse.
         """
@@ -332,13 +332,12 @@ class BatchScheduler:
         bad = [t for t in tokens if not 0 <= t < self.model.n_vocab]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.model.n_vocab - 1})")
-        if max_tokens < 0:
-            raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
+        max_tokens = check_max_tokens(max_tokens)
         if len(tokens) >= self.n_ctx_slot:
             raise ContextOverflowError(
                 f"the prompt has {len(tokens)} tokens but a request's context holds {self.n_ctx_slot}; shorten it "
                 f"or give requests a context of at least {len(tokens) + 1} tokens (serve --ctx-per-request, "
-                "batch --n-ctx)"
+                "batch --n-ctx, Engine.generate_batch n_ctx=)"
             )
         sampling = sampling or SamplingParams()
         job = BatchJob(tokens, max_tokens=max_tokens, sampling=sampling, stop=stop, speculative=speculative,
@@ -832,7 +831,8 @@ def generate_batch(engine: "Engine", prompts: Sequence[str | Sequence[int]], *, 
                 f"{engine.drafter_name!r} is an object; set_drafter(NAME, ...) or speculative=False"
             )
         name, options = spec
-    sched = BatchScheduler(engine.model, parallel=parallel, n_ctx=n_ctx or min(engine.n_ctx, 4096), drafter=name,
+    n_ctx = min(engine.n_ctx, 4096) if n_ctx is None else n_ctx
+    sched = BatchScheduler(engine.model, parallel=parallel, n_ctx=n_ctx, drafter=name,
                            drafter_options=options, max_tree_nodes=min(engine.max_tree_nodes, 32),
                            cost_model=engine.cost_model, n_threads=engine.ctx.n_threads,
                            adaptive=engine.adaptive, draft_memory=engine.draft_memory)  # fmt: skip

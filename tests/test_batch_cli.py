@@ -2,6 +2,9 @@
 resumable by id (ids already in OUT are skipped; a half-written last line is cut)."""
 
 import json
+import os
+
+import pytest
 
 from localspec import SamplingParams
 from localspec.cli.main import main
@@ -63,8 +66,6 @@ def test_a_bad_field_on_one_line_is_that_lines_error_and_the_run_goes_on(tmp_pat
 
 
 def test_out_the_input_file_or_parallel_0_is_refused_before_anything_is_written(tmp_path, capsys):
-    import pytest
-
     inp = tmp_path / "in.jsonl"
     text = json.dumps({"id": "a", "prompt": "Hi"}) + "\n{not json\n"
     inp.write_text(text)
@@ -76,3 +77,83 @@ def test_out_the_input_file_or_parallel_0_is_refused_before_anything_is_written(
         main(["batch", str(inp), "--out", str(out), "--parallel", "0", "--no-progress"])
     assert "--parallel must be >= 1, got 0" in str(e.value)
     assert inp.read_text() == text and not out.exists()  # nothing written, nothing loaded
+
+
+def test_n_ctx_gives_each_request_its_context_past_4096(tmp_path, capsys):
+    """``--n-ctx N`` is each request's context, past 4096 too; a prompt longer than N is that
+    line's error, naming ``batch --n-ctx``."""
+    with pytest.raises(SystemExit):
+        main(["batch", "--help"])
+    assert "tokens each request may hold" in " ".join(capsys.readouterr().out.split())
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"id": "long", "prompt": "word " * 4100}) + "\n"
+                   + json.dumps({"id": "over", "prompt": "word " * 4300}) + "\n")  # fmt: skip
+    assert main(["batch", str(inp), "--out", str(out), "-n", "2", "--parallel", "2", "--no-progress",
+                 "--n-ctx", "4200"]) == 0  # fmt: skip
+    by_id = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert "error" not in by_id["long"], by_id["long"]
+    assert by_id["long"]["usage"]["prompt_tokens"] > 4096 and by_id["long"]["usage"]["completion_tokens"] == 2
+    err = by_id["over"]["error"]
+    assert err.startswith("the prompt has ") and "holds 4200" in err and "batch --n-ctx" in err, err
+    assert "\n" not in err
+
+
+def test_out_that_cannot_be_read_or_written_is_one_error_line_before_the_model_loads(tmp_path, capsys):
+    """``--out`` a directory, or a path that cannot be created: one error line before the
+    model loads, nothing created."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"id": "a", "prompt": "Hi"}) + "\n")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("x")
+    cases = {tmp_path / "dir": "cannot read --out", tmp_path / "file" / "out.jsonl": "cannot write --out",
+             tmp_path / "nope" / "out.jsonl": "cannot write --out"}  # fmt: skip
+    for out, want in cases.items():
+        with pytest.raises(SystemExit) as e:
+            main(["batch", str(inp), "--out", str(out), "--no-progress"])
+        msg = str(e.value)
+        assert msg.startswith(f"localspec: error: {want} {out}: ") and "\n" not in msg, msg
+        assert "loading model" not in capsys.readouterr().err
+    assert list((tmp_path / "dir").iterdir()) == [] and not (tmp_path / "nope").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes read-only files: no permission error to see")
+def test_out_without_write_permission_is_one_error_line_and_keeps_the_file(tmp_path, capsys):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"id": "a", "prompt": "Hi"}) + "\n" + json.dumps({"id": "b", "prompt": "Yo"}) + "\n")
+    for done in (json.dumps({"id": "a", "text": "x"}) + "\n", json.dumps({"id": "a", "text": "x"}) + '\n{"id": "b"'):
+        out.write_text(done)  # the second: a half-written line to cut
+        out.chmod(0o444)
+        with pytest.raises(SystemExit) as e:
+            main(["batch", str(inp), "--out", str(out), "--no-progress"])
+        assert str(e.value).startswith(f"localspec: error: cannot write --out {out}: "), str(e.value)
+        assert out.read_text() == done and "loading model" not in capsys.readouterr().err
+        out.chmod(0o644)
+
+
+def test_a_line_sets_sampling_as_the_command_line_does_and_names_what_it_cannot_set(tmp_path, engine):
+    """A line takes the command line's common sampling settings, checked by the same rules;
+    ``"seed": -1`` is a random seed as ``--seed -1`` is; a sampling setting a line cannot set is
+    that line's error, naming what it takes; other keys are the user's own and change nothing."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    p = PROMPTS["a"]
+    lines = {"top_p": {"top_p": 7}, "top_k": {"top_k": 1.5}, "seed": {"seed": -2},
+             "grammar": {"grammar": 'root ::= "a"'}, "stop": {"stop": ["."]},
+             "random": {"temperature": 0.8, "seed": -1}, "sampled": {"temperature": 0.8, "top_k": 1, "seed": 7},
+             "meta": {"meta": {"source": "x"}, "category": "qa"}}  # fmt: skip
+    inp.write_text("".join(json.dumps({"id": k, "prompt": p, "max_tokens": 6, **v}) + "\n" for k, v in lines.items()))
+    assert main(["batch", str(inp), "--out", str(out), "--no-progress", "--n-ctx", "512"]) == 0
+    by_id = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert by_id["top_p"]["error"] == 'line 1: "top_p": top_p must be in (0, 1], got 7.0'
+    assert by_id["top_k"]["error"].startswith('line 2: "top_k" must be an integer')
+    seed_err = by_id["seed"]["error"]
+    assert seed_err.startswith('line 3: "seed" must be in 0..') and "-1 for a random seed" in seed_err, seed_err
+    for n, k in ((4, "grammar"), (5, "stop")):
+        assert by_id[k]["error"].startswith(f'line {n}: "{k}" cannot be set per line; a line takes "id", "prompt"')
+        assert '"top_p"' in by_id[k]["error"] and '"seed"' in by_id[k]["error"]
+    assert by_id["random"]["usage"]["completion_tokens"] == 6
+    engine.reset()
+    greedy = engine.generate(p, max_tokens=6, sampling=SamplingParams.greedy()).text
+    engine.reset()
+    assert by_id["sampled"]["text"] == greedy == engine.generate(
+        p, max_tokens=6, sampling=SamplingParams(temperature=0.8, top_k=1, seed=7)).text  # fmt: skip
+    assert by_id["meta"]["text"] == greedy

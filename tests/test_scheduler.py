@@ -158,6 +158,12 @@ def test_generate_batch_matches_generate(engine, alone):
     assert out[1].token_ids == alone["greedy"][0][:4]
 
 
+def test_generate_batch_n_ctx_is_checked_not_replaced_by_the_default(engine):
+    """``n_ctx=`` is each request's context as given: 0 is refused like any context below 16."""
+    with pytest.raises(InvalidRequestError, match="n_ctx must be at least 16 tokens"):
+        engine.generate_batch(["Hi"], max_tokens=1, n_ctx=0)
+
+
 # -- the prompt cache, shared prefixes, moved cells and prompts prefilled in pieces ------------
 
 # ~1,000 tokens of plain text: longer than Gemma 3's 512-token sliding window, so a shared or

@@ -1,11 +1,13 @@
 """``localspec batch IN.jsonl --out OUT.jsonl``: many prompts through the batched engine.
 
 Each input line is a JSON object with ``"prompt"`` (text) and optionally ``"id"`` (default:
-the line number), ``"max_tokens"``, ``"temperature"`` and ``"seed"`` (overriding the command
-line; greedy by default). Each output line is ``{"id", "text", "finish_reason", "usage",
-"speculation"}`` or ``{"id", "error"}``, written as soon as that prompt ends (any order).
-Ids already in OUT are skipped, so a killed run continues where it stopped; a half-written
-last line (the kill) is cut off first.
+the line number), ``"max_tokens"`` and the sampling settings of ``LINE_SAMPLING`` and
+``"seed"`` (-1: a random seed), each over the command line's (greedy by default). A line that
+names a sampling setting it cannot set (``NOT_PER_LINE``) is that line's error; other keys
+are ignored. Each request's context holds ``--n-ctx`` tokens (default 4096). Each output line
+is ``{"id", "text", "finish_reason", "usage", "speculation"}`` or ``{"id", "error"}``, written
+as soon as that prompt ends (any order). Ids already in OUT are skipped, so a killed run
+continues where it stopped; a half-written last line (the kill) is cut off first.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 from pathlib import Path
 
 from ..errors import LocalSpecError
+from ..sampling import SamplingParams
 from .common import add_drafter_args, add_memory_args, add_model_args, add_sampling_args, count, make_engine, sampling_from_args
 
 
@@ -35,9 +38,19 @@ def register(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_drafter_args(p)
     add_sampling_args(p, greedy_default=True)
-    add_model_args(p)
+    add_model_args(p, n_ctx_help="tokens each request may hold, prompt + generated (default 4096, or the model's "
+                   "training context if smaller)")  # fmt: skip
     add_memory_args(p)
     p.set_defaults(func=run, n_ctx=None)
+
+
+# The sampling settings a line may set: SamplingParams' fields, named as the command line's
+# flags, read as the server reads its JSON fields (and "seed" by its rule: -1 = a random seed).
+LINE_SAMPLING = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "repeat_penalty": float,
+                 "frequency_penalty": float, "presence_penalty": float, "penalty_last_n": int}  # fmt: skip
+LINE_KEYS = ("id", "prompt", "max_tokens", *LINE_SAMPLING, "seed")
+# sampling settings that a line cannot set: SamplingParams' other fields, and --stop (one list for all lines)
+NOT_PER_LINE = frozenset(f.name for f in dataclasses.fields(SamplingParams)).difference(LINE_KEYS) | {"stop"}
 
 
 def read_jobs(path: str) -> list[dict]:
@@ -68,40 +81,58 @@ def read_jobs(path: str) -> list[dict]:
     return out
 
 
-def line_settings(x: dict, default_max_tokens: int, base):
-    """``(max_tokens, sampling)`` of one input line: its ``max_tokens`` / ``temperature`` / ``seed``
-    over the command line's.
+def line_settings(x: dict, default_max_tokens: int, base: SamplingParams) -> tuple[int, SamplingParams]:
+    """``(max_tokens, sampling)`` of one input line: its ``max_tokens`` and sampling settings
+    (``LINE_SAMPLING``, ``"seed"``) over the command line's.
 
     Raises:
-        ValueError: ``line N: ...`` naming the field that is not a count, a number, a seed.
+        ValueError: ``line N: ...`` naming the field that is not a count, a number in its range,
+            a seed, or that a line cannot set (``NOT_PER_LINE``; the message lists what it can).
     """
+    from ..server.fields import RequestError, get_float, get_int
+    from ..server.sampling_fields import get_seed, seed_param
+
     n = x["_line"]
+    bad = sorted(NOT_PER_LINE.intersection(x))
+    if bad:
+        takes = ", ".join(f'"{k}"' for k in LINE_KEYS)
+        raise ValueError(f'line {n}: "{bad[0]}" cannot be set per line; a line takes {takes}')
     mt = x.get("max_tokens", default_max_tokens)
     if isinstance(mt, bool) or not isinstance(mt, int) or mt < 0:
         raise ValueError(f'line {n}: "max_tokens" must be an integer >= 0, got {json.dumps(mt)}')
-    t, seed = x.get("temperature", 0.0), x.get("seed", 0)
-    if isinstance(t, bool) or not isinstance(t, (int, float)):
-        raise ValueError(f'line {n}: "temperature" must be a number, got {json.dumps(t)}')
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f'line {n}: "seed" must be an integer, got {json.dumps(seed)}')
+    try:
+        values = {k: (get_int if t is int else get_float)(x, k, getattr(base, k)) for k, t in LINE_SAMPLING.items()}
+        values["seed"] = seed_param(get_seed(x), base.seed)
+    except RequestError as e:  # the field's type, or a seed outside -1..2**64-1
+        raise ValueError(f"line {n}: {e}") from None
     sampling = base
-    for k in ("temperature", "seed"):
+    for k, v in values.items():
         if k in x:
             try:
-                sampling = dataclasses.replace(sampling, **{k: x[k]})
+                sampling = dataclasses.replace(sampling, **{k: v})
             except ValueError as e:  # SamplingParams' range checks (InvalidRequestError)
                 raise ValueError(f'line {n}: "{k}": {e}') from None
     return mt, sampling
 
 
 def done_ids(path: Path) -> set[str]:
-    """Ids already in OUT; cuts a half-written last line (a killed run) off the file."""
+    """Ids already in OUT; cuts a half-written last line (a killed run) off the file.
+
+    Raises:
+        SystemExit: one error line when OUT cannot be read (a directory, no permission) or cut.
+    """
     if not path.exists():
         return set()
-    raw = path.read_bytes()
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise SystemExit(f"localspec: error: cannot read --out {path}: {e.strerror or e}") from None
     if raw and not raw.endswith(b"\n"):
         raw = raw[: raw.rfind(b"\n") + 1]
-        path.write_bytes(raw)
+        try:
+            path.write_bytes(raw)
+        except OSError as e:
+            raise SystemExit(f"localspec: error: cannot write --out {path}: {e.strerror or e}") from None
     ids = set()
     for line in raw.decode("utf-8", errors="replace").splitlines():
         try:
@@ -147,11 +178,18 @@ def run(a) -> int:
     if not todo:
         return 0
     base = sampling_from_args(a)
-    engine = make_engine(a, None if a.no_spec or a.drafter == "none" else a.drafter)
-    try:
+    existed = out_path.exists()
+    try:  # before the model loads: an OUT that cannot be written fails at once
         f = out_path.open("a", encoding="utf-8")
     except OSError as e:
-        raise SystemExit(f"localspec: error: cannot write {out_path}: {e.strerror or e}") from None
+        raise SystemExit(f"localspec: error: cannot write --out {out_path}: {e.strerror or e}") from None
+    try:
+        engine = make_engine(a, None if a.no_spec or a.drafter == "none" else a.drafter)
+    except BaseException:
+        f.close()
+        if not existed:  # leave no empty OUT behind
+            out_path.unlink(missing_ok=True)
+        raise
     bar = tqdm(total=len(todo), unit="prompt", disable=a.no_progress, file=sys.stderr)
     written: set[str] = set()
 
@@ -199,6 +237,7 @@ def run(a) -> int:
             sampling=samplings,
             stop=a.stop,
             speculative=not a.no_spec,
+            n_ctx=a.n_ctx,
             return_exceptions=True,
             on_result=on_result,
         )
