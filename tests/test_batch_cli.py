@@ -112,8 +112,10 @@ def test_out_that_cannot_be_read_or_written_is_one_error_line_before_the_model_l
             main(["batch", str(inp), "--out", str(out), "--no-progress"])
         msg = str(e.value)
         assert msg.startswith(f"localspec: error: {want} {out}: ") and "\n" not in msg, msg
-        assert "loading model" not in capsys.readouterr().err
+        assert capsys.readouterr().err == ""  # the one line only: no count of prompts, no load
     assert list((tmp_path / "dir").iterdir()) == [] and not (tmp_path / "nope").exists()
+    with pytest.raises(SystemExit, match="--out is empty"):  # Path("") is ".", a directory
+        main(["batch", str(inp), "--out", "", "--no-progress"])
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes read-only files: no permission error to see")

@@ -214,11 +214,19 @@ def test_small_n_ctx_holds_the_size_asked_for(model, capsys):
     assert d["stats"]["n_prompt_tokens"] + len(d["token_ids"]) == 21
 
 
-def test_serve_refuses_a_request_context_beyond_the_training_context_before_loading(capsys):
-    # was: "loading model..." and then the kernel's OOM killer, with no message
+def test_serve_refuses_a_request_context_beyond_the_training_context_before_loading(capsys, tmp_path):
+    """``serve --ctx-per-request`` and ``batch --n-ctx`` (each a request's context) above the
+    model's training context: one line before loading (serve: was "loading model..." and then
+    the kernel's OOM killer, with no message; batch: it ran past the training context)."""
     msg = cli_error(capsys, ["serve", "--port", "0", "--ctx-per-request", "1000000", "--parallel", "8"])
     assert msg == ("localspec: error: --ctx-per-request 1000000 is more than the model's training context of "
                    "32768 tokens: give at most 32768"), msg  # fmt: skip
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "Hi"}\n')
+    msg = cli_error(capsys, ["batch", str(inp), "--out", str(tmp_path / "out.jsonl"), "--n-ctx", "40000"])
+    assert msg == ("localspec: error: --n-ctx 40000 is more than the model's training context of "
+                   "32768 tokens: give at most 32768"), msg  # fmt: skip
+    assert not (tmp_path / "out.jsonl").exists()
 
 
 def test_a_kv_cache_larger_than_the_memory_available_is_refused_before_it_is_allocated(model, capsys):

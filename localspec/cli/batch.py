@@ -19,7 +19,8 @@ from pathlib import Path
 
 from ..errors import LocalSpecError
 from ..sampling import SamplingParams
-from .common import add_drafter_args, add_memory_args, add_model_args, add_sampling_args, count, make_engine, sampling_from_args
+from .common import (add_drafter_args, add_memory_args, add_model_args, add_sampling_args, check_request_context, count,
+                     make_engine, sampling_from_args)
 
 
 def register(sub) -> None:
@@ -164,7 +165,13 @@ def run(a) -> int:
 
     if a.parallel < 1:
         raise SystemExit(f"localspec: error: --parallel must be >= 1, got {a.parallel}")
+    check_request_context(a.model, a.n_ctx, "--n-ctx")
+    if not a.out:
+        raise SystemExit("localspec: error: --out is empty; give the file to write the results to")
     out_path = Path(a.out)
+    if not out_path.parent.is_dir():  # before anything is printed or read: nothing could be written
+        why = "is not a directory" if out_path.parent.exists() else "does not exist"
+        raise SystemExit(f"localspec: error: cannot write --out {out_path}: {out_path.parent} {why}")
     if out_path.exists() and Path(a.input).exists() and out_path.samefile(a.input):
         raise SystemExit(f"localspec: error: --out {a.out} is the input file; give another file for the results")
     items = read_jobs(a.input)

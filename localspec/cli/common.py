@@ -478,3 +478,33 @@ def server_interrupt(state: dict):
         raise KeyboardInterrupt
 
     return interrupt
+
+
+def training_context(path) -> int | None:
+    """The training context of a model (``context_length`` in its GGUF), read without loading
+    it; None where the file does not say (an unreadable file is left to the loader to report)."""
+    from ..models import default_model_path
+    from ..models.gguf_index import GGUFIndex
+
+    try:
+        values = GGUFIndex(path or default_model_path()).values
+    except (OSError, ValueError):
+        return None
+    n = values.get(f"{values.get('general.architecture')}.context_length")
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+def check_request_context(model_path, n_ctx: int | None, flag: str) -> None:
+    """Refuse a request context (``serve --ctx-per-request``, ``batch --n-ctx``) above the
+    model's training context, before anything loads (positions past it are out of the
+    model's range; ``generate --n-ctx`` sizes the whole context and is left as llama.cpp leaves it).
+
+    Raises:
+        SystemExit: one ``localspec: error:`` line naming ``flag`` and the largest value.
+    """
+    if n_ctx is None:
+        return
+    n_ctx_train = training_context(model_path)
+    if n_ctx_train is not None and n_ctx > n_ctx_train:
+        raise SystemExit(f"localspec: error: {flag} {n_ctx} is more than the model's training context of "
+                         f"{n_ctx_train} tokens: give at most {n_ctx_train}")  # fmt: skip

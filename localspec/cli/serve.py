@@ -9,7 +9,7 @@ import signal
 import sys
 
 from .common import (_draft_shape, add_drafter_args, add_memory_args, add_model_args, add_sampling_args, add_usage_args,
-                     check_listen_address, make_engine, sampling_from_args, server_interrupt)
+                     check_listen_address, check_request_context, make_engine, sampling_from_args, server_interrupt)
 
 
 def register(sub) -> None:
@@ -43,20 +43,6 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def training_context(path) -> int | None:
-    """The training context of a model (``context_length`` in its GGUF), read without loading
-    it; None where the file does not say (an unreadable file is left to the loader to report)."""
-    from ..models import default_model_path
-    from ..models.gguf_index import GGUFIndex
-
-    try:
-        values = GGUFIndex(path or default_model_path()).values
-    except (OSError, ValueError):
-        return None
-    n = values.get(f"{values.get('general.architecture')}.context_length")
-    return int(n) if isinstance(n, int) and n > 0 else None
-
-
 def run(a: argparse.Namespace) -> int:
     from ..scheduler import PREFILL_CHUNK, BatchScheduler
     from ..server import CompletionService, ServiceConfig
@@ -70,10 +56,7 @@ def run(a: argparse.Namespace) -> int:
         raise SystemExit(f"localspec: error: --parallel must be >= 1, got {a.parallel}")
     if a.ctx_per_request < 16:
         raise SystemExit(f"localspec: error: --ctx-per-request must be at least 16 tokens, got {a.ctx_per_request}")
-    n_ctx_train = training_context(a.model)
-    if n_ctx_train is not None and a.ctx_per_request > n_ctx_train:
-        raise SystemExit(f"localspec: error: --ctx-per-request {a.ctx_per_request} is more than the model's training "
-                         f"context of {n_ctx_train} tokens: give at most {n_ctx_train}")  # fmt: skip
+    check_request_context(a.model, a.ctx_per_request, "--ctx-per-request")
     if a.max_queue < 0:
         raise SystemExit(f"localspec: error: --max-queue must be >= 0, got {a.max_queue}")
     if a.max_body_bytes < 1024:
