@@ -231,10 +231,11 @@ class GGUFIndex:
         return out[0] if len(t.shape) == 1 else out
 
 
-def gguf_architecture(path: str | os.PathLike) -> str | None:
-    """``general.architecture`` of a GGUF file, reading only the key/value entries up to it
-    (by convention the first): a cheap look at what a file is before loading it. None when
-    the file has no such key or is not a readable GGUF (missing, truncated, another format)."""
+def gguf_value(path: str | os.PathLike, key: str):
+    """The value of metadata ``key`` in a GGUF file, reading only the key/value entries up to
+    it (the general and architecture keys come first, before the tokenizer's long arrays): a
+    cheap look at a file before loading it. None when the file has no such key or is not a
+    readable GGUF (missing, truncated, another format)."""
     idx = GGUFIndex.__new__(GGUFIndex)
     idx.path = str(path)
     try:
@@ -246,11 +247,18 @@ def gguf_architecture(path: str | os.PathLike) -> str | None:
         if idx._mm[:4] != b"GGUF" or len(idx._mm) < 24:
             return None
         _, _, n_kv = struct.unpack_from("<IQQ", idx._mm, 4)
-        for key, value, _start, _end in idx._entries(n_kv):  # stops at the key: the rest is not read
-            if key == "general.architecture":
-                return value if isinstance(value, str) else None
+        for k, value, _start, _end in idx._entries(n_kv):  # stops at the key: the rest is not read
+            if k == key:
+                return value
     except (ValueError, struct.error, OverflowError):
         return None
     finally:
         idx._mm.close()
     return None
+
+
+def gguf_architecture(path: str | os.PathLike) -> str | None:
+    """``general.architecture`` of a GGUF file (``gguf_value``; by convention the first
+    entry), or None."""
+    arch = gguf_value(path, "general.architecture")
+    return arch if isinstance(arch, str) else None

@@ -482,15 +482,14 @@ def server_interrupt(state: dict):
 
 def training_context(path) -> int | None:
     """The training context of a model (``context_length`` in its GGUF), read without loading
-    it; None where the file does not say (an unreadable file is left to the loader to report)."""
+    it or walking its header past that key (``gguf_value``); None where the file does not say
+    (an unreadable file is left to the loader to report)."""
     from ..models import default_model_path
-    from ..models.gguf_index import GGUFIndex
+    from ..models.gguf_index import gguf_architecture, gguf_value
 
-    try:
-        values = GGUFIndex(path or default_model_path()).values
-    except (OSError, ValueError):
-        return None
-    n = values.get(f"{values.get('general.architecture')}.context_length")
+    path = path or default_model_path()
+    arch = gguf_architecture(path)
+    n = None if arch is None else gguf_value(path, f"{arch}.context_length")
     return int(n) if isinstance(n, int) and n > 0 else None
 
 
