@@ -16,6 +16,7 @@ import os
 import threading
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import ContextOverflowError, DecodeError, InvalidRequestError, KVCacheError, ModelLoadError
 from ._llama import exact_kernels, held_errors, lib, recent_errors
@@ -25,11 +26,7 @@ from .model import Model
 
 log = logging.getLogger("localspec.readout")
 
-GGML_TYPE_F16 = 1
 GGML_TYPE_BF16 = 30
-# bytes per element of KV cache types (ggml_type: F32, F16, Q4_0, Q8_0, BF16); another type
-# counts as 4-bit, so that an estimate stays at or below what llama.cpp allocates
-_KV_TYPE_BYTES = {0: 4.0, GGML_TYPE_F16: 2.0, 2: 18 / 32, 8: 34 / 32, GGML_TYPE_BF16: 2.0}
 
 
 def default_threads() -> int:
@@ -69,7 +66,13 @@ def kv_bytes_per_token(model: Model, type_k: int | None = None, type_v: int | No
         return None
 
     def size(t: int | None) -> float:
-        return _KV_TYPE_BYTES.get(GGML_TYPE_F16 if t is None else int(t), 0.5)
+        """Bytes per element of cache type ``t`` (gguf's block table); a type gguf does not
+        know counts as 4-bit, so that the estimate stays at or below what llama.cpp allocates."""
+        try:
+            block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(GGMLQuantizationType.F16 if t is None else int(t))]
+        except (ValueError, KeyError):
+            return 0.5
+        return nbytes / block
 
     return model.n_layer * n_head_kv * (k * size(type_k) + v * size(type_v))
 
