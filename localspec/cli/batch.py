@@ -101,18 +101,19 @@ def line_settings(x: dict, default_max_tokens: int, base: SamplingParams) -> tup
     mt = x.get("max_tokens", default_max_tokens)
     if isinstance(mt, bool) or not isinstance(mt, int) or mt < 0:
         raise ValueError(f'line {n}: "max_tokens" must be an integer >= 0, got {json.dumps(mt)}')
-    try:
-        values = {k: (get_int if t is int else get_float)(x, k, getattr(base, k)) for k, t in LINE_SAMPLING.items()}
-        values["seed"] = seed_param(get_seed(x), base.seed)
+    try:  # the line's settings (null: absent, as the server reads it)
+        values = {k: (get_int if t is int else get_float)(x, k, getattr(base, k))
+                  for k, t in LINE_SAMPLING.items() if k in x}  # fmt: skip
+        if "seed" in x:
+            values["seed"] = seed_param(get_seed(x), base.seed)
     except RequestError as e:  # the field's type, or a seed outside -1..2**64-1
         raise ValueError(f"line {n}: {e}") from None
     sampling = base
     for k, v in values.items():
-        if k in x:
-            try:
-                sampling = dataclasses.replace(sampling, **{k: v})
-            except ValueError as e:  # SamplingParams' range checks (InvalidRequestError)
-                raise ValueError(f'line {n}: "{k}": {e}') from None
+        try:
+            sampling = dataclasses.replace(sampling, **{k: v})
+        except ValueError as e:  # SamplingParams' range checks (InvalidRequestError)
+            raise ValueError(f'line {n}: "{k}": {e}') from None
     return mt, sampling
 
 
