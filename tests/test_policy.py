@@ -284,29 +284,6 @@ def test_sanitize_keeps_a_quiet_table_and_replaces_bursts():
     assert CostModel(BURST_TABLE).outliers == bad
 
 
-# A quiet calibration of a 2-core Intel Xeon (AVX-512), 2026-12-06: a single-token decode costs
-# about what two do (its own decodes, 15 each: t(1) 18-21 ms, t(2) 22-24 ms)
-FLAT_START_TABLE = {
-    1: 22400.0, 2: 21000.0, 3: 24800.0, 4: 27400.0, 5: 32200.0, 6: 34700.0, 7: 39400.0, 8: 40000.0,
-    9: 47400.0, 10: 48900.0, 11: 52500.0, 12: 61900.0, 13: 62000.0, 14: 63100.0, 15: 67300.0,
-    16: 69300.0, 20: 87500.0, 24: 102600.0, 28: 129900.0, 32: 137400.0, 40: 169800.0, 48: 217700.0,
-    56: 236900.0, 64: 276100.0,
-}  # fmt: skip
-
-
-def test_sanitize_keeps_a_single_token_decode_that_costs_what_two_do():
-    """A power law through this table puts t(1) at ~9 ms (the measured 22.4 ms is 2.6x off
-    it); the line t0 + c b explains it, so it is the machine's own and stays. Replacing it
-    made every tree look 2-2.5x dearer than it is."""
-    from localspec.costmodel import sanitize_table
-
-    clean, bad = sanitize_table(FLAT_START_TABLE)
-    assert bad == [] and clean == FLAT_START_TABLE
-    cm = CostModel(dict(FLAT_START_TABLE))
-    assert cm.t_decode_us(2) / cm.t_decode_us(1) < 1.0 + 1e-9  # no dearer than one token: r(b) >= 1
-    assert cm.t_decode_us(4) / cm.t_decode_us(1) < 1.3
-
-
 def test_a_burst_table_does_not_make_speculation_look_free():
     """With the raw burst table (t(1) = 10 x t(2)) the old model verified trees whose
     expected gain was ~0 (E = 1.01 at b = 2). Now a near-hopeless tree is not verified, even
