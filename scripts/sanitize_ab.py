@@ -1,13 +1,13 @@
-"""The cost table's outlier rule before and after 3a82707, side by side in one run: two `ngram`
-engines given the same measured table (``--table``; default a quiet calibration of a 2-core
-Intel Xeon whose t(1) is about t(2), ``docs/results/cost-table-xeon-2026-12-06.json``), one
-cleaned by ``costmodel.sanitize_table`` (an entry is replaced only when it is 2x off both a
-power law and a line), the other by the power law alone (the rule before, which replaced that
-t(1) of 22.4 ms by ~9 ms). Spec-Bench prompts, greedy, the
+"""Two outlier rules for the cost table side by side in one run: two `ngram` engines given the
+same measured table (``--table``; default a quiet calibration of a 2-core Intel Xeon whose t(1)
+is about t(2), ``docs/results/cost-table-xeon-2026-12-06.json``), one cleaned by
+``power_or_line`` (an entry is replaced only when it is 2x off both a power law and a line
+``t0 + c b``: tried 2026-12-06, not kept, docs/results.md), the other by
+``costmodel.sanitize_table`` (the power law alone, which replaces that t(1) of 22.4 ms by ~9 ms). Spec-Bench prompts, greedy, the
 engines alternating prompt by prompt (``bench.drafters.compare_drafters``).
 
 Prints per category each engine's speed over plain and the old rule's over the new one
-(``old/new``, 95% bootstrap interval over prompts). Outputs must be identical.
+(``old/new``: power law alone over the candidate, 95% bootstrap interval over prompts). Outputs must be identical.
 
 Usage: python scripts/sanitize_ab.py [--dataset question.jsonl] [--per-category 2] [--repeats 1] [--out FILE] [--table FILE]
 """
@@ -29,18 +29,28 @@ from localspec.models import default_model_path
 TABLE = Path(__file__).resolve().parent.parent / "docs/results/cost-table-xeon-2026-12-06.json"
 
 
-def power_law_only(table_us: dict[int, float], tolerance: float = 2.0) -> tuple[dict[int, float], list[int]]:
-    """The rule before: entries more than ``tolerance`` off a Theil-Sen power law are replaced."""
-    sizes = sorted(table_us)
-    y = np.log(np.array([table_us[b] for b in sizes]))
-    x = np.log(np.array(sizes, dtype=np.float64))
-    i, j = np.triu_indices(len(sizes), 1)
+def _theil_sen(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    i, j = np.triu_indices(x.size, 1)
     k = float(np.median((y[j] - y[i]) / (x[j] - x[i])))
-    a = float(np.median(y - k * x))
+    return k, float(np.median(y - k * x))
+
+
+def power_or_line(table_us: dict[int, float], tolerance: float = 2.0) -> tuple[dict[int, float], list[int]]:
+    """The candidate rule: an entry more than ``tolerance`` off both a Theil-Sen power law and a
+    Theil-Sen line is replaced by the power law's value."""
+    sizes = sorted(table_us)
+    t = np.array([table_us[b] for b in sizes], dtype=np.float64)
+    b = np.array(sizes, dtype=np.float64)
+    k, a = _theil_sen(np.log(b), np.log(t))
+    power = np.exp(a + k * np.log(b))
+    c, t0 = _theil_sen(b, t)
+    line = t0 + c * b
+    lim = np.log(tolerance)
+    off = (np.abs(np.log(t / power)) > lim) & ((line <= 0) | (np.abs(np.log(t / np.maximum(line, 1e-300))) > lim))
     out, bad = dict(table_us), []
-    for b, yi, fi in zip(sizes, y, a + k * x):
-        if abs(yi - fi) > np.log(tolerance):
-            out[b], bad = float(np.exp(fi)), bad + [b]
+    for size, p, o in zip(sizes, power, off):
+        if o:
+            out[size], bad = float(p), bad + [size]
     return out, bad
 
 
@@ -67,7 +77,7 @@ def main() -> None:
     prompts = interleave(select_prompts(load_questions(a.dataset), None, a.per_category))
     names = ("ngram", "ngram#2")
     rows = compare_drafters(str(default_model_path()), prompts, names, max_tokens=128, repeats=a.repeats,
-                            configure={"ngram": with_rule(sanitize_table, table), "ngram#2": with_rule(power_law_only, table)})  # fmt: skip
+                            configure={"ngram": with_rule(power_or_line, table), "ngram#2": with_rule(sanitize_table, table)})  # fmt: skip
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f)
