@@ -58,8 +58,8 @@ class CostModel:
       calibrated while a burst slowed the single-token decodes makes every batch look cheap,
       and the first verified trees show it.
     * Sanity: entries a burst of load spoiled grossly are replaced by a robust fit of the
-      table (``sanitize_table``; ``outliers`` lists them); a batch never costs less than one
-      token (``r(b) >= 1``).
+      table (``sanitize_table``; ``outliers`` lists them), except entries whose calibration
+      samples repeated (``repeated``); a batch never costs less than one token (``r(b) >= 1``).
     * ``r(b)`` is **not** made monotone: a larger batch can be genuinely cheaper than a
       smaller one, and the policy should use it. Measured 2026-12-01 on the 2-core CPU
       (Gemma 3 270M Q4_K_M, exact kernels): odd batches cost 25-40% more than the next even
@@ -90,6 +90,8 @@ class CostModel:
         alpha: weight of a new observation in the moving averages.
         prior_n: pseudo-observations behind the table's ratios.
         outliers: (set at creation) sizes whose table entry ``sanitize_table`` replaced.
+        repeated: sizes whose calibration samples repeated across rounds spread over the
+            whole calibration (``repeated_sizes``), which ``sanitize_table`` never replaces.
         contended: why the table is not the machine's quiet truth (``calibrate`` measured it
             under contention: used for this run only), or None.
         cache_ref: (cache file, key) of the table's entry in the cache, or None.
@@ -112,11 +114,13 @@ class CostModel:
     expire_below: float = 0.67
     expire_after: int = 64
     rebased: int = 0
+    repeated: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if not self.table_us:
             raise ValueError("empty cost table")
-        self._clean, self.outliers = sanitize_table(self.table_us)
+        self.repeated = frozenset(self.repeated)
+        self._clean, self.outliers = sanitize_table(self.table_us, repeated=self.repeated)
         self._ratio: dict[int, float] = {}  # b -> online ratio t(b) / t1 (b > 1)
         self._ratio_load: dict[int, float] = {}  # b -> load() when its ratio was last observed
         self._curve: dict[int, float] | None = None  # b -> sane ratio, cached
@@ -305,7 +309,9 @@ class CostModel:
         one, and its cache entry (if any) is dropped so that the next run measures again."""
         old = dict(self.table_us)
         self.table_us = {b: self.t_decode_us(b) for b in self.table_us}
-        self._clean, self.outliers = sanitize_table(self.table_us)
+        # t(1) is now the online average of many plain steps: measured, not a burst's
+        self.repeated = self.repeated | ({1} if self.online_n.get(1, 0) >= 3 else set())
+        self._clean, self.outliers = sanitize_table(self.table_us, repeated=self.repeated)
         for b in [b for b in self._ratio]:
             self._forget(b)  # folded into the new table
         self._load, self._load_n, self._beaten = 1.0, 0, 0
@@ -333,21 +339,36 @@ class CostModel:
                 "run localspec on a quiet machine to measure and keep the machine's own table")  # fmt: skip
 
     def to_json(self) -> dict:
-        return {"version": _CACHE_VERSION, "table_us": {str(k): v for k, v in self.table_us.items()}}
+        return {"version": _CACHE_VERSION, "table_us": {str(k): v for k, v in self.table_us.items()},
+                "repeated": sorted(self.repeated)}  # fmt: skip
 
 
-def sanitize_table(table_us: dict[int, float], *, tolerance: float = 2.0) -> tuple[dict[int, float], list[int]]:
+def sanitize_table(
+    table_us: dict[int, float], *, tolerance: float = 2.0, repeated: frozenset[int] | set[int] = frozenset()
+) -> tuple[dict[int, float], list[int]]:
     """Replace the timings of a calibration that a burst of load spoiled.
 
     Fits ``log t(b) = log a + k log b`` robustly (Theil-Sen: the median of the pairwise
     slopes, then the median intercept; Sen 1968) and replaces every entry more than
     ``tolerance`` times off the fit, either way, by the fit. The power law is rough (a CPU's
     curve bends where decoding turns compute-bound), so only gross errors are replaced: a
-    quiet machine's table is within 1.25x of its fit. Tables of fewer than 4 sizes are
-    returned as they are.
+    quiet machine's table is within 1.25x of its fit.
 
+    Entries in ``repeated`` are kept whatever the fit says: their samples repeated across
+    calibration rounds that ran over the whole calibration (``repeated_sizes``), which a
+    burst does not do. This is the case the table alone cannot tell from a burst: on a
+    2-core Intel Xeon (AVX-512, 2026-12-06) a quiet t(1) of 22.4 ms was about t(2) (21.0 ms,
+    three samples of each agreeing within 1.1x), 2.6x above the power law's 8.6 ms, while a
+    burst that inflates t(1) 2.2x gives a table of the same shape.
+
+    Tables of fewer than 4 sizes are returned as they are.
+
+    Args:
+        table_us: b -> µs.
+        tolerance: how far off the fit (either way, as a factor) an entry may be.
+        repeated: sizes never replaced.
     Returns:
-        (the cleaned table, the sizes replaced).
+        (the cleaned table, the sizes replaced, ascending).
     """
     sizes = sorted(table_us)
     if len(sizes) < 4 or min(table_us.values()) <= 0:
@@ -361,10 +382,32 @@ def sanitize_table(table_us: dict[int, float], *, tolerance: float = 2.0) -> tup
     lim = np.log(tolerance)
     out, bad = dict(table_us), []
     for b, yi, fi in zip(sizes, y, fit):
-        if abs(yi - fi) > lim:
+        if abs(yi - fi) > lim and b not in repeated:
             out[b] = float(np.exp(fi))
             bad.append(b)
     return out, bad
+
+
+def repeated_sizes(times_us: dict[int, list[float]], *, max_spread: float = 1.3, min_samples: int = 3) -> frozenset[int]:
+    """The sizes whose calibration samples repeat: at least ``min_samples`` samples and a
+    median within ``max_spread`` times the fastest, so that at least half of them agree.
+
+    Meaningful only for samples taken in rounds over all sizes (``calibration_schedule``'s
+    ``"rounds"``): there a size's samples lie a whole round apart, so a burst of load that
+    spoils its median must hit that size in most rounds and spare the sizes timed just
+    before and after it, while load that lasts slows every size (and the CPU share of
+    ``load_during_calibration`` sees it). Samples taken in a run of one size can all fall in
+    one burst and say nothing.
+
+    Args:
+        times_us: b -> the timed decodes of size b (µs).
+    """
+    out = set()
+    for b, ts in times_us.items():
+        ts = sorted(ts)
+        if len(ts) >= min_samples and ts[0] > 0 and ts[len(ts) // 2] <= max_spread * ts[0]:
+            out.add(b)
+    return frozenset(out)
 
 
 def _cache_key(ctx: Context) -> str:
@@ -453,6 +496,12 @@ def _update_cache(path: Path, key: str, entry: dict | None, *, only_if: dict[int
         pass
 
 
+def calibration_order(cpu_only: bool) -> str:
+    """The calibration's default order (``calibration_schedule``): ``LOCALSPEC_CALIBRATION_ORDER``
+    when set, else ``"rounds"`` on the CPU alone and ``"runs"`` with GPU or RPC layers."""
+    return os.environ.get("LOCALSPEC_CALIBRATION_ORDER") or ("rounds" if cpu_only else "runs")
+
+
 def calibration_schedule(sizes: Sequence[int], reps: int, *, cpu_only: bool, order: str | None = None) -> list[tuple[int, bool]]:
     """The order of a calibration's decodes: ``(batch size, timed)`` pairs.
 
@@ -472,7 +521,7 @@ def calibration_schedule(sizes: Sequence[int], reps: int, *, cpu_only: bool, ord
     Raises:
         ValueError: another ``order``.
     """
-    order = order or os.environ.get("LOCALSPEC_CALIBRATION_ORDER") or ("rounds" if cpu_only else "runs")
+    order = order or calibration_order(cpu_only)
     if order == "rounds":
         return [(b, True) for _ in range(reps) for b in sizes]
     if order == "runs":
@@ -497,7 +546,8 @@ def calibrate(
     The measurement decodes ``n_prefix`` tokens, then ``reps`` batches of each size on top of
     them (median kept), and empties the KV cache afterwards: call it before the context
     holds anything you need. A table with gross outliers (``sanitize_table``: a burst of load
-    from another process) is used cleaned but not cached, and such a cached table is measured
+    from another process; sizes whose samples repeated across rounds are not outliers,
+    ``repeated_sizes``) is used cleaned but not cached, and such a cached table is measured
     again. A table measured under contention (``load_during_calibration``) is used for this
     run only (``CostModel.contended`` says why) and not cached.
 
@@ -516,7 +566,8 @@ def calibrate(
             if entry and entry.get("version") == _CACHE_VERSION:
                 table = {int(k): float(v) for k, v in entry["table_us"].items()}
                 if all(b in table for b in sizes):
-                    cached = CostModel({b: table[b] for b in sizes}, cache_ref=(path, key))
+                    kept = frozenset(int(b) for b in entry.get("repeated", ()))
+                    cached = CostModel({b: table[b] for b in sizes}, cache_ref=(path, key), repeated=kept)
                     if not cached.outliers:  # else measured under a burst of load: measure again
                         return cached
         except (OSError, ValueError, KeyError):
@@ -537,7 +588,8 @@ def calibrate(
     n_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     cpu_got, cpu_could = 0.0, 0.0
     times: dict[int, list[float]] = {b: [] for b in sizes}
-    schedule = calibration_schedule(sizes, reps, cpu_only=cpu_only)
+    order = calibration_order(cpu_only)
+    schedule = calibration_schedule(sizes, reps, cpu_only=cpu_only, order=order)
     n_timed = sum(timed for _, timed in schedule)
     done = 0
     for b, timed in schedule:
@@ -563,7 +615,8 @@ def calibrate(
     table = {b: float(np.median(ts)) for b, ts in times.items()}
     ctx.clear()
     share = cpu_got / cpu_could if cpu_only and cpu_could > 0 else None
-    model = CostModel(table, contended=load_during_calibration(times, share))
+    repeated = repeated_sizes(times) if order == "rounds" else frozenset()
+    model = CostModel(table, contended=load_during_calibration(times, share), repeated=repeated)
     # a table with gross outliers, or measured under contention, was measured under load:
     # use it (cleaned) but do not keep it
     if use_cache and not model.outliers and model.contended is None:

@@ -1,15 +1,21 @@
 """Two outlier rules for the cost table side by side in one run: two `ngram` engines given the
 same measured table (``--table``; default a quiet calibration of a 2-core Intel Xeon whose t(1)
-is about t(2), ``docs/results/cost-table-xeon-2026-12-06.json``), one cleaned by
-``power_or_line`` (an entry is replaced only when it is 2x off both a power law and a line
-``t0 + c b``: tried 2026-12-06, not kept, docs/results.md), the other by
-``costmodel.sanitize_table`` (the power law alone, which replaces that t(1) of 22.4 ms by ~9 ms). Spec-Bench prompts, greedy, the
-engines alternating prompt by prompt (``bench.drafters.compare_drafters``).
+is about t(2), ``docs/results/cost-table-xeon-2026-12-06.json``), one cleaned by the candidate
+(``--candidate``), the other by the power law alone (``costmodel.sanitize_table`` without
+samples, which replaces that t(1) of 22.4 ms by ~9 ms). Candidates:
 
-Prints per category each engine's speed over plain and the old rule's over the new one
-(``old/new``: power law alone over the candidate, 95% bootstrap interval over prompts). Outputs must be identical.
+* ``repeated``: ``sanitize_table`` with the sizes whose calibration samples repeated kept
+  (``--repeated``, default 1: the Xeon's three rounds measured t(1) within 1.1x);
+* ``power_or_line``: an entry is replaced only when it is 2x off both a power law and a line
+  ``t0 + c b`` (tried 2026-12-06, not kept, docs/results.md).
 
-Usage: python scripts/sanitize_ab.py [--dataset question.jsonl] [--per-category 2] [--repeats 1] [--out FILE] [--table FILE]
+Spec-Bench prompts, greedy, the engines alternating prompt by prompt
+(``bench.drafters.compare_drafters``). Prints per category each engine's speed over plain and
+the old rule's over the candidate (``old/new``, 95% bootstrap interval over prompts). Outputs
+must be identical.
+
+Usage: python scripts/sanitize_ab.py [--dataset question.jsonl] [--per-category 2] [--repeats 1]
+       [--out FILE] [--table FILE] [--candidate repeated|power_or_line] [--repeated 1,2]
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ def with_rule(rule, table_us: dict[int, float]):
         cm = engine.policy.cost
         cm.table_us, cm.cache_ref = dict(table_us), None
         cm._clean, cm.outliers = rule(cm.table_us)
+        cm.repeated = frozenset()  # the rule decides (an expiry would use the product's)
         cm._curve = None
         print(f"{rule.__name__}: t(1..8) ms", {b: round(cm.t_decode_us(b) / 1e3, 1) for b in (1, 2, 4, 8)}, file=sys.stderr)
 
@@ -72,12 +79,23 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out")
     ap.add_argument("--table", default=str(TABLE), help="JSON with table_us: b -> µs (a raw calibration)")
+    ap.add_argument("--candidate", choices=("repeated", "power_or_line"), default="repeated")
+    ap.add_argument("--repeated", default="1", help="sizes whose samples repeated, comma-separated")
     a = ap.parse_args()
+    if a.candidate == "repeated":
+        kept = frozenset(int(b) for b in a.repeated.split(","))
+
+        def candidate(table_us):
+            return sanitize_table(table_us, repeated=kept)
+
+        candidate.__name__ = f"repeated={sorted(kept)}"
+    else:
+        candidate = power_or_line
     table = {int(k): float(v) for k, v in json.loads(Path(a.table).read_text())["table_us"].items()}
     prompts = interleave(select_prompts(load_questions(a.dataset), None, a.per_category))
     names = ("ngram", "ngram#2")
     rows = compare_drafters(str(default_model_path()), prompts, names, max_tokens=128, repeats=a.repeats,
-                            configure={"ngram": with_rule(power_or_line, table), "ngram#2": with_rule(sanitize_table, table)})  # fmt: skip
+                            configure={"ngram": with_rule(candidate, table), "ngram#2": with_rule(sanitize_table, table)})  # fmt: skip
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f)

@@ -252,3 +252,68 @@ def test_a_gpu_calibration_times_each_size_in_a_row_after_an_untimed_decode(ctx,
     assert cm.table_us == pytest.approx({1: 1500.0, 2: 4000.0, 4: 4200.0})
     assert wall.reads == 2 * 6  # the untimed decodes read no clock
     assert seen[-1] == (6, 6) and len(seen) == 6
+
+
+# A quiet 2-core Intel Xeon (AVX-512, 2026-12-06), every candidate size: t(1) is about t(2), so
+# the power law through the table puts t(1) 2.6x below what each of three rounds measured
+# (docs/results/cost-table-xeon-2026-12-06.json; the rounds' t(1): 22.4, 24.2, 21.9 ms)
+XEON_TABLE_US = {
+    1: 22400.0, 2: 21000.0, 3: 24800.0, 4: 27400.0, 5: 32200.0, 6: 34700.0, 7: 39400.0, 8: 40000.0,
+    9: 47400.0, 10: 48900.0, 11: 52500.0, 12: 61900.0, 13: 62000.0, 14: 63100.0, 15: 67300.0,
+    16: 69300.0, 20: 87500.0, 24: 102600.0, 28: 129900.0, 32: 137400.0, 40: 169800.0,
+    48: 217700.0, 56: 236900.0, 64: 276100.0,
+}  # fmt: skip
+
+
+def test_repeated_sizes():
+    from localspec.costmodel import repeated_sizes
+
+    assert repeated_sizes({1: [22400.0, 24200.0, 21900.0], 4: [27400.0, 27000.0, 28100.0]}) == {1, 4}
+    assert repeated_sizes({1: [9800.0, 22000.0, 23000.0]}) == frozenset()  # two of three in a burst
+    assert repeated_sizes({1: [9800.0, 30000.0, 9900.0]}) == {1}  # one: the median drops it
+    assert repeated_sizes({1: [22400.0, 22500.0]}) == frozenset()  # too few to tell
+
+
+def test_a_flat_start_cpu_keeps_the_single_token_time_it_measured():
+    """The power law through the Xeon's table takes its t(1) for a burst and prices it at
+    8.7 ms, so that a tree of 2 looks 2.4x a plain step where it costs 0.94x. Its samples
+    repeated, so it is kept; the same entry whose samples disagree is still replaced."""
+    from localspec.costmodel import CostModel
+
+    assert CostModel(dict(XEON_TABLE_US)).outliers == [1]  # the table alone cannot tell
+    cm = CostModel(dict(XEON_TABLE_US), repeated=frozenset({1}))
+    assert cm.outliers == [] and cm.t_decode_us(1) == pytest.approx(22400.0)
+    assert cm.ratio(2) == 1.0 and cm.ratio(8) == pytest.approx(40000.0 / 22400.0)
+    assert cm.to_json()["repeated"] == [1]
+
+
+def test_a_calibration_keeps_and_caches_what_repeated(ctx, cache):
+    """A calibration in rounds records the sizes whose samples repeated, the cache keeps
+    them, and a table loaded from the cache is judged with them (a table with an outlier
+    would be measured again on every run)."""
+    rounds = [0.0224, 0.0210, 0.0274, 0.0242, 0.0212, 0.0270, 0.0219, 0.0208, 0.0281]
+    wall, cpu = clocks(rounds, 1.0, ctx)
+    cm = calibrate(ctx, sizes=SIZES, reps=3, clock=wall, cpu_clock=cpu)
+    assert cm.contended is None and cm.repeated == {1, 2, 4}
+    (entry,) = entries(cache).values()
+    assert entry["repeated"] == [1, 2, 4]
+    again = calibrate(ctx, sizes=SIZES, reps=3, clock=never, cpu_clock=never)
+    assert again.repeated == {1, 2, 4} and again.table_us == cm.table_us
+    # two of three t(1) in a burst: not repeated (and not cached: load_during_calibration)
+    wall, cpu = clocks([0.0098, 0.0210, 0.0274, 0.0220, 0.0212, 0.0270, 0.0230, 0.0208, 0.0281], 1.0, ctx)
+    burst = calibrate(ctx, sizes=SIZES, reps=3, use_cache=False, clock=wall, cpu_clock=cpu)
+    assert burst.repeated == {2, 4} and burst.contended is not None
+
+
+def test_an_expired_table_keeps_the_single_token_time_the_plain_steps_measured():
+    """A table measured 5x slow whose t(1) the fit replaced (no samples to tell: a cache entry
+    from before, or a calibration in runs) expires after the machine beat it for long; the
+    new table's t(1) is the average of those plain steps, which is kept."""
+    from localspec.costmodel import CostModel
+
+    cm = CostModel({b: 5 * t for b, t in XEON_TABLE_US.items()})
+    assert cm.outliers == [1]
+    for _ in range(cm.expire_after):
+        cm.observe(1, 22400.0)
+    assert cm.rebased == 1 and cm.outliers == [] and 1 in cm.repeated
+    assert cm.t_decode_us(1) == pytest.approx(22400.0)
