@@ -161,6 +161,14 @@ def _optional(reader, key: str, path: Path) -> str:
     return _field(reader, key, path, str) if key in reader.fields else ""
 
 
+def _refuse_architecture(path: Path, arch: str) -> None:
+    """Raise the one-line error for a GGUF of another architecture than ``medusa``."""
+    if arch == "eagle3":
+        raise MedusaFormatError(f"{path} is an EAGLE-3 head, not Medusa heads: use it with --drafter eagle3 --eagle {path}")
+    raise MedusaFormatError(f"{path} is a {arch} model, not Medusa heads (their architecture is medusa): "
+                            f"a model drafts with --drafter draft --draft-model {path}")  # fmt: skip
+
+
 def read_medusa_gguf(path: str | os.PathLike) -> MedusaWeights:
     """Load a Medusa heads GGUF.
 
@@ -171,19 +179,23 @@ def read_medusa_gguf(path: str | os.PathLike) -> MedusaWeights:
     """
     from gguf import GGUFReader
 
+    from .gguf_index import gguf_architecture
+
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"Medusa heads file {path} does not exist")
+    # the architecture first, from the header's first entry: gguf's reader parses every
+    # key, and another model's tokenizer arrays (262,144 strings) took it 11 s to refuse
+    arch = gguf_architecture(path)
+    if arch is not None and arch != ARCH:
+        _refuse_architecture(path, arch)
     try:
         reader = GGUFReader(str(path))
     except Exception as e:  # gguf raises ValueError / struct.error / OSError on bad files
         raise MedusaFormatError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
     arch = _field(reader, "general.architecture", path, str)
     if arch != ARCH:
-        if arch == "eagle3":
-            raise MedusaFormatError(f"{path} is an EAGLE-3 head, not Medusa heads: use it with --drafter eagle3 --eagle {path}")
-        raise MedusaFormatError(f"{path} is a {arch} model, not Medusa heads (their architecture is medusa): "
-                                f"a model drafts with --drafter draft --draft-model {path}")  # fmt: skip
+        _refuse_architecture(path, arch)
     k = _field(reader, f"{ARCH}.head_count", path)
     e = _field(reader, f"{ARCH}.embedding_length", path)
     v = _field(reader, f"{ARCH}.vocab_size", path)

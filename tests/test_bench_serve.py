@@ -10,11 +10,25 @@ import pytest
 from localspec.bench.serve import mode_order, summarize
 from localspec.cli.main import main
 
+# short one-turn prompts (question.jsonl's format): what these tests check is the bench's
+# bookkeeping, and the built-in code prompts' prefills took most of their time (4-7 s a row)
+SHORT = [
+    {"question_id": 1, "category": "code", "turns": ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]},
+    {"question_id": 2, "category": "writing", "turns": ["The three largest cities of Europe are"]},
+    {"question_id": 3, "category": "code", "turns": ["import os\n\n\ndef list_python_files(root):\n"]},
+]
+
+
+def short_dataset(tmp_path) -> str:
+    path = tmp_path / "short.jsonl"
+    path.write_text("\n".join(json.dumps(q) for q in SHORT) + "\n")
+    return str(path)
+
 
 def test_bench_serve_reports_wall_and_decode_phase_rates_on_the_same_prompts(tmp_path, capsys):
     out = tmp_path / "out"
-    rc = main(["bench", "serve", "--dataset", "code", "--clients", "1,2", "--prompts", "3", "-n", "6", "--repeats", "2",
-               "--out", str(out)])  # fmt: skip
+    rc = main(["bench", "serve", "--dataset", short_dataset(tmp_path), "--clients", "1,2", "--prompts", "3", "-n", "6",
+               "--repeats", "2", "--out", str(out)])  # fmt: skip
     assert rc == 0
     data = json.loads((out / "serve.json").read_text())
     rows = data["rows"]
@@ -73,8 +87,8 @@ def test_bench_serve_chat_turns_reuse_the_first_turns_cells(tmp_path, capsys):
 
 def test_bench_serve_runs_every_drafter_beside_plain_with_identical_texts(tmp_path, capsys):
     out = tmp_path / "out"
-    rc = main(["bench", "serve", "--dataset", "code", "--drafters", "ngram,auto", "--clients", "1,2", "--prompts", "2",
-               "-n", "8", "--repeats", "2", "--chat-turns", "0", "--out", str(out)])  # fmt: skip
+    rc = main(["bench", "serve", "--dataset", short_dataset(tmp_path), "--drafters", "ngram,auto", "--clients", "1,2",
+               "--prompts", "2", "-n", "8", "--repeats", "2", "--chat-turns", "0", "--out", str(out)])  # fmt: skip
     assert rc == 0
     data = json.loads((out / "serve.json").read_text())
     rows = data["rows"]

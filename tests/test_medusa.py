@@ -142,6 +142,21 @@ def test_bad_files_are_one_line_errors(tmp_path, rng, random_head_path, model_pa
     assert "\n" not in str(e.value)
 
 
+def test_another_architecture_is_refused_from_the_header_alone(monkeypatch, random_head_path, model_path):
+    """gguf's reader parses every key of a file (the default model's 262,144 tokenizer
+    strings: 11 s to refuse it); the architecture is read from the header's first entry."""
+    import gguf
+
+    def no_full_read(*a, **k):
+        raise AssertionError("the whole file was parsed")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_full_read)
+    with pytest.raises(ModelLoadError, match="is a gemma3 model, not Medusa heads"):
+        MedusaDrafter(model_path)
+    with pytest.raises(ModelLoadError, match="is an EAGLE-3 head, not Medusa heads"):
+        MedusaDrafter(random_head_path)
+
+
 def test_heads_for_another_target_are_refused(model, tmp_path, rng):
     from localspec.drafters.base import TargetHandle
 

@@ -462,6 +462,24 @@ def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = 
     return engine
 
 
+def exit_now_on_sigint(_signum, _frame) -> None:
+    """SIGINT handler: flush what was generated, say so on one line, exit 130.
+
+    A KeyboardInterrupt raised while llama.cpp calls back into Python (its log, progress and
+    abort callbacks, which run throughout model loading, decode-cost measurement and long
+    decodes) is swallowed by ctypes ("Exception ignored on calling ctypes callback
+    function") and the program goes on; exiting from the handler stops it at any moment."""
+    try:
+        sys.stdout.flush()
+    except Exception:  # a write was interrupted half-way; what is lost is lost anyway
+        pass
+    try:
+        os.write(2, b"\nlocalspec: interrupted\n")
+    except OSError:
+        pass
+    os._exit(130)
+
+
 def server_interrupt(state: dict):
     """The SIGINT / SIGTERM handler of a server command (``serve``, ``complete --serve``;
     uvicorn passes the signals on once it has stopped). Until ``state["serving"]`` is set (its
@@ -472,9 +490,7 @@ def server_interrupt(state: dict):
 
     def interrupt(signum, frame) -> None:
         if not state.get("serving"):
-            from .main import _exit_now_on_sigint
-
-            _exit_now_on_sigint(signum, frame)
+            exit_now_on_sigint(signum, frame)
         raise KeyboardInterrupt
 
     return interrupt

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import re
 import signal
 import sys
 import threading
 
 from ..errors import LocalSpecError
+from .common import exit_now_on_sigint
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,24 +30,6 @@ def build_parser() -> argparse.ArgumentParser:
 # commands whose Ctrl-C ends the process at once (see _exit_on_interrupt); the chat app reads
 # Ctrl-C as a key, `complete --serve` hands signals to uvicorn once it serves
 _HARD_INTERRUPT = ("generate", "complete", "bench", "models")
-
-
-def _exit_now_on_sigint(_signum, _frame) -> None:
-    """SIGINT handler: flush what was generated, say so on one line, exit 130.
-
-    A KeyboardInterrupt raised while llama.cpp calls back into Python (its log, progress and
-    abort callbacks, which run throughout model loading, decode-cost measurement and long
-    decodes) is swallowed by ctypes ("Exception ignored on calling ctypes callback
-    function") and the program goes on; exiting from the handler stops it at any moment."""
-    try:
-        sys.stdout.flush()
-    except Exception:  # a write was interrupted half-way; what is lost is lost anyway
-        pass
-    try:
-        os.write(2, b"\nlocalspec: interrupted\n")
-    except OSError:
-        pass
-    os._exit(130)
 
 
 # options whose value is a list of numbers that may start with a minus sign ("-1,1,2"), which
@@ -85,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         set_log_level("info")
     old_handler = None
     if a.command in _HARD_INTERRUPT and threading.current_thread() is threading.main_thread():
-        old_handler = signal.signal(signal.SIGINT, _exit_now_on_sigint)
+        old_handler = signal.signal(signal.SIGINT, exit_now_on_sigint)
     try:
         return int(a.func(a) or 0)
     except LocalSpecError as e:
