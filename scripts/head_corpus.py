@@ -3,6 +3,7 @@ manual pages rendered to plain text with man(1), README-like files from /usr/sha
 the sources of whole manuals that Debian packages ship as text.
 
     python scripts/head_corpus.py OUT_DIR [--man 400] [--doc 400] [--seed 0] [--install]
+                                          [--languages de,fr,es,it --per-language 300]
 
 Writes OUT_DIR/man/NAME.SECTION.txt and OUT_DIR/doc/PACKAGE__FILE.txt (seeded random samples,
 sorted by path before sampling) and OUT_DIR/manuals/NAME/... (every file of the manuals in
@@ -12,6 +13,10 @@ perl-doc). ``--install`` first installs ``APT_PACKAGES`` with apt-get (needs roo
 Debian registry; nothing else is downloaded). The shipped head for the default model was
 trained on this corpus plus the Python standard library (docs/eagle3-training.md); nothing
 here comes from the Spec-Bench questions or HumanEval.
+
+``--languages`` adds OUT_DIR/man-LANG/NAME.SECTION.txt: manual pages translated by Debian's
+manpages-l10n project (``manpages-LANG``, installed with ``--install``), rendered in UTF-8,
+for a head that drafts in those languages too (``train_default_head.py --languages``).
 """
 
 from __future__ import annotations
@@ -70,6 +75,38 @@ def man_pages(root: Path = Path("/usr/share/man")) -> list[Path]:
     )  # fmt: skip
 
 
+def localized_man_pages(lang: str, root: Path = Path("/usr/share/man")) -> list[Path]:
+    """Manual pages of sections 1, 5, 7 and 8 translated into ``lang`` (``/usr/share/man/LANG``,
+    Debian's ``manpages-LANG``)."""
+    return sorted(p for s in ("man1", "man5", "man7", "man8") for p in (root / lang / s).glob("*") if p.is_file())
+
+
+def build_languages(out: Path, languages: list[str], *, per_language: int = 300, seed: int = 0,
+                    install: bool = False, exclude: Path | None = None) -> dict[str, int]:
+    """Render ``per_language`` seeded translated manual pages per language into
+    ``out/man-LANG/``; returns the pages written per language. ``exclude``: another such
+    folder whose pages are left out (a gate set apart from the training pages).
+
+    Raises:
+        FileNotFoundError: a language with no translated pages installed (install
+            ``manpages-LANG``, or pass ``install=True``)."""
+    if install:
+        install_packages(tuple(f"manpages-{lang.lower().replace('_', '-')}" for lang in languages))
+    written = {}
+    for lang in languages:
+        pages = localized_man_pages(lang)
+        if not pages:
+            raise FileNotFoundError(f"no manual pages in /usr/share/man/{lang}: apt-get install manpages-{lang}")
+        if exclude is not None and (exclude / f"man-{lang}").is_dir():
+            taken = {p.name for p in (exclude / f"man-{lang}").iterdir()}
+            pages = [p for p in pages if f"{_plain_name(p)}.txt" not in taken]
+        folder = out / f"man-{lang}"
+        _sample_into(folder, pages, per_language, random.Random(f"{seed}-{lang}"),
+                     lambda p: render_man(p, utf8=True), lambda p: f"{_plain_name(p)}.txt")  # fmt: skip
+        written[lang] = len(list(folder.iterdir()))
+    return written
+
+
 def doc_files(root: Path = Path("/usr/share/doc")) -> list[Path]:
     """README / changelog-free text files of the installed packages."""
     out = []
@@ -96,8 +133,12 @@ def _sample_into(folder: Path, paths: list[Path], n: int, rng: random.Random, re
             (folder / name_of(p)).write_text(text)
 
 
-def render_man(page: Path) -> str:
+def render_man(page: Path, utf8: bool = False) -> str:
+    """``page`` as plain text, 80 columns; ``utf8``: in UTF-8 (a translated page keeps its
+    letters; the English pages are rendered in the caller's locale, as for the shipped head)."""
     env = dict(os.environ, MANWIDTH="80", MAN_KEEP_FORMATTING="0")
+    if utf8:
+        env.update(LANG="C.UTF-8", LC_ALL="C.UTF-8")
     r = subprocess.run(["man", "-P", "cat", "-l", str(page)], capture_output=True, text=True, env=env, timeout=60)
     return re.sub(r".\x08", "", r.stdout) if r.returncode == 0 else ""  # drop overstrike (bold, underline)
 
@@ -116,8 +157,13 @@ def main() -> None:
     ap.add_argument("--doc", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--install", action="store_true", help=f"apt-get install {' '.join(APT_PACKAGES)} first")
+    ap.add_argument("--languages", default="", help="comma-separated manpages-l10n languages (e.g. de,fr,es,it)")
+    ap.add_argument("--per-language", type=int, default=300)
     a = ap.parse_args()
     build_corpus(Path(a.out), man=a.man, doc=a.doc, seed=a.seed, install=a.install)
+    if a.languages:
+        print(build_languages(Path(a.out), a.languages.split(","), per_language=a.per_language, seed=a.seed,
+                              install=a.install))  # fmt: skip
 
 
 def build_corpus(out: Path, *, man: int = 400, doc: int = 400, seed: int = 0, install: bool = False) -> None:

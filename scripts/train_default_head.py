@@ -44,6 +44,21 @@ stage uses what exists):
    ``--bare-answers`` the gate's prompts are also answered bare (``WORK/gate-bare``), and the
    new head must be better on both gates.
 
+``--languages de,fr,es,it`` adds other languages: Debian's translated manual pages
+(``head_corpus.build_languages``, ``--per-language`` pages each, ``WORK/corpus-l10n``; with
+``--install`` the ``manpages-LANG`` packages) are continued by the target like the documents
+of stage 2 (``WORK/l10n``: 64-token prompts, 128 greedy tokens). From scratch they join the
+documents' sources. With ``--init-head`` they get ``L10N_SHARE`` of the budget after the chat
+and bare answers, and ``--add-vocab N`` (default 4,096) extends the head's draft vocabulary
+by the N tokens most often the target's top-1 on those continuations that it lacks
+(``eagle3_gguf.extend_draft_vocab``: new rows start as the target's lm_head rows) before
+training on chat, bare and l10n data together; the ship gate then has a third set, continuations
+of translated pages the training sample left out (``WORK/gate-l10n``), and the new head ships
+when its mean over the sets is higher and no set is more than ``GATE_SLACK`` lower. A head whose draft vocabulary holds only
+English-like tokens cannot draft a text the target goes on writing in another language:
+the shipped head's 4,096 tokens hold 43% of what the target writes after Spec-Bench's bare
+German-to-English prompts (it goes on in German), 79-99% elsewhere (docs/drafters.md).
+
 ``--init-head GGUF`` (``shipped``: the shipped head) continues that head instead of training
 one from scratch: its draft vocabulary and hyper-parameters are kept, the documents' stages
 (corpus, generated, text) are skipped, the chat (and bare) recording gets half the budget and
@@ -81,6 +96,9 @@ CHAT_WINDOW = 0.8  # of the gen share: harvest and answers; the document prompts
 CUT_VOCAB = 4096  # draft tokens kept after training (--cut-vocab; docs/eagle3-training.md)
 GATE_PROMPTS = 48  # the ship gate's self-written prompts (about a minute to record here)
 GATE_SEED = 97  # not the chat stage's (13) nor the documents' (11, 12)
+L10N_SEED = 17  # the translated pages' sample and prompts
+L10N_SHARE = 0.15  # of the budget, after the chat/bare window, with --init-head --languages
+GATE_SLACK = 0.01  # with --languages: how much lower a gate set's mean accuracy may be
 
 
 def _sources(corpus: Path) -> list[Path]:
@@ -163,7 +181,7 @@ def ship(head: Path, target: Path, stats: dict) -> None:
 
 def main() -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
-    from head_corpus import build_corpus
+    from head_corpus import build_corpus, build_languages
 
     from localspec.backend import Model
     from localspec.models import default_model_path
@@ -195,6 +213,12 @@ def main() -> None:
     ap.add_argument("--cut-vocab", type=int, default=CUT_VOCAB, metavar="N",
                     help=f"cut the trained head's draft vocabulary to the N tokens most often the target's top-1 "
                     f"on the recorded answers before the gate (0: keep all; default {CUT_VOCAB})")  # fmt: skip
+    ap.add_argument("--languages", default="",
+                    help="comma-separated manpages-l10n languages whose translated manual pages the target continues "
+                    "(WORK/l10n), e.g. de,fr,es,it")  # fmt: skip
+    ap.add_argument("--per-language", type=int, default=300, help="translated manual pages per language")
+    ap.add_argument("--add-vocab", type=int, default=4096, metavar="N",
+                    help="with --init-head and --languages: draft tokens added from the l10n continuations")
     ap.add_argument("--no-ship", action="store_true", help="do not replace models/heads/")
     ap.add_argument("--only", choices=("gen", "text", "train", "ship"),
                     help="run one stage (e.g. gen and text in two processes); the draft vocabulary is "
@@ -204,13 +228,15 @@ def main() -> None:
     for name in ("budget_min", "steps", "lr"):
         if getattr(a, name) is not None and not getattr(a, name) > 0:
             ap.error(f"--{name.replace('_', '-')} must be above 0 (got {getattr(a, name)})")
-    for name in ("chat_prompts", "prompts", "text_tokens", "cut_vocab"):
+    for name in ("chat_prompts", "prompts", "text_tokens", "cut_vocab", "per_language", "add_vocab"):
         if getattr(a, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be 0 or more (got {getattr(a, name)})")
     if (a.bare_answers or a.init_head) and a.chat_prompts <= 0:
         ap.error("--bare-answers and --init-head record the chat stage: give --chat-prompts N")
-    if a.init_head and (a.install or a.corpus or a.only == "text"):
-        ap.error("--init-head skips the documents' stages: --install, --corpus and --only text do not apply")
+    if a.init_head and (a.corpus or a.only == "text" or (a.install and not a.languages)):
+        ap.error("--init-head skips the documents' stages: --corpus, --only text and --install (without "
+                 "--languages) do not apply")  # fmt: skip
+    languages = [x.strip() for x in a.languages.split(",") if x.strip()]
     if a.lr is None:
         a.lr = 2e-4 if a.init_head else 5e-4
     init_head = (HEAD if a.init_head == "shipped" else Path(a.init_head)) if a.init_head else None
@@ -236,6 +262,12 @@ def main() -> None:
     if init_head is None and not corpus.exists():
         build_corpus(corpus, man=1500, doc=600, seed=11, install=a.install)
     sources = _sources(corpus) if init_head is None else []
+    l10n_corpus = work / "corpus-l10n"
+    if languages and not all((l10n_corpus / f"man-{x}").is_dir() for x in languages):
+        build_languages(l10n_corpus, languages, per_language=a.per_language, seed=L10N_SEED, install=a.install)
+    l10n_sources = [l10n_corpus / f"man-{x}" for x in languages]
+    if init_head is None:
+        sources += l10n_sources
     t_corpus = time.time() - t0
 
     # 2. self-distillation
@@ -251,6 +283,11 @@ def main() -> None:
                             n_seq=64, deadline=chat_end)  # fmt: skip
     if run("gen") and a.bare_answers:
         bare = _answer_bare(target, work / "chat", work / "bare", t0 + t_corpus + chat_window)
+    l10n = shard_paths(work / "l10n")
+    if run("gen") and init_head is not None and l10n_sources:
+        l10n = prepare_data(target, work / "l10n", l10n_sources, LAYERS, max_tokens=0, self_distill=a.prompts,
+                            prompt_tokens=64, gen_tokens=128, shard_tokens=12288, seed=L10N_SEED, topk=8, n_seq=64,
+                            deadline=t0 + t_corpus + chat_window + L10N_SHARE * budget)  # fmt: skip
     if run("gen") and init_head is not None:
         gen = []
     elif run("gen"):
@@ -261,7 +298,7 @@ def main() -> None:
         gen = shard_paths(work / "gen")
     t_gen = time.time() - t1
     if a.only == "gen":
-        print(json.dumps(dict(gen_tokens=_count(gen), gen_shards=len(gen), chat_tokens=_count(chat),
+        print(json.dumps(dict(gen_tokens=_count(gen), gen_shards=len(gen), l10n_tokens=_count(l10n), chat_tokens=_count(chat),
                               chat_shards=len(chat), bare_tokens=_count(bare), bare_shards=len(bare),
                               t_gen_s=round(t_gen))))  # fmt: skip
         return
@@ -306,8 +343,13 @@ def main() -> None:
         log_every=50, ckpt_every=200, loss_frac=0.25,
     )  # fmt: skip
     out = Path(a.out) if a.out else work / "head.gguf"
-    files = [*gen, *chat, *bare, *text]
+    files = [*gen, *chat, *bare, *l10n, *text]
     stats = dict(chat_tokens=_count(chat), chat_shards=len(chat), bare_tokens=_count(bare), bare_shards=len(bare))
+    if languages:
+        stats.update(languages=languages, l10n_tokens=_count(l10n), l10n_shards=len(l10n))
+    if init_head is not None and l10n and a.add_vocab > 0 and run("train"):
+        init_head, added = _extend(target, init_head, work / "init-extended.gguf", l10n, a.add_vocab)
+        stats.update(added)
     if init_head is None:
         stats.update(gen_tokens=_count(gen), text_tokens=_count(text), gen_shards=len(gen), text_shards=len(text))
     else:
@@ -321,6 +363,7 @@ def main() -> None:
             train_tokens=r.n_train_tokens, steps=r.steps, val_accuracy=np.round(r.val_accuracy, 4).tolist(),
             val_by_source=r.val_by_source, train_accuracy=np.round(r.train_accuracy, 4).tolist(),
             vocab_coverage=round(r.vocab_coverage, 4), train_seconds=round(r.wall_s),
+            **({"lr": a.lr} if init_head is not None else {}), **{k: v for k, v in stats.items() if k == "draft_vocab_added"},
         )  # fmt: skip
         (work / "train").mkdir(parents=True, exist_ok=True)
         (work / "train" / "result.json").write_text(json.dumps(trained))  # for a later --only ship
@@ -331,10 +374,10 @@ def main() -> None:
         print(json.dumps(dict(out=str(out), **stats, t_train_s=round(t_train))))
         return
     if a.cut_vocab and run("train"):
-        stats.update(_cut(target, out, [*gen, *chat, *bare], a.cut_vocab))
+        stats.update(_cut(target, out, [*gen, *chat, *bare, *l10n], a.cut_vocab))
 
     # 6. ship only a head that does better than the shipped one on answers neither saw
-    better = _gate(target, work, out, cfg, a.bare_answers, stats)
+    better = _gate(target, work, out, cfg, a.bare_answers, stats, languages)
     if init_head is None:  # a continuation reports its held-out split in val_by_source; the gate compares heads
         try:
             old_ho, new_ho = held_out_accuracy(target, files, [HEAD, out], cfg)
@@ -372,6 +415,31 @@ def _cut(target: Path, head: Path, shards: list[Path], size: int) -> dict:
                                      answer_coverage=round(float(counts[wc.d2t].sum() / max(1, counts.sum())), 4)))  # fmt: skip
 
 
+def _extend(target: Path, head: Path, out: Path, shards: list[Path], n_new: int) -> tuple[Path, dict]:
+    """``head`` with ``n_new`` draft tokens added (``extend_draft_vocab``), ranked by the
+    target's top-1 on the answers of ``shards``; the new head and what was added. Made once:
+    a rerun (resume) reuses ``out``."""
+    from localspec.models.eagle3_gguf import extend_draft_vocab, read_eagle3_gguf
+    from localspec.models.gguf_index import GGUFIndex
+    from localspec.models.training.eagle3_data import answer_top1_counts
+
+    _, w = read_eagle3_gguf(head)
+    counts = answer_top1_counts(shards, GGUFIndex(target).array_len("tokenizer.ggml.tokens"))
+    lacking = counts.copy()
+    lacking[w.d2t] = 0
+    if not out.exists() and not lacking.any():  # the head drafts every token of them already
+        return head, {}
+    if not out.exists():
+        extend_draft_vocab(head, out.with_suffix(".tmp"), target, counts, n_new)
+        os.replace(out.with_suffix(".tmp"), out)
+    _, we = read_eagle3_gguf(out)
+    total = max(1, int(counts.sum()))
+    return out, dict(draft_vocab_added=dict(
+        from_size=int(w.d2t.size), size=int(we.d2t.size), l10n_answer_tokens=int(counts.sum()),
+        l10n_coverage_before=round(float(counts[w.d2t].sum() / total), 4),
+        l10n_coverage=round(float(counts[we.d2t].sum() / total), 4)))  # fmt: skip
+
+
 def _answer_bare(target: Path, chat_dir: Path, bare_dir: Path, deadline: float | None) -> list[Path]:
     """The prompts harvested into ``chat_dir`` answered bare into ``bare_dir`` (the harvest is
     copied, not redone)."""
@@ -389,9 +457,13 @@ def _answer_bare(target: Path, chat_dir: Path, bare_dir: Path, deadline: float |
                         deadline=deadline)  # fmt: skip
 
 
-def _gate(target: Path, work: Path, out: Path, cfg, bare: bool, stats: dict) -> bool:
+def _gate(target: Path, work: Path, out: Path, cfg, bare: bool, stats: dict, languages: list[str] = ()) -> bool:
     """Score ``out`` and the shipped head on the gate set(s); True when ``out`` is better on
-    each (the mean over unroll steps of ``answer_accuracy``). Adds the scores to ``stats``."""
+    each (the mean over unroll steps of ``answer_accuracy``). Adds the scores to ``stats``.
+    With ``languages``, a third set: ``GATE_PROMPTS`` continuations of translated manual
+    pages that the training sample left out (``WORK/gate-l10n``); then ``out`` must be better
+    on the mean over the sets and at most ``GATE_SLACK`` worse on any one (a head that learns
+    other languages trades a little of its English for them: docs/eagle3-training.md)."""
     from localspec.models.training.eagle3_data import prepare_data
     from localspec.models.training.eagle3_train import answer_accuracy
 
@@ -406,6 +478,22 @@ def _gate(target: Path, work: Path, out: Path, cfg, bare: bool, stats: dict) -> 
         old_b, new_b = answer_accuracy(target, gate_bare, [HEAD, out], cfg)
         better = better and float(np.mean(new_b)) > float(np.mean(old_b))
         stats.update(gate_bare_new=np.round(new_b, 4).tolist(), gate_bare_shipped=np.round(old_b, 4).tolist())
+    if languages:
+        from head_corpus import build_languages
+
+        pages = work / "gate-l10n-corpus"
+        if not all((pages / f"man-{x}").is_dir() for x in languages):
+            build_languages(pages, list(languages), per_language=max(1, GATE_PROMPTS // len(languages)),
+                            seed=GATE_SEED, exclude=work / "corpus-l10n")  # fmt: skip
+        gate_l10n = prepare_data(target, work / "gate-l10n", [pages / f"man-{x}" for x in languages], LAYERS,
+                                 max_tokens=0, self_distill=GATE_PROMPTS, prompt_tokens=64, gen_tokens=128,
+                                 shard_tokens=12288, seed=GATE_SEED, topk=8, n_seq=64)  # fmt: skip
+        old_l, new_l = answer_accuracy(target, gate_l10n, [HEAD, out], cfg)
+        pairs = [(old_acc, new_acc), (old_l, new_l)] + ([(old_b, new_b)] if bare else [])
+        olds, news = (np.array([float(np.mean(p[k])) for p in pairs]) for k in (0, 1))
+        better = bool(news.mean() > olds.mean() and (news >= olds - GATE_SLACK).all())
+        stats.update(gate_slack=GATE_SLACK, gate_l10n_new=np.round(new_l, 4).tolist(),
+                     gate_l10n_shipped=np.round(old_l, 4).tolist())  # fmt: skip
     return better
 
 

@@ -547,6 +547,76 @@ def test_a_cut_draft_vocabulary_keeps_the_kept_rows(model, tmp_path):
         e.close()
 
 
+def test_an_extended_draft_vocabulary_keeps_the_old_rows_and_reads_the_new_from_the_target(model, tmp_path):
+    """``extend_draft_vocab``: the extended head's draft vocabulary is the old one plus the
+    ``n_new`` tokens outside it that the counts rank highest (sorted), its old tokens' Q8_0
+    ``output.weight`` rows are the old head's byte for byte, a new token's row is the target's
+    lm_head row through ``readout_map`` (to Q8_0's rounding), a map that predicts the trained
+    rows it was not fitted on far better than the target's rows as they are, and on the host
+    runtime its rows at every level of a tree are the old head's at the old tokens' columns,
+    bit for bit. Checked by mutation: appending the new rows without sorting them with
+    ``d2t`` fails here, and so do the target's rows unmapped."""
+    from localspec.drafters.eagle3 import Eagle3Drafter
+    from localspec.models.eagle3_gguf import extend_draft_vocab, read_eagle3_gguf, readout_map
+    from localspec.models.eagle3_heads import shipped_head
+    from localspec.models.gguf_index import GGUFIndex
+    from localspec.models.training.eagle3_train import read_target
+
+    head = shipped_head(model.path)
+    _, w = read_eagle3_gguf(head)
+    rng = np.random.default_rng(3)
+    counts = np.zeros(model.n_vocab)
+    outside = np.setdiff1d(np.arange(model.n_vocab), w.d2t)
+    counted = rng.choice(outside, 300, replace=False)
+    counts[counted] = rng.random(counted.size) + 0.5
+    counts[w.d2t] = 10.0  # already in: never added again
+    n_new = 200
+    ext = extend_draft_vocab(head, tmp_path / "ext.gguf", model.path, counts, n_new)
+    _, we = read_eagle3_gguf(ext)
+    added = np.sort(counted[np.argsort(-counts[counted], kind="stable")[:n_new]])
+    assert np.array_equal(we.d2t, np.union1d(w.d2t, added))
+    old = np.searchsorted(we.d2t, w.d2t)
+    new = np.searchsorted(we.d2t, added)
+    assert np.array_equal(GGUFIndex(ext).data("output.weight")[old], GGUFIndex(head).data("output.weight"))
+    tt = read_target(model.path)
+    target_rows = tt.lm_head_rows(w.d2t)
+    ref = tt.lm_head_rows(added) @ readout_map(w.output, target_rows)
+    assert np.abs(we.output[new] - ref).max() <= np.abs(ref).max() / 100
+
+    def cosine(a, b):
+        return float(np.mean(np.sum(a * b, 1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)))
+
+    fit, rest = np.arange(w.d2t.size) % 8 != 0, np.arange(w.d2t.size) % 8 == 0
+    mapped = target_rows[rest] @ readout_map(w.output[fit], target_rows[fit])
+    assert cosine(mapped, w.output[rest]) > 0.85 > 0.65 > cosine(target_rows[rest], w.output[rest])
+
+    whole = Eagle3Drafter(head, runtime="host")
+    e = Engine(model, drafter=whole, n_ctx=1024, cost_model=frozen_cost_model())
+    wide = Eagle3Drafter(ext, runtime="host")
+    wide.attach(TargetHandle(model, n_ctx=e.ctx.n_ctx, n_threads=e.ctx.n_threads, tensor_source=e.ctx, features=e._tap))
+    try:
+        prompt = e.tokenize(TEXT * 2)[:40]
+        _start(e, (whole, wide), prompt)
+        tee = _Tee(whole, wide)
+        _grow(whole, prompt, TreeShape(3, 2, 6, 0.0), tee)
+        _done(whole, wide)
+        assert len(tee.levels) == 3
+        for nodes, a, b in tee.levels:
+            assert b.shape == (len(nodes), we.d2t.size)
+            assert np.array_equal(b[:, old], a)
+    finally:
+        wide.close()
+        e.close()
+    with pytest.raises(ValueError, match="at least 1"):
+        extend_draft_vocab(head, tmp_path / "x.gguf", model.path, counts, 0)
+    counts[counted] = 0.0
+    with pytest.raises(ValueError, match="no token to add"):
+        extend_draft_vocab(head, tmp_path / "x.gguf", model.path, counts, 5)
+    with pytest.raises(ValueError, match="one entry per target token"):
+        extend_draft_vocab(head, tmp_path / "x.gguf", model.path, counts[:10], 5)
+    assert not (tmp_path / "x.gguf").exists()
+
+
 def test_draft_vocabularies_keep_llama_cpps_end_of_generation_ids(model):
     """The end-of-generation ids that every draft vocabulary keeps (``frequent_draft_vocab``,
     the trainers' ``read_target``, ``prune_draft_vocab``) are llama.cpp's
