@@ -305,12 +305,7 @@ def prune_draft_vocab(head: str | os.PathLike, out: str | os.PathLike, target, c
         ValueError: ``size`` outside 1..n_draft, ``counts`` not over the target's vocabulary,
             or a head ``read_eagle3_gguf`` refuses or whose matrices mix storage types.
     """
-    cfg, w = read_eagle3_gguf(head)
-    r = _target_reader(target)
-    n_vocab = r.array_len("tokenizer.ggml.tokens")
-    counts = np.asarray(counts)
-    if counts.shape != (n_vocab,):
-        raise ValueError(f"counts must have one entry per target token ({n_vocab}), got shape {counts.shape}")
+    cfg, w, r, counts = _head_and_counts(head, target, counts)
     if not 1 <= size <= w.d2t.size:
         raise ValueError(f"the draft vocabulary can be cut to 1..{w.d2t.size} tokens, not {size}")
     score = counts[w.d2t].astype(np.float64)
@@ -348,12 +343,7 @@ def extend_draft_vocab(head: str | os.PathLike, out: str | os.PathLike, target, 
         ValueError: ``n_new`` below 1, ``counts`` not over the target's vocabulary, no token
             to add, or a head ``read_eagle3_gguf`` refuses or whose matrices mix storage types.
     """
-    cfg, w = read_eagle3_gguf(head)
-    r = _target_reader(target)
-    n_vocab = r.array_len("tokenizer.ggml.tokens")
-    counts = np.asarray(counts)
-    if counts.shape != (n_vocab,):
-        raise ValueError(f"counts must have one entry per target token ({n_vocab}), got shape {counts.shape}")
+    cfg, w, r, counts = _head_and_counts(head, target, counts)
     if n_new < 1:
         raise ValueError(f"n_new must be at least 1, not {n_new}")
     score = counts.astype(np.float64)
@@ -389,6 +379,21 @@ def readout_map(trained: np.ndarray, target_rows: np.ndarray, ridge: float = 0.1
     if x.shape != y.shape:
         raise ValueError(f"trained rows {y.shape} and target rows {x.shape} differ in shape")
     return np.linalg.solve(x.T @ x + ridge * np.eye(x.shape[1]), x.T @ y)
+
+
+def _head_and_counts(head, target, counts) -> tuple[Eagle3Config, Eagle3Weights, GGUFIndex, np.ndarray]:
+    """``read_eagle3_gguf(head)``, the target's reader and ``counts`` as an array.
+
+    Raises:
+        ValueError: ``counts`` not one entry per target token (or what ``read_eagle3_gguf``
+            raises)."""
+    cfg, w = read_eagle3_gguf(head)
+    r = _target_reader(target)
+    n_vocab = r.array_len("tokenizer.ggml.tokens")
+    counts = np.asarray(counts)
+    if counts.shape != (n_vocab,):
+        raise ValueError(f"counts must have one entry per target token ({n_vocab}), got shape {counts.shape}")
+    return cfg, w, r, counts
 
 
 def _matrix_storage(head: str | os.PathLike) -> tuple[str, str]:

@@ -487,6 +487,30 @@ def test_bench_drafters_takes_its_prompts_from_a_dataset(model, tmp_path, monkey
 # -- a draft vocabulary cut to its frequent tokens -------------------------------------------
 
 
+def _host_levels_beside(model, head, other, shape):
+    """Grow a tree of ``shape`` with ``head`` on the host runtime and feed ``other`` (another
+    head GGUF on the host runtime, attached to the same target context) the same levels:
+    ``(prompt, [(nodes, head_rows, other_rows), ...])``, one entry per level."""
+    from localspec.drafters.eagle3 import Eagle3Drafter
+
+    whole = Eagle3Drafter(head, runtime="host")
+    e = Engine(model, drafter=whole, n_ctx=1024, cost_model=frozen_cost_model())
+    part = Eagle3Drafter(other, runtime="host")
+    part.attach(TargetHandle(model, n_ctx=e.ctx.n_ctx, n_threads=e.ctx.n_threads, tensor_source=e.ctx, features=e._tap))
+    try:
+        prompt = e.tokenize(TEXT * 2)[:40]
+        _start(e, (whole, part), prompt)
+        tee = _Tee(whole, part)
+        _grow(whole, prompt, shape, tee)
+        _done(whole, part)
+        return prompt, tee.levels
+    finally:
+        part.close()
+        e.close()
+
+
+
+
 def test_a_cut_draft_vocabulary_keeps_the_kept_rows(model, tmp_path):
     """``prune_draft_vocab``: the cut head keeps the ``size`` draft tokens that the counts rank
     highest (and the eos token, whatever its count), its ``output.weight`` rows are the whole
@@ -494,7 +518,6 @@ def test_a_cut_draft_vocabulary_keeps_the_kept_rows(model, tmp_path):
     3 wide are the whole head's kept columns, bit for bit; llama.cpp's graph loads it and
     gives the same rows to ``ROW_TOL``. Checked by mutation: cutting ``d2t`` but not the
     readout's rows, or the rows in another order, fails here."""
-    from localspec.drafters.eagle3 import Eagle3Drafter
     from localspec.models.eagle3_gguf import prune_draft_vocab, read_eagle3_gguf
     from localspec.models.eagle3_heads import shipped_head
     from localspec.models.gguf_index import GGUFIndex
@@ -516,23 +539,11 @@ def test_a_cut_draft_vocabulary_keeps_the_kept_rows(model, tmp_path):
     # Q8_0 rows as stored: [rows, bytes] uint8
     assert np.array_equal(GGUFIndex(cut).data("output.weight"), GGUFIndex(head).data("output.weight")[keep])
 
-    whole = Eagle3Drafter(head, runtime="host")
-    e = Engine(model, drafter=whole, n_ctx=1024, cost_model=frozen_cost_model())
-    part = Eagle3Drafter(cut, runtime="host")
-    part.attach(TargetHandle(model, n_ctx=e.ctx.n_ctx, n_threads=e.ctx.n_threads, tensor_source=e.ctx, features=e._tap))
-    try:
-        prompt = e.tokenize(TEXT * 2)[:40]
-        _start(e, (whole, part), prompt)
-        tee = _Tee(whole, part)
-        _grow(whole, prompt, TreeShape(4, 3, 12, 0.0), tee)
-        _done(whole, part)
-        assert len(tee.levels) == 4
-        for nodes, a, b in tee.levels:
-            assert b.shape == (len(nodes), size)
-            assert np.array_equal(b, a[:, keep])
-    finally:
-        part.close()
-        e.close()
+    prompt, levels = _host_levels_beside(model, head, cut, TreeShape(4, 3, 12, 0.0))
+    assert len(levels) == 4
+    for nodes, a, b in levels:
+        assert b.shape == (len(nodes), size)
+        assert np.array_equal(b, a[:, keep])
     e, ref, host = _pair(model, cut)
     try:
         _start(e, (ref, host), prompt)
@@ -556,7 +567,6 @@ def test_an_extended_draft_vocabulary_keeps_the_old_rows_and_reads_the_new_from_
     runtime its rows at every level of a tree are the old head's at the old tokens' columns,
     bit for bit. Checked by mutation: appending the new rows without sorting them with
     ``d2t`` fails here, and so do the target's rows unmapped."""
-    from localspec.drafters.eagle3 import Eagle3Drafter
     from localspec.models.eagle3_gguf import extend_draft_vocab, read_eagle3_gguf, readout_map
     from localspec.models.eagle3_heads import shipped_head
     from localspec.models.gguf_index import GGUFIndex
@@ -590,23 +600,11 @@ def test_an_extended_draft_vocabulary_keeps_the_old_rows_and_reads_the_new_from_
     mapped = target_rows[rest] @ readout_map(w.output[fit], target_rows[fit])
     assert cosine(mapped, w.output[rest]) > 0.85 > 0.65 > cosine(target_rows[rest], w.output[rest])
 
-    whole = Eagle3Drafter(head, runtime="host")
-    e = Engine(model, drafter=whole, n_ctx=1024, cost_model=frozen_cost_model())
-    wide = Eagle3Drafter(ext, runtime="host")
-    wide.attach(TargetHandle(model, n_ctx=e.ctx.n_ctx, n_threads=e.ctx.n_threads, tensor_source=e.ctx, features=e._tap))
-    try:
-        prompt = e.tokenize(TEXT * 2)[:40]
-        _start(e, (whole, wide), prompt)
-        tee = _Tee(whole, wide)
-        _grow(whole, prompt, TreeShape(3, 2, 6, 0.0), tee)
-        _done(whole, wide)
-        assert len(tee.levels) == 3
-        for nodes, a, b in tee.levels:
-            assert b.shape == (len(nodes), we.d2t.size)
-            assert np.array_equal(b[:, old], a)
-    finally:
-        wide.close()
-        e.close()
+    _, levels = _host_levels_beside(model, head, ext, TreeShape(3, 2, 6, 0.0))
+    assert len(levels) == 3
+    for nodes, a, b in levels:
+        assert b.shape == (len(nodes), we.d2t.size)
+        assert np.array_equal(b[:, old], a)
     with pytest.raises(ValueError, match="at least 1"):
         extend_draft_vocab(head, tmp_path / "x.gguf", model.path, counts, 0)
     counts[counted] = 0.0
