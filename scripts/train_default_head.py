@@ -51,11 +51,12 @@ of stage 2 (``WORK/l10n``: 64-token prompts, 128 greedy tokens). From scratch th
 documents' sources. With ``--init-head`` they get ``L10N_SHARE`` of the budget after the chat
 and bare answers, and ``--add-vocab N`` (default 4,096) extends the head's draft vocabulary
 by the N tokens most often the target's top-1 on those continuations that it lacks
-(``eagle3_gguf.extend_draft_vocab``: new rows start as the target's lm_head rows) before
-training on chat, bare and l10n data together; the ship gate then has a third set, continuations
-of translated pages the training sample left out (``WORK/gate-l10n``), and the new head ships
-when its mean over the sets is higher and no set is more than ``GATE_SLACK`` lower. A head whose draft vocabulary holds only
-English-like tokens cannot draft a text the target goes on writing in another language:
+(``eagle3_gguf.extend_draft_vocab``: a new row starts as the target's lm_head row through
+``readout_map``) before training on chat, bare and l10n data together; the ship gate then has
+a third set, continuations of translated pages the training sample left out
+(``WORK/gate-l10n``), and the new head ships when its mean over the sets is higher and no set
+is more than ``GATE_SLACK`` lower. A head whose draft vocabulary holds only English-like
+tokens cannot draft a text the target goes on writing in another language:
 the shipped head's 4,096 tokens hold 43% of what the target writes after Spec-Bench's bare
 German-to-English prompts (it goes on in German), 79-99% elsewhere (docs/drafters.md).
 
