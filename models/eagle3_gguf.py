@@ -346,13 +346,10 @@ def extend_draft_vocab(head: str | os.PathLike, out: str | os.PathLike, target, 
     cfg, w, r, counts = _head_and_counts(head, target, counts)
     if n_new < 1:
         raise ValueError(f"n_new must be at least 1, not {n_new}")
-    score = counts.astype(np.float64)
-    score[w.d2t] = 0.0
-    order = np.argsort(-score, kind="stable")
-    new = np.sort(order[: min(n_new, int((score > 0).sum()))]).astype(np.int64)
+    new = draft_tokens_to_add(w.d2t, counts, n_new)
     if new.size == 0:
         raise ValueError("no token to add: every counted token is already in the draft vocabulary")
-    lm_head = "output.weight" if "output.weight" in r.tensors else "token_embd.weight"
+    lm_head = r.lm_head_name()
     a = readout_map(w.output, r.rows(lm_head, w.d2t))
     d2t = np.concatenate([w.d2t, new])
     rows = np.concatenate([w.output, (r.rows(lm_head, new) @ a).astype(np.float32)])
@@ -360,6 +357,16 @@ def extend_draft_vocab(head: str | os.PathLike, out: str | os.PathLike, target, 
     w.d2t, w.output = d2t[perm], rows[perm]
     dtype, name = _matrix_storage(head)
     return write_eagle3_gguf(out, r, cfg, w, matrix_dtype=dtype, name=f"{name}, {new.size} draft tokens added")
+
+
+def draft_tokens_to_add(d2t: np.ndarray, counts: np.ndarray, n_new: int) -> np.ndarray:
+    """Sorted int64 target ids: the at most ``n_new`` ids outside ``d2t`` that ``counts`` ranks
+    highest (ties: the lower id), among those with a count above 0 (``extend_draft_vocab``'s
+    choice; empty when the draft vocabulary already holds every counted id)."""
+    score = np.asarray(counts, dtype=np.float64).copy()
+    score[d2t] = 0.0
+    order = np.argsort(-score, kind="stable")
+    return np.sort(order[: min(n_new, int((score > 0).sum()))]).astype(np.int64)
 
 
 def readout_map(trained: np.ndarray, target_rows: np.ndarray, ridge: float = 0.1) -> np.ndarray:

@@ -205,6 +205,11 @@ class GGUFIndex:
         """Number of items of an array entry (e.g. ``tokenizer.ggml.tokens``)."""
         return struct.unpack_from("<IIQ", self.raw[key])[2]
 
+    def lm_head_name(self) -> str:
+        """The tensor holding a model's output matrix: ``output.weight``, or ``token_embd.weight``
+        where the two are tied (Gemma) and the file has no ``output.weight``."""
+        return "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
+
     def rows(self, name: str, ids: np.ndarray | None = None) -> np.ndarray:
         """Rows of a 2-D tensor (or the whole 1-D tensor), dequantised: [len(ids), ne0] float32.
 

@@ -254,9 +254,8 @@ def read_target_readout(target) -> TargetReadout:
     idx = GGUFIndex(target)
     v = idx.values
     arch = v["general.architecture"]
-    name = "output.weight" if "output.weight" in idx.tensors else "token_embd.weight"
     eog = idx.eog_ids()
-    return TargetReadout(idx, name, idx.array_len("tokenizer.ggml.tokens"), int(v[f"{arch}.embedding_length"]),
+    return TargetReadout(idx, idx.lm_head_name(), idx.array_len("tokenizer.ggml.tokens"), int(v[f"{arch}.embedding_length"]),
                          float(v.get(f"{arch}.final_logit_softcapping", 0.0) or 0.0), eog)  # fmt: skip
 
 

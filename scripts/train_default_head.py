@@ -364,7 +364,8 @@ def main() -> None:
             train_tokens=r.n_train_tokens, steps=r.steps, val_accuracy=np.round(r.val_accuracy, 4).tolist(),
             val_by_source=r.val_by_source, train_accuracy=np.round(r.train_accuracy, 4).tolist(),
             vocab_coverage=round(r.vocab_coverage, 4), train_seconds=round(r.wall_s),
-            **({"lr": a.lr} if init_head is not None else {}), **{k: v for k, v in stats.items() if k == "draft_vocab_added"},
+            **({"lr": a.lr} if init_head is not None else {}),
+            **({"draft_vocab_added": stats["draft_vocab_added"]} if "draft_vocab_added" in stats else {}),
         )  # fmt: skip
         (work / "train").mkdir(parents=True, exist_ok=True)
         (work / "train" / "result.json").write_text(json.dumps(trained))  # for a later --only ship
@@ -420,15 +421,13 @@ def _extend(target: Path, head: Path, out: Path, shards: list[Path], n_new: int)
     """``head`` with ``n_new`` draft tokens added (``extend_draft_vocab``), ranked by the
     target's top-1 on the answers of ``shards``; the new head and what was added. Made once:
     a rerun (resume) reuses ``out``."""
-    from localspec.models.eagle3_gguf import extend_draft_vocab, read_eagle3_gguf
+    from localspec.models.eagle3_gguf import draft_tokens_to_add, extend_draft_vocab, read_eagle3_gguf
     from localspec.models.gguf_index import GGUFIndex
     from localspec.models.training.eagle3_data import answer_top1_counts
 
     _, w = read_eagle3_gguf(head)
     counts = answer_top1_counts(shards, GGUFIndex(target).array_len("tokenizer.ggml.tokens"))
-    lacking = counts.copy()
-    lacking[w.d2t] = 0
-    if not out.exists() and not lacking.any():  # the head drafts every token of them already
+    if not out.exists() and not draft_tokens_to_add(w.d2t, counts, n_new).size:  # it drafts them all already
         return head, {}
     if not out.exists():
         extend_draft_vocab(head, out.with_suffix(".tmp"), target, counts, n_new)

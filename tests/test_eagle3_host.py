@@ -509,8 +509,6 @@ def _host_levels_beside(model, head, other, shape):
         e.close()
 
 
-
-
 def test_a_cut_draft_vocabulary_keeps_the_kept_rows(model, tmp_path):
     """``prune_draft_vocab``: the cut head keeps the ``size`` draft tokens that the counts rank
     highest (and the eos token, whatever its count), its ``output.weight`` rows are the whole

@@ -414,8 +414,7 @@ class TeacherForcedRecorder:
         self.topk = int(topk)
         self.d2t = np.asarray(d2t, dtype=np.int64)
         idx = GGUFIndex(target)
-        name = "output.weight" if "output.weight" in idx.tensors else "token_embd.weight"
-        self.w = torch.from_numpy(np.ascontiguousarray(idx.rows(name, self.d2t), dtype=np.float32))  # [V_d, E]
+        self.w = torch.from_numpy(np.ascontiguousarray(idx.rows(idx.lm_head_name(), self.d2t), dtype=np.float32))  # [V_d, E]
         arch = idx.values["general.architecture"]
         self.softcap = float(idx.values.get(f"{arch}.final_logit_softcapping", 0.0) or 0.0)
 

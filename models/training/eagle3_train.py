@@ -114,8 +114,7 @@ class TargetTensors:
 
     def lm_head_rows(self, ids: np.ndarray) -> np.ndarray:
         """[len(ids), n_embd] float32 rows of the target's output matrix (tied: token_embd)."""
-        name = "output.weight" if "output.weight" in self.index.tensors else "token_embd.weight"
-        return self.index.rows(name, ids)
+        return self.index.rows(self.index.lm_head_name(), ids)
 
 
 def read_target(target: str | os.PathLike) -> TargetTensors:
