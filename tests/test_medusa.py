@@ -363,22 +363,25 @@ def _shipped(model):
     return shipped_head(model.path, kind="medusa")
 
 
-def test_shipped_heads_greedy_equal_plain_over_300_tokens_of_long_context(model):
-    """Temperature 0, a 620-token prompt (past Gemma 3's 512-token window), 300 tokens: the
+def test_shipped_heads_greedy_equal_plain_over_160_tokens_of_long_context(model):
+    """Temperature 0, a 620-token prompt (past Gemma 3's 512-token window), 160 tokens: the
     shipped heads (found without a path) draft and are accepted, and the output is plain
-    decoding's (``assert_same_as_plain``). (Trees of 8 nodes on every step: with 16 nodes and
-    500 tokens this one test took 3 minutes of the suite.)"""
+    decoding's (``assert_same_as_plain``). The heads read only the target's final hidden
+    state, so the length that matters is the target's context, past the window from the first
+    step. (Trees of 8 nodes on every step: 300 tokens took 54 s of the suite, 500 tokens and
+    16 nodes 3 minutes; the EAGLE-3 head, which keeps a context of its own, is checked over 500
+    tokens in test_head_runtime.py.)"""
     assert _shipped(model) is not None
     e = Engine(model, drafter="none", n_ctx=2048, cost_model=frozen_cost_model(), max_tree_nodes=8)
     try:
         prompt = e.tokenize(TEXT * 30)[:620]
-        ref = e.generate(prompt, max_tokens=300, sampling=GREEDY, speculative=False)
+        ref = e.generate(prompt, max_tokens=160, sampling=GREEDY, speculative=False)
         e.set_drafter("medusa")
         e.drafter.fixed_shape = TreeShape(4, 2, 8, min_score=0.0)
         e.reset()
         e.adaptive = False  # verify every tree: the heads' drafts meet the target on every step
-        res = e.generate(prompt, max_tokens=300, sampling=GREEDY)
-        assert res.stats.n_generated_tokens == 300
+        res = e.generate(prompt, max_tokens=160, sampling=GREEDY)
+        assert res.stats.n_generated_tokens == 160
         assert res.stats.token_sources.get("medusa", 0) > 0
         assert_same_as_plain(e, prompt, ref.token_ids, res.token_ids)
     finally:

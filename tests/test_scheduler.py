@@ -166,11 +166,12 @@ def test_generate_batch_n_ctx_is_checked_not_replaced_by_the_default(engine):
 
 # -- the prompt cache, shared prefixes, moved cells and prompts prefilled in pieces ------------
 
-# ~1,000 tokens of plain text: longer than Gemma 3's 512-token sliding window, so a shared or
-# moved prefix must carry the window layers' cells beyond the window too
+# 817 tokens of plain text: longer than Gemma 3's 512-token sliding window by 300, so a shared
+# or moved prefix must carry the window layers' cells beyond the window too (each prefill of it
+# takes about 4 s on one core of the development CPU: the tests below prefill it 4-6 times)
 LONG = " ".join(
     f"Note {i}: the {c} box on shelf {i % 7} holds {i * 7 % 13} {t}."
-    for i, (c, t) in enumerate([(c, t) for c in ("red", "green", "blue", "white") for t in ("pens", "cups", "keys", "maps")] * 5)
+    for i, (c, t) in enumerate([(c, t) for c in ("red", "green", "blue", "white") for t in ("pens", "cups", "keys", "maps")] * 3)
 )
 GREEDY_LP = dataclasses.replace(SamplingParams.greedy(), logprobs=0)
 
