@@ -19,7 +19,6 @@ is quiet again.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 from collections.abc import Sequence
@@ -30,7 +29,7 @@ import numpy as np
 
 from .backend import Batch, Context
 from .backend._llama import lib, system_info
-from .paths import cache_dir
+from .paths import cache_dir, read_json_cache, write_json_cache
 
 # Batch sizes the policy may choose (nodes per verified tree, root included).
 CANDIDATE_SIZES = tuple(range(1, 17)) + (20, 24, 28, 32, 40, 48, 56, 64)
@@ -476,24 +475,15 @@ def _update_cache(path: Path, key: str, entry: dict | None, *, only_if: dict[int
     With ``only_if`` (b -> µs), remove only while the key still holds those timings (another
     process may have measured it again since). Errors of the file system are ignored (the cache is only
     a cache)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            data = {}
-        if entry is not None:
-            data[key] = entry
-        else:
-            held = data.get(key, {}).get("table_us", {})
-            if key not in data or (only_if is not None and any(held.get(str(b)) != t for b, t in only_if.items())):
-                return
-            del data[key]
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
-    except OSError:
-        pass
+    data = read_json_cache(path)
+    if entry is not None:
+        data[key] = entry
+    else:
+        held = data.get(key, {}).get("table_us", {})
+        if key not in data or (only_if is not None and any(held.get(str(b)) != t for b, t in only_if.items())):
+            return
+        del data[key]
+    write_json_cache(path, data)
 
 
 def calibration_order(cpu_only: bool) -> str:
@@ -561,16 +551,15 @@ def calibrate(
     key = _cache_key(ctx)
     if use_cache:
         try:
-            data = json.loads(path.read_text())
-            entry = data.get(key)
-            if entry and entry.get("version") == _CACHE_VERSION:
+            entry = read_json_cache(path).get(key)
+            if isinstance(entry, dict) and entry.get("version") == _CACHE_VERSION:
                 table = {int(k): float(v) for k, v in entry["table_us"].items()}
                 if all(b in table for b in sizes):
                     kept = frozenset(int(b) for b in entry.get("repeated", ()))
                     cached = CostModel({b: table[b] for b in sizes}, cache_ref=(path, key), repeated=kept)
                     if not cached.outliers:  # else measured under a burst of load: measure again
                         return cached
-        except (OSError, ValueError, KeyError):
+        except (ValueError, KeyError, TypeError, AttributeError):  # an entry of another shape: measure again
             pass
     n_prefix = min(n_prefix, ctx.n_ctx - max(sizes) - 1)
     batch = Batch(max(max(sizes), n_prefix, 1), 1)

@@ -1,7 +1,8 @@
-"""Where localspec keeps its files (assembled default model, cost tables)."""
+"""Where localspec keeps its files (assembled default model, cost tables, readout verdicts)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -14,3 +15,26 @@ def cache_dir() -> Path:
     from platformdirs import user_cache_dir
 
     return Path(user_cache_dir("localspec"))
+
+
+def read_json_cache(path: Path) -> dict:
+    """The JSON object in the cache file ``path``; ``{}`` when it is missing, unreadable or
+    not a JSON object (a cache is only a cache)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_json_cache(path: Path, data: dict) -> None:
+    """Write ``data`` to the cache file ``path`` atomically (a temporary file renamed over it,
+    so a reader never sees half a file); errors of the file system are ignored."""
+    try:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass

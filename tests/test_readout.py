@@ -4,6 +4,7 @@ engine decodes, and the decodes it stops at ``result_norm`` must leave the KV ca
 decodes do; drafter taps chained behind it see the same rows; a readout that would compute
 other numbers is refused by its check."""
 
+import json
 import os
 import platform
 
@@ -239,6 +240,7 @@ def test_a_readout_with_other_numbers_fails_its_check(model, monkeypatch):
 
     monkeypatch.setattr(ro.LmHeadWeights, "from_graph", staticmethod(wrong))
     monkeypatch.setattr(model, "_readout_verdict", None, raising=False)  # check again; restored after
+    monkeypatch.setattr(ro, "verdict_key", lambda ctx: None)  # and take no earlier process's verdict
     c = Context(model, n_ctx=256, readout=True)
     ref = Context(model, n_ctx=256)
     try:
@@ -262,6 +264,7 @@ def test_the_verdict_is_checked_once_per_model(model, monkeypatch):
     own row limit, unless its own check would decode more rows than the verdict's (a small
     context first): then it checks, and its verdict replaces the model's."""
     monkeypatch.setattr(model, "_readout_verdict", None, raising=False)
+    monkeypatch.setattr(ro, "verdict_key", lambda ctx: None)  # no earlier process's verdict
     calls = []
     real = ro.Readout.self_check
 
@@ -286,6 +289,71 @@ def test_the_verdict_is_checked_once_per_model(model, monkeypatch):
     assert calls == [8, 512] and model._readout_verdict["check_rows"] == 16
 
 
+def test_a_passed_check_is_kept_for_the_next_process_which_confirms_it(model, monkeypatch, tmp_path):
+    """A passed check is written to ``readout.json`` in the cache directory; the next process
+    (here: the model's in-process verdict dropped) takes it without the whole check, after
+    its short proof (``Readout.confirm``: 2 rows and 1 row against llama.cpp's lm_head), and
+    computes llama.cpp's logits bit for bit. Mutations: where the weight's numbers change
+    after the verdict was kept (the readout quantizes for another dot product), the proof
+    fails and the whole check runs and refuses the readout; a context whose check would be of
+    another size takes no stored verdict."""
+    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(model, "_readout_verdict", None, raising=False)
+    calls = []
+    real = ro.Readout.self_check
+
+    def counted(self, ctx):
+        calls.append(int(ctx.n_batch))
+        return real(self, ctx)
+
+    monkeypatch.setattr(ro.Readout, "self_check", counted)
+    c = Context(model, n_ctx=1024, readout=True)
+    kernel = c.readout.kernel
+    c.close()
+    assert calls == [512]
+    stored = json.loads((tmp_path / "readout.json").read_text())
+    assert [v["kernel"] for v in stored.values()] == [kernel]
+    monkeypatch.setattr(model, "_readout_verdict", None, raising=False)  # the next process
+    c, ref = Context(model, n_ctx=1024, readout=True), Context(model, n_ctx=1024)
+    try:
+        assert calls == [512] and c.readout is not None and c.readout.kernel == kernel
+        b = Batch(8)
+        toks = model.tokenize(TEXT)[:6]
+        out = []
+        for x in (c, ref):
+            b.set_sequence(toks, 0, output="all")
+            x.decode(b)
+            out.append(x.logits().copy())
+        assert c.readout.n_used == 1
+        np.testing.assert_array_equal(out[0], out[1])
+    finally:
+        c.close()
+        ref.close()
+    monkeypatch.setattr(model, "_readout_verdict", None, raising=False)
+    c = Context(model, n_ctx=1024, n_batch=8, readout=True)  # a check of 8 rows: not the verdict kept
+    c.close()
+    assert calls == [512, 8]
+    real_from_graph = ro.LmHeadWeights.from_graph
+
+    def wrong(*args):
+        w = real_from_graph(*args)
+        if not isinstance(w, str):
+            g = ro._ggml()
+            w.vec_dot = g.ggml_get_type_traits_cpu(1).contents.vec_dot  # F16 x F16
+            w.from_float = g.ggml_get_type_traits_cpu(1).contents.from_float
+            w.q_row_bytes = int(g.ggml_row_size(1, model.n_embd))
+        return w
+
+    monkeypatch.setattr(ro.LmHeadWeights, "from_graph", staticmethod(wrong))
+    monkeypatch.setattr(model, "_readout_verdict", None, raising=False)
+    c = Context(model, n_ctx=1024, readout=True)
+    try:
+        assert calls == [512, 8, 512]  # the proof failed: the whole check ran
+        assert c.readout is None and "differ" in c.readout_off_reason
+    finally:
+        c.close()
+
+
 def test_a_kernel_can_be_asked_for_where_the_check_proved_it(model, monkeypatch, caplog):
     """``LOCALSPEC_READOUT_KERNEL`` picks a kernel the check proved (0, ggml's vec_dot, is
     then checked too); one it cannot run, or a bad value, is named in a warning and the
@@ -293,6 +361,7 @@ def test_a_kernel_can_be_asked_for_where_the_check_proved_it(model, monkeypatch,
     from localspec import native
 
     monkeypatch.setattr(model, "_readout_verdict", None, raising=False)
+    monkeypatch.setattr(ro, "verdict_key", lambda ctx: None)  # no earlier process's verdict
     monkeypatch.setenv("LOCALSPEC_READOUT_KERNEL", "0")
     c = Context(model, n_ctx=256, n_batch=64, readout=True)
     try:
