@@ -223,10 +223,22 @@ def test_drafter_taps_behind_the_readout_see_the_same_rows(model):
         np.testing.assert_array_equal(logits[0], logits[1])
 
 
-def test_a_readout_with_other_numbers_fails_its_check(model, monkeypatch):
-    """Mutation: the readout quantizes the rows for another dot product (F16 instead of the
-    weight's Q8_0 partner). The check must see different logits and keep llama.cpp's lm_head,
-    whose logits then equal a plain context's."""
+def _six_token_logits(model, contexts) -> list[np.ndarray]:
+    """Each context's logits ``[6, n_vocab]`` for the same six tokens of ``TEXT`` (from an
+    empty cache, every row an output)."""
+    b = Batch(8)
+    toks = model.tokenize(TEXT)[:6]
+    out = []
+    for x in contexts:
+        b.set_sequence(toks, 0, output="all")
+        x.decode(b)
+        out.append(x.logits().copy())
+    return out
+
+
+def _quantize_for_another_dot_product(model, monkeypatch) -> None:
+    """Mutation: the readout's weight quantizes the rows for ggml's F16 dot product instead of
+    the weight's Q8_0 partner (other numbers from the same rows)."""
     real = ro.LmHeadWeights.from_graph
 
     def wrong(*args):
@@ -239,6 +251,13 @@ def test_a_readout_with_other_numbers_fails_its_check(model, monkeypatch):
         return w
 
     monkeypatch.setattr(ro.LmHeadWeights, "from_graph", staticmethod(wrong))
+
+
+def test_a_readout_with_other_numbers_fails_its_check(model, monkeypatch):
+    """Mutation: the readout quantizes the rows for another dot product (F16 instead of the
+    weight's Q8_0 partner). The check must see different logits and keep llama.cpp's lm_head,
+    whose logits then equal a plain context's."""
+    _quantize_for_another_dot_product(model, monkeypatch)
     monkeypatch.setattr(model, "_readout_verdict", None, raising=False)  # check again; restored after
     monkeypatch.setattr(ro, "verdict_key", lambda ctx: None)  # and take no earlier process's verdict
     c = Context(model, n_ctx=256, readout=True)
@@ -246,25 +265,15 @@ def test_a_readout_with_other_numbers_fails_its_check(model, monkeypatch):
     try:
         assert c.readout is None
         assert "differ" in c.readout_off_reason
-        b = Batch(8)
-        toks = model.tokenize(TEXT)[:6]
-        out = []
-        for x in (c, ref):
-            b.set_sequence(toks, 0, output="all")
-            x.decode(b)
-            out.append(x.logits().copy())
+        out = _six_token_logits(model, (c, ref))
         np.testing.assert_array_equal(out[0], out[1])
     finally:
         c.close()
         ref.close()
 
 
-def test_the_verdict_is_checked_once_per_model(model, monkeypatch):
-    """The first context of a model runs the check; a later one takes its verdict, with its
-    own row limit, unless its own check would decode more rows than the verdict's (a small
-    context first): then it checks, and its verdict replaces the model's."""
-    monkeypatch.setattr(model, "_readout_verdict", None, raising=False)
-    monkeypatch.setattr(ro, "verdict_key", lambda ctx: None)  # no earlier process's verdict
+def _count_checks(monkeypatch) -> list[int]:
+    """The ``n_batch`` of every context whose readout runs the whole check, in order."""
     calls = []
     real = ro.Readout.self_check
 
@@ -273,6 +282,16 @@ def test_the_verdict_is_checked_once_per_model(model, monkeypatch):
         return real(self, ctx)
 
     monkeypatch.setattr(ro.Readout, "self_check", counted)
+    return calls
+
+
+def test_the_verdict_is_checked_once_per_model(model, monkeypatch):
+    """The first context of a model runs the check; a later one takes its verdict, with its
+    own row limit, unless its own check would decode more rows than the verdict's (a small
+    context first): then it checks, and its verdict replaces the model's."""
+    monkeypatch.setattr(model, "_readout_verdict", None, raising=False)
+    monkeypatch.setattr(ro, "verdict_key", lambda ctx: None)  # no earlier process's verdict
+    calls = _count_checks(monkeypatch)
     for n_batch in (512, 64, 8, 32):
         c = Context(model, n_ctx=1024, n_batch=n_batch, readout=True)
         assert c.readout is not None and c.readout.check_rows == 16  # the model's verdict
@@ -299,14 +318,7 @@ def test_a_passed_check_is_kept_for_the_next_process_which_confirms_it(model, mo
     another size takes no stored verdict."""
     monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(model, "_readout_verdict", None, raising=False)
-    calls = []
-    real = ro.Readout.self_check
-
-    def counted(self, ctx):
-        calls.append(int(ctx.n_batch))
-        return real(self, ctx)
-
-    monkeypatch.setattr(ro.Readout, "self_check", counted)
+    calls = _count_checks(monkeypatch)
     c = Context(model, n_ctx=1024, readout=True)
     kernel = c.readout.kernel
     c.close()
@@ -317,13 +329,7 @@ def test_a_passed_check_is_kept_for_the_next_process_which_confirms_it(model, mo
     c, ref = Context(model, n_ctx=1024, readout=True), Context(model, n_ctx=1024)
     try:
         assert calls == [512] and c.readout is not None and c.readout.kernel == kernel
-        b = Batch(8)
-        toks = model.tokenize(TEXT)[:6]
-        out = []
-        for x in (c, ref):
-            b.set_sequence(toks, 0, output="all")
-            x.decode(b)
-            out.append(x.logits().copy())
+        out = _six_token_logits(model, (c, ref))
         assert c.readout.n_used == 1
         np.testing.assert_array_equal(out[0], out[1])
     finally:
@@ -333,18 +339,7 @@ def test_a_passed_check_is_kept_for_the_next_process_which_confirms_it(model, mo
     c = Context(model, n_ctx=1024, n_batch=8, readout=True)  # a check of 8 rows: not the verdict kept
     c.close()
     assert calls == [512, 8]
-    real_from_graph = ro.LmHeadWeights.from_graph
-
-    def wrong(*args):
-        w = real_from_graph(*args)
-        if not isinstance(w, str):
-            g = ro._ggml()
-            w.vec_dot = g.ggml_get_type_traits_cpu(1).contents.vec_dot  # F16 x F16
-            w.from_float = g.ggml_get_type_traits_cpu(1).contents.from_float
-            w.q_row_bytes = int(g.ggml_row_size(1, model.n_embd))
-        return w
-
-    monkeypatch.setattr(ro.LmHeadWeights, "from_graph", staticmethod(wrong))
+    _quantize_for_another_dot_product(model, monkeypatch)
     monkeypatch.setattr(model, "_readout_verdict", None, raising=False)
     c = Context(model, n_ctx=1024, readout=True)
     try:
