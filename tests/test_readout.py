@@ -314,8 +314,8 @@ def test_a_passed_check_is_kept_for_the_next_process_which_confirms_it(model, mo
     its short proof (``Readout.confirm``: 2 rows and 1 row against llama.cpp's lm_head), and
     computes llama.cpp's logits bit for bit. Mutations: where the weight's numbers change
     after the verdict was kept (the readout quantizes for another dot product), the proof
-    fails and the whole check runs and refuses the readout; a context whose check would be of
-    another size takes no stored verdict."""
+    fails, the whole check runs and refuses the readout, and the kept verdict is dropped; a
+    context whose check would be of another size takes no stored verdict."""
     monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(model, "_readout_verdict", None, raising=False)
     calls = _count_checks(monkeypatch)
@@ -345,6 +345,7 @@ def test_a_passed_check_is_kept_for_the_next_process_which_confirms_it(model, mo
     try:
         assert calls == [512, 8, 512]  # the proof failed: the whole check ran
         assert c.readout is None and "differ" in c.readout_off_reason
+        assert len(json.loads((tmp_path / "readout.json").read_text())) == 1  # the failed one dropped, the 8-row kept
     finally:
         c.close()
 

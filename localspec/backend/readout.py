@@ -381,10 +381,12 @@ class Readout:
         ok = isinstance(stored, dict) and stored.get("version") == VERDICT_VERSION and self.confirm(ctx, stored)
         if not ok:
             ok = self.self_check(ctx)
-            if ok and key:
+            if key and (ok or stored is not None):  # keep a passed check; drop one that no longer holds
                 data = read_json_cache(verdict_path())
-                data[key] = {"version": VERDICT_VERSION, "kernel": self.kernel, "passed": list(self.passed),
-                             "check_rows": self.check_rows}  # fmt: skip
+                data.pop(key, None)
+                if ok:
+                    data[key] = {"version": VERDICT_VERSION, "kernel": self.kernel, "passed": list(self.passed),
+                                 "check_rows": self.check_rows}  # fmt: skip
                 write_json_cache(verdict_path(), data)
         try:
             model._readout_verdict = {"weights": self.weights, "kernel": self.kernel, "check_rows": self.check_rows,
@@ -481,11 +483,11 @@ class Readout:
         self.t_us = 0.0
 
     def confirm(self, ctx, verdict: dict) -> bool:
-        """Take ``verdict`` (a ``self_check`` of the same model file, check size, libraries and
-        CPU in an earlier process: ``cached_verdict``) after a short proof on ``ctx``: decodes
-        of 2 rows and 1 row with llama.cpp's lm_head, whose logits the verdict's kernel must
-        give bit for bit (a changed library, CPU or weight the key missed fails here).
-        Returns whether it holds; where not, nothing is set and ``self_check`` must run."""
+        """Take ``verdict`` (a passed ``self_check`` of the same ``verdict_key`` in an earlier
+        process, kept in ``verdict_path()``) after a short proof on ``ctx``: decodes of 2 rows
+        and 1 row with llama.cpp's lm_head, whose logits the verdict's kernel must give bit
+        for bit (a changed library, CPU or weight that the key missed fails here). Returns
+        whether it holds; where not, the readout is not active and ``self_check`` must run."""
         if self._chain is not None:
             self._tap.set_next(None, None)
         try:
