@@ -29,7 +29,7 @@ import numpy as np
 
 from .backend import Batch, Context
 from .backend._llama import lib, system_info
-from .paths import cache_dir, read_json_cache, write_json_cache
+from .paths import cache_dir, read_json_cache, update_json_cache
 
 # Batch sizes the policy may choose (nodes per verified tree, root included).
 CANDIDATE_SIZES = tuple(range(1, 17)) + (20, 24, 28, 32, 40, 48, 56, 64)
@@ -475,15 +475,11 @@ def _update_cache(path: Path, key: str, entry: dict | None, *, only_if: dict[int
     With ``only_if`` (b -> µs), remove only while the key still holds those timings (another
     process may have measured it again since). Errors of the file system are ignored (the cache is only
     a cache)."""
-    data = read_json_cache(path)
-    if entry is not None:
-        data[key] = entry
-    else:
-        held = data.get(key, {}).get("table_us", {})
-        if key not in data or (only_if is not None and any(held.get(str(b)) != t for b, t in only_if.items())):
+    if entry is None and only_if is not None:
+        held = read_json_cache(path).get(key, {}).get("table_us", {})
+        if any(held.get(str(b)) != t for b, t in only_if.items()):
             return
-        del data[key]
-    write_json_cache(path, data)
+    update_json_cache(path, key, entry)
 
 
 def calibration_order(cpu_only: bool) -> str:

@@ -38,3 +38,15 @@ def write_json_cache(path: Path, data: dict) -> None:
         tmp.replace(path)
     except OSError:
         pass
+
+
+def update_json_cache(path: Path, key: str, entry: dict | None) -> None:
+    """Put ``entry`` under ``key`` in the cache file ``path`` (None: remove the key), keeping
+    the other keys as the file holds them now (another process may have written some)."""
+    data = read_json_cache(path)
+    if entry is None:
+        if data.pop(key, None) is None:
+            return
+    else:
+        data[key] = entry
+    write_json_cache(path, data)

@@ -59,7 +59,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import native as _native
-from ..paths import cache_dir, read_json_cache, write_json_cache
+from ..paths import cache_dir, read_json_cache, update_json_cache
 from ._llama import _libggml, lib, system_info
 from .features import FINAL_NORM_TENSOR as FINAL_NORM
 from .features import _native_tap
@@ -382,12 +382,9 @@ class Readout:
         if not ok:
             ok = self.self_check(ctx)
             if key and (ok or stored is not None):  # keep a passed check; drop one that no longer holds
-                data = read_json_cache(verdict_path())
-                data.pop(key, None)
-                if ok:
-                    data[key] = {"version": VERDICT_VERSION, "kernel": self.kernel, "passed": list(self.passed),
-                                 "check_rows": self.check_rows}  # fmt: skip
-                write_json_cache(verdict_path(), data)
+                entry = {"version": VERDICT_VERSION, "kernel": self.kernel, "passed": list(self.passed),
+                         "check_rows": self.check_rows} if ok else None  # fmt: skip
+                update_json_cache(verdict_path(), key, entry)
         try:
             model._readout_verdict = {"weights": self.weights, "kernel": self.kernel, "check_rows": self.check_rows,
                                       "active": ok, "off_reason": self.off_reason, "passed": list(self.passed)}  # fmt: skip
