@@ -19,6 +19,7 @@ is quiet again.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -81,6 +82,19 @@ class CostModel:
       table was measured), so the next run measures again. A machine slower than its table
       is loaded now (or decodes a longer context): the table stays, as the quiet reference
       that the online state returns to.
+    * Context: a verified row attends to every cell before it, so a row beyond the first
+      costs more after a long context than after the table's ``context_ref`` tokens
+      (measured 2026-12-07 on a 2-core Intel Xeon, Gemma 3 270M: a row of a batch of 8
+      4.1 ms after 256 tokens, 4.9 after 512, 5.2 after 1,024, 5.3 after 2,048, while t(1)
+      moved within the noise; its sliding-window layers stop the growth past 512). So the
+      online ratios are learned per context bucket (``context_bucket``: one per doubling of
+      ``context_ref``; the step says which, ``set_context``), each bucket's curve as above,
+      but for the prior of a bucket other than the table's: bucket 0's ratio with its excess
+      over one token scaled by ``context_scale``, what the sizes observed in that bucket
+      say of the excess (the nearest bucket below before any). Ratios learned on long
+      prompts then do not price the rows of short ones, nor the reverse: without it, in a
+      run mixing short and long Spec-Bench prompts, batches of 2-8 rows were priced 10-15%
+      too high below 512 tokens of context and up to 14% too low above.
 
     Attributes:
         table_us: b -> measured microseconds (calibration).
@@ -98,6 +112,8 @@ class CostModel:
         expire_below / expire_after: the table expires after ``expire_after`` observations in
             a row with ``load() < expire_below``.
         rebased: how many times the table expired and was replaced by the online one.
+        context_ref: the context (tokens) the table was measured after (``calibrate``'s prefix).
+        context: the context (tokens) of the decodes priced and observed now (``set_context``).
     """
 
     table_us: dict[int, float]
@@ -114,15 +130,20 @@ class CostModel:
     expire_after: int = 64
     rebased: int = 0
     repeated: frozenset[int] = frozenset()
+    context_ref: int = 256
+    context: int = 0
 
     def __post_init__(self) -> None:
         if not self.table_us:
             raise ValueError("empty cost table")
         self.repeated = frozenset(self.repeated)
         self._clean, self.outliers = sanitize_table(self.table_us, repeated=self.repeated)
-        self._ratio: dict[int, float] = {}  # b -> online ratio t(b) / t1 (b > 1)
-        self._ratio_load: dict[int, float] = {}  # b -> load() when its ratio was last observed
-        self._curve: dict[int, float] | None = None  # b -> sane ratio, cached
+        # (context bucket, b) -> online ratio t(b) / t1 (b > 1), its observations, and load()
+        # when it was last observed
+        self._ratio: dict[tuple[int, int], float] = {}
+        self._ratio_n: dict[tuple[int, int], int] = {}
+        self._ratio_load: dict[tuple[int, int], float] = {}
+        self._curves: dict[int, dict[int, float]] = {}  # context bucket -> b -> sane ratio, cached
         self._load, self._load_n = 1.0, 0  # observed time / table time, moving average
         self._beaten = 0  # observations in a row with load() < expire_below
 
@@ -188,51 +209,106 @@ class CostModel:
         return self._table_at(1)
 
     def table_correction(self) -> float:
-        """Geometric mean of (observed ratio / table ratio) over the batch sizes observed,
-        shrunk towards 1 by one pseudo-observation; applied to the table's ratios."""
+        """Geometric mean of (observed ratio / table ratio) over the batch sizes observed in
+        the table's context bucket (0), shrunk towards 1 by one pseudo-observation; applied to
+        the table's ratios."""
         num, den = 0.0, 1.0
-        for b, r in self._ratio.items():
-            n = min(self.online_n.get(b, 0), 20)
-            num += n * np.log(r / self._table_ratio(b))
-            den += n
+        for (k, b), r in self._ratio.items():
+            if k == 0:
+                n = min(self._ratio_n[(k, b)], 20)
+                num += n * np.log(r / self._table_ratio(b))
+                den += n
         return float(np.exp(num / den))
 
-    def ratio(self, b: int) -> float:
-        """``r(b) = t(b) / t1`` after the sanity checks (>= 1; not monotone in b, see the class
-        docstring). A size outside the curve takes the next size up, else grows linearly
-        beyond the top."""
+    def set_context(self, n_tokens: int) -> None:
+        """The context (tokens in the KV cache before the batch; for several requests their
+        mean) of the decodes priced and observed from now on."""
+        self.context = max(0, int(n_tokens))
+
+    def context_bucket(self, n_tokens: int | None = None) -> int:
+        """Bucket of a context of ``n_tokens`` (default ``context``): 0 below twice
+        ``context_ref``, then one per doubling (``context_ref`` 256: 0 below 512, 1 for
+        512-1,023, 2 for 1,024-2,047, ...)."""
+        n = self.context if n_tokens is None else n_tokens
+        ref = max(1, self.context_ref)
+        return 0 if n < 2 * ref else int(math.floor(math.log2(n / ref)))
+
+    def context_scale(self, bucket: int | None = None) -> float:
+        """``s``: what the excess of a ratio over one token is multiplied by in ``bucket``
+        (default the current context's), against bucket 0's curve: 1 in bucket 0; in another,
+        the geometric mean of (observed excess / bucket 0's excess) over the sizes observed
+        there (each weighing its observations, at most 20; sizes whose excess is under 0.05
+        say nothing of it), shrunk towards the scale of the nearest bucket below by one
+        pseudo-observation (the growth is monotone), 1 before any."""
+        k = self.context_bucket() if bucket is None else bucket
+        if k <= 0:
+            return 1.0
+        below = max([j for j, _ in self._ratio if 0 < j < k], default=0)
+        prior = self.context_scale(below) if below else 1.0
+        num, den = np.log(prior), 1.0
+        for (j, b), r in self._ratio.items():
+            base = self._ratio_at(0, b) - 1.0
+            if j == k and base >= 0.05 and r > 1.0:
+                n = min(self._ratio_n[(j, b)], 20)
+                num += n * np.log((r - 1.0) / base)
+                den += n
+        return float(np.exp(num / den))
+
+    def _ratio_at(self, k: int, b: int) -> float:
+        """``r(b)`` in context bucket ``k`` (the sanity-checked curve of that bucket). A size
+        outside the curve takes the next size up, else grows linearly beyond the top."""
         if b <= 1:
             return 1.0
-        if self._curve is None:
-            self._curve = self._build_curve()
-        r = self._curve.get(b)
-        if r is None:  # a size outside the table's: next size up, else linear beyond the top
-            bigger = [s for s in self._curve if s >= b]
-            top = max(self._curve)
-            r = self._curve[min(bigger)] if bigger else self._curve[top] * b / top
+        curve = self._curves.get(k)
+        if curve is None:
+            curve = self._curves[k] = self._build_curve(k)
+        r = curve.get(b)
+        if r is None:
+            bigger = [s for s in curve if s >= b]
+            top = max(curve)
+            r = curve[min(bigger)] if bigger else curve[top] * b / top
         return r
 
-    def _build_curve(self) -> dict[int, float]:
-        g = self.table_correction()
-        sizes = sorted(set(self.table_us) | set(self._ratio) | {1})
+    def _context_factor(self, b: int) -> float:
+        """``r(b, context) / r(b)``: how much dearer (cheaper) a batch of ``b`` is at the
+        current context than at the table's."""
+        return self.ratio(b) / self._ratio_at(0, b)
+
+    def ratio(self, b: int) -> float:
+        """``r(b) = t(b) / t1`` at the current context (``set_context``) after the sanity
+        checks (>= 1; not monotone in b, see the class docstring)."""
+        return self._ratio_at(self.context_bucket(), b)
+
+    def _build_curve(self, k: int) -> dict[int, float]:
+        """Context bucket ``k``'s curve: per size the prior (bucket 0: the table's ratio
+        times ``table_correction``; another: bucket 0's excess times ``context_scale(k)``)
+        weighed with ``prior_n`` pseudo-observations against the size's online ratio there."""
+        if k == 0:
+            g = self.table_correction()
+            prior = lambda b: self._table_ratio(b) * g  # noqa: E731
+        else:
+            s = self.context_scale(k)
+            prior = lambda b: 1.0 + (self._ratio_at(0, b) - 1.0) * s  # noqa: E731
+        sizes = sorted(set(self.table_us) | {b for j, b in self._ratio if j == k} | {1})
         out: dict[int, float] = {}
         for b in sizes:
             if b == 1:
                 out[b] = 1.0
                 continue
-            prior = self._table_ratio(b) * g
-            n = min(self.online_n.get(b, 0), 20)
-            r = (self.prior_n * prior + n * self._ratio[b]) / (self.prior_n + n) if b in self._ratio else prior
+            r = prior(b)
+            if (k, b) in self._ratio:
+                n = min(self._ratio_n[(k, b)], 20)
+                r = (self.prior_n * r + n * self._ratio[(k, b)]) / (self.prior_n + n)
             out[b] = max(1.0, r)
         return out
 
     def min_ratio(self, lo: int, hi: int) -> float:
-        """The smallest ``r(b)`` over ``lo <= b <= hi`` (the sizes of the curve in that range,
-        and ``lo`` itself), for bounds: no batch of ``lo..hi`` tokens costs less than
-        ``t1 * min_ratio(lo, hi)``."""
-        if self._curve is None:
-            self._curve = self._build_curve()
-        return min([self.ratio(lo)] + [r for b, r in self._curve.items() if lo <= b <= hi])
+        """The smallest ``r(b)`` over ``lo <= b <= hi`` at the current context (the sizes of
+        its curve in that range, and ``lo`` itself), for bounds: no batch of ``lo..hi`` tokens
+        costs less than ``t1 * min_ratio(lo, hi)``."""
+        k = self.context_bucket()
+        self.ratio(lo)  # builds the curve
+        return min([self.ratio(lo)] + [r for b, r in self._curves[k].items() if lo <= b <= hi])
 
     def t_decode_us(self, b: int) -> float:
         """Expected decode time of a batch of ``b`` tokens (µs): ``t1_us() * ratio(b)``."""
@@ -264,7 +340,7 @@ class CostModel:
             return
         n = self.online_n.get(b, 0)
         a = max(self.alpha, 1.0 / (n + 1))
-        lam = t_us / self._table_at(b)
+        lam = t_us / (self._table_at(b) * self._context_factor(b))
         # the load this decode ran in, as the decodes before it saw it (its own time is what
         # is priced, so a tree that ran in a burst does not count as the burst's load)
         load_then = self._load if self._load_n else lam
@@ -276,43 +352,49 @@ class CostModel:
         self._load_n += 1
         if b > 1:
             r_obs = t_us / self.t1_us()
-            cur = self._ratio.get(b)
+            key = (self.context_bucket(), b)
+            cur = self._ratio.get(key)
+            m = self._ratio_n.get(key, 0)
             if cur is None:
-                prior = max(1.0, self._table_ratio(b) * self.table_correction())
-                self._ratio[b] = max(1.0, min(max(r_obs, 0.5 * prior), 2.0 * prior))
+                prior = self.ratio(b)  # this bucket's curve before it
+                self._ratio[key] = max(1.0, min(max(r_obs, 0.5 * prior), 2.0 * prior))
             else:
                 r_obs = min(max(r_obs, 0.5 * cur), 2.0 * cur)
-                self._ratio[b] = max(1.0, cur + a * (r_obs - cur))
-            self._ratio_load[b] = load_then
-            self._curve = None
+                self._ratio[key] = max(1.0, cur + max(self.alpha, 1.0 / (m + 1)) * (r_obs - cur))
+            self._ratio_n[key] = m + 1
+            self._ratio_load[key] = load_then
+            self._curves.clear()
         if n == 0:
             self.online_us[b] = t_us
         else:
             cur = self.online_us[b]
             self.online_us[b] = cur + a * (min(max(t_us, 0.5 * cur), 2.0 * cur) - cur)
         self.online_n[b] = n + 1
-        for size in [k for k, then in self._ratio_load.items() if self.load_fell_since(then)]:
-            self._forget(size)
+        for key in [key for key, then in self._ratio_load.items() if self.load_fell_since(then)]:
+            self._forget(key)
         self._beaten = self._beaten + 1 if self._load < self.expire_below else 0
         if self._beaten >= self.expire_after:
             self._expire()
 
-    def _forget(self, b: int) -> None:
-        """Drop what was learned online about size ``b`` > 1 (its ratio returns to the prior)."""
-        for d in (self._ratio, self._ratio_load, self.online_us, self.online_n):
-            d.pop(b, None)
-        self._curve = None
+    def _forget(self, key: tuple[int, int]) -> None:
+        """Drop what was learned online about size ``b`` > 1 in context bucket ``k`` (``key =
+        (k, b)``: its ratio returns to the prior)."""
+        for d in (self._ratio, self._ratio_n, self._ratio_load):
+            d.pop(key, None)
+        for d in (self.online_us, self.online_n):
+            d.pop(key[1], None)
+        self._curves.clear()
 
     def _expire(self) -> None:
         """The machine has beaten the table for long: the table becomes the online-corrected
         one, and its cache entry (if any) is dropped so that the next run measures again."""
         old = dict(self.table_us)
-        self.table_us = {b: self.t_decode_us(b) for b in self.table_us}
+        self.table_us = {b: self.t1_us() * self._ratio_at(0, b) for b in self.table_us}  # at the table's context
         # t(1) is now the online average of many plain steps: measured, not a burst's
         self.repeated = self.repeated | ({1} if self.online_n.get(1, 0) >= 3 else set())
         self._clean, self.outliers = sanitize_table(self.table_us, repeated=self.repeated)
-        for b in [b for b in self._ratio]:
-            self._forget(b)  # folded into the new table
+        for key in [key for key in self._ratio if key[0] == 0]:
+            self._forget(key)  # folded into the new table (the other buckets' ratios stand)
         self._load, self._load_n, self._beaten = 1.0, 0, 0
         self.rebased += 1
         if self.cache_ref is not None:
@@ -324,8 +406,9 @@ class CostModel:
         self.online_us.clear()
         self.online_n.clear()
         self._ratio.clear()
+        self._ratio_n.clear()
         self._ratio_load.clear()
-        self._curve = None
+        self._curves.clear()
         self._load, self._load_n, self._beaten = 1.0, 0, 0
 
     def contention_note(self) -> str | None:
@@ -543,6 +626,7 @@ def calibrate(
             scripted ones); each is read just before and just after every timed decode.
     """
     sizes = [b for b in sizes if b <= max_size]
+    n_prefix = max(0, min(n_prefix, ctx.n_ctx - max(sizes) - 1))
     path = cache_dir() / "costs.json"
     key = _cache_key(ctx)
     if use_cache:
@@ -552,12 +636,12 @@ def calibrate(
                 table = {int(k): float(v) for k, v in entry["table_us"].items()}
                 if all(b in table for b in sizes):
                     kept = frozenset(int(b) for b in entry.get("repeated", ()))
-                    cached = CostModel({b: table[b] for b in sizes}, cache_ref=(path, key), repeated=kept)
+                    cached = CostModel({b: table[b] for b in sizes}, cache_ref=(path, key), repeated=kept,
+                                       context_ref=n_prefix)  # fmt: skip
                     if not cached.outliers:  # else measured under a burst of load: measure again
                         return cached
         except (ValueError, KeyError, TypeError, AttributeError):  # an entry of another shape: measure again
             pass
-    n_prefix = min(n_prefix, ctx.n_ctx - max(sizes) - 1)
     batch = Batch(max(max(sizes), n_prefix, 1), 1)
     rng = np.random.default_rng(0)
     vocab_hi = min(ctx.n_vocab, 32000)
@@ -601,7 +685,7 @@ def calibrate(
     ctx.clear()
     share = cpu_got / cpu_could if cpu_only and cpu_could > 0 else None
     repeated = repeated_sizes(times) if order == "rounds" else frozenset()
-    model = CostModel(table, contended=load_during_calibration(times, share), repeated=repeated)
+    model = CostModel(table, contended=load_during_calibration(times, share), repeated=repeated, context_ref=n_prefix)
     # a table with gross outliers, or measured under contention, was measured under load:
     # use it (cleaned) but do not keep it
     if use_cache and not model.outliers and model.contended is None:

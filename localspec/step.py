@@ -210,6 +210,8 @@ class Step:
         """
         times = StepTimes(t_start=now_us())
         n_fixed = sum(len(e.kv.pending) for e in entries)
+        if entries:  # rows after a long context cost more (CostModel.set_context): priced and observed at it
+            self.policy.cost.set_context(round(sum(e.kv.n_past for e in entries) / len(entries)))
         props = self.propose(entries, n_fixed=n_fixed)
         pause = self._pause_tap(entries, pieces)
         rows: list[TreeRows] = []
