@@ -308,8 +308,10 @@ class CostModel:
         its curve in that range, and ``lo`` itself), for bounds: no batch of ``lo..hi`` tokens
         costs less than ``t1 * min_ratio(lo, hi)``."""
         k = self.context_bucket()
-        self.ratio(lo)  # builds the curve
-        return min([self.ratio(lo)] + [r for b, r in self._curves[k].items() if lo <= b <= hi])
+        curve = self._curves.get(k)
+        if curve is None:
+            curve = self._curves[k] = self._build_curve(k)
+        return min([self.ratio(lo)] + [r for b, r in curve.items() if lo <= b <= hi])
 
     def t_decode_us(self, b: int) -> float:
         """Expected decode time of a batch of ``b`` tokens (µs): ``t1_us() * ratio(b)``."""

@@ -97,3 +97,17 @@ def test_the_step_prices_its_rows_at_the_requests_context(model):
         assert cm.context_bucket() == 1
     finally:
         e.close()
+
+
+def test_bounds_are_priced_at_the_current_context_right_after_an_observation():
+    """``min_ratio`` (the allocation's cost floor) from plain steps up, straight after a decode
+    was fed back (every bucket's curve is rebuilt then), at a short and a long context."""
+    cm = CostModel(dict(FIXED_COSTS_US), context_ref=256)
+    feed(cm, 1500, rounds=2)
+    for n in (1500, 300):
+        cm.set_context(n)
+        cm.observe(1, T1)
+        assert cm.min_ratio(1, 16) == 1.0
+        assert cm.min_ratio(2, 16) == pytest.approx(min(cm.ratio(b) for b in (2, 3, 4, 8, 12, 16)))
+    cm.set_context(1500)
+    assert cm.min_ratio(8, 8) == pytest.approx(true_us(8, 1500) / T1, rel=0.05)
