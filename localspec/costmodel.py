@@ -248,21 +248,28 @@ class CostModel:
         prior = self.context_scale(below) if below else 1.0
         num, den = np.log(prior), 1.0
         for (j, b), r in self._ratio.items():
+            if j != k or r <= 1.0:
+                continue
             base = self._ratio_at(0, b) - 1.0
-            if j == k and base >= 0.05 and r > 1.0:
+            if base >= 0.05:
                 n = min(self._ratio_n[(j, b)], 20)
                 num += n * np.log((r - 1.0) / base)
                 den += n
         return float(np.exp(num / den))
+
+    def _curve(self, k: int) -> dict[int, float]:
+        """Context bucket ``k``'s curve (b -> sane ratio), built once after each observation."""
+        curve = self._curves.get(k)
+        if curve is None:
+            curve = self._curves[k] = self._build_curve(k)
+        return curve
 
     def _ratio_at(self, k: int, b: int) -> float:
         """``r(b)`` in context bucket ``k`` (the sanity-checked curve of that bucket). A size
         outside the curve takes the next size up, else grows linearly beyond the top."""
         if b <= 1:
             return 1.0
-        curve = self._curves.get(k)
-        if curve is None:
-            curve = self._curves[k] = self._build_curve(k)
+        curve = self._curve(k)
         r = curve.get(b)
         if r is None:
             bigger = [s for s in curve if s >= b]
@@ -307,11 +314,7 @@ class CostModel:
         """The smallest ``r(b)`` over ``lo <= b <= hi`` at the current context (the sizes of
         its curve in that range, and ``lo`` itself), for bounds: no batch of ``lo..hi`` tokens
         costs less than ``t1 * min_ratio(lo, hi)``."""
-        k = self.context_bucket()
-        curve = self._curves.get(k)
-        if curve is None:
-            curve = self._curves[k] = self._build_curve(k)
-        return min([self.ratio(lo)] + [r for b, r in curve.items() if lo <= b <= hi])
+        return min([self.ratio(lo)] + [r for b, r in self._curve(self.context_bucket()).items() if lo <= b <= hi])
 
     def t_decode_us(self, b: int) -> float:
         """Expected decode time of a batch of ``b`` tokens (µs): ``t1_us() * ratio(b)``."""

@@ -13,8 +13,9 @@ T1 = FIXED_COSTS_US[1]
 
 def excess_scale(n_tokens: int) -> float:
     """The scripted machine: the excess of a batch's ratio over one token grows with the
-    context, as measured on the 2-core Xeon (the same below 512 tokens as at the table's 256,
-    1.8x from 1,024, 2.1x from 2,048); t(1) does not move."""
+    context, as on the 2-core Xeon but steeper (the same below 512 tokens as at the table's
+    256, then 1.4x, 1.8x from 1,024 and 2.1x from 2,048, where the Xeon measured about 1.2-1.3x
+    past 512), so that a price learned in the wrong bucket is far off; t(1) does not move."""
     return 1.0 if n_tokens < 512 else 1.4 if n_tokens < 1024 else 1.8 if n_tokens < 2048 else 2.1
 
 
