@@ -53,10 +53,11 @@ class CostModel:
       the ``t1`` of that moment, clipped to [1/2, 2] times the current estimate so that one
       burst of load moves it by at most a step).
     * Sizes not observed yet have their table ratio corrected by the geometric mean of
-      (observed ratio / table ratio) over the sizes observed (``table_correction``), as is
-      the prior of the observed ones: a table
+      (observed ratio / table ratio) over the sizes observed, the sizes near them weighing
+      most (``table_correction``), as is the prior of the observed ones: a table
       calibrated while a burst slowed the single-token decodes makes every batch look cheap,
-      and the first verified trees show it.
+      and the first verified trees show it; a table wrong at one size is corrected by its
+      neighbours, so a size that the table prices too dear is still chosen and measured.
     * Sanity: entries a burst of load spoiled grossly are replaced by a robust fit of the
       table (``sanitize_table``; ``outliers`` lists them), except entries whose calibration
       samples repeated (``repeated``); a batch never costs less than one token (``r(b) >= 1``).
@@ -91,7 +92,8 @@ class CostModel:
       ``context_ref``; the step says which, ``set_context``), each bucket's curve as above,
       but for the prior of a bucket other than the table's: bucket 0's ratio with its excess
       over one token scaled by ``context_scale``, what the sizes observed in that bucket
-      say of the excess (the nearest bucket below before any). Ratios learned on long
+      say of the excess, the sizes near the one priced weighing most (the nearest bucket
+      below before any). Ratios learned on long
       prompts then do not price the rows of short ones, nor the reverse: without it, in a
       run mixing short and long Spec-Bench prompts, batches of 2-8 rows were priced 10-15%
       too high below 512 tokens of context (observed over predicted time 0.85-0.90), and
@@ -115,6 +117,9 @@ class CostModel:
         rebased: how many times the table expired and was replaced by the online one.
         context_ref: the context (tokens) the table was measured after (``calibrate``'s prefix).
         context: the context (tokens) of the decodes priced and observed now (``set_context``).
+        size_width: width (in ln b) of the kernel over batch sizes with which an observed
+            size corrects its neighbours' priors (``table_correction``, ``context_scale``):
+            half a doubling away weighs 0.61, a doubling 0.14, two doublings nothing.
     """
 
     table_us: dict[int, float]
@@ -133,6 +138,7 @@ class CostModel:
     repeated: frozenset[int] = frozenset()
     context_ref: int = 256
     context: int = 0
+    size_width: float = 0.35
 
     def __post_init__(self) -> None:
         if not self.table_us:
@@ -145,6 +151,7 @@ class CostModel:
         self._ratio_n: dict[tuple[int, int], int] = {}
         self._ratio_load: dict[tuple[int, int], float] = {}
         self._curves: dict[int, dict[int, float]] = {}  # context bucket -> b -> sane ratio, cached
+        self._memo: dict[tuple, object] = {}  # corrections and scales behind the curves, cached with them
         self._load, self._load_n = 1.0, 0  # observed time / table time, moving average
         self._beaten = 0  # observations in a row with load() < expire_below
 
@@ -201,7 +208,16 @@ class CostModel:
         return t[top] * b / top
 
     def _table_ratio(self, b: int) -> float:
-        return self._table_at(b) / self._table_at(1)
+        key = ("table", b)
+        r = self._memo.get(key)
+        if r is None:
+            r = self._memo[key] = self._table_at(b) / self._table_at(1)
+        return r
+
+    def _invalidate(self) -> None:
+        """Drop the cached curves (after an observation, a forgotten size, a new table)."""
+        self._curves.clear()
+        self._memo.clear()
 
     def t1_us(self) -> float:
         """Current single-token decode time (µs): online once observed twice, else the table's."""
@@ -209,17 +225,55 @@ class CostModel:
             return self.online_us[1]
         return self._table_at(1)
 
-    def table_correction(self) -> float:
-        """Geometric mean of (observed ratio / table ratio) over the batch sizes observed in
-        the table's context bucket (0), shrunk towards 1 by one pseudo-observation; applied to
-        the table's ratios."""
-        num, den = 0.0, 1.0
-        for (k, b), r in self._ratio.items():
-            if k == 0:
-                n = min(self._ratio_n[(k, b)], 20)
-                num += n * np.log(r / self._table_ratio(b))
-                den += n
-        return float(np.exp(num / den))
+    def _bucket_obs(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sizes observed in context bucket ``k`` and their weights (observations, at most 20)."""
+        keys = [b for (j, b) in self._ratio if j == k]
+        return (np.array(keys, dtype=np.float64),
+                np.array([min(self._ratio_n[(k, b)], 20) for b in keys], dtype=np.float64))  # fmt: skip
+
+    def _near(self, sizes: Sequence[int], obs_b: np.ndarray, obs_log: np.ndarray, obs_w: np.ndarray,
+              prior_log: float, prior_w: float) -> np.ndarray:  # fmt: skip
+        """Per size of ``sizes``: exp of the mean of ``obs_log`` (one value per observed size
+        ``obs_b``) weighted by ``obs_w`` times a Gaussian kernel in ln b of width
+        ``size_width``, with ``prior_log`` worth ``prior_w`` more (a kernel regression,
+        Nadaraya-Watson, towards a prior). [len(sizes)] float64."""
+        x = np.log(np.asarray(sizes, dtype=np.float64))[:, None]
+        if obs_b.size == 0:
+            return np.full(x.shape[0], math.exp(prior_log))
+        w = obs_w[None, :] * np.exp(-0.5 * ((x - np.log(obs_b)[None, :]) / self.size_width) ** 2)
+        return np.exp((prior_w * prior_log + w @ obs_log) / (prior_w + w.sum(axis=1)))
+
+    def table_correction(self, b: int | None = None) -> float:
+        """Observed ratio over table ratio in the table's context bucket (0).
+
+        Without ``b``: the geometric mean over the sizes observed there (each weighing its
+        observations, at most 20), shrunk towards 1 by one pseudo-observation. With ``b``:
+        the same mean with the sizes near ``b`` (in ln b) weighing most (``_near``; the mean
+        over all sizes worth two observations): a table entry wrong at one size (measured in
+        a burst, or by a calibration whose batches differ from the step's) is corrected by
+        what its neighbours showed, and a size the policy never chose because its entry was
+        too dear is not left at that entry (measured 2026-12-07, Intel Xeon: the cached
+        table's r(8) 2.50 against r(7) 2.10 and r(10) 2.76 observed, so 8 was never tried)."""
+        return float(self._corrections([b])[0]) if b is not None else self._global_correction()
+
+    def _table_obs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+        """Bucket 0's sizes, weights, ln(observed / table ratio) and the global mean of it
+        (shrunk towards 0 by one pseudo-observation), cached with the curves."""
+        out = self._memo.get(("table_obs",))
+        if out is None:
+            obs_b, obs_w = self._bucket_obs(0)
+            logs = np.array([math.log(self._ratio[(0, int(b))] / self._table_ratio(int(b))) for b in obs_b])
+            mean = float(obs_w @ logs / (1.0 + obs_w.sum())) if obs_b.size else 0.0
+            out = self._memo[("table_obs",)] = (obs_b, obs_w, logs, mean)
+        return out  # type: ignore[return-value]
+
+    def _global_correction(self) -> float:
+        return math.exp(self._table_obs()[3])
+
+    def _corrections(self, sizes: Sequence[int]) -> np.ndarray:
+        """``table_correction(b)`` for each size of ``sizes``. [len(sizes)] float64."""
+        obs_b, obs_w, logs, mean = self._table_obs()
+        return self._near(sizes, obs_b, logs, obs_w, mean, 2.0)
 
     def set_context(self, n_tokens: int) -> None:
         """The context (tokens in the KV cache before the batch; for several requests their
@@ -234,28 +288,56 @@ class CostModel:
         ref = max(1, self.context_ref)
         return 0 if n < 2 * ref else int(math.floor(math.log2(n / ref)))
 
-    def context_scale(self, bucket: int | None = None) -> float:
+    def context_scale(self, bucket: int | None = None, b: int | None = None) -> float:
         """``s``: what the excess of a ratio over one token is multiplied by in ``bucket``
-        (default the current context's), against bucket 0's curve: 1 in bucket 0; in another,
-        the geometric mean of (observed excess / bucket 0's excess) over the sizes observed
-        there (each weighing its observations, at most 20; sizes whose excess is under 0.05
-        say nothing of it), shrunk towards the scale of the nearest bucket below by one
-        pseudo-observation (the growth is monotone), 1 before any."""
+        (default the current context's), against bucket 0's curve; 1 in bucket 0.
+
+        Without ``b``, the bucket's scale: the geometric mean of (observed excess / bucket 0's
+        excess) over the sizes observed there, each weighing its observations (at most 20)
+        times bucket 0's excess at that size (sizes whose excess is under 0.05 say nothing of
+        it), shrunk towards the scale of the nearest bucket below by one pseudo-observation
+        of weight 1 (the growth is monotone); 1 before any. The weight follows the excess
+        because the context does not scale every size alike and a small excess is a noisy
+        ratio: on the Xeon (2026-12-07) the excess of 2 rows grew 1.9x from 256 to 2,048
+        tokens of context and that of 8-16 rows 1.3x, and an `auto` engine, whose head steps
+        verify 2 rows, priced 8 rows 40% above their cost after 1,400 tokens.
+
+        With ``b``: the same ratios with the sizes near ``b`` (in ln b) weighing most
+        (``_near``; the bucket's scale worth two observations)."""
         k = self.context_bucket() if bucket is None else bucket
         if k <= 0:
             return 1.0
-        below = max([j for j, _ in self._ratio if 0 < j < k], default=0)
-        prior = self.context_scale(below) if below else 1.0
-        num, den = np.log(prior), 1.0
-        for (j, b), r in self._ratio.items():
-            if j != k or r <= 1.0:
-                continue
-            base = self._ratio_at(0, b) - 1.0
-            if base >= 0.05:
-                n = min(self._ratio_n[(j, b)], 20)
-                num += n * np.log((r - 1.0) / base)
-                den += n
-        return float(np.exp(num / den))
+        if b is not None:
+            return float(self._context_scales(k, [b])[0])
+        s = self._memo.get(("scale", k))
+        if s is None:
+            _, logs, obs_w, base = self._scale_obs(k)
+            below = max([j for j, _ in self._ratio if 0 < j < k], default=0)
+            prior = self.context_scale(below) if below else 1.0
+            w = obs_w * base
+            s = self._memo[("scale", k)] = float(np.exp((math.log(prior) + w @ logs) / (1.0 + w.sum())))
+        return s  # type: ignore[return-value]
+
+    def _scale_obs(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Bucket ``k``'s sizes that say something of its scale: sizes, ln(observed excess /
+        bucket 0's excess), weights (observations, at most 20) and bucket 0's excess; cached
+        with the curves."""
+        a = self._memo.get(("scale_obs", k))
+        if a is None:
+            out = []
+            for (j, b), r in self._ratio.items():
+                if j != k or r <= 1.0:
+                    continue
+                base = self._ratio_at(0, b) - 1.0
+                if base >= 0.05:
+                    out.append((b, math.log((r - 1.0) / base), min(self._ratio_n[(j, b)], 20), base))
+            a = self._memo[("scale_obs", k)] = np.array(out, dtype=np.float64).reshape(-1, 4)
+        return a[:, 0], a[:, 1], a[:, 2], a[:, 3]  # type: ignore[index]
+
+    def _context_scales(self, k: int, sizes: Sequence[int]) -> np.ndarray:
+        """``context_scale(k, b)`` for each size of ``sizes``. [len(sizes)] float64."""
+        obs_b, logs, obs_w, _ = self._scale_obs(k)
+        return self._near(sizes, obs_b, logs, obs_w, math.log(self.context_scale(k)), 2.0)
 
     def _curve(self, k: int) -> dict[int, float]:
         """Context bucket ``k``'s curve (b -> sane ratio), built once after each observation."""
@@ -289,25 +371,25 @@ class CostModel:
 
     def _build_curve(self, k: int) -> dict[int, float]:
         """Context bucket ``k``'s curve: per size the prior (bucket 0: the table's ratio
-        times ``table_correction``; another: bucket 0's excess times ``context_scale(k)``)
-        weighed with ``prior_n`` pseudo-observations against the size's online ratio there."""
-        if k == 0:
-            g = self.table_correction()
-            prior = lambda b: self._table_ratio(b) * g  # noqa: E731
-        else:
-            s = self.context_scale(k)
-            prior = lambda b: 1.0 + (self._ratio_at(0, b) - 1.0) * s  # noqa: E731
+        times ``table_correction(b)``; another: bucket 0's excess times
+        ``context_scale(k, b)``) weighed with ``prior_n`` pseudo-observations against the
+        size's online ratio there."""
         sizes = sorted(set(self.table_us) | {b for j, b in self._ratio if j == k} | {1})
+        if k == 0:
+            g = self._corrections(sizes)
+            priors = [self._table_ratio(b) * g_b for b, g_b in zip(sizes, g)]
+        else:
+            s = self._context_scales(k, sizes)
+            priors = [1.0 + (self._ratio_at(0, b) - 1.0) * s_b for b, s_b in zip(sizes, s)]
         out: dict[int, float] = {}
-        for b in sizes:
+        for b, r in zip(sizes, priors):
             if b == 1:
                 out[b] = 1.0
                 continue
-            r = prior(b)
             if (k, b) in self._ratio:
                 n = min(self._ratio_n[(k, b)], 20)
                 r = (self.prior_n * r + n * self._ratio[(k, b)]) / (self.prior_n + n)
-            out[b] = max(1.0, r)
+            out[b] = max(1.0, float(r))
         return out
 
     def min_ratio(self, lo: int, hi: int) -> float:
@@ -369,7 +451,7 @@ class CostModel:
                 self._ratio[key] = max(1.0, cur + max(self.alpha, 1.0 / (m + 1)) * (r_obs - cur))
             self._ratio_n[key] = m + 1
             self._ratio_load[key] = load_then
-            self._curves.clear()
+            self._invalidate()
         if n == 0:
             self.online_us[b] = t_us
         else:
@@ -389,7 +471,7 @@ class CostModel:
             d.pop(key, None)
         for d in (self.online_us, self.online_n):
             d.pop(key[1], None)
-        self._curves.clear()
+        self._invalidate()
 
     def _expire(self) -> None:
         """The machine has beaten the table for long: the table becomes the online-corrected
@@ -414,7 +496,7 @@ class CostModel:
         self._ratio.clear()
         self._ratio_n.clear()
         self._ratio_load.clear()
-        self._curves.clear()
+        self._invalidate()
         self._load, self._load_n, self._beaten = 1.0, 0, 0
 
     def contention_note(self) -> str | None:

@@ -112,3 +112,46 @@ def test_bounds_are_priced_at_the_current_context_right_after_an_observation():
         assert cm.min_ratio(2, 16) == pytest.approx(min(cm.ratio(b) for b in (2, 3, 4, 8, 12, 16)))
     cm.set_context(1500)
     assert cm.min_ratio(8, 8) == pytest.approx(true_us(8, 1500) / T1, rel=0.05)
+
+
+def test_a_size_never_decoded_in_a_long_context_takes_the_scale_of_its_neighbours_not_of_two_rows():
+    """The context does not scale every size alike (the Xeon, 2026-12-07: the excess of 2 rows
+    grew 1.9x from 256 to 2,048 tokens, that of 8-16 rows 1.3x), and an `auto` engine's head
+    steps verify 2 rows again and again. A bucket that saw 2 rows often and 12 rows a few
+    times prices 8 and 16 rows from 12's scale: the old mean over the sizes observed, each
+    weighing its observations, put 8 and 16 rows 27-29% above their cost."""
+    cm = CostModel(dict(FIXED_COSTS_US), context_ref=256)
+
+    def true_long(b: int) -> float:
+        r = FIXED_COSTS_US[b] / T1
+        return T1 * (1.0 + (r - 1.0) * (1.9 if b == 2 else 1.3))
+
+    cm.set_context(1500)
+    for i in range(20):
+        cm.observe(1, T1)
+        cm.observe(2, true_long(2))
+        if i % 5 == 0:
+            cm.observe(12, true_long(12))
+    for b in (8, 16):
+        assert abs(cm.t_decode_us(b) / true_long(b) - 1.0) < 0.10, (b, cm.t_decode_us(b), true_long(b))
+    assert abs(cm.t_decode_us(2) / true_long(2) - 1.0) < 0.03
+
+
+def test_a_table_wrong_for_large_batches_is_corrected_by_the_large_batches_observed():
+    """A table right up to 4 rows and 25% too dear from 8 on (a calibration whose large
+    batches ran in a burst): the many small steps observed say nothing of 16 rows, the
+    decodes of 12 and 24 rows do. The old correction, one geometric mean over every size
+    observed, left 16 rows 20% too dear."""
+    table = {b: t * (1.25 if b >= 8 else 1.0) for b, t in FIXED_COSTS_US.items()}
+    cm = CostModel(table, context_ref=256)
+    cm.set_context(300)
+    for i in range(20):
+        cm.observe(1, T1)
+        for b in (2, 3, 4):
+            cm.observe(b, FIXED_COSTS_US[b])
+        if i % 3 == 0:
+            cm.observe(12, FIXED_COSTS_US[12])
+            cm.observe(24, FIXED_COSTS_US[24])
+    assert abs(cm.t_decode_us(16) / FIXED_COSTS_US[16] - 1.0) < 0.08, cm.t_decode_us(16)
+    for b in (2, 3, 4):
+        assert abs(cm.t_decode_us(b) / FIXED_COSTS_US[b] - 1.0) < 0.02, (b, cm.t_decode_us(b))
