@@ -56,8 +56,10 @@ class CostModel:
       (observed ratio / table ratio) over the sizes observed, the sizes near them weighing
       most (``table_correction``), as is the prior of the observed ones: a table
       calibrated while a burst slowed the single-token decodes makes every batch look cheap,
-      and the first verified trees show it; a table wrong at one size is corrected by its
-      neighbours, so a size that the table prices too dear is still chosen and measured.
+      and the first verified trees show it; a table wrong over a range of sizes (its large
+      batches, say) is corrected there by the sizes observed in that range, not outvoted
+      by the many small steps. (A lone entry too dear, among neighbours the table prices
+      right, stays too dear until the policy verifies that size.)
     * Sanity: entries a burst of load spoiled grossly are replaced by a robust fit of the
       table (``sanitize_table``; ``outliers`` lists them), except entries whose calibration
       samples repeated (``repeated``); a batch never costs less than one token (``r(b) >= 1``).
@@ -249,11 +251,9 @@ class CostModel:
         Without ``b``: the geometric mean over the sizes observed there (each weighing its
         observations, at most 20), shrunk towards 1 by one pseudo-observation. With ``b``:
         the same mean with the sizes near ``b`` (in ln b) weighing most (``_near``; the mean
-        over all sizes worth two observations): a table entry wrong at one size (measured in
-        a burst, or by a calibration whose batches differ from the step's) is corrected by
-        what its neighbours showed, and a size the policy never chose because its entry was
-        too dear is not left at that entry (measured 2026-12-07, Intel Xeon: the cached
-        table's r(8) 2.50 against r(7) 2.10 and r(10) 2.76 observed, so 8 was never tried)."""
+        over all sizes worth two observations): a table wrong over a range of sizes (its
+        large batches measured in a burst, say) is corrected there by the sizes observed in
+        that range, where one mean over every size is dominated by the many small steps."""
         return float(self._corrections([b])[0]) if b is not None else self._global_correction()
 
     def _table_obs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
@@ -300,7 +300,8 @@ class CostModel:
         because the context does not scale every size alike and a small excess is a noisy
         ratio: on the Xeon (2026-12-07) the excess of 2 rows grew 1.9x from 256 to 2,048
         tokens of context and that of 8-16 rows 1.3x, and an `auto` engine, whose head steps
-        verify 2 rows, priced 8 rows 40% above their cost after 1,400 tokens.
+        verify 2 rows, priced 8 rows at 3.1-3.7 times t(1) after 1,400 tokens, where they
+        measured 2.4-2.5 times after 1,024-2,048 (``scripts/measure_context_costs.py``).
 
         With ``b``: the same ratios with the sizes near ``b`` (in ln b) weighing most
         (``_near``; the bucket's scale worth two observations)."""
@@ -483,6 +484,7 @@ class CostModel:
         self._clean, self.outliers = sanitize_table(self.table_us, repeated=self.repeated)
         for key in [key for key in self._ratio if key[0] == 0]:
             self._forget(key)  # folded into the new table (the other buckets' ratios stand)
+        self._invalidate()  # the curves and table ratios of the old table
         self._load, self._load_n, self._beaten = 1.0, 0, 0
         self.rebased += 1
         if self.cache_ref is not None:
