@@ -122,6 +122,9 @@ class CostModel:
         size_width: width (in ln b) of the kernel over batch sizes with which an observed
             size corrects its neighbours' priors (``table_correction``, ``context_scale``):
             half a doubling away weighs 0.61, a doubling 0.14, two doublings nothing.
+
+    Raises:
+        ValueError: an empty table, or ``size_width`` not above 0.
     """
 
     table_us: dict[int, float]
@@ -145,6 +148,8 @@ class CostModel:
     def __post_init__(self) -> None:
         if not self.table_us:
             raise ValueError("empty cost table")
+        if not self.size_width > 0:
+            raise ValueError(f"size_width must be > 0, got {self.size_width}")
         self.repeated = frozenset(self.repeated)
         self._clean, self.outliers = sanitize_table(self.table_us, repeated=self.repeated)
         # (context bucket, b) -> online ratio t(b) / t1 (b > 1), its observations, and load()
@@ -253,7 +258,12 @@ class CostModel:
         the same mean with the sizes near ``b`` (in ln b) weighing most (``_near``; the mean
         over all sizes worth two observations): a table wrong over a range of sizes (its
         large batches measured in a burst, say) is corrected there by the sizes observed in
-        that range, where one mean over every size is dominated by the many small steps."""
+        that range, where one mean over every size is dominated by the many small steps.
+
+        Raises:
+            ValueError: ``b`` below 1."""
+        if b is not None and b < 1:
+            raise ValueError(f"a batch holds at least 1 token, got {b}")
         return float(self._corrections([b])[0]) if b is not None else self._global_correction()
 
     def _table_obs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
@@ -303,12 +313,18 @@ class CostModel:
         verify 2 rows, priced 8 rows at 3.1-3.7 times t(1) after 1,400 tokens, where they
         measured 2.4-2.5 times after 1,024-2,048 (``scripts/measure_context_costs.py``).
 
-        With ``b``: the same ratios with the sizes near ``b`` (in ln b) weighing most
-        (``_near``; the bucket's scale worth two observations)."""
+        With ``b``: the same ratios, each size weighing its observations (not its excess)
+        times how near it is to ``b`` in ln b (``_near``; the bucket's scale worth two
+        observations).
+
+        Raises:
+            ValueError: ``b`` below 1."""
         k = self.context_bucket() if bucket is None else bucket
         if k <= 0:
             return 1.0
         if b is not None:
+            if b < 1:
+                raise ValueError(f"a batch holds at least 1 token, got {b}")
             return float(self._context_scales(k, [b])[0])
         s = self._memo.get(("scale", k))
         if s is None:

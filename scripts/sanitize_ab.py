@@ -66,7 +66,7 @@ def with_rule(rule, table_us: dict[int, float]):
         cm.table_us, cm.cache_ref = dict(table_us), None
         cm._clean, cm.outliers = rule(cm.table_us)
         cm.repeated = frozenset()  # the rule decides (an expiry would use the product's)
-        cm._curve = None
+        cm._invalidate()  # the curves and table ratios of the table replaced
         print(f"{rule.__name__}: t(1..8) ms", {b: round(cm.t_decode_us(b) / 1e3, 1) for b in (1, 2, 4, 8)}, file=sys.stderr)
 
     return configure

@@ -155,3 +155,13 @@ def test_a_table_wrong_for_large_batches_is_corrected_by_the_large_batches_obser
     assert abs(cm.t_decode_us(16) / FIXED_COSTS_US[16] - 1.0) < 0.08, cm.t_decode_us(16)
     for b in (2, 3, 4):
         assert abs(cm.t_decode_us(b) / FIXED_COSTS_US[b] - 1.0) < 0.02, (b, cm.t_decode_us(b))
+
+
+def test_a_kernel_of_no_width_and_a_batch_of_no_tokens_are_refused():
+    """``size_width`` 0 would price every size as one token (a NaN clipped to 1)."""
+    with pytest.raises(ValueError, match="size_width"):
+        CostModel(dict(FIXED_COSTS_US), size_width=0.0)
+    cm = CostModel(dict(FIXED_COSTS_US))
+    for call in (lambda: cm.table_correction(0), lambda: cm.context_scale(2, -1)):
+        with pytest.raises(ValueError, match="at least 1 token"):
+            call()
