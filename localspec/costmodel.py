@@ -232,12 +232,6 @@ class CostModel:
             return self.online_us[1]
         return self._table_at(1)
 
-    def _bucket_obs(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Sizes observed in context bucket ``k`` and their weights (observations, at most 20)."""
-        keys = [b for (j, b) in self._ratio if j == k]
-        return (np.array(keys, dtype=np.float64),
-                np.array([min(self._ratio_n[(k, b)], 20) for b in keys], dtype=np.float64))  # fmt: skip
-
     def _near(self, sizes: Sequence[int], obs_b: np.ndarray, obs_log: np.ndarray, obs_w: np.ndarray,
               prior_log: float, prior_w: float) -> np.ndarray:  # fmt: skip
         """Per size of ``sizes``: exp of the mean of ``obs_log`` (one value per observed size
@@ -264,26 +258,24 @@ class CostModel:
             ValueError: ``b`` below 1."""
         if b is not None and b < 1:
             raise ValueError(f"a batch holds at least 1 token, got {b}")
-        return float(self._corrections([b])[0]) if b is not None else self._global_correction()
+        return float(self._corrections([b])[0]) if b is not None else math.exp(self._table_obs()[3])
 
     def _table_obs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-        """Bucket 0's sizes, weights, ln(observed / table ratio) and the global mean of it
-        (shrunk towards 0 by one pseudo-observation), cached with the curves."""
+        """Bucket 0's observed sizes, ln(observed / table ratio), weights (observations, at
+        most 20) and the weighted mean of the logs shrunk towards 0 by one
+        pseudo-observation; cached with the curves."""
         out = self._memo.get(("table_obs",))
         if out is None:
-            obs_b, obs_w = self._bucket_obs(0)
-            logs = np.array([math.log(self._ratio[(0, int(b))] / self._table_ratio(int(b))) for b in obs_b])
-            mean = float(obs_w @ logs / (1.0 + obs_w.sum())) if obs_b.size else 0.0
-            out = self._memo[("table_obs",)] = (obs_b, obs_w, logs, mean)
+            a = np.array([(b, math.log(r / self._table_ratio(b)), min(self._ratio_n[(k, b)], 20))
+                          for (k, b), r in self._ratio.items() if k == 0], dtype=np.float64).reshape(-1, 3)  # fmt: skip
+            obs_b, logs, w = a[:, 0], a[:, 1], a[:, 2]
+            out = self._memo[("table_obs",)] = (obs_b, logs, w, float(w @ logs / (1.0 + w.sum())))
         return out  # type: ignore[return-value]
-
-    def _global_correction(self) -> float:
-        return math.exp(self._table_obs()[3])
 
     def _corrections(self, sizes: Sequence[int]) -> np.ndarray:
         """``table_correction(b)`` for each size of ``sizes``. [len(sizes)] float64."""
-        obs_b, obs_w, logs, mean = self._table_obs()
-        return self._near(sizes, obs_b, logs, obs_w, mean, 2.0)
+        obs_b, logs, w, mean = self._table_obs()
+        return self._near(sizes, obs_b, logs, w, mean, 2.0)
 
     def set_context(self, n_tokens: int) -> None:
         """The context (tokens in the KV cache before the batch; for several requests their
