@@ -227,6 +227,52 @@ def assert_same_as_plain(engine, prompt_tokens, plain_ids, spec_ids, max_gap=NEA
     return gap
 
 
+def assert_greedy_is_target_argmax(engine, prompt_tokens, ids, *, exclude=(), max_gap=NEAR_TIE) -> int:
+    """Greedy output ``ids`` is the target's argmax after every prefix: plain greedy decoding's
+    output, checked without decoding it token by token.
+
+    ``prompt_tokens`` + ``ids`` go through ``engine.cache`` teacher-forced, as chains of
+    ``max_tree_nodes`` rows (a prefill plus ``len(ids) / max_tree_nodes`` decodes instead of
+    ``len(ids)`` single-token ones); row i of the chains must rank ``ids[i]`` first among the
+    tokens not in ``exclude`` (ids a logit bias of -inf bans). Where the exact kernels are on
+    (``bit_identical_here``) a batched row is bit-identical to the single-token row plain
+    decoding reads, so this is plain decoding's token at every position: any other token fails.
+    Elsewhere a row may rank a near-tie differently, so ``ids[i]`` may trail the row's best by
+    less than ``max_gap``. The engine is reset before and after. Returns how many positions
+    were checked.
+
+    Raises:
+        AssertionError: a position where ``ids[i]`` is not the target's choice (with the gap).
+    """
+    exact = bit_identical_here(engine)
+    ids = [int(t) for t in ids]
+    seq = [int(prompt_tokens[-1])] + ids
+    ban = np.asarray(sorted(set(exclude)), dtype=np.int64)
+    cache = engine.cache
+    engine.reset()
+    try:
+        cache.prefill(list(prompt_tokens[:-1]))
+        k = cache.max_tree_nodes
+        for s in range(0, len(ids), k):
+            chunk = seq[s : min(s + k, len(ids))]
+            tree = TokenTree.chain(chunk[0], chunk[1:])
+            lay, lg = cache.decode_tree(tree)
+            for j in range(len(chunk)):
+                row = lg[j].copy()
+                row[ban] = -np.inf
+                best, want = int(np.argmax(row)), ids[s + j]
+                gap = float(row[best] - row[want])
+                if best != want and (exact or not gap < max_gap):
+                    raise AssertionError(
+                        f"token {s + j} of {len(ids)} is {want}, but the target ranks {best} first by {gap:.4f}"
+                        + (" although the exact kernels are on" if exact else f" (not a near-tie: >= {max_gap})")
+                    )
+            cache.commit(tree, lay, list(range(1, len(chunk))))
+    finally:
+        engine.reset()
+    return len(ids)
+
+
 def tree_of(*paths, root):
     b = TreeBuilder(root)
     for path in paths:

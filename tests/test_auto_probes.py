@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import frozen_cost_model
-from helpers import ScriptedModelDrafter, assert_same_as_plain
+from helpers import PlainReferences, ScriptedModelDrafter, assert_same_as_plain
 from localspec import Engine, SamplingParams
 from localspec.drafters.auto import AutoDrafter
 from localspec.drafters.ngram import NgramDrafter
@@ -14,6 +14,17 @@ from localspec.tree import TokenSource
 
 GREEDY = SamplingParams.greedy(seed=0)
 TEXT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+_PLAIN = PlainReferences()
+
+
+def _plain(e, prompt, n):
+    """Plain greedy decoding's tokens of ``prompt`` (a fresh cache), once per module."""
+
+    def run(eng, p, k, sampling):
+        eng.reset()
+        return eng.generate(p, max_tokens=k, sampling=sampling, speculative=False).token_ids
+
+    return _PLAIN.get(run, e, prompt, n, GREEDY)
 
 
 def test_auto_probes_a_model_that_does_not_pay_rarely_and_takes_it_back_when_right(model):
@@ -105,7 +116,7 @@ def test_a_head_that_never_pays_is_probed_within_the_budget_over_requests_not_on
     e = Engine(model, drafter="none", n_ctx=2048, cost_model=frozen_cost_model())
     try:
         prompts = [e.tokenize(q) for q in QUESTIONS]
-        refs = [e.generate(p, max_tokens=24, sampling=GREEDY, speculative=False).token_ids for p in prompts]
+        refs = [_plain(e, p, 24) for p in prompts]  # shared by both runtimes
         head = Eagle3Drafter(random_head_path, runtime=runtime)
         e.set_drafter(AutoDrafter(head, NgramDrafter(max_occurrences=0)))
         assert head.runtime == runtime, head.runtime_reason

@@ -79,27 +79,28 @@ def test_tree_batch_logits_match_paths_decoded_alone(model, ctx):
 
 
 def test_rollback_of_hundreds_of_tokens_after_512_context(model, ctx):
-    """Roll back 300 tokens from ~1000 of context (beyond Gemma 3's 512-token window) and
-    regenerate: the cache positions must be exact and the regenerated tokens identical."""
+    """Roll back 100 and then 399 tokens from ~1000 of context (beyond Gemma 3's 512-token
+    window), the second back into the prompt, and regenerate: the cache positions must be
+    exact and the regenerated tokens identical."""
     cache = SequenceCache(ctx, max_tree_nodes=8)
     cache.reset()
-    prompt = long_prompt(model, 700)
+    prompt = long_prompt(model, 800)
     cache.prefill(prompt[:-1])
-    first = greedy_continue(cache, ctx, prompt[-1], 300)
+    first = greedy_continue(cache, ctx, prompt[-1], 200)
     assert cache.n_past == 999
     assert (ctx.pos_min(0), ctx.pos_max(0)) == (0, 998)
-    cache.truncate(699 + 100)  # drop 200 generated tokens
-    assert (ctx.pos_min(0), ctx.pos_max(0)) == (0, 798)
-    again = greedy_continue(cache, ctx, first[99], 200)
-    assert again == first[100:300]
-    cache.truncate(600)  # 399 tokens back, into the prompt
+    cache.truncate(799 + 100)  # drop 100 generated tokens
+    assert (ctx.pos_min(0), ctx.pos_max(0)) == (0, 898)
+    again = greedy_continue(cache, ctx, first[99], 100)
+    assert again == first[100:200]
+    cache.truncate(600)  # 399 tokens back, 200 of them into the prompt
     assert (ctx.pos_min(0), ctx.pos_max(0)) == (0, 599)
-    again2 = greedy_continue(cache, ctx, prompt[600], 60)
+    again2 = greedy_continue(cache, ctx, prompt[600], 40)
     # against a fresh cache holding the same 600 tokens
     cache.reset()
     cache.prefill(prompt[:600])
     gaps = []
-    fresh = greedy_continue(cache, ctx, prompt[600], 60, gaps)
+    fresh = greedy_continue(cache, ctx, prompt[600], 40, gaps)
     if exact_kernels():  # prefill batches differ, which the exact kernels make irrelevant
         assert again2 == fresh
     for i, (a, b) in enumerate(zip(again2, fresh)):

@@ -7,7 +7,8 @@ import pytest
 
 from conftest import frozen_cost_model
 from helpers import (
-    REJECTION_SAMPLING, REJECTION_SHAPES, PlainReferences, assert_rejection_sampling_exact, assert_same_as_plain,
+    REJECTION_SAMPLING, REJECTION_SHAPES, PlainReferences, assert_greedy_is_target_argmax, assert_rejection_sampling_exact,
+    assert_same_as_plain,
 )
 from localspec import Engine, SamplingParams
 from localspec.backend import Context, SequenceCache
@@ -68,14 +69,13 @@ def test_target_as_its_own_draft_past_the_sliding_window(eng, model):
     it: 320 tokens after a 428-token prompt took 38 s of the suite)."""
     prompt = model.tokenize(STORY * 7)
     sp = no_eog(model)
-    plain = run(eng, prompt, 216, sp)
     spec = run(eng, prompt, 216, sp, DraftModelDrafter(model, shape=CHAIN))
     assert len(prompt) < 512 and len(prompt) + len(spec.token_ids) > 512 + 200 and len(spec.token_ids) == 216
-    gap = assert_same_as_plain(eng, prompt, plain.token_ids, spec.token_ids)
+    assert_greedy_is_target_argmax(eng, prompt, spec.token_ids, exclude=model.eog_ids)
     s = spec.stats
     rate = s.num_accepted_tokens / s.num_draft_tokens
     print(f"target as draft: accepted {s.num_accepted_tokens}/{s.num_draft_tokens} = {rate:.4f}, "
-          f"mean acceptance length {s.mean_acceptance_length:.2f}, first divergence gap {gap}")  # fmt: skip
+          f"mean acceptance length {s.mean_acceptance_length:.2f}")  # fmt: skip
     assert rate >= 0.99
     assert s.mean_acceptance_length > 4.5
 

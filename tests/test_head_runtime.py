@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import FakeModel, frozen_cost_model
-from helpers import assert_same_as_plain
+from helpers import assert_greedy_is_target_argmax, assert_same_as_plain
 from localspec import Engine, SamplingParams, native
 from localspec.costmodel import CostModel
 from localspec.drafters.tree_expand import DraftChildSelector, _top_k_children
@@ -289,39 +289,29 @@ def test_head_cost_per_level_enters_the_cost_model(model, random_head_path):
 # -- lossless over long generations ---------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def long_plain(model):
-    """(a 620-token prompt, plain decoding's 500 greedy tokens after it), computed once for the
-    drafters below."""
-    e = Engine(model, drafter="none", n_ctx=2048, cost_model=frozen_cost_model())
-    try:
-        prompt = e.tokenize(TEXT * 30)[:620]
-        return prompt, e.generate(prompt, max_tokens=500, sampling=GREEDY, speculative=False).token_ids
-    finally:
-        e.close()
-
-
 @pytest.mark.parametrize("drafter", ["eagle3", "auto"])
-def test_shipped_head_greedy_equals_plain_over_500_tokens_of_long_context(model, drafter, long_plain):
-    """Temperature 0, a prompt of 620 tokens (past Gemma 3's 512-token window), 500 generated
-    tokens: the eagle3 and auto drafters with the shipped head emit exactly plain decoding's
-    tokens where the exact kernels are on (CPU backend), else the same up to near-ties
-    (``assert_same_as_plain``)."""
-    prompt, ref_ids = long_plain
+def test_shipped_head_greedy_equals_plain_over_300_tokens_of_long_context(model, drafter):
+    """Temperature 0, a prompt of 820 tokens (past Gemma 3's 512-token window), 300 generated
+    tokens (to 1,120 of context): the eagle3 and auto drafters with the shipped head emit
+    exactly plain decoding's tokens where the exact kernels are on (CPU backend), else the
+    same up to near-ties (``assert_greedy_is_target_argmax``). The head keeps entries for the
+    last ``CONTEXT_WINDOW`` positions only, so 300 tokens drop and re-fill its window many
+    times over."""
     e = Engine(model, drafter="none", n_ctx=2048, cost_model=frozen_cost_model())
     try:
+        prompt = e.tokenize(TEXT * 40)[:820]
         e.set_drafter(drafter, eagle=None) if drafter == "eagle3" else e.set_drafter(drafter, eagle=_shipped(model))
         e.reset()
         e.adaptive = drafter == "eagle3"  # auto: the policy would leave this text to the n-grams
         # the head rarely pays on this cost table: probe it often, so that its drafts are verified
         e.policy.explore_every, e.policy.explore_budget = 4, 0.25
-        res = e.generate(prompt, max_tokens=500, sampling=GREEDY)
-        assert res.stats.n_generated_tokens == 500
+        res = e.generate(prompt, max_tokens=300, sampling=GREEDY)
+        assert res.stats.n_generated_tokens == 300
         if drafter == "eagle3":
             assert res.stats.token_sources.get("eagle3", 0) > 0
         else:  # this repetitive text is the n-gram drafter's; the head must still have drafted
             assert e.drafter.model.stats.n_steps > 0
-        assert_same_as_plain(e, prompt, ref_ids, res.token_ids)
+        assert_greedy_is_target_argmax(e, prompt, res.token_ids)
     finally:
         e.close()
 

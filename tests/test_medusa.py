@@ -14,7 +14,7 @@ import pytest
 import localspec.verify as verify_mod
 import oracle
 from conftest import frozen_cost_model
-from helpers import assert_same_as_plain
+from helpers import assert_greedy_is_target_argmax, assert_same_as_plain
 from localspec import Engine, SamplingParams, native
 from localspec.drafters.medusa import MedusaCalibration, MedusaDrafter
 from localspec.errors import ModelLoadError, VocabMismatchError
@@ -366,16 +366,15 @@ def _shipped(model):
 def test_shipped_heads_greedy_equal_plain_over_160_tokens_of_long_context(model):
     """Temperature 0, a 620-token prompt (past Gemma 3's 512-token window), 160 tokens: the
     shipped heads (found without a path) draft and are accepted, and the output is plain
-    decoding's (``assert_same_as_plain``). The heads read only the target's final hidden
-    state, so the length that matters is the target's context, past the window from the first
-    step. (Trees of 8 nodes on every step: 300 tokens took 54 s of the suite, 500 tokens and
-    16 nodes 3 minutes; the EAGLE-3 head, which keeps a context of its own, is checked over 500
-    tokens in test_head_runtime.py.)"""
+    decoding's (``assert_greedy_is_target_argmax``). The heads read only the target's final
+    hidden state, so the length that matters is the target's context, past the window from
+    the first step. (Trees of 8 nodes on every step: 300 tokens took 54 s of the suite, 500
+    tokens and 16 nodes 3 minutes; the EAGLE-3 head, which keeps a context of its own, is
+    checked over 300 tokens after 820 in test_head_runtime.py.)"""
     assert _shipped(model) is not None
     e = Engine(model, drafter="none", n_ctx=2048, cost_model=frozen_cost_model(), max_tree_nodes=8)
     try:
         prompt = e.tokenize(TEXT * 30)[:620]
-        ref = e.generate(prompt, max_tokens=160, sampling=GREEDY, speculative=False)
         e.set_drafter("medusa")
         e.drafter.fixed_shape = TreeShape(4, 2, 8, min_score=0.0)
         e.reset()
@@ -383,7 +382,7 @@ def test_shipped_heads_greedy_equal_plain_over_160_tokens_of_long_context(model)
         res = e.generate(prompt, max_tokens=160, sampling=GREEDY)
         assert res.stats.n_generated_tokens == 160
         assert res.stats.token_sources.get("medusa", 0) > 0
-        assert_same_as_plain(e, prompt, ref.token_ids, res.token_ids)
+        assert_greedy_is_target_argmax(e, prompt, res.token_ids)
     finally:
         e.close()
 
