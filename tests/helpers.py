@@ -238,7 +238,10 @@ def assert_greedy_is_target_argmax(engine, prompt_tokens, ids, *, exclude=(), ma
     (``bit_identical_here``) a batched row is bit-identical to the single-token row plain
     decoding reads, so this is plain decoding's token at every position: any other token fails.
     Elsewhere a row may rank a near-tie differently, so ``ids[i]`` may trail the row's best by
-    less than ``max_gap``. The engine is reset before and after. Returns how many positions
+    less than ``max_gap``. The premise (batched rows bit-identical to single-token rows, and
+    speculative output equal to the engine's own plain loop) is tested against real plain
+    decodes in test_exact.py; this check shares it with the speculative step, so it does not
+    replace those tests. The engine is reset before and after. Returns how many positions
     were checked.
 
     Raises:

@@ -1,8 +1,8 @@
 """Medusa heads (``drafters.medusa``): the gemm kernel against numpy, the GGUF format and its
 one-line errors, the final hidden states the engine hands the heads, exactness of rejection
 sampling through the engine's propose path (exact enumeration, with the mutation it must
-catch), and temperature 0 identical to plain decoding over 500 tokens past the 512-token
-window."""
+catch), and temperature 0 identical to plain decoding over 160 tokens after a 620-token
+prompt (past the 512-token window)."""
 
 from __future__ import annotations
 
