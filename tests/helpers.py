@@ -20,6 +20,12 @@ from localspec.tree import TokenSource, TokenTree, TreeBuilder
 from localspec.verify import sample_from, verify_rejection
 
 NEAR_TIE = 0.5  # top-2 logit gap below which batched vs single decodes may disagree on CPU
+PROSE = (
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg combined movable metal type, oil-based inks and a wooden press. "
+)
+"""Two sentences of plain prose; repeated and cut, the long prompts of the real-model tests
+(``tokenize(PROSE * 30)[:620]``)."""
 
 
 class ScriptedDrafter:

@@ -3,15 +3,9 @@
 import numpy as np
 import pytest
 
-from helpers import NEAR_TIE, chain, tree_of
+from helpers import NEAR_TIE, PROSE, chain, tree_of
 from localspec.backend import Context, Model, SequenceCache, exact_kernels
 from localspec.errors import ContextOverflowError, KVCacheError, ModelLoadError
-
-TEXT = (
-    "The history of the printing press begins in the fifteenth century, when Johannes "
-    "Gutenberg combined movable metal type, oil-based inks and a wooden press. "
-)
-
 
 @pytest.fixture(scope="module")
 def ctx(model):
@@ -21,7 +15,7 @@ def ctx(model):
 
 
 def long_prompt(model, n):
-    toks = model.tokenize(TEXT * 60)
+    toks = model.tokenize(PROSE * 60)
     assert len(toks) >= n
     return toks[:n]
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import frozen_cost_model
-from helpers import assert_same_as_plain
+from helpers import PROSE, assert_same_as_plain
 from localspec import Engine, SamplingParams, native
 from localspec.drafters.base import TargetHandle
 from localspec.drafters.tree_expand import DraftCalibration, expand_tree
@@ -19,10 +19,6 @@ from localspec.tree import TokenSource
 
 pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels not built: {native.LOAD_ERROR}")
 GREEDY = SamplingParams.greedy()
-TEXT = (
-    "The history of the printing press begins in the fifteenth century, when Johannes "
-    "Gutenberg combined movable metal type, oil-based inks and a wooden press. "
-)
 ORDER_GAP = 0.01
 """Candidates further apart than 1% of the row's largest magnitude keep their order on both
 runtimes (the shipped head's rows differ by 0.4-1.1%)."""
@@ -210,7 +206,7 @@ def test_host_rows_match_the_graph_at_every_level(model, n_prompt):
 
     e, ref, host = _pair(model, shipped_head(model.path))
     try:
-        prompt = e.tokenize(TEXT * 3)[:n_prompt]
+        prompt = e.tokenize(PROSE * 3)[:n_prompt]
         _start(e, (ref, host), prompt)
         tee = _Tee(ref, host)
         _grow(ref, prompt, TreeShape(4, 3, 12, 0.0), tee)
@@ -248,7 +244,7 @@ def test_host_greedy_drafts_equal_the_graphs(model):
     e, ref, host = _pair(model, shipped_head(model.path))
     checked = ties = same_trees = 0
     try:
-        words = e.tokenize(TEXT * 8)
+        words = e.tokenize(PROSE * 8)
         for i, n in enumerate(range(20, 220, 10)):
             prompt = words[i : i + n]
             for shape in (TreeShape(5, 1, 6, 0.0), TreeShape(3, 2, 7, 0.0)):
@@ -301,7 +297,7 @@ def test_host_runtime_output_equals_plain_decoding(model, sampling):
 
     e = Engine(model, drafter="none", n_ctx=2048, cost_model=frozen_cost_model())
     try:
-        prompt = e.tokenize(TEXT * 3)
+        prompt = e.tokenize(PROSE * 3)
         ref = e.generate(prompt, max_tokens=80, sampling=sampling, speculative=False)
         d = Eagle3Drafter(shipped_head(model.path), shape=TreeShape(4, 2, 8, 0.0))
         e.set_drafter(d)
@@ -449,7 +445,7 @@ def test_bench_drafters_reports_both_runtimes_in_one_run(model):
     from localspec.bench.drafters import bench_drafters
     from localspec.models.eagle3_heads import shipped_head
 
-    out = bench_drafters(model, shipped_head(model.path), shapes=[TreeShape(2, 1, 3, 0.0)], prompts=[TEXT],
+    out = bench_drafters(model, shipped_head(model.path), shapes=[TreeShape(2, 1, 3, 0.0)], prompts=[PROSE],
                          max_tokens=8, rounds=1, n_threads=1)  # fmt: skip
     assert [r.runtime for r in out] == ["host", "llama"]
     for r in out:
@@ -498,7 +494,7 @@ def _host_levels_beside(model, head, other, shape):
     part = Eagle3Drafter(other, runtime="host")
     part.attach(TargetHandle(model, n_ctx=e.ctx.n_ctx, n_threads=e.ctx.n_threads, tensor_source=e.ctx, features=e._tap))
     try:
-        prompt = e.tokenize(TEXT * 2)[:40]
+        prompt = e.tokenize(PROSE * 2)[:40]
         _start(e, (whole, part), prompt)
         tee = _Tee(whole, part)
         _grow(whole, prompt, shape, tee)

@@ -8,20 +8,14 @@ not skip. Only ``LOCALSPEC_KERNELS=fast`` (no exactness promised) skips."""
 import numpy as np
 import pytest
 
-from helpers import ScriptedDrafter
+from helpers import PROSE, ScriptedDrafter
 from localspec import SamplingParams
 from localspec.backend import Batch, Context, exact_kernels
-
-TEXT = (
-    "The history of the printing press begins in the fifteenth century, when Johannes "
-    "Gutenberg combined movable metal type, oil-based inks and a wooden press. "
-)
-
 
 def max_batched_row_difference(model) -> float:
     """max |logits of 8 tokens decoded in one batch - the same decoded one by one| after 600
     tokens of context."""
-    p = model.tokenize(TEXT * 30)[:640]
+    p = model.tokenize(PROSE * 30)[:640]
     assert len(p) == 640
     n0, n = 600, 8
 
@@ -63,7 +57,7 @@ def test_batched_rows_are_bit_identical(model, exact):
 
 
 def test_speculative_equals_plain_exactly_with_trees_and_long_context(engine, exact):
-    prompt = engine.tokenize(TEXT * 30)[:620]
+    prompt = engine.tokenize(PROSE * 30)[:620]
     g = SamplingParams.greedy()
     old, old_adaptive = engine.drafter, engine.adaptive
     try:
@@ -86,7 +80,7 @@ def test_speculative_equals_plain_exactly_with_trees_and_long_context(engine, ex
 
 
 def test_seeded_sampling_equals_plain_exactly(engine, exact):
-    prompt = engine.tokenize(TEXT * 3)
+    prompt = engine.tokenize(PROSE * 3)
     sp = SamplingParams(temperature=0.9, seed=42)
     engine.reset()
     ref = engine.generate(prompt, max_tokens=120, sampling=sp, speculative=False)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import FakeModel, frozen_cost_model
-from helpers import assert_greedy_is_target_argmax, assert_same_as_plain
+from helpers import PROSE, assert_greedy_is_target_argmax, assert_same_as_plain
 from localspec import Engine, SamplingParams, native
 from localspec.costmodel import CostModel
 from localspec.drafters.tree_expand import DraftChildSelector, _top_k_children
@@ -142,12 +142,6 @@ def test_sparse_dist_rejects_bad_input():
 
 # -- one llama.cpp call per level, none when the plan drafts nothing -----------------------------
 
-TEXT = (
-    "The history of the printing press begins in the fifteenth century, when Johannes "
-    "Gutenberg combined movable metal type, oil-based inks and a wooden press. "
-)
-
-
 def count_head_calls(d):
     """Wrap the extend of ``d``'s draft context (``DraftHub.extend_many``, which the step
     calls): per drafted step, (head calls made, levels grown). Head calls: llama.cpp calls on
@@ -194,7 +188,7 @@ def test_steps_that_draft_nothing_make_no_head_call(model, random_head_path, run
     steep = CostModel({b: t1 * b * 1.5 if b > 1 else t1 for b in (1, 2, 3, 4, 8, 16)})
     e = Engine(model, drafter="none", n_ctx=2048, cost_model=steep)
     try:
-        prompt = e.tokenize(TEXT * 2)
+        prompt = e.tokenize(PROSE * 2)
         ref = e.generate(prompt, max_tokens=40, sampling=GREEDY, speculative=False)
         d = Eagle3Drafter(random_head_path, runtime=runtime)
         e.set_drafter(d)
@@ -236,7 +230,7 @@ def test_the_heads_catch_up_keeps_its_context_window(model, random_head_path, wi
     assert CONTEXT_WINDOW == 16
     e = Engine(model, drafter="none", n_ctx=2048, cost_model=frozen_cost_model())
     try:
-        prompt = e.tokenize(TEXT * 2)
+        prompt = e.tokenize(PROSE * 2)
         assert len(prompt) > 41  # longer than every window below
         ref = e.generate(prompt, max_tokens=12, sampling=GREEDY, speculative=False)
         options = {} if window == 16 else {"context_window": window}  # 16: the default, not passed
@@ -276,7 +270,7 @@ def test_head_cost_per_level_enters_the_cost_model(model, random_head_path):
 
         e.set_drafter(Eagle3Drafter(random_head_path, shape=TreeShape(3, 2, 7, 0.0)))
         assert e.cost_model.t_draft_us(3) is None  # nothing measured for this drafter yet
-        e.generate(e.tokenize(TEXT), max_tokens=12, sampling=GREEDY)
+        e.generate(e.tokenize(PROSE), max_tokens=12, sampling=GREEDY)
         levels = e.cost_model.draft_level_us
         assert set(levels) == {0, 1, 2} and all(t > 0 for t in levels.values())
         assert e.cost_model.t_draft_us(3) == pytest.approx(sum(levels.values()))
@@ -299,7 +293,7 @@ def test_shipped_head_greedy_equals_plain_over_300_tokens_of_long_context(model,
     times over."""
     e = Engine(model, drafter="none", n_ctx=2048, cost_model=frozen_cost_model())
     try:
-        prompt = e.tokenize(TEXT * 40)[:820]
+        prompt = e.tokenize(PROSE * 40)[:820]
         e.set_drafter(drafter, eagle=None) if drafter == "eagle3" else e.set_drafter(drafter, eagle=_shipped(model))
         e.reset()
         e.adaptive = drafter == "eagle3"  # auto: the policy would leave this text to the n-grams

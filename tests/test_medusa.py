@@ -14,7 +14,7 @@ import pytest
 import localspec.verify as verify_mod
 import oracle
 from conftest import frozen_cost_model
-from helpers import assert_greedy_is_target_argmax, assert_same_as_plain
+from helpers import PROSE, assert_greedy_is_target_argmax, assert_same_as_plain
 from localspec import Engine, SamplingParams, native
 from localspec.drafters.medusa import MedusaCalibration, MedusaDrafter
 from localspec.errors import ModelLoadError, VocabMismatchError
@@ -351,12 +351,6 @@ def test_auto_takes_one_model_drafter():
 
 # -- the real model ------------------------------------------------------------------------------
 
-TEXT = (
-    "The history of the printing press begins in the fifteenth century, when Johannes "
-    "Gutenberg combined movable metal type, oil-based inks and a wooden press. "
-)
-
-
 def _shipped(model):
     from localspec.models.eagle3_heads import shipped_head
 
@@ -374,7 +368,7 @@ def test_shipped_heads_greedy_equal_plain_over_160_tokens_of_long_context(model)
     assert _shipped(model) is not None
     e = Engine(model, drafter="none", n_ctx=2048, cost_model=frozen_cost_model(), max_tree_nodes=8)
     try:
-        prompt = e.tokenize(TEXT * 30)[:620]
+        prompt = e.tokenize(PROSE * 30)[:620]
         e.set_drafter("medusa")
         e.drafter.fixed_shape = TreeShape(4, 2, 8, min_score=0.0)
         e.reset()
@@ -395,7 +389,7 @@ def test_auto_with_medusa_heads_merges_them_with_ngrams(model):
                adaptive=False, max_tree_nodes=16)  # fmt: skip
     try:
         assert e.drafter.name == "auto" and e.drafter.model.name == "medusa"
-        prompt = e.tokenize(TEXT * 3)
+        prompt = e.tokenize(PROSE * 3)
         ref = e.generate(prompt, max_tokens=80, sampling=GREEDY, speculative=False)
         res = e.generate(prompt, max_tokens=80, sampling=GREEDY)
         assert_same_as_plain(e, prompt, ref.token_ids, res.token_ids)
@@ -410,7 +404,7 @@ def test_seeded_gumbel_and_rejection_on_the_real_model(model):
     runs, drafts and accepts (its exactness is the enumeration test above)."""
     e = Engine(model, drafter="none", n_ctx=1024, cost_model=frozen_cost_model(), adaptive=False, max_tree_nodes=16)
     try:
-        prompt = e.tokenize(TEXT * 3)
+        prompt = e.tokenize(PROSE * 3)
         gum = SamplingParams(temperature=0.8, seed=7, verify="gumbel")
         ref = e.generate(prompt, max_tokens=60, sampling=gum, speculative=False)
         e.set_drafter("medusa")
@@ -575,7 +569,7 @@ def test_train_medusa_smoke_record_train_export_draft(model, model_path, tmp_pat
     from localspec.cli.main import main
     from localspec.models.training.eagle3_data import DataPlan
 
-    toks = model.tokenize(TEXT * 12)
+    toks = model.tokenize(PROSE * 12)
     plan = DataPlan([[("text", toks[:96])], [("text", [toks[0]] + toks[96:191])]], 0, {})
     plan.save(tmp_path / "plan.npz")
     out = tmp_path / "h.gguf"
@@ -590,7 +584,7 @@ def test_train_medusa_smoke_record_train_export_draft(model, model_path, tmp_pat
     assert w.out.shape == (1, 256, 640) and w.n_heads == 4 and w.training["val_acc_full_top1"] == [round(a, 4) for a in res["val_acc_full_top1"]]
     e = Engine(model, drafter="medusa", medusa=out, n_ctx=512, cost_model=frozen_cost_model(), adaptive=False)
     try:
-        prompt = e.tokenize(TEXT)
+        prompt = e.tokenize(PROSE)
         spec = e.generate(prompt, max_tokens=24, sampling=GREEDY)
         plain = e.generate(prompt, max_tokens=24, sampling=GREEDY, speculative=False)
         assert spec.stats.n_spec_steps > 0
