@@ -7,6 +7,7 @@ from helpers import NEAR_TIE, PROSE, chain, tree_of
 from localspec.backend import Context, Model, SequenceCache, exact_kernels
 from localspec.errors import ContextOverflowError, KVCacheError, ModelLoadError
 
+
 @pytest.fixture(scope="module")
 def ctx(model):
     c = Context(model, n_ctx=2048, n_seq_max=17)

@@ -12,6 +12,7 @@ from helpers import PROSE, ScriptedDrafter
 from localspec import SamplingParams
 from localspec.backend import Batch, Context, exact_kernels
 
+
 def max_batched_row_difference(model) -> float:
     """max |logits of 8 tokens decoded in one batch - the same decoded one by one| after 600
     tokens of context."""

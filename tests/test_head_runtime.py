@@ -142,6 +142,7 @@ def test_sparse_dist_rejects_bad_input():
 
 # -- one llama.cpp call per level, none when the plan drafts nothing -----------------------------
 
+
 def count_head_calls(d):
     """Wrap the extend of ``d``'s draft context (``DraftHub.extend_many``, which the step
     calls): per drafted step, (head calls made, levels grown). Head calls: llama.cpp calls on

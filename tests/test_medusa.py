@@ -351,6 +351,7 @@ def test_auto_takes_one_model_drafter():
 
 # -- the real model ------------------------------------------------------------------------------
 
+
 def _shipped(model):
     from localspec.models.eagle3_heads import shipped_head
 
