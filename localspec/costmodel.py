@@ -159,6 +159,7 @@ class CostModel:
         self._ratio_load: dict[tuple[int, int], float] = {}
         self._curves: dict[int, dict[int, float]] = {}  # context bucket -> b -> sane ratio, cached
         self._memo: dict[tuple, object] = {}  # corrections and scales behind the curves, cached with them
+        self._table_ratios: dict[int, float] = {}  # b -> table ratio, cached until the table changes
         self._load, self._load_n = 1.0, 0  # observed time / table time, moving average
         self._beaten = 0  # observations in a row with load() < expire_below
 
@@ -215,16 +216,25 @@ class CostModel:
         return t[top] * b / top
 
     def _table_ratio(self, b: int) -> float:
-        key = ("table", b)
-        r = self._memo.get(key)
+        r = self._table_ratios.get(b)
         if r is None:
-            r = self._memo[key] = self._table_at(b) / self._table_at(1)
+            r = self._table_ratios[b] = self._table_at(b) / self._table_at(1)
         return r
 
-    def _invalidate(self) -> None:
-        """Drop the cached curves (after an observation, a forgotten size, a new table)."""
-        self._curves.clear()
-        self._memo.clear()
+    def _invalidate(self, bucket: int = 0) -> None:
+        """Drop the cached curves of context bucket ``bucket`` and above, and what they were
+        built from (after an observation or a forgotten ratio in ``bucket``; 0 for all). A
+        bucket's curve depends on the table, bucket 0's ratios and its own and lower buckets'
+        ratios (``context_scale``'s prior), never on a higher bucket's: an observation after
+        1,000 tokens of context leaves bucket 0's curve as it was."""
+        if bucket <= 0:
+            self._curves.clear()
+            self._memo.clear()
+            return
+        for k in [k for k in self._curves if k >= bucket]:
+            del self._curves[k]
+        for key in [key for key in self._memo if key[0] in ("scale", "scale_obs") and key[1] >= bucket]:
+            del self._memo[key]
 
     def t1_us(self) -> float:
         """Current single-token decode time (µs): online once observed twice, else the table's."""
@@ -460,7 +470,7 @@ class CostModel:
                 self._ratio[key] = max(1.0, cur + max(self.alpha, 1.0 / (m + 1)) * (r_obs - cur))
             self._ratio_n[key] = m + 1
             self._ratio_load[key] = load_then
-            self._invalidate()
+            self._invalidate(key[0])
         if n == 0:
             self.online_us[b] = t_us
         else:
@@ -480,7 +490,7 @@ class CostModel:
             d.pop(key, None)
         for d in (self.online_us, self.online_n):
             d.pop(key[1], None)
-        self._invalidate()
+        self._invalidate(key[0])
 
     def _expire(self) -> None:
         """The machine has beaten the table for long: the table becomes the online-corrected
@@ -492,7 +502,8 @@ class CostModel:
         self._clean, self.outliers = sanitize_table(self.table_us, repeated=self.repeated)
         for key in [key for key in self._ratio if key[0] == 0]:
             self._forget(key)  # folded into the new table (the other buckets' ratios stand)
-        self._invalidate()  # the curves and table ratios of the old table
+        self._invalidate()  # the curves of the old table
+        self._table_ratios.clear()
         self._load, self._load_n, self._beaten = 1.0, 0, 0
         self.rebased += 1
         if self.cache_ref is not None:

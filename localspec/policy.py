@@ -763,10 +763,13 @@ class SpeculationPolicy:
           accepted costs draft decodes for nothing);
         * width (top-k per node and nodes expanded per level): the budget spread over the depth.
         """
-        t1 = self.cost.t_decode_us(1)
+        t1 = self.cost.t1_us()  # = t_decode_us(1)
+        cap = self.verify_cost_factor * t1
         budget = 2
-        for b in self.cost.sizes:
-            if b <= max_nodes and self.cost.t_decode_us(b) <= self.verify_cost_factor * t1:
+        for b in self.cost.sizes:  # ascending
+            if b > max_nodes:
+                break
+            if t1 * self.cost.ratio(b) <= cap:  # t_decode_us(b)
                 budget = max(budget, b)
         budget = min(budget, max_nodes)
         depth = int(min(max_depth, max(2, math.ceil(stats.accept_length) + 2)))

@@ -3,6 +3,7 @@ the table's (``CostModel.set_context``, ``context_scale``). Timings are a script
 fed to ``observe``, never the real clock; one test checks that the step tells the model its
 context on the real default model."""
 
+import numpy as np
 import pytest
 
 from conftest import FIXED_COSTS_US, frozen_cost_model
@@ -165,3 +166,49 @@ def test_a_kernel_of_no_width_and_a_batch_of_no_tokens_are_refused():
     for call in (lambda: cm.table_correction(0), lambda: cm.context_scale(2, -1)):
         with pytest.raises(ValueError, match="at least 1 token"):
             call()
+
+
+def test_an_observation_keeps_the_curves_of_lower_buckets_and_prices_as_a_full_rebuild_would():
+    """An observation drops only the cached curves of its own context bucket and the buckets
+    above it (theirs are built from it); every price after any mix of buckets, sizes, bursts
+    that are forgotten and a table that expires is the one a model rebuilding every curve and
+    table ratio after each observation gives, bit for bit."""
+    rng = np.random.default_rng(0)
+
+    class Rebuilds(CostModel):
+        def _invalidate(self, bucket: int = 0) -> None:
+            super()._invalidate(0)
+            self._table_ratios.clear()
+
+    fast = CostModel(dict(FIXED_COSTS_US), context_ref=256, expire_after=30)
+    full = Rebuilds(dict(FIXED_COSTS_US), context_ref=256, expire_after=30)
+    n_tokens, burst, kept = 300, 1.0, 0
+    for _ in range(1500):
+        n_tokens = int(rng.integers(0, 4000)) if rng.random() < 0.05 else n_tokens + int(rng.integers(1, 8))
+        if rng.random() < 0.03:
+            burst = float(rng.choice([0.5, 1.0, 2.5]))  # 0.5: the table expires; 2.5 then 1: forgotten
+        b = int(rng.choice([1, 1, 2, 3, 4, 8, 16]))
+        t = true_us(b, n_tokens) * (1.25 if b > 1 else 1.0) * burst * float(rng.lognormal(0.0, 0.05))  # a table 20% cheap
+        curve0 = fast._curves.get(0)
+        for cm in (fast, full):
+            cm.set_context(n_tokens)
+            cm.observe(b, t)
+        kept += curve0 is not None and fast._curves.get(0) is curve0
+        for n in (n_tokens, 100, 900, 3000):
+            fast.set_context(n)
+            full.set_context(n)
+            assert [fast.t_decode_us(s) for s in (1, 2, 3, 5, 8, 12, 16, 64)] == [full.t_decode_us(s) for s in (1, 2, 3, 5, 8, 12, 16, 64)]
+            assert fast.min_ratio(2, 64) == full.min_ratio(2, 64)
+        fast.set_context(n_tokens)
+        full.set_context(n_tokens)
+    rebased = fast.rebased
+    for _ in range(40):  # a quiet machine beats the table where bucket 0 has learned its ratios: it expires
+        for b in (1, 2, 4, 8):
+            for cm in (fast, full):
+                cm.set_context(300)
+                cm.observe(b, 0.25 * true_us(b, 300) * (1.25 if b > 1 else 1.0))
+    assert fast.rebased == full.rebased > rebased >= 1 and kept > 100  # and bucket 0's curve outlived observations above it
+    for n in (100, 900):
+        fast.set_context(n)
+        full.set_context(n)
+        assert [fast.t_decode_us(s) for s in (2, 3, 8, 64)] == [full.t_decode_us(s) for s in (2, 3, 8, 64)]
