@@ -206,6 +206,50 @@ def test_waiting_requests_are_counted_beyond_the_free_slots(model):
         sched.close()
 
 
+def test_a_burst_of_requests_cannot_all_pass_the_queue_check_while_they_are_tokenized(model):
+    """Requests arrive together and are tokenized off the event loop, each before it reaches the
+    scheduler's queue: they count as waiting from the check on, so with one slot and
+    ``max_queue=1`` two of four are taken and two get 503 (before: all four, the check seeing
+    an empty queue each time)."""
+    sched = BatchScheduler(model, parallel=1, n_ctx=64, cost_model=frozen_cost_model())  # not started: nothing runs
+    try:
+        svc = OpenAIService(sched, model_name="m", sampling=SamplingParams.greedy(), max_queue=1)
+        req = parse_oai("completion", {"prompt": "Hello", "max_tokens": 1}, svc.sampling)
+        arrived = threading.Condition()
+        n_arrived, outcomes = [0], []
+        tokenize = svc.prompt_tokens
+
+        def arrive() -> None:
+            with arrived:
+                n_arrived[0] += 1
+                arrived.notify_all()
+
+        def slow_tokenize(r):  # holds each request inside its tokenization until all four arrived or were refused
+            arrive()
+            with arrived:
+                assert arrived.wait_for(lambda: n_arrived[0] == 4, timeout=60)
+            return tokenize(r)
+
+        svc.prompt_tokens = slow_tokenize
+
+        def client() -> None:
+            try:
+                svc.submit(req, on_chunk=None, on_done=None)
+                outcomes.append(200)
+            except OAIError as e:
+                outcomes.append(e.status)
+                arrive()
+
+        threads = [threading.Thread(target=client) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert sorted(outcomes) == [200, 200, 503, 503]
+    finally:
+        sched.close()
+
+
 def test_stop_accepting_cancels_what_was_submitted_and_refuses_more(model):
     sched = BatchScheduler(model, parallel=1, n_ctx=64, cost_model=frozen_cost_model())  # not started: nothing runs
     try:

@@ -316,6 +316,7 @@ class OpenAIService:
         self._chat_format = None
         self._lock = threading.Lock()
         self._live: set = set()  # jobs submitted and not yet done
+        self._admitting = 0  # requests past the queue check and not yet in the scheduler's queue
         self._closing = False
 
     def health(self) -> tuple[int, dict]:
@@ -402,9 +403,18 @@ class OpenAIService:
         if self._closing:
             raise OAIError("the server is shutting down", 503)
         sched = self.scheduler
-        waiting = sched.n_waiting - (sched.parallel - sched.n_active)  # those that will not get a slot now
-        if waiting >= self.max_queue:
-            raise OAIError(f"too many requests waiting ({waiting}); try again later", 503)
+        with self._lock:  # the requests being tokenized count as waiting: a burst cannot pass the check at once
+            waiting = sched.n_waiting + self._admitting - (sched.parallel - sched.n_active)  # no slot for them now
+            if waiting >= self.max_queue:
+                raise OAIError(f"too many requests waiting ({waiting}); try again later", 503)
+            self._admitting += 1
+        try:
+            return self._submit(req, on_chunk, on_done)
+        finally:
+            with self._lock:
+                self._admitting -= 1
+
+    def _submit(self, req: OAIRequest, on_chunk, on_done):
         tokens, extra_stops, strip = self.prompt_tokens(req)
         sampling = req.sampling
         if req.logit_bias is not None:
