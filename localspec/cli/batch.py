@@ -55,13 +55,20 @@ NOT_PER_LINE = frozenset(f.name for f in dataclasses.fields(SamplingParams)).dif
 
 
 def read_jobs(path: str) -> list[dict]:
-    """The input lines as dicts with an ``id``; a bad line becomes ``{"id", "error"}``."""
+    """The input lines as dicts with an ``id``; a bad line (not UTF-8 text, not a JSON object,
+    no usable prompt) becomes ``{"id", "_error"}``. Lines end at LF, CR LF or CR; a UTF-8 byte
+    order mark at the start is skipped."""
     try:
-        lines = Path(path).read_text().splitlines()
+        raw = Path(path).read_bytes()
     except OSError as e:
         raise SystemExit(f"localspec: error: cannot read {path}: {e.strerror or e}") from None
     out = []
-    for n, line in enumerate(lines, start=1):
+    for n, data in enumerate(raw.removeprefix(b"\xef\xbb\xbf").splitlines(), start=1):
+        try:
+            line = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            out.append({"id": str(n), "_error": f"line {n} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})"})
+            continue
         if not line.strip():
             continue
         try:
@@ -181,7 +188,8 @@ def run(a) -> int:
     dup = len(items) - len({x["id"] for x in items})
     if dup:
         print(f"localspec: warning: {dup} duplicate ids in {a.input}; each id is generated once", file=sys.stderr)
-    print(f"localspec: {len(items)} prompts, {len(items) - len(todo)} already in {out_path}, {len(todo)} to do",
+    n_todo = len({x["id"] for x in todo})  # what this run writes: one record per id
+    print(f"localspec: {len(items)} prompts, {len(items) - len(todo)} already in {out_path}, {n_todo} to do",
           file=sys.stderr)  # fmt: skip
     if not todo:
         return 0
@@ -198,7 +206,7 @@ def run(a) -> int:
         if not existed:  # leave no empty OUT behind
             out_path.unlink(missing_ok=True)
         raise
-    bar = tqdm(total=len(todo), unit="prompt", disable=a.no_progress, file=sys.stderr)
+    bar = tqdm(total=n_todo, unit="prompt", disable=a.no_progress, file=sys.stderr)
     written: set[str] = set()
 
     def write(rec: dict) -> None:
