@@ -395,6 +395,53 @@ def test_ctrl_c_while_llama_cpp_logs_through_a_callback(fresh_cache):
         p.kill()
 
 
+def test_ctrl_c_while_batch_loads_its_model(fresh_cache, tmp_path):
+    """``batch`` went on after a Ctrl-C raised inside llama.cpp's log callback during the
+    load (ctypes swallowed it: "Exception ignored ..."), wrote every result and exited 0."""
+    env, m = fresh_cache
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt": PROMPT}) + "\n" for i in range(40)))
+    p = Proc(["-v", "batch", str(inp), "--out", str(out), "-m", m, "-n", "8", "--no-progress"], env=env)
+    try:
+        p.wait_for(lambda name, line: name == "err" and "llama_context" in line)
+        rc, err = p.interrupt()
+        assert_clean_interrupt(rc, err)
+        assert "wrote" not in err and len(out.read_text().splitlines() if out.exists() else []) < 40, err
+    finally:
+        p.kill()
+
+
+def test_ctrl_c_inside_a_llama_cpp_callback_reaches_the_python_api(tmp_path, model_path):
+    """A program using the API: a Ctrl-C raised while llama.cpp calls back into Python (here
+    its log, the signal sent from inside the callback itself) is raised by the ``Context`` or
+    ``Model`` being made once the native call returns, not swallowed by ctypes."""
+    script = tmp_path / "api.py"
+    script.write_text(f"""
+import logging, os, signal
+from localspec.backend import Context, Model
+from localspec.backend._llama import set_log_level
+
+class Interrupt(logging.Handler):
+    def emit(self, record):
+        if "llama_context" in record.getMessage() and not getattr(self, "sent", False):
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGINT)  # runs inside llama.cpp's log callback
+
+logging.getLogger("localspec.llama").addHandler(Interrupt())
+logging.getLogger("localspec.llama").setLevel(logging.DEBUG)
+set_log_level("info")
+model = Model({str(model_path)!r})
+try:
+    ctx = Context(model, n_ctx=256)
+except KeyboardInterrupt:
+    print("INTERRUPTED")
+else:
+    print("WENT ON")
+""")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert r.stdout.strip() == "INTERRUPTED" and "Exception ignored" not in r.stderr, (r.stdout, r.stderr[-2000:])
+
+
 def test_ctrl_c_while_generating():
     p = Proc(["generate", "Once upon a time", "-n", "100000", "--n-ctx", "4096", "--temperature", "0.8"])
     try:

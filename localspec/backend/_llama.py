@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import sys
 import threading
 
 # ggml's tiled K-quant matmul (batches of >= 8 rows) rounds differently from the
@@ -113,14 +114,52 @@ def held_errors():
 _log_callback = lib.llama_log_callback(_on_log)  # keep a reference: C holds the pointer
 
 
+# Ctrl-C while llama.cpp calls back into Python (its log during a model load, the abort
+# callback of a long decode) raises KeyboardInterrupt inside the callback, where ctypes can only
+# print it ("Exception ignored on calling ctypes callback function") and return to C: the load
+# then finished and the program went on as if nothing was pressed. The hook below keeps such an
+# interrupt instead, for the thread it was raised in, and ``raise_if_interrupted`` raises it once
+# the native call is over (``Model``, ``Context`` and ``Context.decode`` call it).
+_interrupt_lock = threading.Lock()
+_interrupted_threads: set[int] = set()
+_previous_unraisablehook = None
+
+
+def _unraisablehook(unraisable) -> None:
+    if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+        with _interrupt_lock:
+            _interrupted_threads.add(threading.get_ident())
+        return
+    (_previous_unraisablehook or sys.__unraisablehook__)(unraisable)
+
+
+def raise_if_interrupted() -> None:
+    """Raise the KeyboardInterrupt that a llama.cpp callback on this thread swallowed, if any.
+
+    Raises:
+        KeyboardInterrupt: Ctrl-C was pressed during the native call that just returned."""
+    if _interrupted_threads:
+        me = threading.get_ident()
+        with _interrupt_lock:
+            hit = me in _interrupted_threads
+            _interrupted_threads.discard(me)
+        if hit:
+            raise KeyboardInterrupt
+
+
 def ensure_backend() -> None:
-    """Initialise llama.cpp once (idempotent, thread-safe) and install the log hook."""
-    global _initialised
+    """Initialise llama.cpp once (idempotent, thread-safe) and install the log hook and the
+    hook that keeps a Ctrl-C raised inside a callback (``raise_if_interrupted``; other
+    unraisable exceptions go to the hook that was installed before)."""
+    global _initialised, _previous_unraisablehook
     if _initialised:
         return
     with _init_lock:
         if _initialised:
             return
+        if sys.unraisablehook is not _unraisablehook:
+            _previous_unraisablehook = sys.unraisablehook
+            sys.unraisablehook = _unraisablehook
         lib.llama_log_set(_log_callback, ctypes.c_void_p(0))
         lib.llama_backend_init()
         _initialised = True

@@ -19,7 +19,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import ContextOverflowError, DecodeError, InvalidRequestError, KVCacheError, ModelLoadError
-from ._llama import exact_kernels, held_errors, lib, recent_errors
+from ._llama import exact_kernels, held_errors, lib, raise_if_interrupted, recent_errors
 from .batch import Batch
 from .model import Model
 
@@ -269,6 +269,7 @@ class Context:
                 log.info("lm_head readout on (kernel %d, decodes of up to %d rows)", self.readout.kernel, self.readout.max_rows)
             else:
                 log.info("lm_head readout off: %s", self.readout_off_reason)
+        raise_if_interrupted()  # Ctrl-C while the context was made (swallowed in a llama.cpp callback)
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -358,6 +359,7 @@ class Context:
         self.n_tokens_last = batch.n_tokens
         if self.after_decode is not None:
             self.after_decode(self)
+        raise_if_interrupted()  # Ctrl-C during the decode (swallowed in its abort callback)
 
     def process(self, batch, *, encode: bool = False) -> None:
         """Run an ``ExtBatch`` through ``llama_process`` (the encoder graph when ``encode``).

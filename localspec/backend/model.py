@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import ModelLoadError
-from ._llama import cpu_amx, ensure_backend, exact_kernels, held_errors, lib, recent_errors
+from ._llama import cpu_amx, ensure_backend, exact_kernels, held_errors, lib, raise_if_interrupted, recent_errors
 
 if TYPE_CHECKING:
     from ..models.gguf_index import GGUFIndex
@@ -216,6 +216,7 @@ class Model:
         self.add_bos: bool = bool(lib.llama_vocab_get_add_bos(self.vocab))
         self._piece_buf = ctypes.create_string_buffer(256)
         self._pieces: dict[int, bytes] = {}  # token (or ~token for special=True) -> piece bytes
+        raise_if_interrupted()  # Ctrl-C during the load (swallowed in llama.cpp's log callback)
 
     # -- lifetime -----------------------------------------------------------------------------
 

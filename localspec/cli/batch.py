@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from ..errors import LocalSpecError
 from ..sampling import SamplingParams
 from .common import (add_drafter_args, add_memory_args, add_model_args, add_sampling_args, check_request_context, count,
-                     make_engine, sampling_from_args)
+                     exit_now_on_sigint, make_engine, sampling_from_args)
 
 
 def register(sub) -> None:
@@ -199,13 +201,25 @@ def run(a) -> int:
         f = out_path.open("a", encoding="utf-8")
     except OSError as e:
         raise SystemExit(f"localspec: error: cannot write --out {out_path}: {e.strerror or e}") from None
-    try:
-        engine = make_engine(a, None if a.no_spec or a.drafter == "none" else a.drafter)
-    except BaseException:
+    def drop_empty_out() -> None:
         f.close()
         if not existed:  # leave no empty OUT behind
             out_path.unlink(missing_ok=True)
+
+    def interrupt_load(signum, frame) -> None:  # a load runs native code nothing can cancel: stop now, as generate does
+        drop_empty_out()
+        exit_now_on_sigint(signum, frame)
+
+    hard = threading.current_thread() is threading.main_thread()
+    old_int = signal.signal(signal.SIGINT, interrupt_load) if hard else None
+    try:
+        engine = make_engine(a, None if a.no_spec or a.drafter == "none" else a.drafter)
+    except BaseException:
+        drop_empty_out()
         raise
+    finally:
+        if hard:  # from here a Ctrl-C stops the run between results (KeyboardInterrupt)
+            signal.signal(signal.SIGINT, old_int)
     bar = tqdm(total=n_todo, unit="prompt", disable=a.no_progress, file=sys.stderr)
     written: set[str] = set()
 
