@@ -37,7 +37,8 @@ def register(sub) -> None:
     p.add_argument("--no-editor", action="store_true", help="do not serve /infill and /completion")
     add_drafter_args(p)
     add_sampling_args(p)
-    add_model_args(p)
+    add_model_args(p, n_ctx_help="context of the editor endpoints (/completion, /infill, llama-server's; default "
+                   "8192); each request to the OpenAI endpoints (/v1/...) holds --ctx-per-request tokens")
     add_memory_args(p)
     add_usage_args(p)
     p.set_defaults(func=run)
