@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 
 from .backend import Context, Model, SequenceCache
@@ -431,6 +431,7 @@ class Engine:
         Raises:
             InvalidRequestError: bad parameters or an empty prompt.
             ContextOverflowError: the prompt does not leave room for one generated token.
+            TypeError: ``prompt`` is neither text nor a sequence of token ids.
         """
         max_tokens = check_max_tokens(max_tokens)
         self.reconnect_if_lost()
@@ -444,6 +445,8 @@ class Engine:
                 # chat app does; llama.cpp only warns)
                 tokens = tokens[1:]
         else:
+            if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Iterable):
+                raise TypeError(f"prompt must be text (str) or token ids (a sequence of int), got {type(prompt).__name__}")
             tokens = [int(t) for t in prompt]
             bad = [t for t in tokens if not 0 <= t < self.model.n_vocab]
             if bad:

@@ -214,6 +214,21 @@ def test_small_n_ctx_holds_the_size_asked_for(model, capsys):
     assert d["stats"]["n_prompt_tokens"] + len(d["token_ids"]) == 21
 
 
+def test_threads_below_one_and_a_draft_drafter_without_its_model_are_refused_before_loading(capsys, tmp_path):
+    """``-t 0`` / ``-t -1`` ran with llama.cpp's own choice, and ``--drafter draft`` without
+    ``--draft-model`` said so only after the target had loaded (a new user's report)."""
+    for t in ("0", "-1"):
+        msg = cli_error(capsys, ["generate", PROMPT, "-t", t])
+        assert msg.startswith(f"localspec: error: -t/--threads must be >= 1, got {t}"), msg
+    assert cli_error(capsys, ["generate", PROMPT, "--stop", ".", "--stop", ""]) == "localspec: error: --stop strings must not be empty"
+    msg = cli_error(capsys, ["generate", PROMPT, "--drafter", "draft"])
+    assert msg == "localspec: error: --drafter draft needs --draft-model PATH, a GGUF that shares the target's tokenizer"
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "Hi"}\n')
+    cli_error(capsys, ["batch", str(inp), "--out", str(tmp_path / "out.jsonl"), "-t", "0"])
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_serve_refuses_a_request_context_beyond_the_training_context_before_loading(capsys, tmp_path):
     """``serve --ctx-per-request`` and ``batch --n-ctx`` (each a request's context) above the
     model's training context: one line before loading (serve: was "loading model..." and then

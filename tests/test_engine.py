@@ -226,6 +226,9 @@ def test_bad_requests(eng):
         eng.generate([10**9], max_tokens=1)
     with pytest.raises(InvalidRequestError):
         eng.generate("", max_tokens=1, add_special=False)
+    for bad in (None, 5, b"bytes"):  # was "'NoneType' object is not iterable" (or bytes read as ids)
+        with pytest.raises(TypeError, match="prompt must be text"):
+            eng.generate(bad, max_tokens=1)
 
 
 def test_nearly_full_context(model):

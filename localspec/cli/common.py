@@ -421,6 +421,25 @@ def check_model_files(a: argparse.Namespace) -> None:
             check_gguf_file(path, what, "--" + name.replace("_", "-"))
 
 
+def check_runtime_args(a: argparse.Namespace, drafter: str | None) -> None:
+    """Before any model loads: ``-t`` at least 1 (a warning above this machine's CPUs, where
+    llama.cpp's spinning threads make a decode many times slower), no empty ``--stop`` string,
+    and ``--drafter draft`` with its ``--draft-model``; else SystemExit with one line."""
+    from ..backend.context import default_threads
+
+    if a.threads is not None:
+        if a.threads < 1:
+            raise SystemExit(f"localspec: error: -t/--threads must be >= 1, got {a.threads} (default: the CPUs available)")
+        n_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or default_threads())
+        if a.threads > n_cpus:
+            print(f"localspec: warning: -t {a.threads} is more threads than the {n_cpus} CPUs this process may use: "
+                  "llama.cpp's threads will wait on each other and decodes run many times slower", file=sys.stderr)  # fmt: skip
+    if "" in (getattr(a, "stop", None) or ()):
+        raise SystemExit("localspec: error: --stop strings must not be empty")
+    if drafter == "draft" and not getattr(a, "draft_model", None):
+        raise SystemExit("localspec: error: --drafter draft needs --draft-model PATH, a GGUF that shares the target's tokenizer")
+
+
 def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = True, drafter_flags: bool = True):
     """Build an ``Engine`` from parsed arguments, saying what it does on stderr (after the
     arguments and model files are checked: a bad one is one error line, nothing loaded; a
@@ -450,12 +469,16 @@ def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = 
         draft_memory=mem,
     )
     check_model_files(a)
+    check_runtime_args(a, drafter)
     if progress:
         print("localspec: loading model and measuring decode cost (cached after the first run)...", file=sys.stderr)
     engine = Engine(a.model, **kwargs)
     note = engine.cost_model.contention_note()
     if progress and note is not None:
         print(f"localspec: note: {note}", file=sys.stderr)
+    if progress and a.n_gpu_layers and not getattr(a, "rpc", None) and not engine.model.on_local_gpu:
+        print(f"localspec: note: -ngl {a.n_gpu_layers} has no effect: this llama.cpp build has no GPU backend "
+              "(every layer runs on the CPU; docs/gpu.md builds one)", file=sys.stderr)  # fmt: skip
     if mem is not None and getattr(a, "draft_memory", None):
         attach_memory_file(mem, a.draft_memory, engine.model)
     engine.usage_log = usage_log_from_args(a)
