@@ -63,6 +63,7 @@ def test_a_bad_field_on_one_line_is_that_lines_error_and_the_run_goes_on(tmp_pat
         assert by_id[k]["error"].startswith(f"line {n}: ") and f'"{field}"' in by_id[k]["error"], by_id[k]
     engine.reset()
     assert by_id["ok"]["text"] == engine.generate(PROMPTS["a"], max_tokens=4, sampling=SamplingParams.greedy()).text
+    assert by_id["ok"]["seed"] == 3
 
 
 def test_out_the_input_file_or_parallel_0_is_refused_before_anything_is_written(tmp_path, capsys):
@@ -159,6 +160,10 @@ def test_a_line_sets_sampling_as_the_command_line_does_and_names_what_it_cannot_
     assert by_id["sampled"]["text"] == greedy == engine.generate(
         p, max_tokens=6, sampling=SamplingParams(temperature=0.8, top_k=1, seed=7)).text  # fmt: skip
     assert by_id["meta"]["text"] == greedy
+    assert by_id["sampled"]["seed"] == 7  # the drawn seed of "seed": -1 is recorded, and reproduces the line
+    engine.reset()
+    drawn = SamplingParams(temperature=0.8, seed=by_id["random"]["seed"])
+    assert by_id["random"]["text"] == engine.generate(p, max_tokens=6, sampling=drawn).text
 
 
 def test_a_line_that_is_not_utf8_is_that_lines_error_and_the_run_goes_on(tmp_path, engine, capsys):

@@ -164,6 +164,7 @@ def result_record(job_id: str, r) -> dict:
         "usage": {"prompt_tokens": s.n_prompt_tokens, "completion_tokens": s.n_generated_tokens,
                   "total_tokens": s.n_prompt_tokens + s.n_generated_tokens},  # fmt: skip
         "speculation": {"drafter": s.drafter, "draft_n": s.num_draft_tokens, "draft_n_accepted": s.num_accepted_tokens},
+        "seed": s.seed,  # the seed the line's sampling used: "seed": -1 drew it, this reproduces it
     }
     if s.lossy:  # LOSSY acceptance thresholds were in effect
         rec["speculation"]["lossy"] = True
