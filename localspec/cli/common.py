@@ -424,7 +424,8 @@ def check_model_files(a: argparse.Namespace) -> None:
 def check_runtime_args(a: argparse.Namespace, drafter: str | None) -> None:
     """Before any model loads: ``-t`` at least 1 (a warning above this machine's CPUs, where
     llama.cpp's spinning threads make a decode many times slower), no empty ``--stop`` string,
-    and ``--drafter draft`` with its ``--draft-model``; else SystemExit with one line."""
+    and ``--drafter draft`` with its ``--draft-model``; else SystemExit with one line (the
+    drafter's: InvalidRequestError)."""
     from ..backend.context import default_threads
 
     if a.threads is not None:
@@ -436,8 +437,10 @@ def check_runtime_args(a: argparse.Namespace, drafter: str | None) -> None:
                   "llama.cpp's threads will wait on each other and decodes run many times slower", file=sys.stderr)  # fmt: skip
     if "" in (getattr(a, "stop", None) or ()):
         raise SystemExit("localspec: error: --stop strings must not be empty")
-    if drafter == "draft" and not getattr(a, "draft_model", None):
-        raise SystemExit("localspec: error: --drafter draft needs --draft-model PATH, a GGUF that shares the target's tokenizer")
+    if drafter == "draft" and not getattr(a, "draft_model", None):  # the drafter's own error, before the target loads
+        from ..drafters import make_drafter
+
+        make_drafter("draft")
 
 
 def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = True, drafter_flags: bool = True):
@@ -490,8 +493,9 @@ def exit_now_on_sigint(_signum, _frame) -> None:
 
     A KeyboardInterrupt raised while llama.cpp calls back into Python (its log, progress and
     abort callbacks, which run throughout model loading, decode-cost measurement and long
-    decodes) is swallowed by ctypes ("Exception ignored on calling ctypes callback
-    function") and the program goes on; exiting from the handler stops it at any moment."""
+    decodes) cannot cross the native call: the backend raises it once that call returns
+    (``backend._llama.raise_if_interrupted``), which for a model load can be minutes; exiting
+    from the handler stops the command at any moment."""
     try:
         sys.stdout.flush()
     except Exception:  # a write was interrupted half-way; what is lost is lost anyway
