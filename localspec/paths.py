@@ -1,9 +1,12 @@
-"""Where localspec keeps its files (assembled default model, cost tables, readout verdicts)."""
+"""Where localspec keeps its files (assembled default model, cost tables, readout verdicts),
+and how it writes files a reader must never see half written (``atomic_path``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -50,3 +53,35 @@ def update_json_cache(path: Path, key: str, entry: dict | None) -> None:
     else:
         data[key] = entry
     write_json_cache(path, data)
+
+
+_PARTIAL: set[Path] = set()  # temporary files of ``atomic_path`` blocks still being written
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path in ``path``'s folder to write to, renamed over ``path`` when the block
+    ends and removed when it raises (a KeyboardInterrupt too; a hard exit on Ctrl-C removes it
+    with ``remove_partial_files``): ``path`` never holds half a file, and a file already there
+    stays as it was until the new one is complete.
+
+    Raises:
+        OSError: the rename failed (the temporary file is removed)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    _PARTIAL.add(tmp)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        _PARTIAL.discard(tmp)
+        tmp.unlink(missing_ok=True)
+
+
+def remove_partial_files() -> None:
+    """Remove the temporary files of unfinished ``atomic_path`` blocks (before ``os._exit``)."""
+    for tmp in list(_PARTIAL):
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass

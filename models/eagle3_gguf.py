@@ -51,6 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..paths import atomic_path
 from .gguf_index import GGUFIndex
 
 ARCH = "eagle3"
@@ -212,38 +213,39 @@ def write_eagle3_gguf(
         raise ValueError(f"d2t holds id {int(w.d2t.max())} but the target vocabulary has {n_vocab} tokens")
     if not _distinct_readable(cfg.target_layers, n_layer):
         raise ValueError(f"target layers must be three distinct layers of 1..{n_layer - 1}, got {cfg.target_layers}")
-    wr = _writer(out, ARCH)
-    wr.add_name(name)
-    wr.add_uint32(f"{ARCH}.context_length", cfg.n_ctx_train)
-    wr.add_uint32(f"{ARCH}.embedding_length", cfg.n_embd)
-    wr.add_uint32(f"{ARCH}.block_count", 1)
-    wr.add_uint32(f"{ARCH}.feed_forward_length", cfg.n_ff)
-    wr.add_uint32(f"{ARCH}.attention.head_count", cfg.n_head)
-    wr.add_uint32(f"{ARCH}.attention.head_count_kv", cfg.n_head_kv)
-    wr.add_uint32(f"{ARCH}.attention.key_length", cfg.head_dim)
-    wr.add_uint32(f"{ARCH}.attention.value_length", cfg.head_dim)
-    wr.add_float32(f"{ARCH}.attention.layer_norm_rms_epsilon", cfg.rms_eps)
-    wr.add_float32(f"{ARCH}.rope.freq_base", cfg.rope_freq_base)
-    wr.add_uint32(f"{ARCH}.rope.dimension_count", cfg.head_dim)
-    wr.add_array(f"{ARCH}.target_layers", [int(k) for k in cfg.target_layers])
-    wr.add_uint32(f"{ARCH}.target_hidden_size", cfg.n_embd_target)
-    wr.add_bool(f"{ARCH}.norm_before_residual", cfg.norm_before_residual)
-    for key, raw in r.raw.items():
-        if key.startswith("tokenizer."):
-            wr.add_raw(key, raw)
-    for attr, tname in _TENSOR_NAMES.items():
-        a = np.asarray(getattr(w, attr), dtype=np.float32)
-        # fc multiplies raw target hidden states, which exceed the float16 range on some
-        # models (Gemma 3's residual stream reaches ~1e5): keep it (and the norms) in float32
-        if a.ndim == 1 or attr == "fc":
-            wr.add_tensor(tname, a)
-        else:
-            _add_matrix(wr, tname, a, matrix_dtype)
-    wr.add_tensor("d2t", np.asarray(w.d2t, dtype=np.int64), raw_dtype=GGMLQuantizationType.I64)
-    wr.write_header_to_file()
-    wr.write_kv_data_to_file()
-    wr.write_tensors_to_file()
-    wr.close()
+    with atomic_path(out) as tmp:  # out never holds half a head (Ctrl-C, a full disk)
+        wr = _writer(tmp, ARCH)
+        wr.add_name(name)
+        wr.add_uint32(f"{ARCH}.context_length", cfg.n_ctx_train)
+        wr.add_uint32(f"{ARCH}.embedding_length", cfg.n_embd)
+        wr.add_uint32(f"{ARCH}.block_count", 1)
+        wr.add_uint32(f"{ARCH}.feed_forward_length", cfg.n_ff)
+        wr.add_uint32(f"{ARCH}.attention.head_count", cfg.n_head)
+        wr.add_uint32(f"{ARCH}.attention.head_count_kv", cfg.n_head_kv)
+        wr.add_uint32(f"{ARCH}.attention.key_length", cfg.head_dim)
+        wr.add_uint32(f"{ARCH}.attention.value_length", cfg.head_dim)
+        wr.add_float32(f"{ARCH}.attention.layer_norm_rms_epsilon", cfg.rms_eps)
+        wr.add_float32(f"{ARCH}.rope.freq_base", cfg.rope_freq_base)
+        wr.add_uint32(f"{ARCH}.rope.dimension_count", cfg.head_dim)
+        wr.add_array(f"{ARCH}.target_layers", [int(k) for k in cfg.target_layers])
+        wr.add_uint32(f"{ARCH}.target_hidden_size", cfg.n_embd_target)
+        wr.add_bool(f"{ARCH}.norm_before_residual", cfg.norm_before_residual)
+        for key, raw in r.raw.items():
+            if key.startswith("tokenizer."):
+                wr.add_raw(key, raw)
+        for attr, tname in _TENSOR_NAMES.items():
+            a = np.asarray(getattr(w, attr), dtype=np.float32)
+            # fc multiplies raw target hidden states, which exceed the float16 range on some
+            # models (Gemma 3's residual stream reaches ~1e5): keep it (and the norms) in float32
+            if a.ndim == 1 or attr == "fc":
+                wr.add_tensor(tname, a)
+            else:
+                _add_matrix(wr, tname, a, matrix_dtype)
+        wr.add_tensor("d2t", np.asarray(w.d2t, dtype=np.int64), raw_dtype=GGMLQuantizationType.I64)
+        wr.write_header_to_file()
+        wr.write_kv_data_to_file()
+        wr.write_tensors_to_file()
+        wr.close()
     return Path(out)
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..paths import atomic_path
 from .gguf_index import GGUFIndex
 
 
@@ -123,34 +124,35 @@ def copy_gguf(
     if "general.architecture" in set_kv:
         v = set_kv.pop("general.architecture")
         arch = v[0] if isinstance(v, tuple) else v
-    w = raw_writer(dst, arch)
-    for key in r.raw:
-        if key == "general.architecture" or key in drop or key in set_kv:
-            continue
-        if edit_kv is not None:
-            val = r.contents(key)
-            new = edit_kv(key, val)
-            if new is not val:  # edited: encode the new value with the entry's own types
-                vtype, sub = r.types(key)
-                w.add_key_value(key, new, GGUFValueType(vtype), sub_type=None if sub is None else GGUFValueType(sub))
+    with atomic_path(dst) as tmp:  # dst never holds half a model (Ctrl-C, a full disk)
+        w = raw_writer(tmp, arch)
+        for key in r.raw:
+            if key == "general.architecture" or key in drop or key in set_kv:
                 continue
-        w.add_raw(key, r.raw[key])
-    for key, v in set_kv.items():
-        if isinstance(v, tuple):
-            val, vtype, *rest = v
-            sub = rest[0] if rest else None
-        else:
-            val = v
-            vtype, sub = _infer_type(v)
-        w.add_key_value(key, val, vtype, sub_type=sub)
-    tensors = [t for t in r.tensors if keep_tensor is None or keep_tensor(t)]
-    for t in tensors:
-        data = r.data(t)
-        w.add_tensor_info(rename_tensor(t) if rename_tensor else t, data.shape, data.dtype, data.nbytes, r.tensors[t].qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for t in tensors:
-        w.write_tensor_data(r.data(t))
-    w.close()
+            if edit_kv is not None:
+                val = r.contents(key)
+                new = edit_kv(key, val)
+                if new is not val:  # edited: encode the new value with the entry's own types
+                    vtype, sub = r.types(key)
+                    w.add_key_value(key, new, GGUFValueType(vtype), sub_type=None if sub is None else GGUFValueType(sub))
+                    continue
+            w.add_raw(key, r.raw[key])
+        for key, v in set_kv.items():
+            if isinstance(v, tuple):
+                val, vtype, *rest = v
+                sub = rest[0] if rest else None
+            else:
+                val = v
+                vtype, sub = _infer_type(v)
+            w.add_key_value(key, val, vtype, sub_type=sub)
+        tensors = [t for t in r.tensors if keep_tensor is None or keep_tensor(t)]
+        for t in tensors:
+            data = r.data(t)
+            w.add_tensor_info(rename_tensor(t) if rename_tensor else t, data.shape, data.dtype, data.nbytes, r.tensors[t].qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for t in tensors:
+            w.write_tensor_data(r.data(t))
+        w.close()
     return Path(dst)

@@ -48,6 +48,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..paths import atomic_path
+
 ARCH = "medusa"
 
 
@@ -118,31 +120,30 @@ def write_medusa_gguf(path: str | os.PathLike, wts: MedusaWeights) -> Path:
         wts.out.shape[0] not in (1, k)
     ):
         raise ValueError(f"inconsistent Medusa shapes: w {wts.w.shape}, b {wts.b.shape}, out {wts.out.shape}, d2t {wts.d2t.shape}")
-    tmp = path.with_name(path.name + ".tmp")
-    wr = GGUFWriter(str(tmp), ARCH)
-    wr.add_name("Medusa heads")
-    wr.add_uint32(f"{ARCH}.head_count", k)
-    wr.add_uint32(f"{ARCH}.embedding_length", e)
-    wr.add_uint32(f"{ARCH}.vocab_size", wts.n_vocab_draft)
-    wr.add_uint32(f"{ARCH}.target_vocab_size", int(wts.target_vocab_size))
-    wr.add_string(f"{ARCH}.target_vocab_sha256", wts.target_vocab_sha256)
-    wr.add_string(f"{ARCH}.target", wts.target)
-    wr.add_float32(f"{ARCH}.final_logit_softcapping", float(wts.softcap))
-    wr.add_string(f"{ARCH}.training", json.dumps(wts.training, sort_keys=True))
-    shared = wts.shared_readout
-    for i in range(k):
-        wr.add_tensor(f"{ARCH}.{i}.ffn.weight", np.ascontiguousarray(wts.w[i], dtype=np.float16))
-        wr.add_tensor(f"{ARCH}.{i}.ffn.bias", np.ascontiguousarray(wts.b[i], dtype=np.float32))
-        if not shared:
-            wr.add_tensor(f"{ARCH}.{i}.output.weight", np.ascontiguousarray(wts.out[i], dtype=np.float16))
-    if shared:
-        wr.add_tensor(f"{ARCH}.output.weight", np.ascontiguousarray(wts.out[0], dtype=np.float16))
-    wr.add_tensor("d2t", np.ascontiguousarray(wts.d2t, dtype=np.int64), raw_dtype=GGMLQuantizationType.I64)
-    wr.write_header_to_file()
-    wr.write_kv_data_to_file()
-    wr.write_tensors_to_file()
-    wr.close()
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:  # path never holds half a file (Ctrl-C, a full disk)
+        wr = GGUFWriter(str(tmp), ARCH)
+        wr.add_name("Medusa heads")
+        wr.add_uint32(f"{ARCH}.head_count", k)
+        wr.add_uint32(f"{ARCH}.embedding_length", e)
+        wr.add_uint32(f"{ARCH}.vocab_size", wts.n_vocab_draft)
+        wr.add_uint32(f"{ARCH}.target_vocab_size", int(wts.target_vocab_size))
+        wr.add_string(f"{ARCH}.target_vocab_sha256", wts.target_vocab_sha256)
+        wr.add_string(f"{ARCH}.target", wts.target)
+        wr.add_float32(f"{ARCH}.final_logit_softcapping", float(wts.softcap))
+        wr.add_string(f"{ARCH}.training", json.dumps(wts.training, sort_keys=True))
+        shared = wts.shared_readout
+        for i in range(k):
+            wr.add_tensor(f"{ARCH}.{i}.ffn.weight", np.ascontiguousarray(wts.w[i], dtype=np.float16))
+            wr.add_tensor(f"{ARCH}.{i}.ffn.bias", np.ascontiguousarray(wts.b[i], dtype=np.float32))
+            if not shared:
+                wr.add_tensor(f"{ARCH}.{i}.output.weight", np.ascontiguousarray(wts.out[i], dtype=np.float16))
+        if shared:
+            wr.add_tensor(f"{ARCH}.output.weight", np.ascontiguousarray(wts.out[0], dtype=np.float16))
+        wr.add_tensor("d2t", np.ascontiguousarray(wts.d2t, dtype=np.int64), raw_dtype=GGMLQuantizationType.I64)
+        wr.write_header_to_file()
+        wr.write_kv_data_to_file()
+        wr.write_tensors_to_file()
+        wr.close()
     return path
 
 

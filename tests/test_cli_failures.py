@@ -458,6 +458,29 @@ else:
     assert r.stdout.strip() == "INTERRUPTED" and "Exception ignored" not in r.stderr, (r.stdout, r.stderr[-2000:])
 
 
+def test_ctrl_c_while_a_draft_model_is_written_leaves_the_old_file_and_no_partial_one(tmp_path):
+    """``models derive-draft`` wrote straight into ``--out``: a Ctrl-C half-way left a truncated
+    GGUF there ("data is not within the file bounds" at the next load), over a good file if
+    one was there (a new user's report). Now the copy goes to a temporary file renamed at the
+    end, and the hard exit on Ctrl-C removes it."""
+    out = tmp_path / "draft.gguf"
+    out.write_bytes(b"the previous draft")
+    p = Proc(["models", "derive-draft", "default", "--layers", "6", "--out", str(out)])
+    try:
+        deadline = time.monotonic() + 300
+        while not list(tmp_path.glob(".draft.gguf.*.tmp")):  # the copy has started
+            assert p.p.poll() is None and time.monotonic() < deadline, "".join(p.err)
+            time.sleep(0.01)
+        rc, err = p.interrupt()
+    finally:
+        p.kill()
+    if rc == 0:  # the copy finished before the signal arrived (a fast disk): then it replaced the file whole
+        assert out.stat().st_size > 10**8 and not list(tmp_path.glob(".*.tmp"))
+        pytest.skip("the copy ended before Ctrl-C reached it")
+    assert_clean_interrupt(rc, err)
+    assert out.read_bytes() == b"the previous draft" and not list(tmp_path.glob(".*.tmp")), list(tmp_path.iterdir())
+
+
 def test_ctrl_c_while_generating():
     p = Proc(["generate", "Once upon a time", "-n", "100000", "--n-ctx", "4096", "--temperature", "0.8"])
     try:

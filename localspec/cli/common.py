@@ -500,6 +500,9 @@ def exit_now_on_sigint(_signum, _frame) -> None:
         sys.stdout.flush()
     except Exception:  # a write was interrupted half-way; what is lost is lost anyway
         pass
+    from ..paths import remove_partial_files
+
+    remove_partial_files()  # a model or head being written (``atomic_path``): none is left behind
     try:
         os.write(2, b"\nlocalspec: interrupted\n")
     except OSError:
