@@ -4,6 +4,7 @@ and ``train-eagle3 --from-usage DIR`` continues the shipped head on them and wri
 that drafts losslessly."""
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -101,7 +102,7 @@ def test_batch_scheduler_records_its_requests(model, tmp_path):
     assert out.wait().token_ids and got == want
 
 
-def test_from_usage_continues_the_shipped_head_and_the_gguf_drafts_losslessly(engine, model_path, tmp_path, capsys):
+def test_from_usage_continues_the_shipped_head_and_the_gguf_drafts_losslessly(engine, model_path, tmp_path, capsys, caplog):
     from localspec.cli.main import main
     from localspec.models.eagle3_gguf import read_eagle3_gguf
     from localspec.models.eagle3_heads import shipped_head
@@ -129,6 +130,25 @@ def test_from_usage_continues_the_shipped_head_and_the_gguf_drafts_losslessly(en
         for p in PROMPTS[:2]:
             plain = engine.generate(p, max_tokens=24, sampling=SamplingParams.greedy(), speculative=False)
             assert e3.generate(p, max_tokens=24, sampling=SamplingParams.greedy()).token_ids == plain.token_ids
+    # more usage, and a shard cut short: the bad shard is skipped, named, and the same --out
+    # trains again on all of it (it resumed the finished checkpoint and trained 0 steps)
+    first = info["train_tokens"]
+    good = usage_shards(tmp_path / "usage")[0]
+    (tmp_path / "usage" / "shard-99999.npz").write_bytes(good.read_bytes()[:1500])
+    log = UsageLog(tmp_path / "usage", max_mib=4, flush_tokens=1)
+    engine.usage_log = log
+    try:
+        engine.generate(PROMPTS[3], max_tokens=24, sampling=SamplingParams.greedy())
+    finally:
+        engine.usage_log = None
+        log.close()
+    with caplog.at_level(logging.WARNING, logger="localspec.train"):
+        assert main(args) == 0
+    captured = capsys.readouterr()
+    again = json.loads(captured.out.strip().splitlines()[-1])
+    assert again["steps"] == 3 and len(again["train_accuracy"]) == 2 and again["train_tokens"] > first, again
+    assert "the usage in" in captured.err and "training starts again from" in captured.err, captured.err
+    assert any("shard-99999.npz" in r.getMessage() and "cannot be read" in r.getMessage() for r in caplog.records)
 
 
 def test_a_head_round_trips_through_load_weights(model_path):

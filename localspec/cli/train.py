@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 
@@ -144,8 +145,15 @@ def _train_from_usage(a: argparse.Namespace, target) -> int:
     work = Path(a.data_dir or f"{a.out}.work")
     try:
         head_cfg, w = read_eagle3_gguf(head)
+        before = _usage_digest(work / "usage-data")
         shards = record_usage(target, a.from_usage, work / "usage-data", head_cfg.target_layers, w.d2t,
                               seq_len=a.seq_len, topk=a.topk)  # fmt: skip
+        ckpt = work / "checkpoint.pt"
+        if before is not None and before != _usage_digest(work / "usage-data") and ckpt.exists():
+            # the checkpoint trained on the usage as it was: resuming it would train on nothing new
+            print(f"localspec: the usage in {a.from_usage} changed since the last training in {work}: "
+                  f"training starts again from {head}", file=sys.stderr)  # fmt: skip
+            ckpt.unlink()
         if a.data_only:
             print(f"{len(shards)} shards in {work / 'usage-data'}")
             return 0
@@ -154,6 +162,16 @@ def _train_from_usage(a: argparse.Namespace, target) -> int:
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"localspec: error: {e}") from None
     return _report(a, res)
+
+
+def _usage_digest(data_dir: Path) -> str | None:
+    """The digest of the usage recorded in ``data_dir`` (its plan), or None before any."""
+    from ..models.training.eagle3_data import DataPlan
+
+    try:
+        return DataPlan.load(data_dir / "plan.npz").meta.get("digest")
+    except Exception:  # missing or unreadable (zipfile.BadZipFile, ...): as if never recorded
+        return None
 
 
 def _report(a: argparse.Namespace, res) -> int:

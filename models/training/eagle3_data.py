@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import os
 import sysconfig
 import time
@@ -787,9 +788,13 @@ def usage_plan(usage_dir: str | os.PathLike, n_vocab: int, *, seq_len: int = 512
     than ``min_tokens`` dropped), one shard per usage shard. ``meta["digest"]`` identifies
     the data (SHA-256 of the chunks).
 
+    A shard that cannot be read (cut short, not a usage shard) is skipped with a warning that
+    names it.
+
     Raises:
         FileNotFoundError: no usage shards in ``usage_dir``.
-        ValueError: no chunk fits the target (``n_vocab``) and ``min_tokens``.
+        ValueError: no chunk fits the target (``n_vocab``) and ``min_tokens`` (the unreadable
+            shards named).
     """
     import hashlib
 
@@ -801,9 +806,17 @@ def usage_plan(usage_dir: str | os.PathLike, n_vocab: int, *, seq_len: int = 512
     h = hashlib.sha256()
     shards: list[list[tuple[str, list[int]]]] = []
     n_seq = n_skipped = 0
+    bad: list[str] = []
     for f in files:
-        with np.load(f) as z:
-            lengths, tokens = z["lengths"], z["tokens"]
+        try:  # a shard cut short (a full disk, a copy) or not ours: the others still teach
+            with np.load(f, allow_pickle=False) as z:
+                lengths, tokens = np.asarray(z["lengths"], dtype=np.int64), np.asarray(z["tokens"])
+            if lengths.ndim != 1 or tokens.ndim != 1 or (lengths < 0).any() or int(lengths.sum()) != tokens.size:
+                raise ValueError("its lengths do not match its tokens")
+        except Exception as e:  # zipfile.BadZipFile, EOFError, KeyError, ValueError (pickled data), OSError
+            bad.append(f"{f} ({type(e).__name__}: {e})")
+            logging.getLogger("localspec.train").warning("skipping the usage shard %s: it cannot be read (%s: %s)", f, type(e).__name__, e)
+            continue
         starts = np.concatenate([[0], np.cumsum(lengths)])
         jobs = []
         for i in range(lengths.size):
@@ -820,7 +833,8 @@ def usage_plan(usage_dir: str | os.PathLike, n_vocab: int, *, seq_len: int = 512
         if jobs:
             shards.append(jobs)
     if not shards:
-        raise ValueError(f"no usable sequences in {usage_dir} ({n_skipped} recorded with another vocabulary)")
+        why = f"{n_skipped} recorded with another vocabulary" + (f"; unreadable: {', '.join(bad)}" if bad else "")
+        raise ValueError(f"no usable sequences in {usage_dir} ({why})")
     meta = dict(version=PLAN_VERSION, usage=str(usage_dir), seq_len=seq_len, n_sequences=n_seq,
                 n_skipped=n_skipped, digest=h.hexdigest())  # fmt: skip
     return DataPlan(shards, 0, meta)
