@@ -230,6 +230,16 @@ def test_threads_below_one_and_a_draft_drafter_without_its_model_are_refused_bef
     assert not (tmp_path / "out.jsonl").exists()
 
 
+def test_micro_benchmarks_refuse_sizes_steps_and_repeats_they_cannot_run(capsys):
+    """They were ZeroDivisionError, ValueError, IndexError, StatisticsError and MemoryError
+    tracebacks (a new user's report)."""
+    cases = {("ngram", "--sizes", "0"): "--sizes takes whole numbers >= 1", ("ngram", "--sizes", "abc"): "got 'abc'",
+             ("ngram", "--steps", "0"): "--steps must be >= 1, got 0", ("kernels", "--reps", "0"): "--reps must be >= 1",
+             ("kernels", "--vocab", "0"): "--vocab must be >= 64, got 0", ("features", "--sizes", "0"): "--sizes takes"}  # fmt: skip
+    for argv, want in cases.items():
+        assert want in cli_error(capsys, ["bench", *argv]), argv
+
+
 def test_serve_refuses_a_request_context_beyond_the_training_context_before_loading(capsys, tmp_path):
     """``serve --ctx-per-request`` and ``batch --n-ctx`` (each a request's context) above the
     model's training context: one line before loading (serve: was "loading model..." and then

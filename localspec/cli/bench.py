@@ -211,11 +211,29 @@ def _native_line() -> str:
     return f"native kernels: loaded, OpenMP {'yes' if d['openmp'] else 'no'}, {d['threads']} thread(s)"
 
 
+def _ints(text: str, flag: str, lo: int) -> list[int]:
+    """``text`` as comma-separated whole numbers, each at least ``lo``; else SystemExit (one line)."""
+    try:
+        out = [int(x) for x in str(text).split(",")]
+    except ValueError:
+        out = []
+    if not out or min(out) < lo:
+        raise SystemExit(f"localspec: error: {flag} takes whole numbers >= {lo}, comma-separated; got {text!r}")
+    return out
+
+
+def _at_least(value: int | None, lo: int, flag: str) -> None:
+    if value is not None and value < lo:
+        raise SystemExit(f"localspec: error: {flag} must be >= {lo}, got {value}")
+
+
 def run_ngram(a: argparse.Namespace) -> int:
     from .. import native
     from ..bench.ngram import bench_ngram
 
-    sizes = [int(s) for s in a.sizes.split(",")]
+    sizes = _ints(a.sizes, "--sizes", 1)
+    _at_least(a.steps, 1, "--steps")
+    memory_sizes = _ints(a.memory_sizes, "--memory-sizes", 0) if a.memory_sizes else []
     rows = bench_ngram(sizes, steps=a.steps, index="reference")
     if native.AVAILABLE:
         rows = bench_ngram(sizes, steps=a.steps, index="native") + rows
@@ -223,7 +241,7 @@ def run_ngram(a: argparse.Namespace) -> int:
     if native.AVAILABLE and a.memory_sizes:
         from ..bench.ngram import bench_memory
 
-        mem_rows = bench_memory([int(s) for s in a.memory_sizes.split(",")], steps=a.steps)
+        mem_rows = bench_memory(memory_sizes, steps=a.steps)
     if a.json:
         print(json.dumps({"native": native.describe(), "ngram": rows, "memory": mem_rows}))
     else:
@@ -404,6 +422,9 @@ def run_kernels(a: argparse.Namespace) -> int:
     from .. import native
     from ..bench.kernels import bench_kernels, model_rows
 
+    _at_least(a.reps, 1, "--reps")
+    _at_least(a.vocab, 64, "--vocab")
+    _at_least(a.threads, 1, "--threads")
     if not native.AVAILABLE:
         raise SystemExit(f"localspec: error: {_native_line()}")
     if a.threads:
@@ -463,10 +484,11 @@ def run_features(a: argparse.Namespace) -> int:
     from ..bench.features import bench_features
     from ..models import resolve_model
 
+    layers, sizes = _ints(a.layers, "--layers", 1), _ints(a.sizes, "--sizes", 1)
+    _at_least(a.reps, 1, "--reps")
     model = Model(resolve_model(a.model), n_gpu_layers=a.n_gpu_layers)
     try:
-        layers = [int(x) for x in a.layers.split(",")]
-        rows = bench_features(model, layers, sizes=[int(s) for s in a.sizes.split(",")], reps=a.reps)
+        rows = bench_features(model, layers, sizes=sizes, reps=a.reps)
     finally:
         model.close()
     if a.json:
