@@ -240,6 +240,21 @@ def test_micro_benchmarks_refuse_sizes_steps_and_repeats_they_cannot_run(capsys)
         assert want in cli_error(capsys, ["bench", *argv]), argv
 
 
+def test_rpc_worker_refuses_a_taken_port_a_bad_port_and_bad_threads_in_one_line(capsys):
+    """rpc-server itself printed its banner, then "Failed to create server socket", and the
+    command exited 0; a bad port or thread count was llama.cpp's raw text (a new user's report)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        msg = cli_error(capsys, ["rpc-worker", "--port", str(port)])
+        assert msg == f"localspec: error: cannot listen on 127.0.0.1:{port}: Address already in use", msg
+    assert "--port must be in 1..65535, got 99999" in cli_error(capsys, ["rpc-worker", "--port", "99999"])
+    assert "-t/--threads must be >= 1, got -3" in cli_error(capsys, ["rpc-worker", "-t", "-3"])
+
+
 def test_serve_refuses_a_request_context_beyond_the_training_context_before_loading(capsys, tmp_path):
     """``serve --ctx-per-request`` and ``batch --n-ctx`` (each a request's context) above the
     model's training context: one line before loading (serve: was "loading model..." and then

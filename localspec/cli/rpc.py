@@ -97,12 +97,23 @@ def run_worker(a: argparse.Namespace) -> int:
             "trusted machines only (docs/rpc.md)",
             file=sys.stderr,
         )
+    if not 1 <= a.port <= 65535:
+        raise SystemExit(f"localspec: error: --port must be in 1..65535, got {a.port}")
+    if a.threads is not None and a.threads < 1:
+        raise SystemExit(f"localspec: error: -t/--threads must be >= 1, got {a.threads} (default: half the CPUs)")
+    check_port_free(a.host, a.port)
     cmd = worker_command(a.host, a.port, a.threads, a.device, a.cache)
     proc = subprocess.Popen(
         cmd, env=worker_env(), stdout=subprocess.PIPE, text=True, bufsize=1, preexec_fn=_die_with_parent
     )
+    stopped = []  # a SIGTERM asked for the stop: the worker's end is not a failure
+
+    def terminate(*_) -> None:
+        stopped.append(True)
+        proc.terminate()
+
     # forward SIGTERM to the worker; Ctrl-C reaches it directly (same process group)
-    signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
+    signal.signal(signal.SIGTERM, terminate)
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -114,11 +125,35 @@ def run_worker(a: argparse.Namespace) -> int:
                 proc.terminate()
                 proc.wait()
                 raise
-        return proc.wait()
+        rc = proc.wait()
     except KeyboardInterrupt:
         proc.terminate()
         proc.wait()
         return 130
+    if stopped:
+        return 0
+    # rpc-server runs until it is stopped: ending on its own (a socket it could not open, a bad
+    # --device, a kill) is a failure, whatever its exit status
+    how = f"was killed by signal {-rc}" if rc < 0 else f"stopped with exit status {rc}"
+    print(f"localspec: error: the rpc-server {how}; its own messages are above", file=sys.stderr)
+    return rc if rc > 0 else 1
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port another process listens on, before the worker starts (rpc-server says
+    only "Failed to create server socket" and exits 0).
+
+    Raises:
+        SystemExit: one line naming the address."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise SystemExit(f"localspec: error: cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def register(sub) -> None:
