@@ -26,7 +26,7 @@ def test_batch_matches_generate_and_resumes(tmp_path, engine, capsys):
     by_id = {r["id"]: r for r in recs}
     assert len(recs) == len(by_id) == 5  # a (kept), the bad line, empty, b, c
     assert by_id["a"]["text"] == "DONE BEFORE"  # not redone
-    assert "error" in by_id["2"] and "error" in by_id["empty"]
+    assert "error" in by_id["line 2"] and "error" in by_id["empty"]
     for k in ("b", "c"):
         engine.reset()
         ref = engine.generate(PROMPTS[k], max_tokens=6, sampling=SamplingParams.greedy())
@@ -168,18 +168,23 @@ def test_a_line_sets_sampling_as_the_command_line_does_and_names_what_it_cannot_
 
 def test_a_line_that_is_not_utf8_is_that_lines_error_and_the_run_goes_on(tmp_path, engine, capsys):
     """Bytes that are not UTF-8 (a Latin-1 export, a stray binary line) fail their own line, as
-    a line that is not JSON does: they made the whole run a UnicodeDecodeError traceback. A
-    byte order mark at the start is skipped; a duplicate id is counted once in "to do" as in
-    what is written."""
+    a line that is not JSON does: they made the whole run a UnicodeDecodeError traceback. Such
+    a line's record has the id "line N", so it cannot hide the prompt whose id is N. A byte
+    order mark at the start is skipped; a duplicate id is counted once in "to do" as in what
+    is written, and the warning names it."""
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     good = json.dumps({"id": "ok", "prompt": PROMPTS["a"], "max_tokens": 3}).encode()
-    inp.write_bytes(b"\xef\xbb\xbf" + good + b"\n" + b'{"id": "latin", "prompt": "caf\xe9"}\n\xff\xfe garbage\n' + good + b"\n")
+    three = json.dumps({"id": 3, "prompt": PROMPTS["c"], "max_tokens": 3}).encode()  # not the bad line 3's id
+    inp.write_bytes(b"\xef\xbb\xbf" + good + b"\n" + b'{"id": "latin", "prompt": "caf\xe9"}\n\xff\xfe garbage\n' + good + b"\n"
+                    + three + b"\n")  # fmt: skip
     capsys.readouterr()
     assert main(["batch", str(inp), "--out", str(out), "--no-progress", "--n-ctx", "512"]) == 0
     err = capsys.readouterr().err
-    assert "4 prompts, 0 already in" in err and "3 to do" in err and f"wrote 3 results to {out} (2 input errors)" in err, err
+    assert "5 prompts, 0 already in" in err and "4 to do" in err and f"wrote 4 results to {out} (2 input errors)" in err, err
+    assert "1 duplicate ids in" in err and "('ok')" in err, err
     by_id = {r["id"]: r for r in map(json.loads, out.read_text(encoding="utf-8").splitlines())}
-    assert by_id["2"]["error"] == "line 2 is not UTF-8 text (byte 30: b'\\xe9')", by_id["2"]
-    assert by_id["3"]["error"] == "line 3 is not UTF-8 text (byte 0: b'\\xff')", by_id["3"]
+    assert by_id["line 2"]["error"] == "line 2 is not UTF-8 text (byte 30: b'\\xe9')", by_id["line 2"]
+    assert by_id["line 3"]["error"] == "line 3 is not UTF-8 text (byte 0: b'\\xff')", by_id["line 3"]
     engine.reset()
     assert by_id["ok"]["text"] == engine.generate(PROMPTS["a"], max_tokens=3, sampling=SamplingParams.greedy()).text
+    assert "text" in by_id["3"], by_id["3"]

@@ -58,8 +58,10 @@ NOT_PER_LINE = frozenset(f.name for f in dataclasses.fields(SamplingParams)).dif
 
 def read_jobs(path: str) -> list[dict]:
     """The input lines as dicts with an ``id``; a bad line (not UTF-8 text, not a JSON object,
-    no usable prompt) becomes ``{"id", "_error"}``. Lines end at LF, CR LF or CR; a UTF-8 byte
-    order mark at the start is skipped."""
+    no usable prompt) becomes ``{"id", "_error"}``, where a line that cannot be read at all has
+    the id ``"line N"`` (its own is unknown; the line number alone is the id of a line without
+    one, and could be a real prompt's). Lines end at LF, CR LF or CR; a UTF-8 byte order mark
+    at the start is skipped."""
     try:
         raw = Path(path).read_bytes()
     except OSError as e:
@@ -69,7 +71,7 @@ def read_jobs(path: str) -> list[dict]:
         try:
             line = data.decode("utf-8")
         except UnicodeDecodeError as e:
-            out.append({"id": str(n), "_error": f"line {n} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})"})
+            out.append({"id": f"line {n}", "_error": f"line {n} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})"})
             continue
         if not line.strip():
             continue
@@ -78,7 +80,7 @@ def read_jobs(path: str) -> list[dict]:
             if not isinstance(obj, dict):
                 raise ValueError("not a JSON object")
         except ValueError as e:
-            out.append({"id": str(n), "_error": f"line {n} is not a JSON object: {e}"})
+            out.append({"id": f"line {n}", "_error": f"line {n} is not a JSON object: {e}"})
             continue
         obj["id"] = str(obj.get("id", n))
         obj["_line"] = n
@@ -190,7 +192,12 @@ def run(a) -> int:
     todo = [x for x in items if x["id"] not in seen]
     dup = len(items) - len({x["id"] for x in items})
     if dup:
-        print(f"localspec: warning: {dup} duplicate ids in {a.input}; each id is generated once", file=sys.stderr)
+        counts: dict[str, int] = {}
+        for x in items:
+            counts[x["id"]] = counts.get(x["id"], 0) + 1
+        some = ", ".join(repr(k) for k, c in counts.items() if c > 1)
+        print(f"localspec: warning: {dup} duplicate ids in {a.input} ({some[:200]}); each id is generated once "
+              "(a line without an id has its line number as id)", file=sys.stderr)  # fmt: skip
     n_todo = len({x["id"] for x in todo})  # what this run writes: one record per id
     print(f"localspec: {len(items)} prompts, {len(items) - len(todo)} already in {out_path}, {n_todo} to do",
           file=sys.stderr)  # fmt: skip
