@@ -255,6 +255,22 @@ def test_rpc_worker_refuses_a_taken_port_a_bad_port_and_bad_threads_in_one_line(
     assert "-t/--threads must be >= 1, got -3" in cli_error(capsys, ["rpc-worker", "-t", "-3"])
 
 
+def test_a_memory_file_or_usage_folder_that_cannot_be_used_and_an_empty_rpc_are_refused_before_loading(capsys, tmp_path):
+    """``--draft-memory`` in a missing folder ran the whole generation and then said "not
+    saved" with status 0; ``--record-usage`` naming a file was refused after the load with
+    "[Errno 17] File exists"; ``--rpc ''`` ran locally without a word (a new user's report)."""
+    msg = cli_error(capsys, ["generate", PROMPT, "--draft-memory", str(tmp_path / "nope" / "m.lsmem")])
+    assert "the folder" in msg and "does not exist" in msg and "loading model" not in capsys.readouterr().err, msg
+    import argparse
+
+    from localspec.cli.common import usage_log_from_args
+
+    (tmp_path / "afile").write_text("x")  # serve and chat make their engine (and this log) before the model loads
+    with pytest.raises(SystemExit, match="is a file; give a folder"):
+        usage_log_from_args(argparse.Namespace(record_usage=str(tmp_path / "afile"), record_usage_mib=8.0))
+    assert cli_error(capsys, ["generate", PROMPT, "--rpc", ""]).startswith("localspec: error: --rpc is empty")
+
+
 def test_serve_refuses_a_request_context_beyond_the_training_context_before_loading(capsys, tmp_path):
     """``serve --ctx-per-request`` and ``batch --n-ctx`` (each a request's context) above the
     model's training context: one line before loading (serve: was "loading model..." and then

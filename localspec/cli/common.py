@@ -159,6 +159,8 @@ def usage_log_from_args(a: argparse.Namespace):
         raise SystemExit("localspec: error: --record-usage records requests, --no-draft-memory keeps them out of "
                          "every memory: choose one")  # fmt: skip
     key = str(Path(folder).expanduser().resolve())
+    if Path(key).exists() and not Path(key).is_dir():
+        raise SystemExit(f"localspec: error: --record-usage {folder} is a file; give a folder (it is made if missing)")
     if key not in _USAGE_LOGS:
         try:
             _USAGE_LOGS[key] = UsageLog(folder, a.record_usage_mib)
@@ -337,6 +339,8 @@ def _tensor_split(text: str | None) -> list[float] | None:
 def rpc_args(a: argparse.Namespace) -> dict:
     """The ``Engine`` keyword arguments of ``--rpc`` / ``--tensor-split`` / ``--rpc-local-gpu``."""
     rpc = getattr(a, "rpc", None)
+    if rpc is not None and not rpc.strip():
+        raise SystemExit("localspec: error: --rpc is empty; give the workers as HOST:PORT[,HOST:PORT...]")
     if not rpc:
         if getattr(a, "tensor_split", None) or getattr(a, "rpc_local_gpu", False):
             raise SystemExit("localspec: error: --tensor-split and --rpc-local-gpu apply with --rpc")
@@ -473,6 +477,11 @@ def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = 
     )
     check_model_files(a)
     check_runtime_args(a, drafter)
+    usage_log = usage_log_from_args(a)  # a folder it cannot use is one line before the model loads
+    memory_file = getattr(a, "draft_memory", None) if mem is not None else None
+    if memory_file and not Path(memory_file).expanduser().parent.is_dir():
+        raise SystemExit(f"localspec: error: --draft-memory {memory_file}: the folder {Path(memory_file).expanduser().parent} "
+                         "does not exist, so the memory could not be saved there")  # fmt: skip
     if progress:
         print("localspec: loading model and measuring decode cost (cached after the first run)...", file=sys.stderr)
     engine = Engine(a.model, **kwargs)
@@ -482,9 +491,9 @@ def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = 
     if progress and a.n_gpu_layers and not getattr(a, "rpc", None) and not engine.model.on_local_gpu:
         print(f"localspec: note: -ngl {a.n_gpu_layers} has no effect: this llama.cpp build has no GPU backend "
               "(every layer runs on the CPU; docs/gpu.md builds one)", file=sys.stderr)  # fmt: skip
-    if mem is not None and getattr(a, "draft_memory", None):
-        attach_memory_file(mem, a.draft_memory, engine.model)
-    engine.usage_log = usage_log_from_args(a)
+    if memory_file:
+        attach_memory_file(mem, memory_file, engine.model)
+    engine.usage_log = usage_log
     return engine
 
 
