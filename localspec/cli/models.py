@@ -118,6 +118,8 @@ def run_random_eagle3(a: argparse.Namespace) -> int:
     from ..models import resolve_model
     from ..models.eagle3_gguf import random_eagle3
 
+    if a.draft_vocab is not None and a.draft_vocab < 1:
+        raise SystemExit(f"localspec: error: --draft-vocab must be >= 1, got {a.draft_vocab}")
     target = check_gguf_file(resolve_model(a.target))
     out = _write_gguf(random_eagle3, a.out, target, a.out, draft_vocab=a.draft_vocab, seed=a.seed)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): an untrained EAGLE-3 head for {target.name}")
