@@ -778,10 +778,24 @@ def test_memory_build_refuses_a_budget_that_is_not_positive(tmp_path, mib):
     assert str(e.value) == f"localspec: error: --mib must be > 0, got {float(mib)}" and not out.exists()
 
 
-def test_a_memory_that_cannot_be_saved_is_one_line_naming_the_given_path(tmp_path):
+def test_a_memory_that_cannot_be_saved_is_one_line_naming_the_given_path(tmp_path, capsys):
+    # a folder that does not exist is refused before the model loads (it ran the whole
+    # generation, then said "not saved" with status 0)
     path = tmp_path / "missing-folder" / "m.lsmem"
     r = run_cli("generate", "def add(a, b):", "-n", "2", "--temperature", "0", "--draft-memory", str(path))
-    assert r.returncode == 0, r.stderr
-    (line,) = [x for x in r.stderr.splitlines() if "not saved" in x]
-    # not the name of the temporary file it was written to first ('.draftmem-...')
-    assert line == f"localspec: the drafting memory was not saved to {path}: No such file or directory"
+    assert r.returncode == 1 and "loading model" not in r.stderr, r.stderr
+    assert r.stderr.strip() == (f"localspec: error: --draft-memory {path}: the folder {path.parent} does not exist, "
+                                "so the memory could not be saved there")  # fmt: skip
+    # a folder that goes away while it runs: the save at exit names the given path, not the
+    # temporary file it writes first ('.draftmem-...')
+    from localspec.cli import common
+
+    mem = DraftMemory(1, vocab="v")
+    mem.write([1, 2, 3, 1, 2, 3])
+    common._SAVE_AT_EXIT[str(path)] = mem
+    try:
+        capsys.readouterr()
+        common._save_memories()
+    finally:
+        del common._SAVE_AT_EXIT[str(path)]
+    assert capsys.readouterr().err.strip() == f"localspec: the drafting memory was not saved to {path}: No such file or directory"
