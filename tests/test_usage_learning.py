@@ -20,6 +20,18 @@ from localspec.usage import UsageLog, usage_shards  # noqa: E402
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "A list of fruits: apple, banana,", "User: Hi!\nAssistant:"]
 
 
+def _record(engine, folder, prompts) -> None:
+    """Greedy generations of ``prompts`` (24 tokens each) recorded by ``engine`` into ``folder``."""
+    log = UsageLog(folder, max_mib=4, flush_tokens=1)
+    engine.usage_log = log
+    try:
+        for p in prompts:
+            engine.generate(p, max_tokens=24, sampling=SamplingParams.greedy())
+    finally:
+        engine.usage_log = None
+        log.close()
+
+
 def _sequences(folder):
     out = []
     for p in usage_shards(folder):
@@ -107,14 +119,7 @@ def test_from_usage_continues_the_shipped_head_and_the_gguf_drafts_losslessly(en
     from localspec.models.eagle3_gguf import read_eagle3_gguf
     from localspec.models.eagle3_heads import shipped_head
 
-    log = UsageLog(tmp_path / "usage", max_mib=4, flush_tokens=1)
-    engine.usage_log = log
-    try:
-        for p in PROMPTS[:3]:
-            engine.generate(p, max_tokens=24, sampling=SamplingParams.greedy())
-    finally:
-        engine.usage_log = None
-        log.close()
+    _record(engine, tmp_path / "usage", PROMPTS[:3])
     out = tmp_path / "head.gguf"
     args = ["train-eagle3", "--from-usage", str(tmp_path / "usage"), "--out", str(out), "--steps", "3", "--batch", "2",
             "--window", "24", "--unroll", "2", "--device", "cpu", "--no-bf16", "--seq-len", "64", "--json"]  # fmt: skip
@@ -135,13 +140,7 @@ def test_from_usage_continues_the_shipped_head_and_the_gguf_drafts_losslessly(en
     first = info["train_tokens"]
     good = usage_shards(tmp_path / "usage")[0]
     (tmp_path / "usage" / "shard-99999.npz").write_bytes(good.read_bytes()[:1500])
-    log = UsageLog(tmp_path / "usage", max_mib=4, flush_tokens=1)
-    engine.usage_log = log
-    try:
-        engine.generate(PROMPTS[3], max_tokens=24, sampling=SamplingParams.greedy())
-    finally:
-        engine.usage_log = None
-        log.close()
+    _record(engine, tmp_path / "usage", PROMPTS[3:])
     with caplog.at_level(logging.WARNING, logger="localspec.train"):
         assert main(args) == 0
     captured = capsys.readouterr()
