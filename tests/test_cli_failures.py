@@ -253,8 +253,11 @@ def test_rpc_worker_refuses_a_taken_port_a_bad_port_and_bad_threads_in_one_line(
         assert msg == f"localspec: error: cannot listen on 127.0.0.1:{port}: Address already in use", msg
     assert "--port must be in 1..65535, got 99999" in cli_error(capsys, ["rpc-worker", "--port", "99999"])
     assert "-t/--threads must be >= 1, got -3" in cli_error(capsys, ["rpc-worker", "-t", "-3"])
-    assert "--draft-vocab must be >= 1, got 0" in cli_error(capsys, ["models", "random-eagle3", "default", "--out", "h.gguf",
-                                                                      "--draft-vocab", "0"])  # fmt: skip
+
+
+def test_a_random_head_with_no_draft_vocabulary_names_the_flag(capsys, tmp_path):
+    msg = cli_error(capsys, ["models", "random-eagle3", "default", "--out", str(tmp_path / "h.gguf"), "--draft-vocab", "0"])
+    assert msg == "localspec: error: --draft-vocab must be >= 1, got 0" and not (tmp_path / "h.gguf").exists()  # was "d2t is empty"
 
 
 def test_a_memory_file_or_usage_folder_that_cannot_be_used_and_an_empty_rpc_are_refused_before_loading(capsys, tmp_path):
