@@ -141,19 +141,17 @@ def run_worker(a: argparse.Namespace) -> int:
 
 def check_port_free(host: str, port: int) -> None:
     """Refuse a port another process listens on, before the worker starts (rpc-server says
-    only "Failed to create server socket" and exits 0).
+    only "Failed to create server socket" and exits 0): ``serve``'s own check, the socket
+    closed again for rpc-server to bind.
 
     Raises:
         SystemExit: one line naming the address."""
-    import socket
+    from ..server.sockets import bind_socket
 
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as e:
-            raise SystemExit(f"localspec: error: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        bind_socket(host, port).close()
+    except OSError as e:
+        raise SystemExit(f"localspec: error: {e}") from None
 
 
 def register(sub) -> None:

@@ -11,6 +11,7 @@ Modules, one idea each:
     response.py  llama.cpp's response JSON, server-sent events
     service.py   one engine, one worker thread, a job queue, per-client cancellation
     http.py      the Starlette app, uvicorn serving, an in-process server for tests
+    sockets.py   listening sockets (bind_socket), without the HTTP stack
     stdio.py     the JSON-lines protocol
 """
 

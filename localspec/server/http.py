@@ -31,6 +31,7 @@ from .fields import INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, UNAVAILABLE, Reque
 from .protocol import parse_request
 from .response import dumps, sse
 from .service import CompletionService, Event, Job
+from .sockets import bind_socket  # noqa: F401 - where the commands and tests take it from
 
 log = logging.getLogger("localspec.server")
 
@@ -215,20 +216,6 @@ def create_app(service: CompletionService, *, max_body_bytes: int = DEFAULT_MAX_
         Route("/models", models, methods=["GET"]),
     ]
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (port 0 = a free port)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.listen(128)
-    return sock
 
 
 def address_of(sock: socket.socket) -> str:
