@@ -30,6 +30,7 @@ import numpy as np
 
 from .backend import Batch, Context
 from .backend._llama import lib, system_info
+from .backend.context import available_cpus
 from .paths import cache_dir, read_json_cache, update_json_cache
 
 # Batch sizes the policy may choose (nodes per verified tree, root included).
@@ -763,7 +764,7 @@ def calibrate(
     ctx.seq_rm(0, n_prefix, -1)
     m = ctx.model
     cpu_only = getattr(m, "device_key", "local") == "local" and not getattr(m, "on_local_gpu", False)
-    n_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n_cpus = available_cpus() or 1
     cpu_got, cpu_could = 0.0, 0.0
     times: dict[int, list[float]] = {b: [] for b in sizes}
     order = calibration_order(cpu_only)

@@ -29,13 +29,18 @@ log = logging.getLogger("localspec.readout")
 GGML_TYPE_BF16 = 30
 
 
+def available_cpus() -> int | None:
+    """The CPUs this process may run on (its affinity; macOS / Windows: the machine's), or None
+    where the system does not say."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS / Windows
+        return os.cpu_count()
+
+
 def default_threads() -> int:
     """Threads for llama.cpp: the CPUs this process may run on, at most 16."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS / Windows
-        n = os.cpu_count() or 4
-    return max(1, min(n, 16))
+    return max(1, min(available_cpus() or 4, 16))
 
 
 def kv_bytes_per_token(model: Model, type_k: int | None = None, type_v: int | None = None) -> float | None:

@@ -430,13 +430,13 @@ def check_runtime_args(a: argparse.Namespace, drafter: str | None) -> None:
     llama.cpp's spinning threads make a decode many times slower), no empty ``--stop`` string,
     and ``--drafter draft`` with its ``--draft-model``; else SystemExit with one line (the
     drafter's: InvalidRequestError)."""
-    from ..backend.context import default_threads
+    from ..backend.context import available_cpus
 
     if a.threads is not None:
         if a.threads < 1:
             raise SystemExit(f"localspec: error: -t/--threads must be >= 1, got {a.threads} (default: the CPUs available)")
-        n_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or default_threads())
-        if a.threads > n_cpus:
+        n_cpus = available_cpus()
+        if n_cpus is not None and a.threads > n_cpus:
             print(f"localspec: warning: -t {a.threads} is more threads than the {n_cpus} CPUs this process may use: "
                   "llama.cpp's threads will wait on each other and decodes run many times slower", file=sys.stderr)  # fmt: skip
     if "" in (getattr(a, "stop", None) or ()):
