@@ -36,9 +36,8 @@ def write_json_cache(path: Path, data: dict) -> None:
     try:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps(data, indent=1))
     except OSError:
         pass
 
