@@ -169,7 +169,7 @@ def _usage_digest(data_dir: Path) -> str | None:
     from ..models.training.eagle3_data import DataPlan
 
     try:
-        return DataPlan.load(data_dir / "plan.npz").meta.get("digest")
+        return DataPlan.read_meta(data_dir / "plan.npz").get("digest")
     except Exception:  # missing or unreadable (zipfile.BadZipFile, ...): as if never recorded
         return None
 

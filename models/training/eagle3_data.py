@@ -555,6 +555,12 @@ class DataPlan:
                 off += int(n)
             return cls(shards, int(z["gen_tokens"]), json.loads(str(z["meta"])))
 
+    @staticmethod
+    def read_meta(path: Path) -> dict:
+        """The ``meta`` of the plan saved at ``path``, without reading its token sequences."""
+        with np.load(path) as z:
+            return json.loads(str(z["meta"]))
+
 
 def make_plan(
     model,
@@ -870,9 +876,9 @@ def record_usage(
     plan_path = d / "plan.npz"
     d2t = np.asarray(d2t, dtype=np.int64)
     if plan_path.exists():
-        old = DataPlan.load(plan_path)
+        old = DataPlan.read_meta(plan_path)
         same_d2t = (d / "d2t.npy").exists() and np.array_equal(np.load(d / "d2t.npy"), d2t)
-        if old.meta.get("digest") != plan.meta["digest"] or old.meta.get("layers") != plan.meta["layers"] or not same_d2t:
+        if old.get("digest") != plan.meta["digest"] or old.get("layers") != plan.meta["layers"] or not same_d2t:
             for p in shard_paths(d):
                 p.unlink()
             (d / "d2t.npy").unlink(missing_ok=True)
