@@ -17,6 +17,7 @@ import json
 import signal
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
 
 from ..errors import LocalSpecError
@@ -190,11 +191,9 @@ def run(a) -> int:
     items = read_jobs(a.input)
     seen = done_ids(out_path)
     todo = [x for x in items if x["id"] not in seen]
-    dup = len(items) - len({x["id"] for x in items})
+    counts = Counter(x["id"] for x in items)
+    dup = len(items) - len(counts)
     if dup:
-        counts: dict[str, int] = {}
-        for x in items:
-            counts[x["id"]] = counts.get(x["id"], 0) + 1
         some = ", ".join(repr(k) for k, c in counts.items() if c > 1)
         print(f"localspec: warning: {dup} duplicate ids in {a.input} ({some[:200]}); each id is generated once "
               "(a line without an id has its line number as id)", file=sys.stderr)  # fmt: skip
