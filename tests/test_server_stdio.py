@@ -74,13 +74,19 @@ def test_cancel_and_supersede(service):
 
 
 def test_shutdown_cancels_outstanding_requests(service):
+    """The running request and the queued ones are all cancelled before any is waited for
+    (waiting on a queued one first let the running one decode to its end)."""
+    long = {"prompt": "Once", "n_predict": 4000, "ignore_eos": True}
     outs = run_lines(
         service,
-        {"id": 1, "method": "completion", "params": {"prompt": "Once", "n_predict": 4000, "ignore_eos": True}},
+        *[{"id": i, "method": "completion", "params": long} for i in (1, 4, 5, 6)],
         {"id": 2, "method": "shutdown"},
         {"id": 3, "method": "health"},  # never read
     )
     assert by_id(outs, 2)[0]["result"] == {"shutdown": True}
+    for i in (1, 4, 5, 6):
+        r = by_id(outs, i)[0]["result"]
+        assert r["localspec"]["cancelled"] == "the client shut the server down" and r["tokens_predicted"] < 4000, i
     assert by_id(outs, 1)[0]["result"]["stop_type"] == "none" and not by_id(outs, 3)
     service.call(lambda e: e.cache.check())
 
@@ -102,6 +108,31 @@ def test_cli_stdio_one_shot():
     assert outs[0]["ready"]["fim"] is False and outs[0]["ready"]["drafter"] == "ngram"
     assert by_id(outs, 1)[0]["result"]["tokens_predicted"] <= 3
     assert by_id(outs, 2)[0]["result"]["status"] == "ok"
+
+
+def test_cli_stdio_ctrl_c_answers_every_outstanding_request():
+    """Ctrl-C once serving cancels the running and the queued request, answers both (their
+    ``result`` says why), then exits 130. It used to end the process at once, answering none."""
+    p = subprocess.Popen(cli("--stdio", "--temperature", "0"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, bufsize=1)  # fmt: skip
+    try:
+        assert "ready" in json.loads(p.stdout.readline()), p.stderr.read()
+        long = {"prompt": "Once upon a time", "n_predict": 3000, "ignore_eos": True, "stream": True}
+        for i in (1, 2):
+            p.stdin.write(json.dumps({"id": i, "method": "completion", "params": long}) + "\n")
+        p.stdin.flush()
+        assert json.loads(p.stdout.readline())["id"] == 1  # id 1 is generating, id 2 waits
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 130 and err.endswith("localspec: interrupted\n"), err
+    outs = [json.loads(line) for line in out.splitlines()]
+    for i in (1, 2):
+        r = by_id(outs, i)[0]["result"]
+        assert r["localspec"]["cancelled"] == "the server was interrupted (Ctrl-C)" and r["tokens_predicted"] < 3000
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

@@ -6,6 +6,7 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 
 from .common import (add_drafter_args, add_memory_args, add_model_args, add_sampling_args, check_listen_address,
                      make_engine, sampling_from_args, server_interrupt)
@@ -89,6 +90,10 @@ def run(a: argparse.Namespace) -> int:
             engine = made["engine"]
             ready = {"model": service.model_name, "fim": has_fim(engine.model), "drafter": engine.drafter_name,
                      "n_ctx": engine.n_ctx}  # fmt: skip
+            if threading.current_thread() is threading.main_thread():
+                # loaded: Ctrl-C no longer ends the process at once (main's handler) but raises
+                # KeyboardInterrupt, on which StdioServer.run answers every outstanding request
+                signal.signal(signal.SIGINT, signal.default_int_handler)
             return StdioServer(service, sys.stdin, sys.stdout).run(ready)
         from ..server.http import create_app, serve_while_loading
 

@@ -15,7 +15,8 @@ streamed piece when ``params.stream`` is true, or ``{"id": 1, "error": {"code", 
 arrival order; ``cancel`` stops one (queued or running; its ``result`` still comes, with
 ``localspec.cancelled`` set), and a newer request with the same ``client_id`` / ``id_slot``
 cancels the older one, as over HTTP. At the end of input, outstanding requests finish and
-the process exits; ``shutdown`` cancels them and exits at once.
+the process exits; ``shutdown`` cancels them and exits at once, and so does Ctrl-C (exit status
+130), each cancelled request still answered.
 """
 
 from __future__ import annotations
@@ -55,25 +56,41 @@ class StdioServer:
                 self.broken = True  # the client is gone; finish quietly
 
     def run(self, ready: dict | None = None) -> int:
-        """Serve until end of input or ``shutdown``; returns the exit status."""
+        """Serve until end of input or ``shutdown``; returns the exit status.
+
+        Raises:
+            KeyboardInterrupt: Ctrl-C (SIGINT), after every request still queued or running
+                was cancelled and answered (its ``result`` with ``cancelled``), so that a
+                client waiting on an id gets its answer; a second Ctrl-C stops the waiting.
+        """
         self.write({"ready": ready or {"model": self.service.model_name}})
         shutdown = False
-        for line in self.inp:
-            if self.broken:
-                break
-            line = line.strip()
-            if not line:
-                continue
-            if self.handle(line) == "shutdown":
-                shutdown = True
-                break
+        try:
+            for line in self.inp:
+                if self.broken:
+                    break
+                line = line.strip()
+                if not line:
+                    continue
+                if self.handle(line) == "shutdown":
+                    shutdown = True
+                    break
+            self._finish("the client shut the server down" if shutdown or self.broken else None)
+        except KeyboardInterrupt:
+            self._finish("the server was interrupted (Ctrl-C)")
+            raise
+        return 0
+
+    def _finish(self, cancel: str | None) -> None:
+        """Wait until every outstanding request is answered, cancelling each first with the
+        reason ``cancel`` (None: let them run to their end)."""
         with self._jobs_lock:
             jobs = list(self._live)
+        if cancel is not None:  # all before any wait: a queued job answers only after the running one
+            for job in jobs:
+                job.cancel(cancel)
         for job in jobs:
-            if shutdown or self.broken:
-                job.cancel("the client shut the server down")
             job.done.wait()
-        return 0
 
     def handle(self, line: str) -> str | None:
         """Handle one input line; returns ``"shutdown"`` when asked to stop."""
