@@ -82,7 +82,8 @@ class SamplingParams:
         temperature: 0 = greedy; > 0 divides the logits (applied last); a temperature so
             small that the division overflows float32 decides the row greedily.
         top_k: keep the k most likely tokens (0 = off).
-        top_p: keep the smallest set of most likely tokens whose mass reaches p (1 = off).
+        top_p: keep the smallest set of most likely tokens whose mass reaches p (1 = off; 0
+            keeps only the most likely token, as llama.cpp's top-p keeps at least one).
         min_p: drop tokens with prob < min_p * max prob (0 = off).
         repeat_penalty: divide positive / multiply negative logits of recent tokens (1 = off).
         frequency_penalty: subtract count * this from recent tokens' logits (0 = off).
@@ -144,8 +145,8 @@ class SamplingParams:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in [0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repeat_penalty <= 0:

@@ -146,7 +146,7 @@ def test_a_line_sets_sampling_as_the_command_line_does_and_names_what_it_cannot_
     inp.write_text("".join(json.dumps({"id": k, "prompt": p, "max_tokens": 6, **v}) + "\n" for k, v in lines.items()))
     assert main(["batch", str(inp), "--out", str(out), "--no-progress", "--n-ctx", "512"]) == 0
     by_id = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert by_id["top_p"]["error"] == 'line 1: "top_p": top_p must be in (0, 1], got 7.0'
+    assert by_id["top_p"]["error"] == 'line 1: "top_p": top_p must be in [0, 1], got 7.0'
     assert by_id["top_k"]["error"].startswith('line 2: "top_k" must be an integer')
     seed_err = by_id["seed"]["error"]
     assert seed_err.startswith('line 3: "seed" must be in 0..') and "-1 for a random seed" in seed_err, seed_err

@@ -8,6 +8,7 @@ import pytest
 from scipy import stats
 
 from conftest import chisquare_pvalue
+from localspec import native
 from localspec.errors import InvalidRequestError
 from localspec.sampling import (
     LogitsProcessor,
@@ -53,6 +54,8 @@ CASES = [
     SamplingParams(temperature=0.7, top_k=5, top_p=1.0, min_p=0.0),
     SamplingParams(temperature=0.7, top_k=0, top_p=0.5, min_p=0.0),
     SamplingParams(temperature=0.7, top_k=0, top_p=0.999, min_p=0.0),
+    SamplingParams(temperature=0.7, top_k=0, top_p=0.0, min_p=0.0),
+    SamplingParams(temperature=0.7, top_k=40, top_p=0.0, min_p=0.05),
     SamplingParams(temperature=0.7, top_k=0, top_p=1.0, min_p=0.2),
     SamplingParams(temperature=1.3, top_k=50, top_p=0.9, min_p=0.05),
     SamplingParams(temperature=0.8, logit_bias={3: 5.0, 7: -math.inf}),
@@ -91,6 +94,22 @@ def test_large_vocab_top_p_path(rng):
     assert set(c.ids.tolist()) == set(order[:k].tolist())
 
 
+@pytest.mark.parametrize("use_native", [False, True])
+def test_top_p_zero_keeps_only_the_most_likely_token(rng, use_native):
+    """top_p 0 is llama.cpp's top-p keeping its one token (the CLI, ``/v1/`` and the
+    llama.cpp fields take it alike): sampling at any temperature then picks the argmax."""
+    if use_native and not native.AVAILABLE:
+        pytest.skip(f"C kernels not built: {native.LOAD_ERROR}")
+    n = 262144
+    params = SamplingParams(temperature=0.8, top_k=0, top_p=0.0, min_p=0.0, seed=3)
+    proc = LogitsProcessor(params, n, use_native=use_native)
+    for trial in range(4):
+        row = rng.standard_normal(n).astype(np.float32)
+        top = int(np.argmax(row))
+        assert proc.candidates(row).ids.tolist() == [top]
+        assert proc.choose(row, trial, 3) == top
+
+
 def test_greedy_is_argmax_after_bias(rng):
     row = rng.standard_normal(100).astype(np.float32)
     top = int(np.argmax(row))
@@ -102,8 +121,9 @@ def test_greedy_is_argmax_after_bias(rng):
 def test_params_validation():
     with pytest.raises(InvalidRequestError):
         SamplingParams(temperature=-1)
-    with pytest.raises(InvalidRequestError):
-        SamplingParams(top_p=0)
+    for top_p in (-0.01, 1.01, math.nan):
+        with pytest.raises(InvalidRequestError, match=r"top_p must be in \[0, 1\]"):
+            SamplingParams(top_p=top_p)
     with pytest.raises(InvalidRequestError):
         SamplingParams(verify="lossy")
     with pytest.raises(InvalidRequestError):

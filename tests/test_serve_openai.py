@@ -139,6 +139,13 @@ def test_a_64_bit_seed_is_kept_whole_and_gives_the_python_apis_text(client, engi
     assert chat.choices[0].finish_reason
 
 
+def test_top_p_zero_is_the_greedy_text_at_any_temperature(client):
+    greedy = client.completions.create(model="x", prompt=SEED_PROMPT, max_tokens=16, temperature=0)
+    for seed in (1, 2):
+        r = client.completions.create(model="x", prompt=SEED_PROMPT, max_tokens=16, temperature=1.5, top_p=0, seed=seed)
+        assert r.choices[0].text == greedy.choices[0].text
+
+
 def test_seed_minus_one_draws_a_fresh_seed_per_request(client):
     texts = {client.completions.create(model="x", prompt=SEED_PROMPT, max_tokens=24, temperature=1.0,
                                        seed=-1).choices[0].text for _ in range(2)}  # fmt: skip

@@ -1,5 +1,5 @@
-"""Temperatures whose division overflows float32, and ``+inf`` logit biases, at every entry
-point: the sampling pipeline (numpy reference and C kernels), tree verification, the Python
+"""Temperatures whose division overflows float32, ``+inf`` logit biases and ``top_p`` 0, at
+every entry point: the sampling pipeline (numpy reference and C kernels), tree verification, the Python
 API, ``localspec generate``, ``localspec complete --stdio`` and the HTTP ``/completion`` and
 ``/infill`` endpoints.
 
@@ -8,6 +8,9 @@ decided greedily when ``float32(max finite logit) / float32(T)`` is not finite (
 with logits above ~3.4, 1e-40, 1e-300) or when a logit bias of ``+inf`` forces a token
 (the lowest such id; llama.cpp's argmax at temperature 0). Before the rule the C kernel ran
 off its array (segfault) and the numpy reference returned the lowest-id overflowed token.
+
+``top_p`` 0 keeps only the most likely token (llama.cpp's top-p keeps at least one), so any
+temperature gives the greedy text; the CLI used to refuse it while the servers took it.
 """
 
 import json
@@ -218,6 +221,24 @@ def test_generate_command_plus_inf_bias(capsys, model):
         assert json.loads(capsys.readouterr().out)["token_ids"] == [tok] * 3
 
 
+def test_top_p_zero_gives_the_greedy_tokens_in_the_python_api(engine):
+    for use in PATHS:
+        with native.use(use):
+            want = engine.generate(PROMPT, max_tokens=16, sampling=SamplingParams(temperature=0.0)).token_ids
+            for speculative in (True, False):
+                got = engine.generate(PROMPT, max_tokens=16, sampling=SamplingParams(temperature=1.2, top_p=0.0, seed=9),
+                                      speculative=speculative)  # fmt: skip
+                assert got.token_ids == want, (use, speculative)
+
+
+def test_generate_command_top_p_zero(capsys):
+    outs = []
+    for extra in (["--temperature", "0"], ["--temperature", "1.2", "--top-p", "0", "--seed", "9"]):
+        assert main(["generate", PROMPT, "-n", "8", "--json", *extra]) == 0
+        outs.append(json.loads(capsys.readouterr().out)["token_ids"])
+    assert outs[1] == outs[0]
+
+
 def test_complete_stdio_at_tiny_temperatures():
     msgs = []
     for i, T in enumerate([0.0] + TINY):
@@ -258,6 +279,15 @@ def test_http_at_tiny_temperatures(http, endpoint):
             outs.append(text)
     assert outs[2:] == outs[:2] * len(TINY)
     assert http.get("/health").json()["status"] == "ok"
+
+
+def test_http_top_p_zero(http):
+    """llama.cpp's fields (``samplers`` with ``top_p``) at top_p 0: the greedy text."""
+    body = {"prompt": PROMPT, "n_predict": 6, "seed": 4}
+    greedy = http.post("/completion", json={**body, "temperature": 0.0})
+    cut = http.post("/completion", json={**body, "temperature": 1.5, "top_p": 0.0, "samplers": ["top_p", "temperature"]})
+    assert greedy.status_code == cut.status_code == 200, cut.text
+    assert cut.json()["content"] == greedy.json()["content"]
 
 
 def test_http_plus_inf_bias(http, model):

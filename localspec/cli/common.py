@@ -233,7 +233,7 @@ def add_sampling_args(p: argparse.ArgumentParser, *, greedy_default: bool = Fals
     g = p.add_argument_group("sampling (llama.cpp defaults)")
     g.add_argument("--temperature", "--temp", type=float, default=d.temperature, help=f"0 = greedy (default {d.temperature})")
     g.add_argument("--top-k", type=int, default=d.top_k, help=f"0 = off (default {d.top_k})")
-    g.add_argument("--top-p", type=float, default=d.top_p, help=f"1 = off (default {d.top_p})")
+    g.add_argument("--top-p", type=float, default=d.top_p, help=f"1 = off, 0 = only the most likely token (default {d.top_p})")
     g.add_argument("--min-p", type=float, default=d.min_p, help=f"0 = off (default {d.min_p})")
     g.add_argument("--repeat-penalty", type=float, default=d.repeat_penalty, help="1 = off")
     g.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty)

@@ -239,10 +239,7 @@ def parse_oai(kind: str, body: Any, defaults: SamplingParams) -> OAIRequest:
         kw["temperature"] = float(t)
     tp = _num(body, "top_p", 0, 1)
     if tp is not None:
-        if tp == 0:
-            kw["temperature"] = 0.0  # top_p 0 keeps the most likely token: greedy
-        else:
-            kw["top_p"] = float(tp)
+        kw["top_p"] = float(tp)
     for key in ("presence_penalty", "frequency_penalty"):
         v = _num(body, key, -2, 2)
         if v is not None:

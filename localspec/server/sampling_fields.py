@@ -259,8 +259,7 @@ def resolve_sampling(f: SamplerFields, defaults: SamplingParams, model) -> Sampl
 
     kw: dict[str, Any] = {}
     kw["top_k"] = pick(f.top_k, defaults.top_k) if "top_k" in named else 0
-    top_p = pick(f.top_p, defaults.top_p) if "top_p" in named else 1.0
-    kw["top_p"] = max(top_p, 1e-9)  # top_p 0 keeps one token, as in llama.cpp
+    kw["top_p"] = pick(f.top_p, defaults.top_p) if "top_p" in named else 1.0
     kw["min_p"] = pick(f.min_p, defaults.min_p) if "min_p" in named else 0.0
     kw["temperature"] = pick(f.temperature, defaults.temperature) if "temperature" in named else 1.0
     if "penalties" in named:
