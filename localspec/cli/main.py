@@ -10,7 +10,6 @@ import sys
 import threading
 
 from ..errors import LocalSpecError
-from .common import exit_now_on_sigint
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +54,19 @@ def _glue_number_lists(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``localspec`` command; returns its exit status (130 after Ctrl-C, at any moment
+    after this module's own light imports: the package imports llama.cpp and numpy on first
+    use, here while the parser is built and the command runs)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("\nlocalspec: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
+    from .common import exit_now_on_sigint
+
     parser = build_parser()
     a = parser.parse_args(_glue_number_lists(sys.argv[1:] if argv is None else list(argv)))
     if not getattr(a, "func", None):
@@ -73,9 +85,6 @@ def main(argv: list[str] | None = None) -> int:
     except LocalSpecError as e:
         print(f"localspec: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("\nlocalspec: interrupted", file=sys.stderr)
-        return 130
     except BrokenPipeError:  # e.g. `localspec generate ... | head`
         return 0
     finally:
