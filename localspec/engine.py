@@ -454,10 +454,8 @@ class Engine:
         if not tokens:
             raise InvalidRequestError("the prompt is empty (and the model adds no BOS token)")
         if len(tokens) >= self.ctx.n_ctx:
-            raise ContextOverflowError(
-                f"the prompt has {len(tokens)} tokens but the context holds {self.ctx.n_ctx}; "
-                f"shorten it or use a larger context (n_ctx / --n-ctx >= {len(tokens) + max_tokens})"
-            )
+            raise ContextOverflowError.prompt(len(tokens), self.ctx.n_ctx, max_tokens=max_tokens,
+                                              settings="Engine(n_ctx=), --n-ctx")  # fmt: skip
         if max_time_ms is not None and max_time_ms <= 0:
             raise InvalidRequestError(f"max_time_ms must be > 0, got {max_time_ms}")
         extra = [

@@ -18,6 +18,18 @@ class ModelLoadError(LocalSpecError):
 class ContextOverflowError(LocalSpecError):
     """A prompt (plus at least one generated token) does not fit in the context."""
 
+    @classmethod
+    def prompt(cls, n_prompt: int, n_ctx: int, *, max_tokens: int | None, settings: str) -> "ContextOverflowError":
+        """The error for a prompt of ``n_prompt`` tokens that leaves a context of ``n_ctx`` no
+        room: it names the context that holds the prompt and one token and, when
+        ``max_tokens`` asks for more, the one that holds them all; ``settings`` says where the
+        context is set (every entry point words it alike)."""
+        fit = f"at least {n_prompt + 1} tokens"
+        if max_tokens is not None and max_tokens > 1:
+            fit += f" ({n_prompt + max_tokens} for all {max_tokens} tokens asked)"
+        return cls(f"the prompt has {n_prompt} tokens but the context holds {n_ctx}; shorten it "
+                   f"or give a context of {fit}: {settings}")  # fmt: skip
+
 
 class VocabMismatchError(LocalSpecError):
     """A draft model's vocabulary differs from the target's."""

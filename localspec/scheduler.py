@@ -334,11 +334,8 @@ class BatchScheduler:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.model.n_vocab - 1})")
         max_tokens = check_max_tokens(max_tokens)
         if len(tokens) >= self.n_ctx_slot:
-            raise ContextOverflowError(
-                f"the prompt has {len(tokens)} tokens but a request's context holds {self.n_ctx_slot}; shorten it "
-                f"or give requests a context of at least {len(tokens) + 1} tokens (serve --ctx-per-request, "
-                "batch --n-ctx, Engine.generate_batch n_ctx=)"
-            )
+            raise ContextOverflowError.prompt(len(tokens), self.n_ctx_slot, max_tokens=max_tokens,
+                                              settings="serve --ctx-per-request, batch --n-ctx, generate_batch(n_ctx=)")  # fmt: skip
         sampling = sampling or SamplingParams()
         job = BatchJob(tokens, max_tokens=max_tokens, sampling=sampling, stop=stop, speculative=speculative,
                        on_chunk=on_chunk, tag=tag, on_done=on_done, cache_prompt=cache_prompt,

@@ -208,8 +208,11 @@ def test_utf8_streaming_is_byte_identical(eng):
 
 def test_prompt_longer_than_context_is_a_clear_error(eng):
     long = "word " * 5000
-    with pytest.raises(ContextOverflowError, match="context"):
+    n = len(eng.tokenize(long))
+    with pytest.raises(ContextOverflowError) as e:
         eng.generate(long, max_tokens=4)
+    assert str(e.value) == (f"the prompt has {n} tokens but the context holds {eng.n_ctx}; shorten it or give a context "
+                            f"of at least {n + 1} tokens ({n + 4} for all 4 tokens asked): Engine(n_ctx=), --n-ctx")  # fmt: skip
     assert len(eng.generate("Hello", max_tokens=3, sampling=GREEDY).token_ids) == 3
 
 

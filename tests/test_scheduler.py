@@ -155,6 +155,10 @@ def test_generate_batch_matches_generate(engine, alone):
     out = engine.generate_batch(["word " * 300, PROMPTS[0]], parallel=2, max_tokens=4,
                                 sampling=SamplingParams.greedy(), n_ctx=256, return_exceptions=True)
     assert isinstance(out[0], ContextOverflowError)  # recorded in its place, the others go on
+    n = len(engine.tokenize("word " * 300))
+    assert str(out[0]) == (f"the prompt has {n} tokens but the context holds 256; shorten it or give a context of at "
+                           f"least {n + 1} tokens ({n + 4} for all 4 tokens asked): serve --ctx-per-request, batch "
+                           "--n-ctx, generate_batch(n_ctx=)")  # fmt: skip
     assert out[1].token_ids == alone["greedy"][0][:4]
 
 
