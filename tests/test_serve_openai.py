@@ -209,6 +209,7 @@ def test_waiting_requests_are_counted_beyond_the_free_slots(model):
         with pytest.raises(OAIError) as e:
             svc.submit(req, on_chunk=None, on_done=None)
         assert e.value.status == 503 and "(1)" in e.value.message
+        assert e.value.body()["error"]["type"] == "unavailable_error"  # llama-server's, as the editor endpoints'
     finally:
         sched.close()
 
@@ -312,7 +313,7 @@ def test_a_shutdown_cuts_off_the_requests_in_flight_with_an_error_not_a_finished
             finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
             assert streamed is not None, f"the stream ended without an error, finish reasons {set(finishes)}"
             assert not isinstance(streamed, openai.APIStatusError)  # 200 headers, then the error event
-            assert streamed.code == "server_shutdown" and streamed.type == "server_error"
+            assert streamed.code == "server_shutdown" and streamed.type == "unavailable_error"
             assert "cut off" in streamed.message and "retry" in streamed.message and "\n" not in streamed.message
             assert chunks and set(finishes) == {None}  # no chunk says the answer finished
             assert "answer" not in once, once["answer"].choices[0].finish_reason

@@ -51,7 +51,7 @@ from ..errors import LocalSpecError
 from ..sampling import SamplingParams
 from ..text import ReleaseTracker, token_offsets
 from ..draft_limits import DraftLimits
-from .fields import RequestError, get_speculation, lone_surrogate_at
+from .fields import UNAVAILABLE, RequestError, get_speculation, lone_surrogate_at
 from .prompt import PromptTooLongError, tokenize_bounded
 from .sampling_fields import get_seed, parse_logit_bias, resolve_logit_bias, seed_param
 from .response import HEALTH_STALL_S, dumps, request_log_line, stall_error
@@ -65,9 +65,9 @@ SHUTDOWN_CODE = "server_shutdown"  # the error code of an answer cut off by the 
 
 def oai_error(status: int, message: str, *, type: str | None = None, param: str | None = None, code=None) -> dict:
     """An OpenAI error object."""
-    if type is None:
+    if type is None:  # 503: llama-server's type, as the editor endpoints and the loading gate answer
         type = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
-                503: "server_error", 500: "server_error"}.get(status, "invalid_request_error")  # fmt: skip
+                503: UNAVAILABLE, 500: "server_error"}.get(status, "invalid_request_error")  # fmt: skip
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
