@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 
@@ -42,7 +43,13 @@ class GenerationStream:
 
     ``cancel()`` may be called from another thread: the generation stops after the current
     step (a running prefill is aborted) with ``finish_reason == "cancelled"``, and the engine
-    stays consistent. ``close()`` (or leaving a ``with`` block) also ends it.
+    stays consistent. ``close()`` (or leaving a ``with`` block) also ends it, and so does
+    dropping the last reference to it (``break`` out of ``for chunk in engine.stream(...)``):
+    the engine is free for the next request at once, in any thread.
+
+    From its first chunk to its end a stream holds its engine: a request in another thread
+    waits for it; a request in the same thread (whose stream would run on the KV cache this
+    one is using) raises ``InvalidRequestError``.
     """
 
     def __init__(self, engine: "Engine", gen: Iterator[StreamChunk]) -> None:
@@ -60,7 +67,7 @@ class GenerationStream:
     def cancel(self) -> None:
         """Stop this generation (thread-safe); a no-op once it has ended."""
         self.cancelled.set()
-        if self._engine._active_stream is self:
+        if self._engine._active_stream() is self:
             self._engine.ctx.request_abort()
 
     def close(self) -> None:
@@ -74,38 +81,41 @@ class GenerationStream:
 
 
 class _EngineLock:
-    """A re-entrant lock that the thread finishing a stream may release although another
-    thread started it.
+    """The engine's lock, which the thread finishing a stream may release although another
+    thread started it, and which its holder's thread may not take again.
 
     A ``GenerationStream`` holds the engine's lock from its first chunk to its end, and its
     consumer may move between threads (a worker thread takes the first token, another reads
     the rest): ``threading.RLock`` then refuses the release (``RuntimeError: cannot release
     un-acquired lock``, replacing the stream's own result or error) unless the second thread
-    happens to reuse the first one's ident. Like an RLock, the owning thread may acquire it
-    again (counted); unlike one, the last release may come from any thread.
+    happens to reuse the first one's ident. The holder's thread asking again is a request
+    made while one of its streams is suspended between chunks: run, it would decode on the KV
+    cache the suspended stream goes on with (both outputs silently wrong), and waiting would
+    never end, so it raises.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._owner: int | None = None
-        self._count = 0
 
     def acquire(self) -> bool:
+        """Raises:
+        InvalidRequestError: this thread holds the lock (a stream of it is still open)."""
         me = threading.get_ident()
         if self._owner == me:
-            self._count += 1
-            return True
+            raise InvalidRequestError(
+                "a stream on this engine is still open in this thread: read it to its end or close() it "
+                "first (engine.generate_batch runs several prompts at once)"
+            )
         self._lock.acquire()
-        self._owner, self._count = me, 1
+        self._owner = me
         return True
 
     def release(self) -> None:
-        if self._count <= 0:
+        if self._owner is None:
             raise RuntimeError("_EngineLock released more often than acquired")
-        self._count -= 1
-        if self._count == 0:
-            self._owner = None
-            self._lock.release()
+        self._owner = None
+        self._lock.release()
 
     def __enter__(self) -> "_EngineLock":
         self.acquire()
@@ -214,7 +224,7 @@ class Engine:
         self._tap: FeatureTap | None = None
         self._norm_tap: FinalNormTap | None = None
         self._lock = _EngineLock()  # held by a stream from its first chunk to its end
-        self._active_stream: GenerationStream | None = None
+        self._active_stream = _no_stream  # weakref.ref to that stream: its last owner may drop it
         self.adaptive = adaptive
         self.draft_memory = draft_memory  # shared by this engine's drafters (and its batches)
         self.usage_log = None  # a usage.UsageLog that finished requests are added to (--record-usage)
@@ -327,7 +337,14 @@ class Engine:
 
     def close(self) -> None:
         """Free the drafter, the context and (when the engine loaded it) the model. Later
-        requests raise ``LocalSpecError`` ("the engine is closed")."""
+        requests raise ``LocalSpecError`` ("the engine is closed"). A stream still open is
+        closed first (its result: ``finish_reason == "cancelled"``)."""
+        open_stream = self._active_stream() if hasattr(self, "_active_stream") else None
+        if open_stream is not None:
+            try:
+                open_stream.close()
+            except ValueError:  # running in another thread now: it ends at the closed context
+                pass
         self._closed = True
         if self.drafter is not None:
             self.drafter.close()
@@ -470,7 +487,7 @@ class Engine:
                          max_tokens=max_tokens, stop=list(stop), token_bytes=self.model.token_bytes,
                          is_eog=self.model.is_eog, max_time_ms=max_time_ms, t_start_us=t_start,
                          draft_limits=draft_limits, cancelled=stream.cancelled)  # fmt: skip
-        stream._gen = self._run(stream, gen, extra)
+        stream._gen = self._run(weakref.ref(stream), gen, extra)  # weak: no cycle keeps a dropped stream alive
         return stream
 
     def with_thresholds(self, sampling: SamplingParams) -> SamplingParams:
@@ -535,9 +552,10 @@ class Engine:
             self._norm_tap.clear()  # the prefill asks for no logits: no rows
         gen.stats.t_prefill_us = now_us() - gen.t_start_us
 
-    def _run(self, stream: GenerationStream, gen: Generation, draft_context: list[list[int]]) -> Iterator[StreamChunk]:
+    def _run(self, stream: "weakref.ref[GenerationStream]", gen: Generation,
+             draft_context: list[list[int]]) -> Iterator[StreamChunk]:  # fmt: skip
         """prefill -> (one step over this request)* -> finish; the KV keeps the prompt and the
-        kept tokens for the next request."""
+        kept tokens for the next request. ``stream`` (a weak reference) gets the result."""
         with self._lock:
             self._active_stream = stream
             self.ctx.clear_abort()
@@ -569,16 +587,19 @@ class Engine:
                 gen.finish_reason = "error"
                 raise
             finally:
-                self._active_stream = None
-                self.ctx.clear_abort()
-                self._step().clear_taps()
+                self._active_stream = _no_stream
+                live = not self.ctx.closed  # else a stream finalized after its context (at exit)
+                if live:
+                    self.ctx.clear_abort()
+                    self._step().clear_taps()
                 tail = gen.finish()
-                # KV: keep the prompt and the kept tokens that were decoded
-                self.cache.truncate(min(self.cache.n_past, len(gen.prompt) + len(gen.out_tokens)))
+                if live:  # KV: keep the prompt and the kept tokens that were decoded
+                    self.cache.truncate(min(self.cache.n_past, len(gen.prompt) + len(gen.out_tokens)))
                 gen.stats.n_redecoded_tokens = self.cache.n_redecoded - redecoded0
                 if gen.calibration is not None:
                     self.policy.calibration.end_request(gen.calibration)
-                stream.result = gen.result
+                if (s := stream()) is not None:
+                    s.result = gen.result
                 if self.usage_log is not None:
                     self.usage_log.add_generation(gen)
             if tail is not None:
@@ -596,3 +617,8 @@ class Engine:
 
 class _Cancelled(Exception):
     pass
+
+
+def _no_stream() -> None:
+    """``Engine._active_stream`` when no stream runs (called like the stream's weak reference)."""
+    return None

@@ -455,3 +455,60 @@ def test_a_stream_started_on_one_thread_can_finish_on_another(eng):
     assert "error" not in box, box.get("error")
     assert got + box["tokens"] == ref.token_ids
     assert eng.generate("The capital of France is", max_tokens=12, sampling=GREEDY, speculative=False).token_ids == ref.token_ids
+
+
+STORY = "Once upon a time"
+
+
+def test_a_request_in_the_thread_of_an_open_stream_is_refused_and_the_stream_stays_right(eng):
+    """The engine's lock let its holder's thread in again: a ``generate`` between two chunks
+    of a stream decoded on the KV cache the stream went on with, and both outputs were wrong
+    without a word. Now the request raises and the stream's output is the one it has alone."""
+    alone = eng.generate(STORY, max_tokens=16, sampling=GREEDY).token_ids
+    with eng.stream(STORY, max_tokens=16, sampling=GREEDY) as stream:
+        got = [next(stream).token]
+        for request in (lambda: eng.generate("Hello", max_tokens=4, sampling=GREEDY), eng.reset,
+                        lambda: eng.set_drafter("ngram")):  # fmt: skip
+            with pytest.raises(InvalidRequestError, match="a stream on this engine is still open in this thread"):
+                request()
+        got += [c.token for c in stream if c.token >= 0]
+    assert got == alone and stream.result.finish_reason == "length"
+    assert eng.generate(STORY, max_tokens=16, sampling=GREEDY).token_ids == alone
+
+
+def test_breaking_out_of_a_stream_loop_frees_the_engine_for_another_thread(eng):
+    """``break`` out of ``for chunk in engine.stream(...)`` drops the stream: it ends there
+    (the engine's weak reference and no reference cycle keep it alive no longer), so a
+    request from another thread runs instead of waiting for ever."""
+    import threading
+
+    for chunk in eng.stream(STORY, max_tokens=64, sampling=GREEDY):
+        if chunk.token >= 0:
+            break
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.update(r=eng.generate("Hi", max_tokens=4, sampling=GREEDY)), daemon=True)
+    t.start()
+    t.join(300)
+    assert "r" in box and len(box["r"].token_ids) == 4
+
+
+def test_closing_an_engine_closes_its_open_stream(model):
+    e = Engine(model, drafter="none", n_ctx=256, cost_model=frozen_cost_model())
+    stream = e.stream(STORY, max_tokens=64, sampling=GREEDY)
+    next(stream)
+    e.close()
+    assert stream.result is not None and stream.result.finish_reason == "cancelled"
+
+
+def test_a_stream_left_open_at_exit_prints_nothing():
+    """It printed "Exception ignored in: <generator object Engine._run ...>" with a
+    DecodeError (the stream finalized after its engine's context)."""
+    import subprocess
+    import sys
+
+    code = ("import localspec\n"
+            "e = localspec.Engine(drafter='none', n_ctx=256)\n"
+            "s = e.stream('Once upon a time', max_tokens=64, sampling=localspec.SamplingParams.greedy())\n"
+            "next(s)\n")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "Exception" not in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -295,6 +295,11 @@ class Context:
             raise DecodeError("context is closed")
         return self._mem
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` freed the context (every call on it then raises ``DecodeError``)."""
+        return self._ctx is None
+
     def close(self) -> None:
         if self._ctx is not None:
             lib.llama_free(self._ctx)
