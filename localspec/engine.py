@@ -11,6 +11,7 @@ new part.
 
 from __future__ import annotations
 
+import numbers
 import os
 import threading
 import weakref
@@ -24,7 +25,7 @@ from .costmodel import CostModel, calibrate
 from .backend.features import FeatureTap, FinalNormTap
 from .drafters import Drafter, DraftMemory, TargetHandle, resolve_drafter
 from .errors import ContextOverflowError, DecodeError, InvalidRequestError, LocalSpecError, ModelLoadError
-from .generation import Generation, check_max_tokens, now_us
+from .generation import Generation, check_max_tokens, check_stop, now_us
 from .policy import SpeculationPolicy, TreeShape
 from .request_state import RequestState
 from .results import GenerationResult, StreamChunk, TokenLogprob
@@ -414,6 +415,35 @@ class Engine:
         assert s.result is not None
         return s.result
 
+    def prompt_tokens(self, prompt: str | Sequence[int], *, add_special: bool = True,
+                      parse_special: bool = False) -> list[int]:  # fmt: skip
+        """The token ids a request for ``prompt`` decodes: text tokenised (``stream``'s
+        ``add_special`` / ``parse_special``), or token ids checked.
+
+        Raises:
+            TypeError: ``prompt`` is neither text nor a sequence of integer token ids.
+            InvalidRequestError: a token id outside the vocabulary.
+        """
+        if isinstance(prompt, str):
+            tokens = self.model.tokenize(prompt, add_special=add_special, parse_special=parse_special)
+            bos = self.model.bos
+            if parse_special and add_special and self.model.add_bos and tokens[:2] == [bos, bos]:
+                # the text already starts with the BOS token: do not add a second one (as the
+                # chat app does; llama.cpp only warns)
+                tokens = tokens[1:]
+            return tokens
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Iterable):
+            raise TypeError(f"prompt must be text (str) or token ids (a sequence of int), got {type(prompt).__name__}")
+        tokens = list(prompt)
+        odd = [t for t in tokens if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        if odd:
+            raise TypeError(f"prompt must be text (str) or token ids (a sequence of int), got an item {odd[0]!r}")
+        tokens = [int(t) for t in tokens]
+        bad = [t for t in tokens if not 0 <= t < self.model.n_vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.model.n_vocab - 1})")
+        return tokens
+
     def stream(
         self,
         prompt: str | Sequence[int],
@@ -434,7 +464,8 @@ class Engine:
             prompt: text (tokenised with BOS where the model wants it) or token ids.
             max_tokens: most tokens to generate (never exceeded).
             sampling: ``SamplingParams`` (default: llama.cpp's defaults, random seed).
-            stop: stop strings; the text is cut before the first one completed.
+            stop: a stop string or a sequence of them; the text is cut before the first one
+                completed.
             speculative: False decodes without the drafter for this request.
             parse_special: tokenise special-token text (e.g. chat markup) as special tokens.
             add_special: add BOS (and EOS) as the model asks when tokenising text; with
@@ -451,23 +482,11 @@ class Engine:
             TypeError: ``prompt`` is neither text nor a sequence of token ids.
         """
         max_tokens = check_max_tokens(max_tokens)
+        stop = check_stop(stop)
         self.reconnect_if_lost()
         sampling = self.with_thresholds(sampling or SamplingParams())
         t_start = now_us()
-        if isinstance(prompt, str):
-            tokens = self.model.tokenize(prompt, add_special=add_special, parse_special=parse_special)
-            bos = self.model.bos
-            if parse_special and add_special and self.model.add_bos and tokens[:2] == [bos, bos]:
-                # the text already starts with the BOS token: do not add a second one (as the
-                # chat app does; llama.cpp only warns)
-                tokens = tokens[1:]
-        else:
-            if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Iterable):
-                raise TypeError(f"prompt must be text (str) or token ids (a sequence of int), got {type(prompt).__name__}")
-            tokens = [int(t) for t in prompt]
-            bad = [t for t in tokens if not 0 <= t < self.model.n_vocab]
-            if bad:
-                raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.model.n_vocab - 1})")
+        tokens = self.prompt_tokens(prompt, add_special=add_special, parse_special=parse_special)
         if not tokens:
             raise InvalidRequestError("the prompt is empty (and the model adds no BOS token)")
         if len(tokens) >= self.ctx.n_ctx:
@@ -484,7 +503,7 @@ class Engine:
         stream = GenerationStream(self, iter(()))
         gen = Generation(tokens, state, drafter,
                          calibration=self.policy.calibration.for_request() if drafter is not None else None,
-                         max_tokens=max_tokens, stop=list(stop), token_bytes=self.model.token_bytes,
+                         max_tokens=max_tokens, stop=stop, token_bytes=self.model.token_bytes,
                          is_eog=self.model.is_eog, max_time_ms=max_time_ms, t_start_us=t_start,
                          draft_limits=draft_limits, cancelled=stream.cancelled)  # fmt: skip
         stream._gen = self._run(weakref.ref(stream), gen, extra)  # weak: no cycle keeps a dropped stream alive

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numbers
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from .drafters import Drafter
 from .errors import InvalidRequestError
@@ -42,6 +42,25 @@ def check_max_tokens(max_tokens) -> int:
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 0:
         raise InvalidRequestError(f"max_tokens must be a whole number >= 0, got {max_tokens!r}")
     return int(max_tokens)
+
+
+def check_stop(stop) -> list[str]:
+    """``stop`` as a list of stop strings: one string (as the OpenAI API takes it) or a
+    sequence of them; ``list("year")`` would be four one-letter stops.
+
+    Raises:
+        InvalidRequestError: anything else, or an empty string (it would stop at once).
+    """
+    stops = [stop] if isinstance(stop, str) else stop
+    if isinstance(stops, (bytes, bytearray)) or not isinstance(stops, Iterable):
+        raise InvalidRequestError(f"stop must be a string or a sequence of strings, got {type(stop).__name__}")
+    stops = list(stops)
+    odd = [x for x in stops if not isinstance(x, str)]
+    if odd:
+        raise InvalidRequestError(f"stop must be a string or a sequence of strings, got an item {odd[0]!r}")
+    if any(not x for x in stops):
+        raise InvalidRequestError("stop strings must not be empty")
+    return stops
 
 
 def now_us() -> float:

@@ -64,7 +64,7 @@ from .costmodel import CostModel, calibrate
 from .drafters import TargetHandle, resolve_drafter
 from .draft_limits import DraftLimits
 from .errors import ContextOverflowError, InvalidRequestError
-from .generation import Generation, check_max_tokens, now_us
+from .generation import Generation, check_max_tokens, check_stop, now_us
 from .policy import SpeculationPolicy
 from .request_state import RequestState
 from .results import GenerationResult, StreamChunk
@@ -322,7 +322,8 @@ class BatchScheduler:
         the whole prompt, reusing no cached prefix.
 
         Raises:
-            InvalidRequestError: empty prompt, bad token ids, a ``max_tokens`` that is not a whole number >= 0, closed.
+            InvalidRequestError: empty prompt, bad token ids, a ``max_tokens`` that is not a whole number >= 0,
+                a ``stop`` that is not a string or strings (``check_stop``), closed.
             ContextOverflowError: the prompt leaves no room in a request's context.
             GrammarError: the sampling grammar does not parse.
         """
@@ -333,6 +334,7 @@ class BatchScheduler:
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.model.n_vocab - 1})")
         max_tokens = check_max_tokens(max_tokens)
+        stop = check_stop(stop)
         if len(tokens) >= self.n_ctx_slot:
             raise ContextOverflowError.prompt(len(tokens), self.n_ctx_slot, max_tokens=max_tokens,
                                               settings="serve --ctx-per-request, batch --n-ctx, generate_batch(n_ctx=)")  # fmt: skip
@@ -813,6 +815,8 @@ def generate_batch(engine: "Engine", prompts: Sequence[str | Sequence[int]], *, 
     Prompts that start with the same tokens (a shared header) prefill them once: the
     scheduler's prompt cache shares the cells (``BatchScheduler``, module docstring).
     """
+    if isinstance(prompts, (str, bytes, bytearray)):
+        raise InvalidRequestError("prompts must be a list of prompts, not one text (Engine.generate takes one)")
     n = len(prompts)
     mt = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
     sp = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
@@ -838,7 +842,7 @@ def generate_batch(engine: "Engine", prompts: Sequence[str | Sequence[int]], *, 
     try:
         for i, p in enumerate(prompts):
             try:
-                toks = engine.tokenize(p) if isinstance(p, str) else list(p)
+                toks = engine.prompt_tokens(p)
                 jobs[i] = sched.submit(toks, max_tokens=mt[i], sampling=sp[i], stop=stop, speculative=speculative)
             except Exception as e:  # noqa: BLE001 - reported per prompt
                 out[i] = e

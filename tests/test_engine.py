@@ -512,3 +512,28 @@ def test_a_stream_left_open_at_exit_prints_nothing():
             "next(s)\n")  # fmt: skip
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "Exception" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_stop_string_is_one_stop_not_its_characters(eng):
+    """``stop="word"`` was ``list("word")``: a stop at each of its characters (the OpenAI
+    server takes one string as one stop); a stop that is not text is refused."""
+    alone = eng.generate(STORY, max_tokens=24, sampling=GREEDY).text
+    words = alone.split()
+    assert len(words) >= 3, alone
+    w = " " + words[2]  # its space comes earlier in the text than the word
+    cut = eng.generate(STORY, max_tokens=24, sampling=GREEDY, stop=w)
+    assert cut.text == alone[: alone.index(w)] == eng.generate(STORY, max_tokens=24, sampling=GREEDY, stop=[w]).text
+    assert cut.finish_reason == "stop" and cut.stop == w
+    for bad, says in ((None, "got NoneType"), ([""], "must not be empty"), (["a", 3], "got an item 3")):
+        with pytest.raises(InvalidRequestError, match=says):
+            eng.generate(STORY, max_tokens=2, sampling=GREEDY, stop=bad)
+
+
+def test_generate_batch_refuses_one_text_and_names_a_bad_prompt(eng):
+    """``generate_batch("abc")`` ran three prompts, "a", "b" and "c"."""
+    with pytest.raises(InvalidRequestError, match="not one text"):
+        eng.generate_batch("abc", max_tokens=2, sampling=GREEDY)
+    out = eng.generate_batch([None, ["a"], "Hi"], max_tokens=2, sampling=GREEDY, return_exceptions=True)
+    assert isinstance(out[0], TypeError) and "got NoneType" in str(out[0])
+    assert isinstance(out[1], TypeError) and "got an item 'a'" in str(out[1])
+    assert out[2].token_ids == eng.generate("Hi", max_tokens=2, sampling=GREEDY).token_ids
