@@ -31,6 +31,11 @@ class ContextOverflowError(LocalSpecError):
                    f"or give a context of {fit}: {settings}")  # fmt: skip
 
 
+class AllocationError(LocalSpecError, MemoryError):
+    """A store localspec sizes from a budget the caller gave (the drafting memory) could not be
+    allocated: ask for less."""
+
+
 class VocabMismatchError(LocalSpecError):
     """A draft model's vocabulary differs from the target's."""
 

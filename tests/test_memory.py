@@ -799,3 +799,19 @@ def test_a_memory_that_cannot_be_saved_is_one_line_naming_the_given_path(tmp_pat
     finally:
         del common._SAVE_AT_EXIT[str(path)]
     assert capsys.readouterr().err.strip() == f"localspec: the drafting memory was not saved to {path}: No such file or directory"
+
+
+def test_a_budget_too_large_to_allocate_is_a_one_line_error(tmp_path):
+    """It was a bare ``MemoryError`` traceback from ``memory build --mib`` and
+    ``--draft-memory-mib``; now a ``LocalSpecError`` (still a ``MemoryError``)."""
+    from localspec.errors import AllocationError, LocalSpecError
+
+    with pytest.raises(AllocationError, match="cannot allocate a drafting memory of 1e\\+09 MiB") as e:
+        DraftMemory(1e9)
+    assert isinstance(e.value, MemoryError) and isinstance(e.value, LocalSpecError)
+    (tmp_path / "a.txt").write_text("hello world\n")
+    r = subprocess.run([sys.executable, "-m", "localspec", "memory", "build", str(tmp_path / "a.txt"), "--out",
+                        str(tmp_path / "m.lsmem"), "--mib", "1e9"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "localspec: error: cannot allocate a drafting memory of 1e+09 MiB: give a smaller budget"
+    assert not (tmp_path / "m.lsmem").exists()

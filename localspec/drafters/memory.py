@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import native
-from ..errors import LocalSpecError
+from ..errors import AllocationError, LocalSpecError
 
 DEFAULT_BUDGET_MIB = 64.0
 MIN_SHARE = 0.1
@@ -137,7 +137,7 @@ class DraftMemory:
     Raises:
         LocalSpecError: the native library is not available.
         ValueError: orders out of range.
-        MemoryError: the store cannot be allocated.
+        AllocationError: the store cannot be allocated (a ``MemoryError`` and a ``LocalSpecError``).
     """
 
     def __init__(
@@ -161,7 +161,7 @@ class DraftMemory:
         self.capacity = capacity_for(budget_mib, self.max_n - self.min_n + 1)
         self._ptr = self._lib.ls_memory_new(self.capacity, self.min_n, self.max_n)
         if not self._ptr:
-            raise MemoryError(f"cannot allocate a drafting memory of {budget_mib} MiB")
+            raise AllocationError(f"cannot allocate a drafting memory of {budget_mib:g} MiB: give a smaller budget")
         self._lock = threading.Lock()
         self.n_written = 0  # documents written (a draft skips an empty memory without a call)
         self.acc = np.zeros(N_BUCKETS)  # accepted / tried nodes per bucket, over the memory's life
