@@ -188,3 +188,28 @@ def test_a_line_that_is_not_utf8_is_that_lines_error_and_the_run_goes_on(tmp_pat
     engine.reset()
     assert by_id["ok"]["text"] == engine.generate(PROMPTS["a"], max_tokens=3, sampling=SamplingParams.greedy()).text
     assert "text" in by_id["3"], by_id["3"]
+
+
+def test_ids_that_are_not_strings_or_integers_and_lone_surrogates_are_that_lines_error(tmp_path, engine, capsys):
+    """Ids were written as Python's ``str``: null became "None", true "True", [1] "[1]". A null
+    id is now the line number (as no id); other kinds fail their line. A lone surrogate in a
+    prompt was an exception text counted as a generation failure, and one in an id ended the
+    whole run (UnicodeEncodeError writing OUT); both are now their line's error, as the servers
+    answer them."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = ['{"id": null, "prompt": "Hi", "max_tokens": 2}', '{"id": true, "prompt": "Hi"}', '{"id": [1], "prompt": "Hi"}',
+             '{"id": 1.5, "prompt": "Hi"}', '{"id": 7, "prompt": "Hi", "max_tokens": 2}', '{"id": "s", "prompt": "\\ud800x"}',
+             '{"id": "\\udc00", "prompt": "Hi"}']  # fmt: skip
+    inp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    capsys.readouterr()
+    assert main(["batch", str(inp), "--out", str(out), "--no-progress", "--n-ctx", "256"]) == 0
+    assert "(5 input errors)" in capsys.readouterr().err
+    by_id = {r["id"]: r for r in map(json.loads, out.read_text(encoding="utf-8").splitlines())}
+    assert set(by_id) == {"1", "line 2", "line 3", "line 4", "7", "s", "line 7"}
+    assert by_id["1"]["text"] == by_id["7"]["text"] == engine.generate("Hi", max_tokens=2, sampling=SamplingParams.greedy()).text
+    assert by_id["line 2"]["error"] == 'line 2: "id" must be a string or an integer, got true'
+    assert by_id["line 3"]["error"] == 'line 3: "id" must be a string or an integer, got [1]'
+    assert by_id["line 4"]["error"] == 'line 4: "id" must be a string or an integer, got 1.5'
+    surrogate = "holds a lone UTF-16 surrogate (not valid Unicode text); send UTF-8 text"
+    assert by_id["s"]["error"] == f'line 6: "prompt" {surrogate}'
+    assert by_id["line 7"]["error"] == f'line 7: "id" {surrogate}'

@@ -1,7 +1,7 @@
 """``localspec batch IN.jsonl --out OUT.jsonl``: many prompts through the batched engine.
 
-Each input line is a JSON object with ``"prompt"`` (text) and optionally ``"id"`` (default:
-the line number), ``"max_tokens"`` and the sampling settings of ``LINE_SAMPLING`` and
+Each input line is a JSON object with ``"prompt"`` (text) and optionally ``"id"`` (a string or
+an integer; default, or null: the line number), ``"max_tokens"`` and the sampling settings of ``LINE_SAMPLING`` and
 ``"seed"`` (-1: a random seed), each over the command line's (greedy by default). A line that
 names a sampling setting it cannot set (``NOT_PER_LINE``) is that line's error; other keys
 are ignored. Each request's context holds ``--n-ctx`` tokens (default 4096). Each output line
@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..errors import LocalSpecError
 from ..sampling import SamplingParams
+from ..server.fields import lone_surrogate_error
 from .common import (add_drafter_args, add_memory_args, add_model_args, add_sampling_args, check_request_context, count,
                      exit_now_on_sigint, make_engine, sampling_from_args)
 
@@ -83,9 +84,19 @@ def read_jobs(path: str) -> list[dict]:
         except ValueError as e:
             out.append({"id": f"line {n}", "_error": f"line {n} is not a JSON object: {e}"})
             continue
-        obj["id"] = str(obj.get("id", n))
+        rid = obj.get("id")
+        if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
+            out.append({"id": f"line {n}", "_error": f'line {n}: "id" must be a string or an integer, got {json.dumps(rid)}'})
+            continue
+        surrogate = lone_surrogate_error(obj)
+        if surrogate is not None and lone_surrogate_error(rid) is not None:  # the id cannot be written
+            out.append({"id": f"line {n}", "_error": f"line {n}: {surrogate}"})
+            continue
+        obj["id"] = str(n if rid is None else rid)
         obj["_line"] = n
-        if "prompt" not in obj and "messages" in obj:  # a chat-format line: batch completes text
+        if surrogate is not None:
+            obj["_error"] = f"line {n}: {surrogate}"
+        elif "prompt" not in obj and "messages" in obj:  # a chat-format line: batch completes text
             obj["_error"] = (f'line {n}: batch takes a "prompt" (text to continue), not chat "messages"; '
                              "for chat turns use localspec serve's /v1/chat/completions")  # fmt: skip
         elif not isinstance(obj.get("prompt"), str) or not obj["prompt"]:

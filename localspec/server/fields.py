@@ -155,6 +155,13 @@ def lone_surrogate_at(v: Any, path: str) -> str | None:
     return None
 
 
+def lone_surrogate_error(v: Any) -> str | None:
+    """The one-line error for a request (or a ``batch`` line) ``v`` holding a lone surrogate
+    (``lone_surrogate_at``: it names the field), else None."""
+    path = lone_surrogate_at(v, "")
+    return None if path is None else f"{path} holds a lone UTF-16 surrogate (not valid Unicode text); send UTF-8 text"
+
+
 @dataclass(frozen=True)
 class SpeculationFields:
     """A request's speculation fields.

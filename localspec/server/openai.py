@@ -51,7 +51,7 @@ from ..errors import LocalSpecError
 from ..sampling import SamplingParams
 from ..text import ReleaseTracker, token_offsets
 from ..draft_limits import DraftLimits
-from .fields import UNAVAILABLE, RequestError, get_speculation, lone_surrogate_at
+from .fields import UNAVAILABLE, RequestError, get_speculation, lone_surrogate_at, lone_surrogate_error
 from .prompt import PromptTooLongError, tokenize_bounded
 from .sampling_fields import get_seed, parse_logit_bias, resolve_logit_bias, seed_param
 from .response import HEALTH_STALL_S, dumps, request_log_line, stall_error
@@ -156,8 +156,7 @@ def parse_oai(kind: str, body: Any, defaults: SamplingParams) -> OAIRequest:
         raise OAIError("the request body must be a JSON object")
     bad = lone_surrogate_at(body, "")
     if bad is not None:  # "\ud800" is valid JSON but no Unicode text: it cannot be tokenized
-        raise OAIError(f"{bad} holds a lone UTF-16 surrogate (not valid Unicode text); send UTF-8 text",
-                       param=bad.replace('"', ""))  # fmt: skip
+        raise OAIError(lone_surrogate_error(body), param=bad.replace('"', ""))
     if "model" in body and not isinstance(body["model"], str):
         raise OAIError("'model' must be a string", param="model")
     n = _num(body, "n", 1, 128, integer=True)

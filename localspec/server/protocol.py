@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .fields import RequestError, get_bool, get_speculation, get_float, get_int, get_str, get_str_list, lone_surrogate_at, require
+from .fields import RequestError, get_bool, get_speculation, get_float, get_int, get_str, get_str_list, lone_surrogate_error, require
 from ..draft_limits import DraftLimits
 from .prompt import ExtraChunk
 from .sampling_fields import SamplerFields, parse_sampler_fields
@@ -143,9 +143,9 @@ def parse_request(kind: str, body: Any, *, default_n_predict: int = -1) -> Compl
 def _refuse_lone_surrogates(body: Mapping[str, Any]) -> None:
     """Raises ``RequestError`` (400) naming the field when any string in the request holds a
     lone surrogate: such text cannot be tokenised or echoed back as UTF-8."""
-    path = lone_surrogate_at(body, "")
-    if path is not None:
-        raise RequestError(f"{path} holds a lone UTF-16 surrogate (not valid Unicode text); send UTF-8 text")
+    error = lone_surrogate_error(body)
+    if error is not None:
+        raise RequestError(error)
 
 
 def _text(body: Mapping[str, Any], key: str) -> str:
