@@ -259,7 +259,9 @@ class Engine:
         Raises:
             InvalidRequestError / VocabMismatchError / ModelLoadError: the new drafter cannot be
                 used; the engine keeps its current drafter.
+            LocalSpecError: the engine is closed.
         """
+        self._require_open()
         with self._lock:
             new = self._new_drafter(drafter, **options)
             old = self.drafter
@@ -371,8 +373,7 @@ class Engine:
             LocalSpecError: the engine is closed.
             RPCError: a worker is still unreachable (the next request tries again).
         """
-        if getattr(self, "_closed", False):
-            raise LocalSpecError("the engine is closed: make a new Engine")
+        self._require_open()
 
         def needed() -> bool:  # the worker lost, or the model reloaded by another user of it
             return self._ctx_generation != self.model.generation or (
@@ -400,8 +401,18 @@ class Engine:
             if self.drafter is not None:
                 self._install_drafter(self.drafter)
 
+    def _require_open(self) -> None:
+        """Raises ``LocalSpecError`` once ``close()`` has run."""
+        if getattr(self, "_closed", False):
+            raise LocalSpecError("the engine is closed: make a new Engine")
+
     def reset(self) -> None:
-        """Forget the KV cache of earlier requests."""
+        """Forget the KV cache of earlier requests.
+
+        Raises:
+            LocalSpecError: the engine is closed.
+        """
+        self._require_open()
         with self._lock:
             self.cache.reset()
 

@@ -42,6 +42,7 @@ def test_a_closed_engine_is_an_error_not_a_crash(model):
     e.close()
     for call in (lambda: e.generate([2, 9259], max_tokens=2, sampling=SamplingParams.greedy()),
                  lambda: e.generate("Hi", max_tokens=2), lambda: e.tokenize("Hi"),
-                 lambda: e.generate_batch(["Hi"], max_tokens=2)):  # fmt: skip
+                 lambda: e.generate_batch(["Hi"], max_tokens=2), e.reset,
+                 lambda: e.set_drafter("none")):  # fmt: skip (reset: a DecodeError; set_drafter: no error)
         with pytest.raises(LocalSpecError, match="^the engine is closed: make a new Engine$"):
             call()
