@@ -199,8 +199,9 @@ class Engine:
         self.accept_threshold_acc = float(accept_threshold_acc)
         if not 1 <= max_tree_nodes <= 255:
             raise InvalidRequestError("max_tree_nodes must be in [1, 255]")
-        if n_ctx is not None and n_ctx < MIN_N_CTX:
-            raise InvalidRequestError(f"n_ctx must be at least {MIN_N_CTX} tokens (got {n_ctx})")
+        for name, v, lo in (("n_ctx", n_ctx, MIN_N_CTX), ("n_threads", n_threads, 1)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo):
+                raise InvalidRequestError(f"{name} must be a whole number of at least {lo}, got {v!r}")
         if model is None:
             from .models import default_model_path
 
@@ -284,6 +285,10 @@ class Engine:
             new = resolve_drafter(drafter, self.model, memory=self.draft_memory, **options)
             self._next_spec = (drafter, {k: v for k, v in options.items() if v is not None})
             return new
+        missing = [m for m in ("begin", "propose", "accept", "observe", "close") if not callable(getattr(drafter, m, None))]
+        if missing:
+            raise InvalidRequestError(f"drafter must be a drafter name, a Drafter or None, got {type(drafter).__name__} "
+                                      f"(without {', '.join(missing)})")  # fmt: skip
         if any(v is not None for v in options.values()):
             raise InvalidRequestError(
                 f"options {', '.join(sorted(k for k, v in options.items() if v is not None))} apply to drafter names, "
@@ -522,7 +527,13 @@ class Engine:
 
     def with_thresholds(self, sampling: SamplingParams) -> SamplingParams:
         """``sampling`` with the engine's acceptance thresholds where it leaves them None (the
-        same object when the engine's are 1.0)."""
+        same object when the engine's are 1.0).
+
+        Raises:
+            InvalidRequestError: ``sampling`` is not a ``SamplingParams``.
+        """
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidRequestError(f"sampling must be a SamplingParams (e.g. SamplingParams.greedy()), got {sampling!r}")
         kw = {}
         if sampling.accept_threshold_single is None and self.accept_threshold_single != 1.0:
             kw["accept_threshold_single"] = self.accept_threshold_single

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import math
+import numbers
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -137,6 +138,18 @@ class SamplingParams:
     draft_memory: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise InvalidRequestError(f"{name} must be a number, got {v!r}")
+        for name, none_ok in (("top_k", False), ("penalty_last_n", False), ("seed", True), ("logprobs", True)):
+            v = getattr(self, name)
+            if not (none_ok and v is None) and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
+                raise InvalidRequestError(f"{name} must be an integer{' or None' if none_ok else ''}, got {v!r}")
+        if not isinstance(self.logit_bias, Mapping):
+            raise InvalidRequestError(f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise InvalidRequestError(f"grammar must be GBNF text or None, got {type(self.grammar).__name__}")
         for name in ("accept_threshold_single", "accept_threshold_acc"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 < v <= 1.0):

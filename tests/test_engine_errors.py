@@ -46,3 +46,26 @@ def test_a_closed_engine_is_an_error_not_a_crash(model):
                  lambda: e.set_drafter("none")):  # fmt: skip (reset: a DecodeError; set_drafter: no error)
         with pytest.raises(LocalSpecError, match="^the engine is closed: make a new Engine$"):
             call()
+
+
+def test_arguments_of_the_wrong_type_are_invalid_request_errors(model):
+    """Each was a raw TypeError / AttributeError from deep inside (or, for ``drafter=5``, an
+    engine that failed at its first request and at ``close``); ``drafter="bogus"`` was a bare
+    ValueError, and ``n_threads=-3`` was taken."""
+    from conftest import frozen_cost_model
+    from localspec import Engine
+    from localspec.errors import InvalidRequestError
+
+    for kw, says in ((dict(drafter=5), "drafter must be a drafter name, a Drafter or None, got int"),
+                     (dict(drafter="bogus"), "unknown drafter 'bogus'; choose one of none, ngram"),
+                     (dict(n_ctx="64"), "n_ctx must be a whole number of at least 16, got '64'"),
+                     (dict(n_threads=-3), "n_threads must be a whole number of at least 1, got -3")):  # fmt: skip
+        with pytest.raises(InvalidRequestError, match=says):
+            Engine(model, n_ctx=kw.pop("n_ctx", 256), cost_model=frozen_cost_model(), **kw)
+    e = Engine(model, drafter="none", n_ctx=256, cost_model=frozen_cost_model())
+    try:
+        with pytest.raises(InvalidRequestError, match=r"sampling must be a SamplingParams .*got \{'temperature': 0\}"):
+            e.generate("Hi", max_tokens=2, sampling={"temperature": 0})
+        assert e.generate("Hi", max_tokens=2, sampling=SamplingParams.greedy()).finish_reason == "length"
+    finally:
+        e.close()

@@ -2,6 +2,7 @@
 sampler semantics, and tests of the counter-based random streams."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -173,3 +174,20 @@ def test_gumbel_noise_matches_reference_formula():
     g = gumbel_noise(5, 3, np.array([0, 1, 2]))
     u = uniforms(stream_key(5, 3), np.array([0, 1, 2]))
     assert np.allclose(g, -np.log(-np.log(u)))
+
+
+def test_fields_of_the_wrong_type_are_refused_with_their_name():
+    """``temperature="0.5"`` was a TypeError from a comparison; ``seed="7"`` and ``seed=1.5``
+    were taken (1.5 as 1); ``logit_bias=None`` failed at the first token."""
+    for kw, says in ((dict(temperature="0.5"), "temperature must be a number, got '0.5'"),
+                     (dict(top_p=None), "top_p must be a number, got None"),
+                     (dict(top_k=True), "top_k must be an integer, got True"),
+                     (dict(seed="7"), "seed must be an integer or None, got '7'"),
+                     (dict(seed=1.5), "seed must be an integer or None, got 1.5"),
+                     (dict(logprobs=2.0), "logprobs must be an integer or None, got 2.0"),
+                     (dict(logit_bias=None), "logit_bias must map token ids to biases, got None"),
+                     (dict(grammar=5), "grammar must be GBNF text or None, got int")):  # fmt: skip
+        with pytest.raises(InvalidRequestError, match=f"^{re.escape(says)}$"):
+            SamplingParams(**kw)
+    p = SamplingParams(temperature=np.float32(0.5), top_k=np.int32(4), seed=np.int64(3))  # numpy numbers are numbers
+    assert (p.top_k, p.seed) == (4, 3)

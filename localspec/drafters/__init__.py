@@ -115,14 +115,14 @@ def drafter_option_names(name: str) -> frozenset[str]:
     ``{"eagle", "draft_shape"}`` for ``eagle3``; empty for ``none``).
 
     Raises:
-        ValueError: unknown name (the message lists the known ones).
+        InvalidRequestError: unknown name (the message lists the known ones; a ValueError).
     """
     if name == "none":
         return frozenset()
     try:
         factory = _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(drafter_names())}") from None
+        raise InvalidRequestError(f"unknown drafter {name!r}; choose one of {', '.join(drafter_names())}") from None
     return frozenset(inspect.signature(factory).parameters)
 
 
@@ -138,8 +138,8 @@ def make_drafter(name: str | None, *, memory=None, **options) -> Drafter | None:
     that take one (``ngram``, ``auto``: their n-gram part), ignored by the others.
 
     Raises:
-        ValueError: unknown name (the message lists the known ones).
-        InvalidRequestError: an option the drafter does not take, or a missing one.
+        InvalidRequestError: unknown name (the message lists the known ones; a ValueError), an
+            option the drafter does not take, or a missing one.
     """
     if name is None or name == "none":
         if options:
@@ -148,7 +148,7 @@ def make_drafter(name: str | None, *, memory=None, **options) -> Drafter | None:
     try:
         factory = _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(drafter_names())}") from None
+        raise InvalidRequestError(f"unknown drafter {name!r}; choose one of {', '.join(drafter_names())}") from None
     sig = inspect.signature(factory)
     params = sig.parameters
     try:
