@@ -333,6 +333,41 @@ def test_context_overflow_is_a_400(client):
     assert e.value.body["code"] == "context_length_exceeded"
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/completion"])
+def test_a_client_gone_before_its_body_ended_is_one_log_line_not_a_traceback(server, path):
+    """Half a body, then the socket closed: uvicorn logged "Exception in ASGI application" and
+    a ClientDisconnect traceback (``complete --serve``: two). The server kept serving then too."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler = Keep(level=logging.DEBUG)
+    loggers = [logging.getLogger(n) for n in ("localspec.server", "uvicorn", "uvicorn.error")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(logging.INFO)
+    try:
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: 1000\r\n\r\n{{\"prompt\"".encode())  # fmt: skip
+        wait_until(lambda: any("disconnected after 9 bytes" in r.getMessage() for r in records))
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+    line = [r for r in records if "disconnected" in r.getMessage()]
+    assert [r.getMessage() for r in line] == [f"POST {path}: the client disconnected after 9 bytes of the request body"]
+    assert not [r for r in records if r.levelno >= logging.WARNING or r.exc_info], [r.getMessage() for r in records]
+    with httpx.Client(base_url=server.url, timeout=120) as h:
+        assert h.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}).status_code == 200
+
+
 def test_raw_http_malformed_and_oversized(server, client):
     with httpx.Client(base_url=server.url, timeout=60) as h:
         r = h.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})

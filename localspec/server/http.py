@@ -23,7 +23,7 @@ import time
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -51,18 +51,24 @@ async def read_json(request: Request, max_bytes: int):
 
     Raises:
         RequestError: 413 when larger than ``max_bytes``; 400 when not UTF-8 JSON, or nested too
-            deeply for Python's parser.
+            deeply for Python's parser, or when the client went away before the body ended (the
+            answer reaches no one; it was an "Exception in ASGI application" traceback in the log).
     """
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise RequestError(f"the request body has {declared} bytes; the limit is {max_bytes}", 413)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise RequestError(f"the request body is larger than the limit of {max_bytes} bytes", 413)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise RequestError(f"the request body is larger than the limit of {max_bytes} bytes", 413)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        message = f"the client disconnected after {size} bytes of the request body"
+        log.info("%s %s: %s", request.method, request.url.path, message)  # one line, not a traceback
+        raise RequestError(message) from None
     raw = b"".join(chunks)
     if not raw.strip():
         raise RequestError("the request body is empty; send a JSON object")
