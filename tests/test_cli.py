@@ -153,6 +153,20 @@ def test_models_command(capsys):
     assert Path(d["path"]).exists() and d["default_model"].endswith(".gguf")
 
 
+def test_models_json_goes_before_or_after_the_action(capsys):
+    """``models info --json`` was a usage error and ``models --json where`` printed a bare path."""
+    outs = {}
+    for argv in (["models", "--json", "where"], ["models", "where", "--json"], ["models", "--json", "info"],
+                 ["models", "info", "--json"]):  # fmt: skip
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert out.count("\n") == 1, out  # one JSON line
+        outs[tuple(argv)] = json.loads(out)
+    assert outs[("models", "--json", "where")] == outs[("models", "where", "--json")] == {"path": outs[("models", "info", "--json")]["path"]}
+    assert outs[("models", "--json", "info")] == outs[("models", "info", "--json")]
+    assert main(["models", "where"]) == 0 and capsys.readouterr().out.strip() == outs[("models", "where", "--json")]["path"]
+
+
 def test_bench_writes_json_table_and_plot(tmp_path, capsys):
     ds = tmp_path / "q.jsonl"
     rows = [

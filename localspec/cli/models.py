@@ -15,6 +15,8 @@ def register(sub) -> None:
     i = msub.add_parser("info", help="describe a GGUF (default: the embedded model)")
     i.add_argument("path", nargs="?", default=None)
     i.set_defaults(func=run_info)
+    for sp in (w, i):  # `models info --json` as `models --json info` (SUPPRESS: it keeps the latter's value)
+        sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
     d = msub.add_parser(
         "derive-draft",
         help="write a draft model: the target's first N layers (+ final norm and output)",
@@ -60,7 +62,8 @@ def run_default(a: argparse.Namespace) -> int:
 def run_where(a: argparse.Namespace) -> int:
     from ..models import default_model_path
 
-    print(default_model_path())
+    path = str(default_model_path())
+    print(json.dumps({"path": path}) if a.json else path)
     return 0
 
 
