@@ -79,6 +79,7 @@ log = logging.getLogger("localspec.scheduler")
 
 
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ
+MAX_PARALLEL = MAX_SEQ - 2  # a sequence id per request at least, and the scratch and junk ids
 
 PREFILL_CHUNK = 64
 """Most prompt tokens one step prefills while other requests decode (``BatchScheduler``): on
@@ -239,8 +240,8 @@ class BatchScheduler:
                  prefill_chunk: int = PREFILL_CHUNK, drafter_options: dict | None = None,
                  draft_memory=None) -> None:  # fmt: skip
         drafter = drafter or "none"
-        if parallel < 1:
-            raise InvalidRequestError(f"parallel must be >= 1, got {parallel}")
+        if not 1 <= parallel <= MAX_PARALLEL:
+            raise InvalidRequestError(f"parallel must be in 1..{MAX_PARALLEL} (llama.cpp's {MAX_SEQ} sequence ids), got {parallel}")
         if n_ctx < 16:
             raise InvalidRequestError(f"n_ctx must be at least 16 tokens (got {n_ctx})")
         if prefill_chunk < 1:
@@ -252,8 +253,7 @@ class BatchScheduler:
         # (moves) and one junk id
         n_entries = min(n_entries, max(0, MAX_SEQ - 2 - parallel))
         self.seqs_per_slot = min((MAX_SEQ - 2 - n_entries) // parallel, max_tree_nodes)
-        if self.seqs_per_slot < 1:
-            raise InvalidRequestError(f"parallel={parallel} needs more than {MAX_SEQ} sequence ids")
+        assert self.seqs_per_slot >= 1  # parallel <= MAX_PARALLEL
         self.model = model
         self.parallel = int(parallel)
         self.n_ctx_slot = int(n_ctx)

@@ -647,3 +647,11 @@ def test_ctrl_c_while_the_command_imports_its_modules_is_one_line():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 130 and r.stderr == "\nlocalspec: interrupted\n", r.stderr
+
+
+def test_serve_refuses_a_parallel_beyond_the_sequence_ids_before_loading(capsys):
+    """``serve --parallel 10000`` said "parallel=10000 needs more than 256 sequence ids"
+    (Python's spelling, no range) after loading the model."""
+    msg = cli_error(capsys, ["serve", "--port", "0", "--parallel", "10000"])
+    assert msg == "localspec: error: --parallel must be in 1..254 (llama.cpp's 256 sequence ids), got 10000", msg
+    assert "loading model" not in capsys.readouterr().err

@@ -23,7 +23,7 @@ from pathlib import Path
 from ..errors import LocalSpecError
 from ..sampling import SamplingParams
 from ..server.fields import lone_surrogate_error
-from .common import (add_drafter_args, add_memory_args, add_model_args, add_sampling_args, check_request_context, count,
+from .common import (add_drafter_args, add_memory_args, add_model_args, add_sampling_args, check_parallel, check_request_context, count,
                      exit_now_on_sigint, make_engine, sampling_from_args)
 
 
@@ -188,8 +188,7 @@ def result_record(job_id: str, r) -> dict:
 def run(a) -> int:
     from tqdm import tqdm
 
-    if a.parallel < 1:
-        raise SystemExit(f"localspec: error: --parallel must be >= 1, got {a.parallel}")
+    check_parallel(a.parallel)
     check_request_context(a.model, a.n_ctx, "--n-ctx")
     if not a.out:
         raise SystemExit("localspec: error: --out is empty; give the file to write the results to")

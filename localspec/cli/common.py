@@ -548,6 +548,19 @@ def training_context(path) -> int | None:
     return int(n) if isinstance(n, int) and n > 0 else None
 
 
+def check_parallel(parallel: int) -> None:
+    """Refuse a ``--parallel`` (``serve``, ``batch``) the scheduler cannot run, before loading.
+
+    Raises:
+        SystemExit: one ``localspec: error:`` line with the range.
+    """
+    from ..scheduler import MAX_PARALLEL, MAX_SEQ
+
+    if not 1 <= parallel <= MAX_PARALLEL:
+        raise SystemExit(f"localspec: error: --parallel must be in 1..{MAX_PARALLEL} (llama.cpp's {MAX_SEQ} sequence "
+                         f"ids), got {parallel}")  # fmt: skip
+
+
 def check_request_context(model_path, n_ctx: int | None, flag: str) -> None:
     """Refuse a request context (``serve --ctx-per-request``, ``batch --n-ctx``) above the
     model's training context, before anything loads (positions past it are out of the

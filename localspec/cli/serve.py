@@ -9,7 +9,8 @@ import signal
 import sys
 
 from .common import (_draft_shape, add_drafter_args, add_memory_args, add_model_args, add_sampling_args, add_usage_args,
-                     check_listen_address, check_request_context, make_engine, sampling_from_args, server_interrupt)
+                     check_listen_address, check_parallel, check_request_context, make_engine, sampling_from_args,
+                     server_interrupt)
 
 
 def register(sub) -> None:
@@ -53,8 +54,7 @@ def run(a: argparse.Namespace) -> int:
     if not 0 <= a.port <= 65535:
         raise SystemExit(f"localspec: error: --port must be in 0..65535, got {a.port}")
     check_listen_address(a.host, a.api_key)
-    if a.parallel < 1:
-        raise SystemExit(f"localspec: error: --parallel must be >= 1, got {a.parallel}")
+    check_parallel(a.parallel)
     if a.ctx_per_request < 16:
         raise SystemExit(f"localspec: error: --ctx-per-request must be at least 16 tokens, got {a.ctx_per_request}")
     check_request_context(a.model, a.ctx_per_request, "--ctx-per-request")
