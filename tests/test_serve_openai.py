@@ -114,6 +114,10 @@ def test_json_schema_response_parses(client):
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"extra_body": {"cache_prompt": "yes"}}, "cache_prompt"),
     ({"seed": -7}, "seed"),
+    # these were taken and ignored: a client asking for tool calls waited for ones that never came
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"extra_body": {"best_of": 3}}, "best_of"),
 ])
 def test_error_objects(client, kw, param):
     args = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kw}
@@ -121,6 +125,14 @@ def test_error_objects(client, kw, param):
         client.chat.completions.create(**args)
     assert e.value.status_code == 400
     assert e.value.body["param"] == param and e.value.body["type"] == "invalid_request_error"
+    if param == "messages[0].role":
+        assert e.value.body["message"] == "messages[0].role must be system, developer, user or assistant, not 'wizard'"
+
+
+def test_tool_choice_none_and_a_developer_message_are_taken(client):
+    msgs = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model="x", messages=msgs, max_tokens=2, tool_choice="none", tools=[])
+    assert r.choices[0].finish_reason
 
 
 SEED_PROMPT = "Here is a list of unusual words:"

@@ -159,9 +159,16 @@ def parse_oai(kind: str, body: Any, defaults: SamplingParams) -> OAIRequest:
         raise OAIError(lone_surrogate_error(body), param=bad.replace('"', ""))
     if "model" in body and not isinstance(body["model"], str):
         raise OAIError("'model' must be a string", param="model")
-    n = _num(body, "n", 1, 128, integer=True)
-    if n not in (None, 1):
-        raise OAIError("'n' must be 1: localspec answers one choice per request", param="n")
+    for key in ("n", "best_of"):
+        v = _num(body, key, 1, 128, integer=True)
+        if v not in (None, 1):
+            raise OAIError(f"'{key}' must be 1: localspec answers one choice per request", param=key)
+    for key in ("tools", "functions"):  # asked for, a client waits for tool calls that never come
+        if body.get(key):
+            raise OAIError(f"'{key}' is not supported: localspec generates text, not tool calls", param=key)
+    for key in ("tool_choice", "function_call"):
+        if body.get(key) not in (None, "none"):
+            raise OAIError(f"'{key}' is not supported: localspec generates text, not tool calls", param=key)
     if kind == "chat":
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
@@ -172,7 +179,7 @@ def parse_oai(kind: str, body: Any, defaults: SamplingParams) -> OAIRequest:
                 raise OAIError(f"messages[{i}] must be an object with a 'role'", param=f"messages[{i}]")
             role = {"developer": "system"}.get(m["role"], m["role"])
             if role not in ("system", "user", "assistant"):
-                raise OAIError(f"messages[{i}].role must be system, user or assistant, not {m['role']!r}",
+                raise OAIError(f"messages[{i}].role must be system, developer, user or assistant, not {m['role']!r}",
                                param=f"messages[{i}].role")  # fmt: skip
             c = m.get("content")
             if isinstance(c, list):  # content parts: text only
