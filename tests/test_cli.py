@@ -309,3 +309,10 @@ def test_a_file_llama_cpp_cannot_load_is_one_error_line(tmp_path, random_head_pa
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert "localspec.llama" not in r.stderr, r.stderr
     assert lines[-1].startswith(f"localspec: error: llama.cpp could not load {cut}: ") and "not within the file bounds" in lines[-1]
+
+
+def test_generate_of_no_tokens_shows_no_mean_acceptance_length(capsys):
+    """It printed "mean acceptance length 0.00", which docs/sampling.md says is never below 1."""
+    assert main(["generate", "Hi", "-n", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "mean acceptance length: no step ran, accepted 0/0 drafted" in err and "0.00" not in err, err

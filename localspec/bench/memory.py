@@ -320,7 +320,7 @@ def project_workload(model, root: str | os.PathLike, n: int, *, max_prompt_token
     if not files:
         raise ValueError(f"{root} has no Python files")
     held = set(files[::held_every])
-    docs, n_files, _, _ = corpus_documents(model, [f for f in files if f not in held])
+    docs, n_files, *_ = corpus_documents(model, [f for f in files if f not in held])
     per_file: list[list[str]] = []
     for f in sorted(held):
         text = f.read_text(encoding="utf-8", errors="replace")

@@ -65,8 +65,9 @@ def _summary(stats) -> str:
     lines = [
         f"drafter {s.drafter}: {s.n_generated_tokens} tokens in {s.n_steps} steps, "
         f"{s.tokens_per_s:.1f} tokens/s decode, {s.end_to_end_tokens_per_s:.1f} tokens/s end to end",
-        f"mean acceptance length {s.mean_acceptance_length:.2f} (bonus included), "
-        f"accepted {s.num_accepted_tokens}/{s.num_draft_tokens} drafted",
+        (f"mean acceptance length {s.mean_acceptance_length:.2f} (bonus included), " if s.n_steps else
+         "mean acceptance length: no step ran, "  # (0 tokens asked): the stat is >= 1 whenever one did
+         ) + f"accepted {s.num_accepted_tokens}/{s.num_draft_tokens} drafted",
         f"prompt {s.n_prompt_tokens} tokens ({s.n_cached_tokens} cached), prefill {s.t_prefill_us / 1e3:.0f} ms; "
         f"draft {s.t_draft_us / 1e3:.0f} ms, decode {s.t_decode_us / 1e3:.0f} ms, verify {s.t_verify_us / 1e3:.0f} ms, "
         f"other {s.t_other_us / 1e3:.0f} ms; seed {s.seed}",

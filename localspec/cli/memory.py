@@ -72,17 +72,20 @@ def corpus_documents(model, files: list[Path]) -> tuple[list[list[int]], int, in
     """The documents of a static memory: each UTF-8 text file's token ids (no BOS).
 
     Returns:
-        (documents, files used, tokens, files skipped: unreadable or not UTF-8 text).
+        (documents, files used, tokens, files skipped as unreadable or not UTF-8 text, empty
+        files skipped).
     """
     docs: list[list[int]] = []
-    n_skipped = 0
+    n_unreadable = n_empty = 0
     for f in files:
         text = _read_text(f)
-        if not text:
-            n_skipped += 1
-            continue
-        docs.append(model.tokenize(text, add_special=False))
-    return docs, len(docs), sum(len(d) for d in docs), n_skipped
+        if text is None:
+            n_unreadable += 1
+        elif not text:
+            n_empty += 1
+        else:
+            docs.append(model.tokenize(text, add_special=False))
+    return docs, len(docs), sum(len(d) for d in docs), n_unreadable, n_empty
 
 
 def run_build(a: argparse.Namespace) -> int:
@@ -96,7 +99,7 @@ def run_build(a: argparse.Namespace) -> int:
     model = Model(resolve_model(a.model), vocab_only=True)
     try:
         mem = DraftMemory(DEFAULT_BUDGET_MIB if a.mib is None else a.mib, vocab=vocab_fingerprint(model))
-        docs, n_files, n_tokens, n_skipped = corpus_documents(model, files)
+        docs, n_files, n_tokens, n_unreadable, n_empty = corpus_documents(model, files)
         for doc in docs:
             mem.write(doc)
     finally:
@@ -106,7 +109,8 @@ def run_build(a: argparse.Namespace) -> int:
     except OSError as e:
         raise SystemExit(f"localspec: error: cannot write {a.out}: {e.strerror or e}") from None
     info = mem.info()
-    print(f"localspec: {n_files} files ({n_tokens} tokens; {n_skipped} skipped: not UTF-8 text) -> {a.out}: "
+    skipped = ", ".join(f"{n} {why}" for n, why in ((n_unreadable, "not UTF-8 text"), (n_empty, "empty")) if n)
+    print(f"localspec: {n_files} files ({n_tokens} tokens; skipped: {skipped or 'none'}) -> {a.out}: "
           f"{info.tokens} tokens kept of {info.capacity} ({info.bytes / 2**20:.1f} MiB)", file=sys.stderr)  # fmt: skip
     return 0
 
