@@ -9,10 +9,11 @@ llama.cpp, so ``accept`` re-checks first and raises ``GrammarError`` instead.
 from __future__ import annotations
 
 import ctypes
+import sys
 
 import numpy as np
 
-from .backend._llama import lib, recent_errors
+from .backend._llama import captured_stderr, held_errors, lib, recent_errors
 from .errors import GrammarError
 
 
@@ -41,6 +42,22 @@ class _TokenDataBuffer:
         return view
 
 
+class _ParseFailed(Exception):
+    pass
+
+
+def parse_error(printed: list[str]) -> str:
+    """The reason llama.cpp's grammar parser gave (``captured_stderr``'s text: "parse: error
+    parsing grammar: REASON" then the grammar), cut to one line of at most 120 characters;
+    else the error lines it logged (an undefined rule, a missing root)."""
+    text = printed[0] if printed else ""
+    _, found, rest = text.partition("error parsing grammar: ")
+    if found:
+        reason = rest.split("\n\n", 1)[0].strip().replace("\n", "\\n")
+        return reason if len(reason) <= 120 else reason[:117] + "..."
+    return "; ".join(recent_errors()) or "parse error"
+
+
 class GrammarState:
     """The state of a GBNF grammar after the tokens accepted so far.
 
@@ -60,10 +77,15 @@ class GrammarState:
         self.root = root
         if _handle is None:
             recent_errors(clear=True)
-            _handle = lib.llama_sampler_init_grammar(model.vocab, text.encode("utf-8"), root.encode("utf-8"))
-            if not _handle:
-                why = "; ".join(recent_errors()) or "parse error"
-                raise GrammarError(f"the GBNF grammar does not parse: {why}")
+            try:
+                with held_errors(), captured_stderr() as printed:  # into the error, not onto the terminal
+                    _handle = lib.llama_sampler_init_grammar(model.vocab, text.encode("utf-8"), root.encode("utf-8"))
+                    if not _handle:
+                        raise _ParseFailed  # (held_errors drops the lines logged when its block raises)
+            except _ParseFailed:
+                raise GrammarError(f"the GBNF grammar does not parse: {parse_error(printed)}") from None
+            if printed and printed[0].strip():  # not the parser's: another thread wrote it meanwhile
+                sys.stderr.write(printed[0])
         self._smpl = _handle
         self._buf = _TokenDataBuffer()
 

@@ -655,3 +655,15 @@ def test_serve_refuses_a_parallel_beyond_the_sequence_ids_before_loading(capsys)
     msg = cli_error(capsys, ["serve", "--port", "0", "--parallel", "10000"])
     assert msg == "localspec: error: --parallel must be in 1..254 (llama.cpp's 256 sequence ids), got 10000", msg
     assert "loading model" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("grammar,reason", [("root ::= foo", "Undefined rule identifier 'foo'"),
+                                            ("root ::= [a-", "unexpected end of input")])  # fmt: skip
+def test_a_grammar_that_does_not_parse_is_one_line_with_the_parsers_reason(grammar, reason):
+    """llama.cpp's parser prints its reason and the whole grammar on fd 2 itself, then logs
+    "failed to parse grammar", which was all the error said. Now the reason is in the error,
+    and nothing else is printed."""
+    r = subprocess.run([sys.executable, "-m", "localspec", "generate", PROMPT, "-n", "2", "--grammar", grammar],
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    lines = [x for x in r.stderr.splitlines() if x.strip() and "loading model" not in x]
+    assert r.returncode == 1 and lines == [f"localspec: error: the GBNF grammar does not parse: {reason}"], r.stderr

@@ -113,6 +113,33 @@ def held_errors():
 
 _log_callback = lib.llama_log_callback(_on_log)  # keep a reference: C holds the pointer
 
+_stderr_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def captured_stderr():
+    """Around a llama.cpp call that writes to file descriptor 2 itself, not through its log
+    (the grammar parser prints ``parse: error parsing grammar: ...`` and the grammar with
+    ``fprintf(stderr, ...)``): yields a list that holds the text written meanwhile, which does
+    not reach the terminal. One block at a time; other threads' writes to fd 2 inside it (a
+    few milliseconds) are captured too: the caller writes the text out again when it is not
+    the call's own (``GrammarState``)."""
+    import tempfile
+
+    out: list[str] = []
+    with _stderr_lock, tempfile.TemporaryFile() as tmp:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            os.dup2(tmp.fileno(), 2)
+            yield out
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            out.append(tmp.read().decode("utf-8", errors="replace"))
+
 
 # Ctrl-C while llama.cpp calls back into Python (its log during a model load, the abort
 # callback of a long decode) raises KeyboardInterrupt inside the callback, where ctypes can only
