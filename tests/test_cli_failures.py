@@ -11,6 +11,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -603,49 +604,54 @@ def test_generate_says_when_the_context_filled_before_max_tokens(capsys):
     assert "is full" not in capsys.readouterr().err
 
 
+def python_c(code: str) -> subprocess.CompletedProcess:
+    """``python -c code`` in a fresh interpreter (what a process imports first is the point)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
 def test_the_command_module_loads_neither_llama_cpp_nor_numpy():
     """``import localspec.cli.main`` (the console script's first line) stays light: the
     package exports load on first use (PEP 562), so Ctrl-C meets ``main``'s handler at once."""
     code = "import sys, localspec.cli.main; print(sorted(m for m in ('llama_cpp', 'numpy', 'localspec.engine') if m in sys.modules))"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = python_c(code)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
 
 
 def test_the_package_exports_load_on_first_use():
-    code = (
-        "import localspec\n"
-        "assert 'Engine' in dir(localspec) and set(localspec.__all__) <= set(dir(localspec))\n"
-        "from localspec import SamplingParams\n"
-        "assert SamplingParams.greedy().temperature == 0.0\n"
-        "assert localspec.Engine.__name__ == 'Engine' and localspec.InvalidRequestError.__module__ == 'localspec.errors'\n"
-        "ns = {}\n"
-        "exec('from localspec import *', ns)\n"
-        "assert set(localspec.__all__) <= set(ns)\n"
-        "try:\n"
-        "    localspec.Nothing\n"
-        "except AttributeError as e:\n"
-        "    print(e)\n"
-    )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    code = textwrap.dedent("""
+        import localspec
+        assert 'Engine' in dir(localspec) and set(localspec.__all__) <= set(dir(localspec))
+        from localspec import SamplingParams
+        assert SamplingParams.greedy().temperature == 0.0
+        assert localspec.Engine.__name__ == 'Engine' and localspec.InvalidRequestError.__module__ == 'localspec.errors'
+        ns = {}
+        exec('from localspec import *', ns)
+        assert set(localspec.__all__) <= set(ns)
+        try:
+            localspec.Nothing
+        except AttributeError as e:
+            print(e)
+    """)
+    r = python_c(code)
     assert r.returncode == 0 and r.stdout.strip() == "module 'localspec' has no attribute 'Nothing'", r.stderr
 
 
 def test_ctrl_c_while_the_command_imports_its_modules_is_one_line():
     """A real SIGINT sent while ``main`` imports the command's modules (at numpy's import, an
     import hook's doing): one line and status 130, not a KeyboardInterrupt traceback."""
-    code = (
-        "import os, signal, sys\n"
-        "class Hook:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'numpy':\n"
-        "            sys.meta_path.remove(self)\n"
-        "            os.kill(os.getpid(), signal.SIGINT)\n"
-        "        return None\n"
-        "sys.meta_path.insert(0, Hook())\n"
-        "from localspec.cli.main import main\n"
-        "sys.exit(main(['generate', 'x', '-n', '1']))\n"
-    )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    code = textwrap.dedent("""
+        import os, signal, sys
+        class Hook:
+            def find_spec(self, name, path=None, target=None):
+                if name == 'numpy':
+                    sys.meta_path.remove(self)
+                    os.kill(os.getpid(), signal.SIGINT)
+                return None
+        sys.meta_path.insert(0, Hook())
+        from localspec.cli.main import main
+        sys.exit(main(['generate', 'x', '-n', '1']))
+    """)
+    r = python_c(code)
     assert r.returncode == 130 and r.stderr == "\nlocalspec: interrupted\n", r.stderr
 
 
