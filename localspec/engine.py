@@ -112,6 +112,10 @@ class _EngineLock:
         self._owner = me
         return True
 
+    def held_here(self) -> bool:
+        """Whether this thread holds the lock."""
+        return self._owner == threading.get_ident()
+
     def release(self) -> None:
         if self._owner is None:
             raise RuntimeError("_EngineLock released more often than acquired")
@@ -197,11 +201,18 @@ class Engine:
         SamplingParams(accept_threshold_single=accept_threshold_single, accept_threshold_acc=accept_threshold_acc)
         self.accept_threshold_single = float(accept_threshold_single)
         self.accept_threshold_acc = float(accept_threshold_acc)
-        if not 1 <= max_tree_nodes <= 255:
-            raise InvalidRequestError("max_tree_nodes must be in [1, 255]")
-        for name, v, lo in (("n_ctx", n_ctx, MIN_N_CTX), ("n_threads", n_threads, 1)):
+        for name, v, lo in (("n_ctx", n_ctx, MIN_N_CTX), ("n_threads", n_threads, 1), ("max_tree_nodes", max_tree_nodes, 1),
+                            ("n_gpu_layers", n_gpu_layers, -1)):  # fmt: skip
             if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo):
                 raise InvalidRequestError(f"{name} must be a whole number of at least {lo}, got {v!r}")
+        if not (model is None or isinstance(model, (str, os.PathLike, Model))):
+            raise InvalidRequestError(f"model must be a GGUF path, a Model or None, got {model!r}")
+        if cost_model is not None and not isinstance(cost_model, CostModel):
+            raise InvalidRequestError(f"cost_model must be a CostModel or None, got {cost_model!r}")
+        if draft_memory is not None and not isinstance(draft_memory, DraftMemory):
+            raise InvalidRequestError(f"draft_memory must be a DraftMemory or None, got {draft_memory!r}")
+        if not 1 <= max_tree_nodes <= 255:
+            raise InvalidRequestError("max_tree_nodes must be in [1, 255]")
         if model is None:
             from .models import default_model_path
 
@@ -346,21 +357,26 @@ class Engine:
     def close(self) -> None:
         """Free the drafter, the context and (when the engine loaded it) the model. Later
         requests raise ``LocalSpecError`` ("the engine is closed"). A stream still open is
-        closed first (its result: ``finish_reason == "cancelled"``)."""
-        open_stream = self._active_stream() if hasattr(self, "_active_stream") else None
+        cancelled first (its result: ``finish_reason == "cancelled"``): this thread's is closed
+        at once; one in another thread is waited for, as any request waits for it, and ends at
+        its next step (freeing the context under its decode crashed the process)."""
+        if not hasattr(self, "_lock"):  # __init__ failed before it
+            self._closed = True
+            return
+        open_stream = self._active_stream()
         if open_stream is not None:
-            try:
+            open_stream.cancel()
+            if self._lock.held_here():
                 open_stream.close()
-            except ValueError:  # running in another thread now: it ends at the closed context
-                pass
-        self._closed = True
-        if self.drafter is not None:
-            self.drafter.close()
-            self.drafter = None
-        if getattr(self, "ctx", None) is not None:
-            self.ctx.close()
-        if self._owns_model:
-            self.model.close()
+        with self._lock:
+            self._closed = True
+            if self.drafter is not None:
+                self.drafter.close()
+                self.drafter = None
+            if getattr(self, "ctx", None) is not None:
+                self.ctx.close()
+            if self._owns_model:
+                self.model.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -438,9 +454,14 @@ class Engine:
 
         Raises:
             TypeError: ``prompt`` is neither text nor a sequence of integer token ids.
-            InvalidRequestError: a token id outside the vocabulary.
+            InvalidRequestError: a token id outside the vocabulary, or text with a lone surrogate.
         """
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidRequestError(f"the text holds a lone UTF-16 surrogate at character {e.start} (not valid "
+                                          "Unicode text)") from None  # fmt: skip
             tokens = self.model.tokenize(prompt, add_special=add_special, parse_special=parse_special)
             bos = self.model.bos
             if parse_special and add_special and self.model.add_bos and tokens[:2] == [bos, bos]:
@@ -510,10 +531,7 @@ class Engine:
                                               settings="Engine(n_ctx=), --n-ctx")  # fmt: skip
         if max_time_ms is not None and max_time_ms <= 0:
             raise InvalidRequestError(f"max_time_ms must be > 0, got {max_time_ms}")
-        extra = [
-            self.model.tokenize(c, add_special=False) if isinstance(c, str) else [int(t) for t in c]
-            for c in draft_context
-        ]
+        extra = [self.prompt_tokens(c, add_special=False) for c in draft_context]
         state = RequestState(sampling, self.model, tokens)
         drafter = self.drafter if speculative else None
         stream = GenerationStream(self, iter(()))

@@ -817,6 +817,8 @@ def generate_batch(engine: "Engine", prompts: Sequence[str | Sequence[int]], *, 
     """
     if isinstance(prompts, (str, bytes, bytearray)):
         raise InvalidRequestError("prompts must be a list of prompts, not one text (Engine.generate takes one)")
+    if not isinstance(prompts, Sequence):
+        raise InvalidRequestError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
     n = len(prompts)
     mt = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
     sp = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n

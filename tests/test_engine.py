@@ -537,3 +537,46 @@ def test_generate_batch_refuses_one_text_and_names_a_bad_prompt(eng):
     assert isinstance(out[0], TypeError) and "got NoneType" in str(out[0])
     assert isinstance(out[1], TypeError) and "got an item 'a'" in str(out[1])
     assert out[2].token_ids == eng.generate("Hi", max_tokens=2, sampling=GREEDY).token_ids
+
+
+def test_closing_an_engine_while_another_thread_decodes_waits_for_its_step():
+    """``close()`` from another thread freed the context under the running decode: the process
+    died (SIGSEGV). Now the stream is cancelled, close waits for its step, and the stream ends
+    as cancelled. In a child process: a crash would take the test worker with it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import threading
+        import localspec
+        e = localspec.Engine(drafter="none", n_ctx=4096)
+        s = e.stream("Once upon a time", max_tokens=3000, sampling=localspec.SamplingParams.greedy())
+        next(s)
+        closer = threading.Thread(target=e.close)
+        closer.start()
+        n = sum(1 for _ in s)
+        closer.join(300)
+        assert not closer.is_alive() and n < 2999, n
+        print(s.result.finish_reason)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "cancelled", (r.returncode, r.stderr[-2000:])
+
+
+def test_draft_context_and_prompt_text_are_checked_before_anything_runs(eng):
+    """Token ids in ``draft_context`` outside the vocabulary reached llama.cpp ("invalid
+    token[1] = 999999", then a DecodeError mid-generation); a lone surrogate in a text prompt
+    was a UnicodeEncodeError."""
+    toks = eng.tokenize(STORY)
+    with pytest.raises(InvalidRequestError, match="token id 999999 is outside the vocabulary"):
+        eng.generate(toks, max_tokens=4, sampling=GREEDY, draft_context=[toks[1:] + [999999]])
+    with pytest.raises(TypeError, match="got int"):
+        eng.generate(toks, max_tokens=4, sampling=GREEDY, draft_context=[5])
+    with pytest.raises(InvalidRequestError, match="lone UTF-16 surrogate at character 1"):
+        eng.generate("a\ud800b", max_tokens=4, sampling=GREEDY)
+    for prompts in (5, (p for p in ["Hi"]), {"a": 1}):
+        with pytest.raises(InvalidRequestError, match="prompts must be a list of prompts"):
+            eng.generate_batch(prompts, max_tokens=2, sampling=GREEDY)
+    assert eng.generate(toks, max_tokens=4, sampling=GREEDY, draft_context=[toks[1:]]).token_ids == \
+        eng.generate(toks, max_tokens=4, sampling=GREEDY).token_ids

@@ -1,5 +1,7 @@
 """An error raised inside a generation step leaves the engine consistent."""
 
+import re
+
 import pytest
 
 from localspec import SamplingParams
@@ -69,3 +71,19 @@ def test_arguments_of_the_wrong_type_are_invalid_request_errors(model):
         assert e.generate("Hi", max_tokens=2, sampling=SamplingParams.greedy()).finish_reason == "length"
     finally:
         e.close()
+
+
+def test_more_engine_arguments_of_the_wrong_type(model):
+    from conftest import frozen_cost_model
+    from localspec import Engine
+    from localspec.errors import InvalidRequestError
+
+    for kw, says in ((dict(max_tree_nodes="8"), "max_tree_nodes must be a whole number of at least 1, got '8'"),
+                     (dict(n_gpu_layers="1"), "n_gpu_layers must be a whole number of at least -1, got '1'"),
+                     (dict(model=5), "model must be a GGUF path, a Model or None, got 5"),
+                     (dict(cost_model=5), "cost_model must be a CostModel or None, got 5"),
+                     (dict(draft_memory="x"), "draft_memory must be a DraftMemory or None, got 'x'")):  # fmt: skip
+        args = dict(model=model, drafter="none", n_ctx=256, cost_model=frozen_cost_model(), **{})
+        args.update(kw)
+        with pytest.raises(InvalidRequestError, match=f"^{re.escape(says)}$"):
+            Engine(**args)

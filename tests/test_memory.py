@@ -776,7 +776,7 @@ def test_memory_build_refuses_a_budget_that_is_not_positive(tmp_path, mib):
     out = tmp_path / "m.lsmem"
     with pytest.raises(SystemExit) as e:  # --mib 0 built a 64 MiB memory; -5 was a traceback
         main(["memory", "build", str(tmp_path / "a.py"), "--out", str(out), "--mib", mib])
-    assert str(e.value) == f"localspec: error: --mib must be > 0, got {float(mib)}" and not out.exists()
+    assert str(e.value) == f"localspec: error: --mib must be a finite number > 0, got {float(mib)}" and not out.exists()
 
 
 def test_a_memory_that_cannot_be_saved_is_one_line_naming_the_given_path(tmp_path, capsys):
@@ -816,3 +816,15 @@ def test_a_budget_too_large_to_allocate_is_a_one_line_error(tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1] == "localspec: error: cannot allocate a drafting memory of 1e+09 MiB: give a smaller budget"
     assert not (tmp_path / "m.lsmem").exists()
+
+
+def test_an_infinite_budget_is_one_line(tmp_path):
+    """``--mib inf`` and ``--draft-memory-mib inf`` were an OverflowError traceback."""
+    (tmp_path / "a.txt").write_text("hello world\n")
+    for args, flag in ((["memory", "build", str(tmp_path / "a.txt"), "--out", str(tmp_path / "m.lsmem"), "--mib", "inf"], "--mib"),
+                       (["generate", "Hi", "-n", "1", "--draft-memory-mib", "inf"], "--draft-memory-mib")):  # fmt: skip
+        r = subprocess.run([sys.executable, "-m", "localspec", *args], capture_output=True, text=True, timeout=300)
+        assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.strip().splitlines()[-1] == f"localspec: error: {flag} must be a finite number > 0, got inf", r.stderr
+    with pytest.raises(ValueError, match="finite number of MiB"):
+        DraftMemory(float("inf"))

@@ -192,8 +192,8 @@ def memory_from_args(a: argparse.Namespace):
         return None
     if a.draft_memory is None and not DRAFT_MEMORY_BY_DEFAULT:
         return None
-    if not a.draft_memory_mib > 0:
-        raise SystemExit(f"localspec: error: --draft-memory-mib must be > 0, got {a.draft_memory_mib}")
+    if not (a.draft_memory_mib > 0 and math.isfinite(a.draft_memory_mib)):
+        raise SystemExit(f"localspec: error: --draft-memory-mib must be a finite number > 0, got {a.draft_memory_mib}")
     from ..drafters.memory import DraftMemory
 
     try:

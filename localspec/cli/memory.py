@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -93,8 +94,8 @@ def run_build(a: argparse.Namespace) -> int:
     from ..drafters.memory import DEFAULT_BUDGET_MIB, DraftMemory, vocab_fingerprint
     from ..models import resolve_model
 
-    if a.mib is not None and not a.mib > 0:
-        raise SystemExit(f"localspec: error: --mib must be > 0, got {a.mib}")
+    if a.mib is not None and not (a.mib > 0 and math.isfinite(a.mib)):
+        raise SystemExit(f"localspec: error: --mib must be a finite number > 0, got {a.mib}")
     files = iter_files(a.inputs)
     model = Model(resolve_model(a.model), vocab_only=True)
     try:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 import tempfile
@@ -151,8 +152,8 @@ class DraftMemory:
     ) -> None:
         if not 1 <= min_n <= max_n <= 32:
             raise ValueError(f"need 1 <= min_n <= max_n <= 32, got {min_n}, {max_n}")
-        if not budget_mib > 0:
-            raise ValueError(f"the memory budget must be > 0 MiB, got {budget_mib}")
+        if not (budget_mib > 0 and math.isfinite(budget_mib)):
+            raise ValueError(f"the memory budget must be a finite number of MiB > 0, got {budget_mib}")
         self._lib = _lib()
         self.budget_mib = float(budget_mib)
         self.min_n, self.max_n = int(min_n), int(max_n)
