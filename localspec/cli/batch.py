@@ -1,13 +1,14 @@
 """``localspec batch IN.jsonl --out OUT.jsonl``: many prompts through the batched engine.
 
 Each input line is a JSON object with ``"prompt"`` (text) and optionally ``"id"`` (a string or
-an integer; default, or null: the line number), ``"max_tokens"`` and the sampling settings of ``LINE_SAMPLING`` and
-``"seed"`` (-1: a random seed), each over the command line's (greedy by default). A line that
-names a sampling setting it cannot set (``NOT_PER_LINE``) is that line's error; other keys
-are ignored. Each request's context holds ``--n-ctx`` tokens (default 4096). Each output line
-is ``{"id", "text", "finish_reason", "usage", "speculation"}`` or ``{"id", "error"}``, written
-as soon as that prompt ends (any order). Ids already in OUT are skipped, so a killed run
-continues where it stopped; a half-written last line (the kill) is cut off first.
+an integer; default, or null: the line number), ``"max_tokens"`` and the sampling settings of
+``LINE_SAMPLING`` and ``"seed"`` (-1: a random seed), each over the command line's (greedy by
+default). A line that names a sampling setting it cannot set (``NOT_PER_LINE``) is that line's
+error; other keys are ignored. Each request's context holds ``--n-ctx`` tokens (default 4096).
+Each output line is ``{"id", "text", "finish_reason", "usage", "speculation"}`` or ``{"id",
+"error"}``, written as soon as that prompt ends (any order). Ids already in OUT are skipped,
+so a killed run continues where it stopped; a half-written last line (the kill) is cut off
+first.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from pathlib import Path
 from ..errors import LocalSpecError
 from ..sampling import SamplingParams
 from ..server.fields import lone_surrogate_error
-from .common import (add_drafter_args, add_memory_args, add_model_args, add_sampling_args, check_parallel, check_request_context, count,
-                     exit_now_on_sigint, make_engine, sampling_from_args)
+from .common import (add_drafter_args, add_memory_args, add_model_args, add_sampling_args, check_parallel,
+                     check_request_context, count, exit_now_on_sigint, make_engine, sampling_from_args)
 
 
 def register(sub) -> None:
