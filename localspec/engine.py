@@ -102,15 +102,19 @@ class _EngineLock:
     def acquire(self) -> bool:
         """Raises:
         InvalidRequestError: this thread holds the lock (a stream of it is still open)."""
-        me = threading.get_ident()
-        if self._owner == me:
+        self.refuse_if_held_here()
+        self._lock.acquire()
+        self._owner = threading.get_ident()
+        return True
+
+    def refuse_if_held_here(self) -> None:
+        """Raises:
+        InvalidRequestError: this thread holds the lock (a stream of it is still open)."""
+        if self.held_here():
             raise InvalidRequestError(
                 "a stream on this engine is still open in this thread: read it to its end or close() it "
                 "first (engine.generate_batch runs several prompts at once)"
             )
-        self._lock.acquire()
-        self._owner = me
-        return True
 
     def held_here(self) -> bool:
         """Whether this thread holds the lock."""
@@ -514,10 +518,12 @@ class Engine:
             draft_limits: per-request caps on the drafts (``DraftLimits``: most draft nodes per
                 step, least node score), or None.
         Raises:
-            InvalidRequestError: bad parameters or an empty prompt.
+            InvalidRequestError: bad parameters, an empty prompt, or a stream of this engine
+                still open in this thread.
             ContextOverflowError: the prompt does not leave room for one generated token.
             TypeError: ``prompt`` is neither text nor a sequence of token ids.
         """
+        self._lock.refuse_if_held_here()  # here, not at the first chunk: the stream would be dead
         max_tokens = check_max_tokens(max_tokens)
         stop = check_stop(stop)
         self.reconnect_if_lost()

@@ -468,7 +468,8 @@ def test_a_request_in_the_thread_of_an_open_stream_is_refused_and_the_stream_sta
     with eng.stream(STORY, max_tokens=16, sampling=GREEDY) as stream:
         got = [next(stream).token]
         for request in (lambda: eng.generate("Hello", max_tokens=4, sampling=GREEDY), eng.reset,
-                        lambda: eng.set_drafter("ngram")):  # fmt: skip
+                        lambda: eng.set_drafter("ngram"),
+                        lambda: eng.stream("Hello", max_tokens=4)):  # refused when made, not at its first chunk
             with pytest.raises(InvalidRequestError, match="a stream on this engine is still open in this thread"):
                 request()
         got += [c.token for c in stream if c.token >= 0]
