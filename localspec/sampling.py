@@ -171,8 +171,10 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= 100:
             raise InvalidRequestError(f"logprobs must be in [0, 100], got {self.logprobs}")
         for t, v in dict(self.logit_bias).items():
-            if math.isnan(float(v)):
-                raise InvalidRequestError(f"logit_bias of token {t} must be a number, got NaN")
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise InvalidRequestError(f"logit_bias keys must be token ids (integers), got {t!r}")
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or math.isnan(v):
+                raise InvalidRequestError(f"logit_bias of token {t} must be a number, got {v!r}")
         for name in ("frequency_penalty", "presence_penalty", "repeat_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise InvalidRequestError(f"{name} must be finite, got {getattr(self, name)}")

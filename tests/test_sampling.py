@@ -178,7 +178,8 @@ def test_gumbel_noise_matches_reference_formula():
 
 def test_fields_of_the_wrong_type_are_refused_with_their_name():
     """``temperature="0.5"`` was a TypeError from a comparison; ``seed="7"`` and ``seed=1.5``
-    were taken (1.5 as 1); ``logit_bias=None`` failed at the first token."""
+    were taken (1.5 as 1); ``logit_bias=None`` failed at the first token, ``{1: "x"}`` was a
+    ValueError without the field's name."""
     for kw, says in ((dict(temperature="0.5"), "temperature must be a number, got '0.5'"),
                      (dict(top_p=None), "top_p must be a number, got None"),
                      (dict(top_k=True), "top_k must be an integer, got True"),
@@ -186,8 +187,13 @@ def test_fields_of_the_wrong_type_are_refused_with_their_name():
                      (dict(seed=1.5), "seed must be an integer or None, got 1.5"),
                      (dict(logprobs=2.0), "logprobs must be an integer or None, got 2.0"),
                      (dict(logit_bias=None), "logit_bias must map token ids to biases, got None"),
+                     (dict(logit_bias={1: "x"}), "logit_bias of token 1 must be a number, got 'x'"),
+                     (dict(logit_bias={1: None}), "logit_bias of token 1 must be a number, got None"),
+                     (dict(logit_bias={"1": 2.0}), "logit_bias keys must be token ids (integers), got '1'"),
+                     (dict(logit_bias={1.5: 2.0}), "logit_bias keys must be token ids (integers), got 1.5"),
                      (dict(grammar=5), "grammar must be GBNF text or None, got int")):  # fmt: skip
         with pytest.raises(InvalidRequestError, match=f"^{re.escape(says)}$"):
             SamplingParams(**kw)
-    p = SamplingParams(temperature=np.float32(0.5), top_k=np.int32(4), seed=np.int64(3))  # numpy numbers are numbers
+    p = SamplingParams(temperature=np.float32(0.5), top_k=np.int32(4), seed=np.int64(3),
+                       logit_bias={np.int64(2): np.float32(-1.0), 3: -math.inf})  # numpy numbers are numbers
     assert (p.top_k, p.seed) == (4, 3)
