@@ -233,8 +233,12 @@ def test_threads_below_one_and_a_draft_drafter_without_its_model_are_refused_bef
 
 def test_micro_benchmarks_refuse_sizes_steps_and_repeats_they_cannot_run(capsys):
     """They were ZeroDivisionError, ValueError, IndexError, StatisticsError and MemoryError
-    tracebacks (a new user's report)."""
-    cases = {("ngram", "--sizes", "0"): "--sizes takes whole numbers >= 1", ("ngram", "--sizes", "abc"): "got 'abc'",
+    tracebacks (a new user's report); a history of 10^11 tokens was accepted and grew a Python
+    list for minutes towards all of the machine's memory."""
+    cases = {("ngram", "--sizes", "0"): "--sizes takes whole numbers from 1 to 16777216", ("ngram", "--sizes", "abc"): "got 'abc'",
+             ("ngram", "--sizes", "1024,99999999999"): "--sizes takes whole numbers from 1 to 16777216, comma-separated; got '1024,99999999999'",
+             ("ngram", "--memory-sizes", "99999999999"): "--memory-sizes takes whole numbers from 0 to 16777216",
+             ("ngram", "--steps", "99999999999"): "--steps must be <= 16777216, got 99999999999",
              ("ngram", "--steps", "0"): "--steps must be >= 1, got 0", ("kernels", "--reps", "0"): "--reps must be >= 1",
              ("kernels", "--vocab", "0"): "--vocab must be >= 64, got 0", ("features", "--sizes", "0"): "--sizes takes"}  # fmt: skip
     for argv, want in cases.items():

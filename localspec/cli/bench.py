@@ -211,14 +211,20 @@ def _native_line() -> str:
     return f"native kernels: loaded, OpenMP {'yes' if d['openmp'] else 'no'}, {d['threads']} thread(s)"
 
 
-def _ints(text: str, flag: str, lo: int) -> list[int]:
-    """``text`` as comma-separated whole numbers, each at least ``lo``; else SystemExit (one line)."""
+# The largest history --sizes / --memory-sizes build (tokens): more than any context llama.cpp
+# decodes, and at most a few GiB of index; a larger one ran for minutes or ended in MemoryError.
+MAX_HISTORY_TOKENS = 1 << 24
+
+
+def _ints(text: str, flag: str, lo: int, hi: int | None = None) -> list[int]:
+    """``text`` as comma-separated whole numbers in ``lo..hi``; else SystemExit (one line)."""
     try:
         out = [int(x) for x in str(text).split(",")]
     except ValueError:
         out = []
-    if not out or min(out) < lo:
-        raise SystemExit(f"localspec: error: {flag} takes whole numbers >= {lo}, comma-separated; got {text!r}")
+    if not out or min(out) < lo or (hi is not None and max(out) > hi):
+        bounds = f">= {lo}" if hi is None else f"from {lo} to {hi}"
+        raise SystemExit(f"localspec: error: {flag} takes whole numbers {bounds}, comma-separated; got {text!r}")
     return out
 
 
@@ -231,9 +237,11 @@ def run_ngram(a: argparse.Namespace) -> int:
     from .. import native
     from ..bench.ngram import bench_ngram
 
-    sizes = _ints(a.sizes, "--sizes", 1)
+    sizes = _ints(a.sizes, "--sizes", 1, MAX_HISTORY_TOKENS)
     _at_least(a.steps, 1, "--steps")
-    memory_sizes = _ints(a.memory_sizes, "--memory-sizes", 0) if a.memory_sizes else []
+    if a.steps > MAX_HISTORY_TOKENS:
+        raise SystemExit(f"localspec: error: --steps must be <= {MAX_HISTORY_TOKENS}, got {a.steps}")
+    memory_sizes = _ints(a.memory_sizes, "--memory-sizes", 0, MAX_HISTORY_TOKENS) if a.memory_sizes else []
     rows = bench_ngram(sizes, steps=a.steps, index="reference")
     if native.AVAILABLE:
         rows = bench_ngram(sizes, steps=a.steps, index="native") + rows
