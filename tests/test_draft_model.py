@@ -144,14 +144,14 @@ def test_drafter_options_are_checked(model):
         Engine(model, drafter="draft", n_ctx=256, cost_model=frozen_cost_model())
     with pytest.raises(InvalidRequestError, match="does not take"):
         Engine(model, drafter="ngram", draft_model="x.gguf", n_ctx=256, cost_model=frozen_cost_model())
-    # only the options it does not take, as the command line spells them (it named every
-    # option given, the shipped head's path the engine adds for `auto` among them: "does not
-    # take draft_shape, eagle")
+    # only the options it does not take, as the command line and Python spell them (it named
+    # every option given, the shipped head's path the engine adds for `auto` among them: "does
+    # not take draft_shape, eagle"; then only the flags, which a Python caller never typed)
     from localspec.drafters import make_drafter
 
-    with pytest.raises(InvalidRequestError, match=r"^drafter 'auto' does not take --draft-shape \(see"):
+    with pytest.raises(InvalidRequestError, match=r"^drafter 'auto' does not take --draft-shape \(Python: draft_shape=\); see"):
         make_drafter("auto", draft_shape=TreeShape(6, 1, 7), eagle="head.gguf")
-    with pytest.raises(InvalidRequestError, match=r"^--draft-shape needs a drafter \(not 'none'\): choose one with --drafter$"):
+    with pytest.raises(InvalidRequestError, match=r"^--draft-shape \(Python: draft_shape=\) needs a drafter \(not 'none'\): choose one with --drafter \(Python: drafter=\)$"):
         make_drafter("none", draft_shape=TreeShape(6, 1, 7))
 
 

@@ -80,8 +80,8 @@ def test_head_files_that_cannot_draft_are_refused_at_load_in_one_line(model_path
                        set_kv={"eagle3.target_layers": ([2, 9, 9], GGUFValueType.ARRAY, GGUFValueType.INT32)})  # fmt: skip
     refused(layers, r"reads target layers \[2, 9, 9\]: a layer twice")
     medusa = copy_gguf(random_head_path, tmp_path / "medusa.gguf", set_kv={"general.architecture": "medusa"})
-    refused(medusa, "is a Medusa heads file, not an EAGLE-3 head: use it with --drafter medusa --medusa")
-    refused(model_path, "is a gemma3 model, not an EAGLE-3 head .*--drafter draft --draft-model")
+    refused(medusa, r"is a Medusa heads file, not an EAGLE-3 head: use it with --drafter medusa --medusa .* \(Python: drafter='medusa', medusa=\.\.\.\)$")
+    refused(model_path, r"is a gemma3 model, not an EAGLE-3 head .*--drafter draft --draft-model .* \(Python: drafter='draft', draft_model=\.\.\.\)$")
     refused(tmp_path / "nope.gguf", "EAGLE-3 head file not found")
     with pytest.raises(ModelLoadError, match="is an EAGLE-3 head, not a model to generate with: .*--eagle"):
         Engine(random_head_path, drafter="none", n_ctx=256, cost_model=frozen_cost_model())

@@ -342,6 +342,7 @@ def test_recurrent_targets_are_refused(tmp_path):
         Engine(path, drafter="mtp", n_ctx=256, n_threads=1, cost_model=frozen_cost_model())
     msg = str(e.value)
     assert "\n" not in msg and "tiny-mamba.gguf" in msg and "recurrent / linear-attention" in msg
+    assert msg.startswith("the mtp drafter: "), msg  # not "--drafter mtp:", which a Python caller never typed
 
 
 def test_auto_drafts_with_the_mtp_block_of_a_target_that_has_one(mtp_path, plain):

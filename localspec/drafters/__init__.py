@@ -72,7 +72,8 @@ def _auto(draft_model=None, draft_n_ctx: int | None = None, eagle=None, medusa=N
     from .auto import AutoDrafter
 
     if sum(x is not None for x in (draft_model, eagle, medusa)) > 1:
-        raise InvalidRequestError("--drafter auto takes one of a draft model, an EAGLE-3 head or Medusa heads, not several")
+        raise InvalidRequestError("the auto drafter takes one of a draft model, an EAGLE-3 head or Medusa heads, not several "
+                                  "(--draft-model, --eagle, --medusa; Python: draft_model=, eagle=, medusa=)")
     model = None
     if draft_model is not None:
         model = _draft(draft_model, draft_n_ctx)
@@ -127,8 +128,10 @@ def drafter_option_names(name: str) -> frozenset[str]:
 
 
 def _flags(names) -> str:
-    """Drafter options as the command line spells them: ``draft_shape`` -> ``--draft-shape``."""
-    return ", ".join("--" + k.replace("_", "-") for k in sorted(names))
+    """Drafter options as the command line and Python spell them: ``draft_shape`` ->
+    ``--draft-shape (Python: draft_shape=)``."""
+    names = sorted(names)
+    return f"{', '.join('--' + k.replace('_', '-') for k in names)} (Python: {', '.join(k + '=' for k in names)})"
 
 
 def make_drafter(name: str | None, *, memory=None, **options) -> Drafter | None:
@@ -143,7 +146,7 @@ def make_drafter(name: str | None, *, memory=None, **options) -> Drafter | None:
     """
     if name is None or name == "none":
         if options:
-            raise InvalidRequestError(f"{_flags(options)} need{'s' if len(options) == 1 else ''} a drafter (not 'none'): choose one with --drafter")
+            raise InvalidRequestError(f"{_flags(options)} need{'s' if len(options) == 1 else ''} a drafter (not 'none'): choose one with --drafter (Python: drafter=)")
         return None
     try:
         factory = _REGISTRY[name]
@@ -156,8 +159,8 @@ def make_drafter(name: str | None, *, memory=None, **options) -> Drafter | None:
     except TypeError:
         rejected = [k for k in options if k not in params]  # only those, not every option given
         if rejected:
-            raise InvalidRequestError(f"drafter {name!r} does not take {_flags(rejected)} (see `localspec generate --help`)") from None
-        raise InvalidRequestError(f"drafter {name!r}: options {_flags(options)} do not fit it (see `localspec generate --help`)") from None
+            raise InvalidRequestError(f"drafter {name!r} does not take {_flags(rejected)}; see `localspec generate --help`") from None
+        raise InvalidRequestError(f"drafter {name!r}: options {_flags(options)} do not fit it; see `localspec generate --help`") from None
     if memory is not None and "memory" in params:
         options["memory"] = memory
     return factory(**options)

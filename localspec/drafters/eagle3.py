@@ -101,10 +101,11 @@ def _check_head_file(path: str | os.PathLike) -> None:
     if arch is None or arch == "eagle3":
         return
     if arch == "medusa":
-        raise ModelLoadError(f"{p} is a Medusa heads file, not an EAGLE-3 head: use it with --drafter medusa --medusa {p}")
+        raise ModelLoadError(f"{p} is a Medusa heads file, not an EAGLE-3 head: use it with --drafter medusa --medusa {p} "
+                             f"(Python: drafter='medusa', medusa=...)")
     raise ModelLoadError(
         f"{p} is a {arch} model, not an EAGLE-3 head (architecture eagle3): a model drafts with --drafter draft "
-        f"--draft-model {p}"
+        f"--draft-model {p} (Python: drafter='draft', draft_model=...)"
     )
 
 

@@ -102,7 +102,7 @@ def check_mtp_target(model: Model) -> None:
     if model.n_layer_nextn <= 0:
         value = model.meta(key)
         raise ModelLoadError(
-            f"--drafter mtp: {name} has no MTP / NextN blocks ({key} is {value if value is not None else 'absent'}); "
+            f"the mtp drafter: {name} has no MTP / NextN blocks ({key} is {value if value is not None else 'absent'}); "
             "use a model converted with its MTP layers (e.g. GLM-4.5, DeepSeek-V3, Qwen3-Next) or another drafter"
         )
     refuse_recurrent(model)
@@ -138,7 +138,7 @@ def refuse_recurrent(model: Model) -> None:
     """
     if lib.llama_model_is_recurrent(model.handle) or lib.llama_model_is_hybrid(model.handle):
         raise ModelLoadError(
-            f"--drafter mtp: {Path(model.path).name} ({model.architecture}) has recurrent / linear-attention layers, "
+            f"the mtp drafter: {Path(model.path).name} ({model.architecture}) has recurrent / linear-attention layers, "
             "whose state llama.cpp cannot roll back per tree node (src/llama-memory-recurrent.cpp seq_rm); "
             "such targets are not supported"
         )
@@ -158,7 +158,7 @@ def _check_nextn_tensors(model: Model) -> None:
     prefix = f"blk.{model.n_layer}."
     if not any(n.startswith(prefix) for n in idx.tensors):
         raise ModelLoadError(
-            f"--drafter mtp: {Path(model.path).name} declares {model.n_layer_nextn} MTP block(s) ({nextn_key(model)}) "
+            f"the mtp drafter: {Path(model.path).name} declares {model.n_layer_nextn} MTP block(s) ({nextn_key(model)}) "
             f"but holds no {prefix}* tensors (converted without its MTP layers?)"
         )
 
