@@ -73,6 +73,29 @@ def test_cancel_and_supersede(service):
     assert by_id(outs, "d")[0]["result"]["tokens_predicted"] == 2
 
 
+def test_bad_ids_and_deep_nesting_are_400_lines_and_the_server_goes_on(service):
+    """A ``cancel`` of a list or object id (a TypeError: unhashable) and a line nested 200,000
+    deep (a RecursionError) ended the process with a traceback, losing every later line (a new
+    user's report). Every id, the request's and a cancel's target, is checked alike."""
+    outs = run_lines(
+        service,
+        {"id": 11, "method": "cancel", "params": {"id": [1]}},
+        {"id": 12, "method": "cancel", "params": {"id": {"x": 1}}},
+        {"id": [1], "method": "health"},
+        {"id": 1.5, "method": "completion", "params": {"prompt": "Hi", "n_predict": 1}},
+        "[" * 200_000,
+        '{"id": 13, "method": "completion", "params": {"prompt": "Hi", "n_predict": NaN}}',
+        {"id": 14, "method": "completion", "params": {"prompt": "Hi", "n_predict": 2, **GREEDY}},
+    )
+    for rid, name in ((11, '"params.id"'), (12, '"params.id"'), ([1], '"id"'), (1.5, '"id"')):
+        err = by_id(outs, rid, "error")[0]["error"]
+        assert err == {"code": 400, "message": f"{name} must be a string, an integer or null", "type": "invalid_request_error"}, rid
+    bad = [o["error"]["message"] for o in outs if o.get("id") is None and "error" in o]
+    assert bad == ["the line nests arrays or objects too deeply",
+                   "the line is not valid JSON: NaN is not valid JSON"], bad  # fmt: skip
+    assert by_id(outs, 14)[0]["result"]["tokens_predicted"] == 2
+
+
 def test_shutdown_cancels_outstanding_requests(service):
     """The running request and the queued ones are all cancelled before any is waited for
     (waiting on a queued one first let the running one decode to its end)."""

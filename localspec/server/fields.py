@@ -8,6 +8,7 @@ looked at, so they are ignored.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -49,6 +50,27 @@ def error_body(status: int, message: str, type: str) -> dict:
 
 
 _MISSING = object()
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def decode_json(raw: str | bytes, what: str) -> Any:
+    """``raw`` (UTF-8 when bytes) as JSON, strictly: ``NaN`` / ``Infinity`` are not JSON.
+
+    Args:
+        what: what ``raw`` is, for the message (``"the request body"``, ``"the line"``).
+    Raises:
+        RequestError: 400 when not UTF-8 JSON, or nested too deeply for Python's decoder
+            (``RecursionError``, about 1,000 levels).
+    """
+    try:
+        return json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw, parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise RequestError(f"{what} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise RequestError(f"{what} nests arrays or objects too deeply") from None
 
 
 def _get(d: Mapping[str, Any], key: str):

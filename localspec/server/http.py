@@ -14,7 +14,6 @@ streaming or not - cancels its job, and the engine goes on with the next one.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 import threading
@@ -27,7 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from .fields import INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, UNAVAILABLE, RequestError, error_body
+from .fields import INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, UNAVAILABLE, RequestError, decode_json, error_body
 from .protocol import parse_request
 from .response import dumps, sse
 from .service import CompletionService, Event, Job
@@ -40,10 +39,6 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
 def json_response(obj, status: int = 200) -> Response:
     return Response(dumps(obj).encode("utf-8"), status_code=status, media_type="application/json")
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
 
 
 async def read_json(request: Request, max_bytes: int):
@@ -72,13 +67,7 @@ async def read_json(request: Request, max_bytes: int):
     raw = b"".join(chunks)
     if not raw.strip():
         raise RequestError("the request body is empty; send a JSON object")
-    try:
-        obj = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise RequestError(f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise RequestError("the request body nests arrays or objects too deeply") from None
-    return obj
+    return decode_json(raw, "the request body")
 
 
 class JobResponse:

@@ -21,11 +21,10 @@ the process exits; ``shutdown`` cancels them and exits at once, and so does Ctrl
 
 from __future__ import annotations
 
-import json
 import threading
 from typing import IO, Any
 
-from .fields import INVALID_REQUEST, NOT_FOUND, RequestError, error_body
+from .fields import INVALID_REQUEST, NOT_FOUND, RequestError, decode_json, error_body
 from .protocol import parse_request
 from .response import dumps
 from .service import CompletionService, Event, Job
@@ -95,9 +94,9 @@ class StdioServer:
     def handle(self, line: str) -> str | None:
         """Handle one input line; returns ``"shutdown"`` when asked to stop."""
         try:
-            msg = json.loads(line)
-        except ValueError as e:
-            self.write({"id": None, "error": error_body(400, f"the line is not valid JSON: {e}", INVALID_REQUEST)["error"]})
+            msg = decode_json(line, "the line")
+        except RequestError as e:
+            self.write({"id": None, "error": e.body()["error"]})
             return None
         if not isinstance(msg, dict):
             self.write({"id": None, "error": error_body(400, "each line must be a JSON object", INVALID_REQUEST)["error"]})
@@ -106,10 +105,12 @@ class StdioServer:
         method = msg.get("method")
         params = msg.get("params", {})
         try:
+            _check_id(rid, '"id"')
             if method in ("infill", "completion"):
                 self._submit(rid, method, params)
             elif method == "cancel":
                 target = params.get("id") if isinstance(params, dict) else None
+                _check_id(target, '"params.id"')
                 with self._jobs_lock:
                     job = self._jobs.get(target)
                 if job is not None:
@@ -129,8 +130,6 @@ class StdioServer:
         return None
 
     def _submit(self, rid: Any, method: str, params: Any) -> None:
-        if rid is not None and (isinstance(rid, (dict, list, float, bool))):
-            raise RequestError('"id" must be a string, an integer or null')
         req = parse_request(method, params, default_n_predict=self.service.config.default_n_predict)
         job: Job | None = None
 
@@ -154,3 +153,10 @@ class StdioServer:
             self._live.add(job)
             if rid is not None:
                 self._jobs[rid] = job
+
+
+def _check_id(v: Any, name: str) -> None:
+    """Raises:
+    RequestError: 400 when ``v`` (a request id) is not a string, an integer or null."""
+    if v is not None and (not isinstance(v, (str, int)) or isinstance(v, bool)):
+        raise RequestError(f"{name} must be a string, an integer or null")
