@@ -471,6 +471,28 @@ def test_generate_with_a_memory_file_it_cannot_use_goes_on_and_leaves_the_file_a
     assert path.read_bytes() == before
 
 
+def test_a_smaller_budget_drafts_from_a_memory_file_without_cutting_it(tmp_path):
+    """``--draft-memory-mib`` below what the file holds kept its newest tokens and saved that
+    over the file at exit, without a word: most of a built memory was gone (a new user's
+    report). Now one line says so and the file stays as it was."""
+    src = tmp_path / "words.txt"
+    src.write_text(" ".join(f"w{i}" for i in range(20_000)) + "\n")
+    path = tmp_path / "big.lsmem"
+    assert run_cli("memory", "build", str(src), "--out", str(path)).returncode == 0
+    before = path.read_bytes()
+    n_tokens = DraftMemory.load(path).info().tokens
+    kept = DraftMemory.load(path, budget_mib=1).info().tokens
+    assert kept < n_tokens  # the file does not fit 1 MiB: the case under test
+    r = run_cli("generate", "w19990 w19991", "-n", "4", "--temperature", "0", "--draft-memory", str(path),
+                "--draft-memory-mib", "1")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    (line,) = [x for x in r.stderr.splitlines() if str(path) in x]
+    assert line == (f"localspec: {path} holds more than --draft-memory-mib 1 keeps: drafting from its newest tokens "
+                    f"({n_tokens - kept} older ones left out), and not saving over it (give --draft-memory-mib 64 "
+                    "to use and keep it whole)")  # fmt: skip
+    assert path.read_bytes() == before
+
+
 def test_generate_saves_its_memory_to_a_new_path_and_draws_on_it_next_time(tmp_path):
     path = tmp_path / "m.lsmem"
     r = run_cli("generate", "def add(a, b):", "-n", "8", "--temperature", "0", "--json", "--draft-memory", str(path))

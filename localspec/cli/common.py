@@ -206,7 +206,9 @@ def memory_from_args(a: argparse.Namespace):
 def attach_memory_file(mem, path: str, model) -> None:
     """Tie ``mem`` to ``model``'s vocabulary, fill it from ``path`` when the file exists and
     save it there at exit. A file that cannot be loaded (not a memory, damaged, another model's
-    or version's) is one line on stderr: the memory starts empty and is not saved over it."""
+    or version's) is one line on stderr: the memory starts empty and is not saved over it. A
+    file holding more than ``mem``'s budget: one line, its newest tokens drafted from, and the
+    file not saved over (a save would drop the rest)."""
     import atexit
 
     from ..drafters.memory import DraftMemory, MemoryFileError, vocab_fingerprint
@@ -214,10 +216,16 @@ def attach_memory_file(mem, path: str, model) -> None:
     mem.vocab = vocab_fingerprint(model)
     if os.path.exists(path):
         try:
-            mem.absorb(DraftMemory.load(path, vocab=mem.vocab, budget_mib=mem.budget_mib))
+            loaded = DraftMemory.load(path, vocab=mem.vocab, budget_mib=mem.budget_mib)
         except MemoryFileError as e:
             print(f"localspec: {e}; starting with an empty drafting memory, which is not saved over it "
                   "(give another path, or delete the file)", file=sys.stderr)  # fmt: skip
+            return
+        mem.absorb(loaded)
+        if loaded.dropped_on_load:
+            print(f"localspec: {path} holds more than --draft-memory-mib {mem.budget_mib:g} keeps: drafting from its "
+                  f"newest tokens ({loaded.dropped_on_load} older ones left out), and not saving over it (give "
+                  f"--draft-memory-mib {loaded.saved_budget_mib:g} to use and keep it whole)", file=sys.stderr)  # fmt: skip
             return
     if not _SAVE_AT_EXIT:
         atexit.register(_save_memories)

@@ -170,6 +170,10 @@ class DraftMemory:
         self._info = np.zeros(3, dtype=np.int32)  # of the last draft: order matched, occurrences, nodes added
         self._info_addr = self._info.ctypes.data
         self._stats = np.zeros(6, dtype=np.int64)
+        # set by ``load``: tokens of the file that this memory's budget could not hold (the
+        # oldest), and the budget the file was saved with
+        self.dropped_on_load = 0
+        self.saved_budget_mib: float | None = None
 
     def __del__(self) -> None:
         ptr = getattr(self, "_ptr", None)
@@ -330,7 +334,7 @@ class DraftMemory:
         Args:
             vocab: the fingerprint of the model it will draft for; None accepts any (``info``).
             budget_mib: the budget of the new memory (default: the saved one); a smaller one
-                keeps the most recent tokens.
+                keeps the most recent tokens (``dropped_on_load`` counts the others).
         Raises:
             MemoryFileError: missing, unreadable, corrupt, truncated, another version, or
                 another model's file (one-line message).
@@ -376,6 +380,8 @@ class DraftMemory:
                 mem.write(part)
         mem.acc[:] = calib[:N_BUCKETS]
         mem.n[:] = calib[N_BUCKETS:]
+        mem.dropped_on_load = int((toks >= 0).sum()) - int((mem.stored() >= 0).sum())
+        mem.saved_budget_mib = float(meta["budget_mib"])
         return mem
 
 
