@@ -39,6 +39,22 @@ MIN_N_CTX = 16
 DEFAULT_N_CTX = 8192
 
 
+def check_engine_sizes(*, n_ctx: int | None, n_threads: int | None, max_tree_nodes: int, n_gpu_layers: int) -> None:
+    """The sizes ``Engine`` takes, checked without loading anything (the CLI checks its flags
+    with it before a model loads).
+
+    Raises:
+        InvalidRequestError: one that is not a whole number in its range (n_ctx at least
+            ``MIN_N_CTX``, n_threads 1, max_tree_nodes 1..255, n_gpu_layers -1; None: the default).
+    """
+    for name, v, lo in (("n_ctx", n_ctx, MIN_N_CTX), ("n_threads", n_threads, 1), ("max_tree_nodes", max_tree_nodes, 1),
+                        ("n_gpu_layers", n_gpu_layers, -1)):  # fmt: skip
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo):
+            raise InvalidRequestError(f"{name} must be a whole number of at least {lo}, got {v!r}")
+    if not 1 <= max_tree_nodes <= 255:
+        raise InvalidRequestError("max_tree_nodes must be in [1, 255]")
+
+
 class GenerationStream:
     """Iterator of ``StreamChunk`` for one request; ``result`` is set when it ends.
 
@@ -205,18 +221,13 @@ class Engine:
         SamplingParams(accept_threshold_single=accept_threshold_single, accept_threshold_acc=accept_threshold_acc)
         self.accept_threshold_single = float(accept_threshold_single)
         self.accept_threshold_acc = float(accept_threshold_acc)
-        for name, v, lo in (("n_ctx", n_ctx, MIN_N_CTX), ("n_threads", n_threads, 1), ("max_tree_nodes", max_tree_nodes, 1),
-                            ("n_gpu_layers", n_gpu_layers, -1)):  # fmt: skip
-            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo):
-                raise InvalidRequestError(f"{name} must be a whole number of at least {lo}, got {v!r}")
+        check_engine_sizes(n_ctx=n_ctx, n_threads=n_threads, max_tree_nodes=max_tree_nodes, n_gpu_layers=n_gpu_layers)
         if not (model is None or isinstance(model, (str, os.PathLike, Model))):
             raise InvalidRequestError(f"model must be a GGUF path, a Model or None, got {model!r}")
         if cost_model is not None and not isinstance(cost_model, CostModel):
             raise InvalidRequestError(f"cost_model must be a CostModel or None, got {cost_model!r}")
         if draft_memory is not None and not isinstance(draft_memory, DraftMemory):
             raise InvalidRequestError(f"draft_memory must be a DraftMemory or None, got {draft_memory!r}")
-        if not 1 <= max_tree_nodes <= 255:
-            raise InvalidRequestError("max_tree_nodes must be in [1, 255]")
         if model is None:
             from .models import default_model_path
 

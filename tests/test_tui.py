@@ -276,6 +276,55 @@ def test_cli_chat_without_a_terminal_is_a_one_line_error(tmp_path):
                         "for scripts use localspec generate, batch or serve\n")  # fmt: skip
 
 
+def run_in_a_terminal(*args: str, timeout: float = 120) -> tuple[int, str]:
+    """``localspec ARGS`` with a pseudo-terminal as its standard streams: (exit status, output)."""
+    import os
+    import pty
+    import subprocess
+    import sys
+    import time
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "localspec", *args], stdin=slave, stdout=slave, stderr=slave,
+                            close_fds=True)  # fmt: skip
+    os.close(slave)
+    out = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    return proc.returncode, out.decode("utf-8", "replace").replace("\r\n", "\n")
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--draft-shape", "0,0,0"], "localspec: error: --draft-shape 0,0,0: depth 0, width 0, nodes 0; each must be at least 1 (e.g. 6,1,7)"),
+    (["--draft-memory-mib", "0"], "localspec: error: --draft-memory-mib must be a finite number > 0, got 0.0"),
+    (["--n-ctx", "8"], "localspec: error: n_ctx must be a whole number of at least 16, got 8"),
+    (["--max-tree-nodes", "0"], "localspec: error: max_tree_nodes must be a whole number of at least 1, got 0"),
+    (["-n", "0"], "argument -n/--max-tokens: must be >= 1, got 0"),
+])  # fmt: skip
+def test_cli_chat_refuses_a_bad_flag_in_one_line_before_its_app_starts(flags, says):
+    """In a terminal, these flags were checked only when the app loaded its engine: a Textual
+    worker's traceback ending in the SystemExit, an error screen inviting ctrl+o with the same
+    flags, or (``-n 0``) every answer empty (a new user's report)."""
+    status, out = run_in_a_terminal("chat", *flags)
+    lines = out.strip().splitlines()
+    assert lines[-1].endswith(says) and "Traceback" not in out, out
+    assert (status, len(lines)) == (1, 1) if says.startswith("localspec: error:") else status == 2, out  # argparse: usage first
+
+
 @pytest.mark.anyio
 async def test_multiline_message_and_theme_switch():
     """ctrl+j adds a line, enter sends the whole message; a light theme redraws the colours."""

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .common import (add_drafter_args, add_memory_args, add_model_args, add_sampling_args, add_usage_args,
-                     check_model_files, count, make_engine, sampling_from_args, usage_log_from_args)
+                     check_engine_args, make_engine, positive, sampling_from_args, usage_log_from_args)
 
 
 def register(sub) -> None:
@@ -18,7 +18,7 @@ def register(sub) -> None:
         "speculation statistics. Models with a chat template in their GGUF use it; others (the default "
         "base model) use a plain 'User:/Assistant:' transcript. ctrl+p lists every command.",
     )
-    p.add_argument("-n", "--max-tokens", type=count, default=512, help="most tokens per answer (default 512)")
+    p.add_argument("-n", "--max-tokens", type=positive, default=512, help="most tokens per answer (default 512)")
     p.add_argument("--system", default=None, help="system message (the preamble of the plain transcript)")
     p.add_argument(
         "--transcript",
@@ -44,8 +44,8 @@ def run(a: argparse.Namespace) -> int:
     except ImportError as e:  # textual missing
         raise SystemExit(f"localspec: error: localspec chat needs the [tui] extra: pip install 'localspec[tui]' ({e})") from None
     sampling = sampling_from_args(a)
-    usage = usage_log_from_args(a)  # a bad --record-usage before the app starts
-    check_model_files(a)  # a missing or non-GGUF file given on the command line: one line, before the app starts
+    check_engine_args(a, a.drafter)  # a bad flag or a missing model file: one line, before the app starts
+    usage = usage_log_from_args(a)  # a bad --record-usage too
 
     def factory(path: str | None, drafter: str, **options):
         a.model = path

@@ -183,17 +183,25 @@ def _save_memories() -> None:
             print(f"localspec: the drafting memory was not saved to {path}: {e}", file=sys.stderr)
 
 
+def _wants_memory(a: argparse.Namespace) -> bool:
+    """Whether the arguments ask for a drafting memory; SystemExit (one line) for a bad
+    ``--draft-memory-mib``."""
+    if getattr(a, "no_draft_memory", False) or not hasattr(a, "draft_memory_mib"):
+        return False
+    if a.draft_memory is None and not DRAFT_MEMORY_BY_DEFAULT:
+        return False
+    if not (a.draft_memory_mib > 0 and math.isfinite(a.draft_memory_mib)):
+        raise SystemExit(f"localspec: error: --draft-memory-mib must be a finite number > 0, got {a.draft_memory_mib}")
+    return True
+
+
 def memory_from_args(a: argparse.Namespace):
     """A new empty ``DraftMemory`` when the arguments ask for one, else None (one line on
     stderr and None when the native library is missing)."""
     from ..errors import LocalSpecError
 
-    if getattr(a, "no_draft_memory", False) or not hasattr(a, "draft_memory_mib"):
+    if not _wants_memory(a):
         return None
-    if a.draft_memory is None and not DRAFT_MEMORY_BY_DEFAULT:
-        return None
-    if not (a.draft_memory_mib > 0 and math.isfinite(a.draft_memory_mib)):
-        raise SystemExit(f"localspec: error: --draft-memory-mib must be a finite number > 0, got {a.draft_memory_mib}")
     from ..drafters.memory import DraftMemory
 
     try:
@@ -455,6 +463,27 @@ def check_runtime_args(a: argparse.Namespace, drafter: str | None) -> None:
         make_drafter("draft")
 
 
+def check_engine_args(a: argparse.Namespace, drafter: str | None) -> None:
+    """Every check ``make_engine`` makes of the arguments, without loading or allocating
+    anything (``chat`` runs it before its app starts, where an error would be a screen).
+
+    Raises:
+        SystemExit: one line for a bad flag; ``ModelLoadError`` / ``InvalidRequestError``
+            (one line each from ``main``) for a missing model file or an engine size.
+    """
+    from ..engine import check_engine_sizes
+
+    thresholds_from_args(a)
+    memory_file = getattr(a, "draft_memory", None) if _wants_memory(a) else None
+    if memory_file and not Path(memory_file).expanduser().parent.is_dir():
+        raise SystemExit(f"localspec: error: --draft-memory {memory_file}: the folder {Path(memory_file).expanduser().parent} "
+                         "does not exist, so the memory could not be saved there")  # fmt: skip
+    _draft_shape(getattr(a, "draft_shape", None))
+    check_model_files(a)
+    check_runtime_args(a, drafter)
+    check_engine_sizes(n_ctx=a.n_ctx, n_threads=a.threads, max_tree_nodes=a.max_tree_nodes, n_gpu_layers=a.n_gpu_layers)
+
+
 def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = True, drafter_flags: bool = True):
     """Build an ``Engine`` from parsed arguments, saying what it does on stderr (after the
     arguments and model files are checked: a bad one is one error line, nothing loaded; a
@@ -465,6 +494,7 @@ def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = 
 
     if not drafter_flags:
         a = argparse.Namespace(**{**vars(a), **dict.fromkeys(_OPTION_FLAGS)})
+    check_engine_args(a, drafter)
     thresholds = {k: v for k, v in thresholds_from_args(a).items() if v is not None}
     mem = memory_from_args(a)
     kwargs = dict(
@@ -483,13 +513,8 @@ def make_engine(a: argparse.Namespace, drafter: str | None, *, progress: bool = 
         **rpc_args(a),
         draft_memory=mem,
     )
-    check_model_files(a)
-    check_runtime_args(a, drafter)
     usage_log = usage_log_from_args(a)  # a folder it cannot use is one line before the model loads
     memory_file = getattr(a, "draft_memory", None) if mem is not None else None
-    if memory_file and not Path(memory_file).expanduser().parent.is_dir():
-        raise SystemExit(f"localspec: error: --draft-memory {memory_file}: the folder {Path(memory_file).expanduser().parent} "
-                         "does not exist, so the memory could not be saved there")  # fmt: skip
     if progress:
         print("localspec: loading model and measuring decode cost (cached after the first run)...", file=sys.stderr)
     engine = Engine(a.model, **kwargs)
