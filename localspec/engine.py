@@ -546,8 +546,9 @@ class Engine:
         if len(tokens) >= self.ctx.n_ctx:
             raise ContextOverflowError.prompt(len(tokens), self.ctx.n_ctx, max_tokens=max_tokens,
                                               settings="Engine(n_ctx=), --n-ctx")  # fmt: skip
-        if max_time_ms is not None and max_time_ms <= 0:
-            raise InvalidRequestError(f"max_time_ms must be > 0, got {max_time_ms}")
+        if max_time_ms is not None and (isinstance(max_time_ms, bool) or not isinstance(max_time_ms, numbers.Real)
+                                        or not max_time_ms > 0):  # NaN too  # fmt: skip
+            raise InvalidRequestError(f"max_time_ms must be a number of milliseconds > 0 or None, got {max_time_ms!r}")
         extra = [self.prompt_tokens(c, add_special=False) for c in draft_context]
         state = RequestState(sampling, self.model, tokens)
         drafter = self.drafter if speculative else None

@@ -53,6 +53,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import numbers
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -820,7 +821,8 @@ def generate_batch(engine: "Engine", prompts: Sequence[str | Sequence[int]], *, 
     if not isinstance(prompts, Sequence):
         raise InvalidRequestError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
     n = len(prompts)
-    mt = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
+    one = isinstance(max_tokens, (numbers.Number, str, bytes)) or not isinstance(max_tokens, Sequence)
+    mt = [check_max_tokens(x) for x in ([max_tokens] * n if one else max_tokens)]
     sp = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
     sp = [engine.with_thresholds(x or SamplingParams()) for x in sp]  # the engine's acceptance thresholds
     if len(mt) != n or len(sp) != n:

@@ -1,6 +1,9 @@
 """Real-model tests of the engine: lossless greedy and sampled decoding, stops, limits,
 streaming, cache reuse, errors."""
 
+import math
+import re
+
 import numpy as np
 import pytest
 
@@ -538,6 +541,23 @@ def test_generate_batch_refuses_one_text_and_names_a_bad_prompt(eng):
     assert isinstance(out[0], TypeError) and "got NoneType" in str(out[0])
     assert isinstance(out[1], TypeError) and "got an item 'a'" in str(out[1])
     assert out[2].token_ids == eng.generate("Hi", max_tokens=2, sampling=GREEDY).token_ids
+
+
+def test_max_tokens_of_a_batch_and_max_time_ms_are_checked_as_generate_checks_them(eng):
+    """``generate_batch(max_tokens=np.int64(4))`` was "'numpy.int64' object is not iterable",
+    ``1.5`` the same TypeError; ``max_time_ms="5"`` a TypeError from a comparison, and NaN meant
+    no limit at all (a new user's report)."""
+    import numpy as np
+
+    (one,) = eng.generate_batch(["Hi"], max_tokens=np.int64(3), sampling=GREEDY)
+    assert one.token_ids == eng.generate("Hi", max_tokens=3, sampling=GREEDY).token_ids
+    for bad in (1.5, None, [2, "3"]):
+        with pytest.raises(InvalidRequestError, match=r"^max_tokens must be a whole number >= 0, got "):
+            eng.generate_batch(["Hi", "Yo"], max_tokens=bad, sampling=GREEDY)
+    for bad in ("5", math.nan, -1, True):
+        with pytest.raises(InvalidRequestError, match=rf"^max_time_ms must be a number of milliseconds > 0 or None, got {re.escape(repr(bad))}$"):
+            eng.generate("Hi", max_tokens=2, sampling=GREEDY, max_time_ms=bad)
+    assert eng.generate("Hi", max_tokens=2, sampling=GREEDY, max_time_ms=np.float32(1e6)).finish_reason == "length"
 
 
 def test_closing_an_engine_while_another_thread_decodes_waits_for_its_step():
