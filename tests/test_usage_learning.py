@@ -193,6 +193,11 @@ def test_bad_usage_arguments_are_one_line_errors(tmp_path, model_path):
     with pytest.raises(SystemExit, match="--head continues a head on --from-usage DIR"):
         main(["train-eagle3", "--data", "stdlib", "--head", "x.gguf", "--out", str(tmp_path / "h.gguf")])
     (tmp_path / "empty").mkdir()
+    # --data was taken and ignored, without a word (a new user's report)
+    with pytest.raises(SystemExit, match=r"^localspec: error: --from-usage trains on the recorded usage only, not on "
+                                         r"--data, --self-prompts: leave them out, or train on them in a run without --from-usage$"):  # fmt: skip
+        main(["train-eagle3", "--from-usage", str(tmp_path / "empty"), "--data", "stdlib", "--self-prompts", "4",
+              "--out", str(tmp_path / "h.gguf")])  # fmt: skip
     with pytest.raises(SystemExit, match="no recorded usage in"):
         main(["train-eagle3", "--from-usage", str(tmp_path / "empty"), "--out", str(tmp_path / "h.gguf")])
     a = argparse.Namespace(record_usage=str(tmp_path / "u"), record_usage_mib=8.0, no_draft_memory=True)

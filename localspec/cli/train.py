@@ -88,6 +88,10 @@ def run_train(a: argparse.Namespace) -> int:
         raise SystemExit("localspec: error: train-eagle3 needs --data PATH..., --self-prompts N or --from-usage DIR")
     if a.head and not a.from_usage:
         raise SystemExit("localspec: error: --head continues a head on --from-usage DIR; give both")
+    ignored = [f for f, v in (("--data", a.data), ("--self-prompts", a.self_prompts > 0), ("--more-data", a.more_data)) if v]
+    if a.from_usage and ignored:
+        raise SystemExit(f"localspec: error: --from-usage trains on the recorded usage only, not on {', '.join(ignored)}: "
+                         "leave them out, or train on them in a run without --from-usage")  # fmt: skip
     target = check_gguf_file(resolve_model(a.target))
     if a.from_usage:
         return _train_from_usage(a, target)
