@@ -342,6 +342,23 @@ async def test_multiline_message_and_theme_switch():
         assert not app.dark
 
 
+@pytest.mark.anyio
+async def test_a_paste_loses_terminal_escapes_and_control_characters():
+    """Text copied from a terminal (colour codes) or with a BEL in it went to the model and into
+    the saved transcript as it was (a new user's report); tabs and new lines stay."""
+    from textual import events
+    from tui_fakes import FakeClock, FakeEngine
+
+    app = ChatApp(engine=FakeEngine(), clock=FakeClock())
+    async with app.run_test(size=(80, 24)) as pilot:
+        box = app.query_one("#prompt", PromptInput)
+        box.focus()
+        await pilot.pause()
+        app.post_message(events.Paste("one \x1b[31mred\x1b[0m two\x07\r\n\tsecond\x00 line\rthird"))
+        await wait_until(pilot, lambda: box.value != "")
+        assert box.value == "one red two\n\tsecond line\nthird"
+
+
 def test_native_stderr_is_kept_off_the_screen(capfd):
     """While the app runs, what C code writes to descriptor 2 goes to a file the app reads
     (for error messages); Python's stderr (where Textual draws) still reaches the terminal."""

@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import re
+
 from textual import events
 from textual.message import Message
 from textual.widgets import TextArea
 
 
+# What a paste must not put in a message: terminal escape sequences (CSI, e.g. colours copied
+# from a terminal, and two-byte ESC sequences) and C0 control characters other than tab and
+# new line (BEL, NUL, ...), which the model would see as text.
+_PASTE_JUNK = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-_]?|[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def clean_paste(text: str) -> str:
+    """``text`` with Windows / old Mac line ends as new lines and without ``_PASTE_JUNK``."""
+    return _PASTE_JUNK.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
+
+
 class PromptInput(TextArea):
     """A compact, growing text box. Enter sends (``Submitted``); ctrl+j inserts a new line
     (so do shift+enter and alt+enter in terminals that report them); pasted text keeps its
-    new lines."""
+    new lines and loses terminal escape sequences and control characters (``clean_paste``)."""
 
     DEFAULT_CSS = """
     PromptInput { height: auto; min-height: 1; max-height: 8; }
@@ -40,6 +53,14 @@ class PromptInput(TextArea):
     def value(self, text: str) -> None:
         self.load_text(text)
         self.move_cursor(self.document.end)
+
+    async def _on_paste(self, event: events.Paste) -> None:
+        event.prevent_default()  # instead of TextArea's, which inserts the text as it came
+        if self.read_only:
+            return
+        if result := self._replace_via_keyboard(clean_paste(event.text), *self.selection):
+            self.move_cursor(result.end_location)
+            self.focus()
 
     async def _on_key(self, event: events.Key) -> None:
         if event.key == "enter":
