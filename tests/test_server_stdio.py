@@ -96,6 +96,23 @@ def test_bad_ids_and_deep_nesting_are_400_lines_and_the_server_goes_on(service):
     assert by_id(outs, 14)[0]["result"]["tokens_predicted"] == 2
 
 
+def test_a_request_cancelled_in_the_queue_reports_its_own_settings(service):
+    """Its ``generation_settings`` were the server's defaults (temperature 0.8 for a request
+    that asked for 0; a new user's report)."""
+    long = {"prompt": "Once upon a time", "n_predict": 400, "ignore_eos": True, **GREEDY}
+    outs = run_lines(
+        service,
+        {"id": "a", "method": "completion", "params": long},
+        {"id": "q", "method": "completion", "params": {"prompt": "Hi", "n_predict": 5, "temperature": 0.0, "top_k": 3}},
+        {"id": "c1", "method": "cancel", "params": {"id": "q"}},
+        {"id": "c2", "method": "cancel", "params": {"id": "a"}},
+    )
+    q = by_id(outs, "q")[0]["result"]
+    assert q["localspec"]["cancelled"] == "cancelled by the client" and q["tokens_predicted"] == 0
+    settings = q["generation_settings"]
+    assert (settings["temperature"], settings["top_k"], settings["n_predict"]) == (0.0, 3, 5), settings
+
+
 def test_shutdown_cancels_outstanding_requests(service):
     """The running request and the queued ones are all cancelled before any is waited for
     (waiting on a queued one first let the running one decode to its end)."""

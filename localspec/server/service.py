@@ -318,11 +318,15 @@ class CompletionService:
         req = job.request
         t_start = time.perf_counter()
         queue_ms = (t_start - job.t_submit) * 1e3
-        if job.cancelled:
-            job.emit(self._final(job, plan=None, built=None, result=None, content="", tokens=[], reason=None,
+        if job.cancelled:  # before it started: its answer still reports the settings it asked for
+            try:
+                plan = resolve_sampling(req.sampler_fields, self.config.sampling, self.model)
+            except (RequestError, InvalidRequestError):  # it would have failed: the server's defaults
+                plan = None
+            job.emit(self._final(job, plan=plan, built=None, result=None, content="", tokens=[], reason=None,
                                  queue_ms=queue_ms))  # fmt: skip
             return
-        plan: SamplingPlan | None = None
+        plan = None
         try:
             plan = resolve_sampling(req.sampler_fields, self.config.sampling, self.model)
             built = self._build(req)
