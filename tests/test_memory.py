@@ -428,12 +428,13 @@ def test_memory_build_and_info(tmp_path):
     (src / "b.txt").write_text("hello world\n")
     (src / "blob.bin").write_bytes(b"\x00\x01\x02")
     (src / "empty.txt").write_text("")  # counted as empty, not as "not UTF-8 text"
+    (src / "gone.txt").symlink_to(src / "nowhere.txt")  # a broken link: unreadable (it was "not UTF-8 text")
     (src / ".git").mkdir()
     (src / ".git" / "config").write_text("not me\n")
     out = tmp_path / "m.lsmem"
     r = run_cli("memory", "build", str(src), "--out", str(out), "--mib", "1")
     assert r.returncode == 0, r.stderr
-    assert "2 files" in r.stderr and "skipped: 1 not UTF-8 text, 1 empty)" in r.stderr, r.stderr
+    assert "2 files" in r.stderr and "skipped: 2 unreadable or not UTF-8 text, 1 empty)" in r.stderr, r.stderr
     r = run_cli("memory", "info", str(out), "--json")
     assert r.returncode == 0, r.stderr
     import json

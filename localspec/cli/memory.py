@@ -110,7 +110,7 @@ def run_build(a: argparse.Namespace) -> int:
     except OSError as e:
         raise SystemExit(f"localspec: error: cannot write {a.out}: {e.strerror or e}") from None
     info = mem.info()
-    skipped = ", ".join(f"{n} {why}" for n, why in ((n_unreadable, "not UTF-8 text"), (n_empty, "empty")) if n)
+    skipped = ", ".join(f"{n} {why}" for n, why in ((n_unreadable, "unreadable or not UTF-8 text"), (n_empty, "empty")) if n)
     print(f"localspec: {n_files} files ({n_tokens} tokens; skipped: {skipped or 'none'}) -> {a.out}: "
           f"{info.tokens} tokens kept of {info.capacity} ({info.bytes / 2**20:.1f} MiB)", file=sys.stderr)  # fmt: skip
     return 0
