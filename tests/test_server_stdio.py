@@ -87,13 +87,31 @@ def test_bad_ids_and_deep_nesting_are_400_lines_and_the_server_goes_on(service):
         '{"id": 13, "method": "completion", "params": {"prompt": "Hi", "n_predict": NaN}}',
         {"id": 14, "method": "completion", "params": {"prompt": "Hi", "n_predict": 2, **GREEDY}},
     )
-    for rid, name in ((11, '"params.id"'), (12, '"params.id"'), ([1], '"id"'), (1.5, '"id"')):
+    for rid, name in ((11, '"params.id"'), (12, '"params.id"')):
         err = by_id(outs, rid, "error")[0]["error"]
         assert err == {"code": 400, "message": f"{name} must be a string, an integer or null", "type": "invalid_request_error"}, rid
-    bad = [o["error"]["message"] for o in outs if o.get("id") is None and "error" in o]
-    assert bad == ["the line nests arrays or objects too deeply",
+    bad = [o["error"]["message"] for o in outs if o.get("id") is None and "error" in o]  # a bad id is answered as null
+    assert bad == ['"id" must be a string, an integer or null', '"id" must be a string, an integer or null',
+                   "the line nests arrays or objects too deeply",
                    "the line is not valid JSON: NaN is not valid JSON"], bad  # fmt: skip
     assert by_id(outs, 14)[0]["result"]["tokens_predicted"] == 2
+
+
+def test_an_id_that_cannot_be_written_back_is_answered_as_null_and_the_server_goes_on(service):
+    """A lone surrogate in an id ended the server at once with status 0 and no word (writing it
+    to standard output raised, which looked like a client gone); ``1e400`` was echoed as
+    ``Infinity``, which no strict JSON parser reads (a new user's report)."""
+    out = io.StringIO()
+    lines = ['{"id": "\\ud800", "method": "health"}', '{"id": 1e400, "method": "health"}',
+             '{"id": 2, "method": "cancel", "params": {"id": "\\udfff"}}', '{"id": 3, "method": "health"}']  # fmt: skip
+    assert StdioServer(service, io.StringIO("\n".join(lines) + "\n"), out).run() == 0
+    got = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} written")) for line in out.getvalue().splitlines()]
+    out.getvalue().encode("utf-8")  # every line is UTF-8 text
+    msgs = [(o["id"], o["error"]["message"]) for o in got if "error" in o]
+    assert msgs == [(None, '"id" holds a lone UTF-16 surrogate (not valid Unicode text); send UTF-8 text'),
+                    (None, '"id" must be a string, an integer or null'),
+                    (2, '"params.id" holds a lone UTF-16 surrogate (not valid Unicode text); send UTF-8 text')], msgs  # fmt: skip
+    assert got[-1]["id"] == 3 and got[-1]["result"]["status"] == "ok"
 
 
 def test_a_request_cancelled_in_the_queue_reports_its_own_settings(service):

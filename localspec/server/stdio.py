@@ -21,10 +21,11 @@ the process exits; ``shutdown`` cancels them and exits at once, and so does Ctrl
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import IO, Any
 
-from .fields import INVALID_REQUEST, NOT_FOUND, RequestError, decode_json, error_body
+from .fields import INVALID_REQUEST, NOT_FOUND, RequestError, decode_json, error_body, lone_surrogate_error
 from .protocol import parse_request
 from .response import dumps
 from .service import CompletionService, Event, Job
@@ -45,6 +46,10 @@ class StdioServer:
 
     def write(self, obj: dict) -> None:
         line = dumps(obj) + "\n"
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (e.g. in a text echoed back): JSON's \\u escapes
+            line = json.dumps(obj, ensure_ascii=True, separators=(",", ":")) + "\n"
         with self._write_lock:
             if self.broken:
                 return
@@ -106,6 +111,10 @@ class StdioServer:
         params = msg.get("params", {})
         try:
             _check_id(rid, '"id"')
+        except RequestError as e:  # an id that cannot be echoed (a lone surrogate, 1e400 = Infinity): null
+            self.write({"id": None, "error": e.body()["error"]})
+            return None
+        try:
             if method in ("infill", "completion"):
                 self._submit(rid, method, params)
             elif method == "cancel":
@@ -157,6 +166,9 @@ class StdioServer:
 
 def _check_id(v: Any, name: str) -> None:
     """Raises:
-    RequestError: 400 when ``v`` (a request id) is not a string, an integer or null."""
+    RequestError: 400 when ``v`` (a request id) is not a string, an integer or null, or is a
+        string with a lone surrogate (it could not be written back as UTF-8)."""
     if v is not None and (not isinstance(v, (str, int)) or isinstance(v, bool)):
         raise RequestError(f"{name} must be a string, an integer or null")
+    if isinstance(v, str) and (why := lone_surrogate_error(v)) is not None:  # " holds a lone ..." (path "")
+        raise RequestError(f"{name}{why}")
