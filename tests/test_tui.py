@@ -349,6 +349,8 @@ async def test_a_paste_loses_terminal_escapes_and_control_characters():
     from textual import events
     from tui_fakes import FakeClock, FakeEngine
 
+    from localspec.tui.prompt_input import clean_paste
+
     app = ChatApp(engine=FakeEngine(), clock=FakeClock())
     async with app.run_test(size=(80, 24)) as pilot:
         box = app.query_one("#prompt", PromptInput)
@@ -357,6 +359,10 @@ async def test_a_paste_loses_terminal_escapes_and_control_characters():
         app.post_message(events.Paste("one \x1b[31mred\x1b[0m two\x07\r\n\tsecond\x00 line\rthird"))
         await wait_until(pilot, lambda: box.value != "")
         assert box.value == "one red two\n\tsecond line\nthird"
+    # a window title (OSC), a reset (ESC c), a character set (ESC ( B), an 8-bit CSI, a link
+    for text, kept in (("t\tab\x1b]0;title\x07z", "t\tabz"), ("e\x1bcf", "ef"), ("a\x1b(Bb", "ab"), ("c\x9b31mX", "cX"),
+                       ("x\x1b]8;;http://a\x1b\\link\x1b]8;;\x1b\\y", "xlinky"), ("é中文😀", "é中文😀")):  # fmt: skip
+        assert clean_paste(text) == kept, text
 
 
 def test_native_stderr_is_kept_off_the_screen(capfd):

@@ -9,10 +9,16 @@ from textual.message import Message
 from textual.widgets import TextArea
 
 
-# What a paste must not put in a message: terminal escape sequences (CSI, e.g. colours copied
-# from a terminal, and two-byte ESC sequences) and C0 control characters other than tab and
-# new line (BEL, NUL, ...), which the model would see as text.
-_PASTE_JUNK = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-_]?|[\x00-\x08\x0b-\x1f\x7f]")
+# What a paste must not put in a message (ECMA-48): control sequences (CSI, e.g. colours copied
+# from a terminal), operating-system commands with their text (OSC, e.g. a window title), other
+# escape sequences (ESC c, ESC ( B, ...) or a lone ESC, and the C0 and C1 control characters but
+# tab and new line (BEL, NUL, 8-bit CSI, ...), which the model would see as text.
+_PASTE_JUNK = re.compile(
+    r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"  # CSI (7- or 8-bit)
+    r"|(?:\x1b\]|\x9d)[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"  # OSC, ended by BEL or ST
+    r"|\x1b[ -/]*[0-~]?"  # the other escape sequences, or a lone ESC
+    r"|[\x00-\x08\x0b-\x1f\x7f-\x9f]"  # C0 but tab and new line, DEL, C1
+)
 
 
 def clean_paste(text: str) -> str:
