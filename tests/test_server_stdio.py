@@ -131,6 +131,18 @@ def test_a_request_cancelled_in_the_queue_reports_its_own_settings(service):
     assert (settings["temperature"], settings["top_k"], settings["n_predict"]) == (0.0, 3, 5), settings
 
 
+def test_a_reply_with_a_lone_surrogate_is_written_with_json_escapes(service):
+    """Writing one to a UTF-8 standard output raised UnicodeEncodeError, which the server took
+    for a client gone: it stopped answering, without a word."""
+    raw = io.BytesIO()
+    out = io.TextIOWrapper(raw, encoding="utf-8", errors="strict")
+    server = StdioServer(service, io.StringIO(""), out)
+    server.write({"id": 1, "result": {"content": "a\ud800b"}})
+    server.write({"id": 2, "result": {}})
+    assert not server.broken
+    assert raw.getvalue().decode("ascii").splitlines() == ['{"id":1,"result":{"content":"a\\ud800b"}}', '{"id":2,"result":{}}']
+
+
 def test_shutdown_cancels_outstanding_requests(service):
     """The running request and the queued ones are all cancelled before any is waited for
     (waiting on a queued one first let the running one decode to its end)."""
