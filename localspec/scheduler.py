@@ -53,7 +53,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import numbers
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -821,7 +820,7 @@ def generate_batch(engine: "Engine", prompts: Sequence[str | Sequence[int]], *, 
     if not isinstance(prompts, Sequence):
         raise InvalidRequestError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
     n = len(prompts)
-    one = isinstance(max_tokens, (numbers.Number, str, bytes)) or not isinstance(max_tokens, Sequence)
+    one = isinstance(max_tokens, (str, bytes)) or not isinstance(max_tokens, Sequence)  # a number, None, a text
     mt = [check_max_tokens(x) for x in ([max_tokens] * n if one else max_tokens)]
     sp = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
     sp = [engine.with_thresholds(x or SamplingParams()) for x in sp]  # the engine's acceptance thresholds
